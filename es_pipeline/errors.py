@@ -1,0 +1,80 @@
+"""One error hierarchy: each error says what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class EsPipelineError(Exception):
+    """Base of every error es_pipeline raises on purpose."""
+
+
+class Retryable:
+    """Marker mixed into errors that a retry may cure (a lock held, a server restarting)."""
+
+
+class ConfigError(EsPipelineError):
+    def __init__(self, setting: str, value: str, expected: str) -> None:
+        self.setting, self.value, self.expected = setting, value, expected
+        super().__init__(f"{setting}={value!r} is not valid: expected {expected}.")
+
+
+class DatabaseUnreachable(EsPipelineError, Retryable):
+    def __init__(self, host: str, port: str, dbname: str, reason: str) -> None:
+        self.host, self.port, self.dbname, self.reason = host, port, dbname, reason
+        super().__init__(
+            f"cannot connect to PostgreSQL at {host}:{port}, database {dbname!r}: {reason}. "
+            "Check ES_PIPELINE_PG_DSN, or start the local server with `es-pipeline db start` (or `make db`)."
+        )
+
+
+class PostgresTooOld(EsPipelineError):
+    def __init__(self, version: str) -> None:
+        self.version = version
+        super().__init__(
+            f"PostgreSQL {version} is too old: es_pipeline needs 13 or newer for the xid8 type and "
+            "pg_current_xact_id(). Upgrade the server or point ES_PIPELINE_PG_DSN at a newer one."
+        )
+
+
+class IncompatibleSchema(EsPipelineError):
+    def __init__(self, table: str, reason: str) -> None:
+        self.table, self.reason = table, reason
+        super().__init__(
+            f"refusing to migrate: table {table} exists but {reason}. Nothing was changed. "
+            "Rename or drop that table, or set ES_PIPELINE_SCHEMA to another schema."
+        )
+
+
+class ConcurrencyError(EsPipelineError):
+    """An append's expected version did not match the stream's current version; nothing was written."""
+
+    def __init__(self, stream_id: str, expected: int, actual: int) -> None:
+        self.stream_id, self.expected, self.actual = stream_id, expected, actual
+        super().__init__(
+            f"stream {stream_id!r} is at version {actual}, but the append expected {expected}; "
+            "nothing was written. Reload the stream and decide again."
+        )
+
+
+class InvalidAppend(EsPipelineError):
+    def __init__(self, stream_id: str, reason: str) -> None:
+        self.stream_id, self.reason = stream_id, reason
+        super().__init__(f"cannot append to stream {stream_id!r}: {reason}. Nothing was written.")
+
+
+class SliceLocked(EsPipelineError, Retryable):
+    def __init__(self, slice_range: str, slices: list[int], holder: str) -> None:
+        self.slice_range, self.slices, self.holder = slice_range, slices, holder
+        shown = ", ".join(str(s) for s in slices[:8]) + (" …" if len(slices) > 8 else "")
+        super().__init__(
+            f"slice range {slice_range} is being extracted by {holder} (slices {shown} are locked); "
+            "this run wrote nothing. Wait for that run to finish; its range will then be up to date."
+        )
+
+
+class ReducerError(EsPipelineError):
+    def __init__(self, stream_id: str, version: int, event_type: str, reason: str) -> None:
+        self.stream_id, self.version, self.event_type, self.reason = stream_id, version, event_type, reason
+        super().__init__(
+            f"reducer failed on stream {stream_id!r} version {version} ({event_type}): {reason}. "
+            "Nothing of this run was committed. Fix the reducer or the event, then re-run."
+        )

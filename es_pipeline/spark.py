@@ -1,0 +1,116 @@
+"""Spark with Delta, from one place: the cached Delta jars and the session configuration.
+
+The Delta jars are resolved from Maven Central once (Ivy, into `.cache/`), then every Spark start
+uses the local files through `spark.jars`: no resolution, no network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from es_pipeline.errors import EsPipelineError
+from es_pipeline.settings import PROJECT_ROOT, Settings
+
+DELTA_VERSION = "4.4.0"
+JAR_CACHE = PROJECT_ROOT / ".cache"
+# Only Delta's own jars: Spark already ships Scala, Hadoop, Parquet and Jackson, and a second,
+# older copy of those on the class path breaks it.
+KEEP_JAR_PREFIXES = ("io.delta-delta-spark", "io.delta-delta-storage")
+
+
+class SparkSetupError(EsPipelineError):
+    pass
+
+
+def delta_artifact() -> str:
+    import pyspark
+
+    major_minor = ".".join(pyspark.__version__.split(".")[:2])
+    return f"delta-spark_{major_minor}_2.13"
+
+
+def jars_dir() -> Path:
+    return JAR_CACHE / "jars" / f"{delta_artifact()}-{DELTA_VERSION}"
+
+
+def delta_jars(*, resolve: bool = True) -> list[Path]:
+    """The local Delta jars; resolved from Maven Central the first time (about a minute)."""
+    target = jars_dir()
+    done = target / ".complete"
+    if not done.exists():
+        if not resolve:
+            raise SparkSetupError(f"the Delta jars are not in {target}; run `es-pipeline spark jars` (or `make jars`).")
+        _resolve_into(target)
+    return sorted(target.glob("*.jar"))
+
+
+def _resolve_into(target: Path) -> None:
+    import pyspark
+
+    ivy_jar = next((Path(pyspark.__file__).parent / "jars").glob("ivy-*.jar"), None)
+    java = shutil.which("java")
+    if ivy_jar is None or java is None:
+        raise SparkSetupError("cannot resolve the Delta jars: need `java` on PATH and pyspark's bundled Ivy jar.")
+    with tempfile.TemporaryDirectory(dir=JAR_CACHE if JAR_CACHE.exists() else None) as tmp:
+        cmd = [
+            java, "-jar", str(ivy_jar),
+            "-dependency", "io.delta", delta_artifact(), DELTA_VERSION,
+            "-confs", "default",
+            "-cache", str(JAR_CACHE / "ivy"),
+            "-retrieve", f"{tmp}/[organisation]-[artifact]-[revision].[ext]",
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SparkSetupError(
+                f"resolving io.delta:{delta_artifact()}:{DELTA_VERSION} from Maven Central failed:\n"
+                + "\n".join(res.stdout.splitlines()[-15:])
+            )
+        target.mkdir(parents=True, exist_ok=True)
+        kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(KEEP_JAR_PREFIXES)]
+        if not kept:
+            raise SparkSetupError(f"Ivy resolved no Delta jars into {tmp}")
+        for jar in kept:
+            shutil.copy2(jar, target / jar.name)
+    (target / ".complete").write_text(DELTA_VERSION + "\n")
+
+
+def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, Any]:
+    """The Spark configuration every es_pipeline session uses (resource, CLI, tests, benchmarks)."""
+    return {
+        "spark.master": master or settings.spark_master,
+        "spark.app.name": "es_pipeline",
+        "spark.jars": ",".join(str(p) for p in delta_jars()),
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        # One machine: a few shuffle partitions, not 200.
+        "spark.sql.shuffle.partitions": "4",
+        "spark.default.parallelism": "4",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "100000",
+        "spark.driver.memory": "4g",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.warehouse.dir": str(settings.warehouse / "_spark_sql"),
+        "spark.databricks.delta.snapshotPartitions": "2",
+        "spark.databricks.delta.autoCompact.enabled": "false",
+        "spark.databricks.delta.optimizeWrite.enabled": "false",
+        "spark.driver.extraJavaOptions": "-Dderby.system.home=" + str(JAR_CACHE / "derby"),
+    }
+
+
+def get_spark(settings: Settings | None = None, *, master: str | None = None) -> Any:
+    """One SparkSession per process, built with `spark_conf`."""
+    from pyspark.sql import SparkSession
+
+    settings = settings or Settings.from_env()
+    builder = SparkSession.builder
+    for key, value in spark_conf(settings, master=master).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
