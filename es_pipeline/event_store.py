@@ -120,8 +120,9 @@ class EventStore:
         if conn is None:
             with self.connect() as own, own.transaction():
                 return self._append(own, stream_id, stream_type, events, expected_version, payloads, metadatas)
-        with conn.transaction():  # a savepoint inside the caller's transaction
-            return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas)
+        # In the caller's transaction: the version check comes first, so a conflict raises
+        # before anything is written, and the caller's transaction decides commit or rollback.
+        return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas)
 
     def _append(
         self,
@@ -133,45 +134,43 @@ class EventStore:
         payloads: list[str],
         metadatas: list[str],
     ) -> int:
-        n = len(events)
-        new_version = expected_version + n
+        new_version = expected_version + len(events)
         if expected_version == NO_STREAM:
-            row = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {}.streams (stream_id, stream_type, version) VALUES (%s, %s, %s) "
-                    "ON CONFLICT (stream_id) DO NOTHING RETURNING version"
-                ).format(self._s),
-                (stream_id, stream_type, new_version),
-            ).fetchone()
+            claim = sql.SQL(
+                "INSERT INTO {s}.streams (stream_id, stream_type, version) VALUES (%(id)s, %(type)s, %(new)s) "
+                "ON CONFLICT (stream_id) DO NOTHING RETURNING version"
+            )
         else:
-            row = conn.execute(
-                sql.SQL(
-                    "UPDATE {}.streams SET version = %s, updated_at = now() "
-                    "WHERE stream_id = %s AND version = %s RETURNING version"
-                ).format(self._s),
-                (new_version, stream_id, expected_version),
-            ).fetchone()
-        if row is None:
+            claim = sql.SQL(
+                "UPDATE {s}.streams SET version = %(new)s, updated_at = now() "
+                "WHERE stream_id = %(id)s AND version = %(expected)s RETURNING version"
+            )
+        # One round trip: claim the version range, then insert only if the claim succeeded.
+        query = sql.SQL(
+            "WITH claim AS ({claim}) "
+            "INSERT INTO {s}.events (stream_id, stream_type, version, event_type, payload, metadata) "
+            "SELECT %(id)s, %(type)s, u.version, u.event_type, u.payload, u.metadata "
+            "FROM unnest(%(versions)s::int[], %(types)s::text[], %(payloads)s::jsonb[], %(metadatas)s::jsonb[]) "
+            "AS u(version, event_type, payload, metadata) WHERE EXISTS (SELECT 1 FROM claim)"
+        ).format(claim=claim.format(s=self._s), s=self._s)
+        cur = conn.execute(
+            query,
+            {
+                "id": stream_id,
+                "type": stream_type,
+                "new": new_version,
+                "expected": expected_version,
+                "versions": list(range(expected_version + 1, new_version + 1)),
+                "types": [e.event_type for e in events],
+                "payloads": payloads,
+                "metadatas": metadatas,
+            },
+        )
+        if cur.rowcount == 0:
             actual = conn.execute(
                 sql.SQL("SELECT version FROM {}.streams WHERE stream_id = %s").format(self._s), (stream_id,)
             ).fetchone()
             raise ConcurrencyError(stream_id, expected_version, actual[0] if actual else NO_STREAM)
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {}.events (stream_id, stream_type, version, event_type, payload, metadata) "
-                "SELECT %s, %s, u.version, u.event_type, u.payload, u.metadata "
-                "FROM unnest(%s::int[], %s::text[], %s::jsonb[], %s::jsonb[]) "
-                "AS u(version, event_type, payload, metadata)"
-            ).format(self._s),
-            (
-                stream_id,
-                stream_type,
-                list(range(expected_version + 1, new_version + 1)),
-                [e.event_type for e in events],
-                payloads,
-                metadatas,
-            ),
-        )
         return new_version
 
     # -- reading ---------------------------------------------------------------------------------

@@ -95,6 +95,18 @@ CREATE TABLE IF NOT EXISTS es_pipeline.offsets (
     run_id     text,
     PRIMARY KEY (consumer, slice)
 );
+-- A batch being written: recorded before the sink write, deleted with the offset commit.
+-- A row left behind by a crash is replayed, byte for byte, by the next run on its slices.
+CREATE TABLE IF NOT EXISTS es_pipeline.pending_batches (
+    batch_id        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer        text        NOT NULL,
+    app_id          text        NOT NULL,
+    slices          smallint[]  NOT NULL,
+    from_watermarks xid8[]      NOT NULL,
+    upper_bound     xid8        NOT NULL,
+    run_id          text,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
 """,
     ),
 )
