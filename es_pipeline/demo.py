@@ -35,7 +35,7 @@ class DemoStream:
 
 def next_events(stream: DemoStream, rng: random.Random, n: int) -> tuple[list[NewEvent], dict[str, Any], bool]:
     """Up to `n` plausible next events for a stream, and the state and done flag after them."""
-    state = {k: (dict(v) if isinstance(v, dict) else v) for k, v in stream.state.items()}
+    state: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in stream.state.items()}
     events: list[NewEvent] = []
     done = False
     version = stream.version

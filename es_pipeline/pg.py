@@ -37,7 +37,8 @@ def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_p
         )
     except psycopg.OperationalError as exc:
         host, port, dbname = _describe(dsn)
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        reason = lines[0].rsplit("failed: ", 1)[-1] if lines else type(exc).__name__
         raise DatabaseUnreachable(host, port, dbname, reason) from None
     except psycopg.ProgrammingError as exc:
         host, port, dbname = _describe(dsn)

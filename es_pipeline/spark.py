@@ -48,6 +48,14 @@ def delta_jars(*, resolve: bool = True) -> list[Path]:
     return sorted(target.glob("*.jar"))
 
 
+def expected_jars() -> list[Path]:
+    """The jar files `delta_jars()` puts in the cache; known without touching the disk."""
+    return [
+        jars_dir() / f"io.delta-{delta_artifact()}-{DELTA_VERSION}.jar",
+        jars_dir() / f"io.delta-delta-storage-{DELTA_VERSION}.jar",
+    ]
+
+
 def _resolve_into(target: Path) -> None:
     import pyspark
 
@@ -55,27 +63,34 @@ def _resolve_into(target: Path) -> None:
     java = shutil.which("java")
     if ivy_jar is None or java is None:
         raise SparkSetupError("cannot resolve the Delta jars: need `java` on PATH and pyspark's bundled Ivy jar.")
-    with tempfile.TemporaryDirectory(dir=JAR_CACHE if JAR_CACHE.exists() else None) as tmp:
+    JAR_CACHE.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    for artifact in (delta_artifact(), "delta-storage"):
+        _ivy_retrieve(java, ivy_jar, artifact, target)
+    (target / ".complete").write_text(DELTA_VERSION + "\n")
+
+
+def _ivy_retrieve(java: str, ivy_jar: Path, artifact: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=JAR_CACHE) as tmp:
         cmd = [
             java, "-jar", str(ivy_jar),
-            "-dependency", "io.delta", delta_artifact(), DELTA_VERSION,
+            "-dependency", "io.delta", artifact, DELTA_VERSION,
             "-confs", "default",
+            "-notransitive",  # delta-storage is named explicitly below; Spark ships the rest
             "-cache", str(JAR_CACHE / "ivy"),
             "-retrieve", f"{tmp}/[organisation]-[artifact]-[revision].[ext]",
         ]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise SparkSetupError(
-                f"resolving io.delta:{delta_artifact()}:{DELTA_VERSION} from Maven Central failed:\n"
+                f"resolving io.delta:{artifact}:{DELTA_VERSION} from Maven Central failed:\n"
                 + "\n".join(res.stdout.splitlines()[-15:])
             )
-        target.mkdir(parents=True, exist_ok=True)
         kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(KEEP_JAR_PREFIXES)]
         if not kept:
-            raise SparkSetupError(f"Ivy resolved no Delta jars into {tmp}")
+            raise SparkSetupError(f"Ivy resolved no jar of io.delta:{artifact}:{DELTA_VERSION}")
         for jar in kept:
             shutil.copy2(jar, target / jar.name)
-    (target / ".complete").write_text(DELTA_VERSION + "\n")
 
 
 def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, Any]:
@@ -83,7 +98,7 @@ def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, An
     return {
         "spark.master": master or settings.spark_master,
         "spark.app.name": "es_pipeline",
-        "spark.jars": ",".join(str(p) for p in delta_jars()),
+        "spark.jars": ",".join(str(p) for p in expected_jars()),
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         # One machine: a few shuffle partitions, not 200.
@@ -108,6 +123,7 @@ def get_spark(settings: Settings | None = None, *, master: str | None = None) ->
     from pyspark.sql import SparkSession
 
     settings = settings or Settings.from_env()
+    delta_jars()
     builder = SparkSession.builder
     for key, value in spark_conf(settings, master=master).items():
         builder = builder.config(key, value)

@@ -1,0 +1,184 @@
+"""The `es-pipeline` command line (DESIGN §6)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from es_pipeline.errors import EsPipelineError
+from es_pipeline.settings import Settings
+
+
+def _db(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline import localdb
+    from es_pipeline.migrations import migrate
+
+    if args.action == "start":
+        state = localdb.start()
+        print(f"local PostgreSQL {state} on 127.0.0.1:{localdb.LOCAL_PG_PORT} (data in {localdb.PGDATA})")
+    elif args.action == "stop":
+        print("local PostgreSQL stopped" if localdb.stop() else "local PostgreSQL was not running")
+    elif args.action == "migrate":
+        applied = migrate(settings.pg_dsn, settings.schema)
+        if applied:
+            for m in applied:
+                print(f"applied migration {m.version}: {m.name}")
+        else:
+            print(f"schema {settings.schema!r} is up to date")
+    return 0
+
+
+def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.demo import run_workload
+    from es_pipeline.event_store import EventStore
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    store = EventStore(settings.pg_dsn, settings.schema)
+    if args.forever:
+        print(f"writing about {args.rate:g} events/s with {args.writers} writers until stopped (Ctrl-C)", flush=True)
+    try:
+        report = run_workload(
+            store,
+            streams=args.streams,
+            events=None if args.forever else args.events,
+            writers=args.writers,
+            rollback_rate=args.rollback_rate,
+            max_commit_delay=args.max_commit_delay,
+            seed=args.seed,
+            rate=args.rate if args.forever else None,
+            stop=stop,
+        )
+    except KeyboardInterrupt:
+        stop.set()
+        return 130
+    print(report.summary())
+    return 0
+
+
+def _extract(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extract import Extractor
+    from es_pipeline.slices import SliceRange, split
+    from es_pipeline.spark import get_spark
+
+    ranges = [SliceRange.from_key(k) for k in args.range] if args.range else split(settings.slice_ranges)
+    extractor = Extractor(settings.pg_dsn, get_spark(settings), settings.warehouse, settings.schema,
+                          progress=lambda m: print(m, flush=True))
+    total = 0
+    for r in ranges:
+        res = extractor.run(r, run_id=f"cli-{int(time.time())}")
+        total += res.rows
+        print(f"{r.key}: {res.rows:,} events in {res.batches} batches, horizon {res.horizon}, "
+              f"{res.events_behind:,} behind the horizon ({res.total_seconds:.1f} s)", flush=True)
+    print(f"extracted {total:,} events into {extractor.events_path}")
+    return 0
+
+
+def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline import source
+    from es_pipeline.extract import EVENTS_CONSUMER
+    from es_pipeline.offsets import OffsetSession
+    from es_pipeline.slices import split
+    from es_pipeline.status import format_table, range_status
+
+    with OffsetSession(settings.pg_dsn, EVENTS_CONSUMER, run_id="status", label="status") as s:
+        horizon = s.horizon()
+        rows = [range_status(s.conn, settings.schema, EVENTS_CONSUMER, r, horizon) for r in split(settings.slice_ranges)]
+        print(format_table(rows, source.oldest_open_transaction_seconds(s.conn)))
+    return 0
+
+
+def _sql(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.analyst import register_tables
+    from es_pipeline.spark import get_spark
+
+    spark = get_spark(settings, master=settings.spark_master)
+    names = register_tables(spark, settings.warehouse)
+    if not names:
+        print(f"no Delta tables under {settings.warehouse} yet: run `make demo` or materialize `events` first",
+              file=sys.stderr)
+    spark.sql(args.query).show(args.limit, truncate=args.truncate)
+    return 0
+
+
+def _spark_jars(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.spark import delta_jars
+
+    for jar in delta_jars():
+        print(jar)
+    return 0
+
+
+def _demo_run(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.demo_pass import run_demo_pass
+
+    run_demo_pass(settings, events=args.events, writers=args.writers)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="es-pipeline", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    db = sub.add_parser("db", help="the local PostgreSQL server and the event-store migrations")
+    db.add_argument("action", choices=["start", "stop", "migrate"])
+    db.set_defaults(func=_db)
+
+    demo = sub.add_parser("demo", help="demo workloads")
+    dsub = demo.add_subparsers(dest="demo_command", required=True)
+    load = dsub.add_parser("load", help="append demo events from concurrent writers")
+    load.add_argument("--streams", type=int, default=1000, help="streams to create (default 1000)")
+    load.add_argument("--events", type=int, default=10_000, help="events to commit (default 10000)")
+    load.add_argument("--writers", type=int, default=8, help="concurrent writers, each with its own connection")
+    load.add_argument("--rollback-rate", type=float, default=0.1, help="fraction of transactions rolled back")
+    load.add_argument("--max-commit-delay", type=float, default=0.05,
+                      help="hold each transaction open up to this many seconds (out-of-order commits)")
+    load.add_argument("--seed", type=int, default=42)
+    load.add_argument("--forever", action="store_true", help="keep writing until stopped, at --rate")
+    load.add_argument("--rate", type=float, default=50.0, help="events/s with --forever (default 50)")
+    load.set_defaults(func=_demo_load)
+    run = dsub.add_parser("run", help="one headless end-to-end pass: load, extract, project, query")
+    run.add_argument("--events", type=int, default=50_000)
+    run.add_argument("--writers", type=int, default=8)
+    run.set_defaults(func=_demo_run)
+
+    ex = sub.add_parser("extract", help="extract slice ranges into the Delta events table, without Dagster")
+    ex.add_argument("--range", action="append", help="a range key like 0000-0127 (repeatable; default: all)")
+    ex.set_defaults(func=_extract)
+
+    st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
+    st.set_defaults(func=_status)
+
+    q = sub.add_parser("sql", help="run Spark SQL over the lake; every table is registered by name")
+    q.add_argument("query")
+    q.add_argument("--limit", type=int, default=50)
+    q.add_argument("--truncate", action="store_true")
+    q.set_defaults(func=_sql)
+
+    sp = sub.add_parser("spark", help="Spark set-up")
+    sp.add_argument("action", choices=["jars"], help="resolve the Delta jars into the project cache")
+    sp.set_defaults(func=_spark_jars)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings.from_env()
+        return int(args.func(args, settings) or 0)
+    except EsPipelineError as exc:
+        print(f"es-pipeline: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"es-pipeline: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Dagster resources: the event store, the warehouse, Spark (DESIGN §4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from dagster_pyspark import LazyPySparkResource
+
+from es_pipeline.event_store import EventStore
+from es_pipeline.settings import Settings
+from es_pipeline.spark import delta_jars, spark_conf
+
+
+class EventStoreResource(dg.ConfigurableResource):
+    """The PostgreSQL event store: where events are read from and snapshots written back."""
+
+    dsn: str
+    schema_name: str = "es"
+
+    def store(self) -> EventStore:
+        return EventStore(self.dsn, self.schema_name)
+
+
+class WarehouseResource(dg.ConfigurableResource):
+    """The root folder of the Delta tables (`ES_PIPELINE_WAREHOUSE`)."""
+
+    path: str
+
+    @property
+    def root(self) -> Path:
+        return Path(self.path)
+
+
+class SparkResource(LazyPySparkResource):
+    """PySpark with Delta: the session starts on first use, with the locally cached Delta jars."""
+
+    @property
+    def spark_session(self) -> Any:
+        delta_jars()  # resolve once if a fresh clone skipped `make jars`
+        return super().spark_session
+
+
+def build_resources(settings: Settings) -> dict[str, Any]:
+    return {
+        "event_store": EventStoreResource(dsn=settings.pg_dsn, schema_name=settings.schema),
+        "warehouse": WarehouseResource(path=str(settings.warehouse)),
+        "spark": SparkResource(spark_config=spark_conf(settings)),
+    }

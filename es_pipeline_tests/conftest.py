@@ -1,0 +1,93 @@
+"""Shared fixtures: the real local Postgres server, one database per test, one Spark session."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from es_pipeline import localdb
+from es_pipeline.migrations import migrate
+from es_pipeline.settings import LOCAL_PG_PORT, Settings
+
+ADMIN_DSN = f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/postgres"
+TEMPLATE_DB = f"es_test_template_{os.getpid()}"
+_counter = itertools.count()
+
+
+def _dsn(db: str) -> str:
+    return f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/{db}"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    if "ES_PIPELINE_TEST_PG_ADMIN_DSN" not in os.environ:
+        localdb.start()
+    return os.environ.get("ES_PIPELINE_TEST_PG_ADMIN_DSN", ADMIN_DSN)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: str) -> Iterator[str]:
+    """A migrated database that every test's database is cloned from (CREATE DATABASE … TEMPLATE)."""
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}"')
+        conn.execute(f'CREATE DATABASE "{TEMPLATE_DB}"')
+    migrate(_dsn(TEMPLATE_DB))
+    yield TEMPLATE_DB
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)')
+
+
+@pytest.fixture
+def dsn(pg_server: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"es_test_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield _dsn(name)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def empty_dsn(pg_server: str) -> Iterator[str]:
+    """A fresh database with no migrations applied."""
+    name = f"es_test_empty_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield _dsn(name)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def spark_warehouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spark")
+
+
+@pytest.fixture(scope="session")
+def spark(spark_warehouse: Path):  # type: ignore[no-untyped-def]
+    """One Spark session for the whole test session, at local[2]."""
+    from es_pipeline.spark import get_spark
+
+    settings = replace(Settings.from_env(), warehouse=spark_warehouse, spark_master="local[2]")
+    session = get_spark(settings)
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def warehouse(tmp_path: Path) -> Path:
+    path = tmp_path / "warehouse"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def settings(dsn: str, warehouse: Path) -> Settings:
+    return replace(Settings.from_env(), pg_dsn=dsn, warehouse=warehouse, spark_master="local[2]")
