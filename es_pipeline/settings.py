@@ -8,7 +8,9 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
-LOCAL_PG_PORT = 54329
+# The local development server's port. The one setting read at import: it only names the project's
+# own dev server, and lets a second checkout on the same machine run its server beside the first.
+LOCAL_PG_PORT = int(os.environ.get("ES_PIPELINE_LOCAL_PG_PORT", "54329"))
 LOCAL_PG_DATABASE = "es_pipeline"
 LOCAL_DAGSTER_DATABASE = "dagster"
 LOCAL_PG_DSN = f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/{LOCAL_PG_DATABASE}"
