@@ -231,3 +231,64 @@ def run_workload(
         seconds=seconds,
         writers=writers,
     )
+
+
+def bulk_load(
+    dsn: str, *, events: int, streams: int, schema: str = "es", events_per_tx: int = 100_000,
+    progress: Callable[[str], None] | None = None,
+) -> int:
+    """Append `events` account events over `streams` streams, generated inside Postgres (fast).
+
+    For benchmarks and large-table tests: versions stay contiguous per stream (event i belongs to
+    stream i % streams at version i // streams + 1), each chunk of `events_per_tx` commits on its own.
+    Appends after whatever `bulk-` streams a previous call left. Returns the events written.
+    """
+    from psycopg import sql
+
+    s = sql.Identifier(schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT coalesce(max(version), 0) FROM {}.streams WHERE stream_id LIKE 'bulk-%%'").format(s)
+        ).fetchone()
+        base = int(row[0]) if row else 0
+        if base:
+            counts = conn.execute(
+                sql.SQL("SELECT count(*) FILTER (WHERE version = %s), count(*) FROM {}.streams "
+                        "WHERE stream_id LIKE 'bulk-%%'").format(s), (base,)
+            ).fetchone()
+            if counts is None or counts[0] != counts[1] or counts[1] != streams:
+                raise ValueError("bulk_load appends only to a complete set of bulk streams with the same count")
+        start = base * streams
+        done = 0
+        while done < events:
+            n = min(events_per_tx, events - done)
+            lo = start + done
+            with conn.transaction():
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {s}.events (stream_id, stream_type, version, event_type, payload, metadata) "
+                        "SELECT 'bulk-' || lpad((i %% %(streams)s)::text, 8, '0'), 'account', "
+                        "       (i / %(streams)s)::int + 1, "
+                        "       CASE WHEN i < %(streams)s THEN 'Opened' WHEN i %% 3 = 0 THEN 'Withdrawn' ELSE 'Deposited' END, "
+                        "       CASE WHEN i < %(streams)s THEN jsonb_build_object('owner', 'owner-' || i, 'currency', 'EUR') "
+                        "            ELSE jsonb_build_object('amount', round((i %% 997)::numeric / 7, 2)) END, "
+                        "       jsonb_build_object('correlation_id', md5(i::text), 'user', 'bulk') "
+                        "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i"
+                    ).format(s=s),
+                    {"streams": streams, "lo": lo, "hi": lo + n - 1},
+                )
+            done += n
+            if progress:
+                progress(f"bulk load: {done:,}/{events:,} events")
+        total = start + events
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.streams (stream_id, stream_type, version) "
+                "SELECT 'bulk-' || lpad(k::text, 8, '0'), 'account', "
+                "       ((%(total)s - 1 - k) / %(streams)s + 1)::int "
+                "FROM generate_series(0, least(%(streams)s, %(total)s) - 1) AS k "
+                "ON CONFLICT (stream_id) DO UPDATE SET version = excluded.version, updated_at = now()"
+            ).format(s=s),
+            {"streams": streams, "total": total},
+        )
+    return events
