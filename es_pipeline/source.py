@@ -40,19 +40,39 @@ def to_uri(dsn: str) -> str:
     return f"postgresql://{auth}{host}:{port}/{dbname}" + (f"?{query}" if query else "")
 
 
-def _bounds_sql(pairs: Sequence[tuple[int, int]]) -> str:
-    """`unnest` of (slice, lower) as a literal: all ints of our own, so no injection is possible."""
+def _where(pairs: Sequence[tuple[int, int]], upper: int | None) -> tuple[str, str]:
+    """FROM-clause prefix and WHERE clause selecting `lower(slice) <= tx_id < upper` per slice.
+
+    All literals are ints of our own making (no injection possible), which also lets the planner
+    see real values. When every slice shares one lower bound — the steady state, since a run moves
+    all its slices to H — the condition is `slice = ANY(array) AND tx_id >= lo`: a ScalarArrayOp
+    index scan, one probe per slice, and a row estimate from tx_id's statistics. Otherwise each
+    slice is probed through a LATERAL subquery (OFFSET 0 keeps it from being flattened into a
+    hash join over the whole table).
+    """
+    hi = f" AND e.tx_id < '{int(upper)}'::xid8" if upper is not None else ""
+    lowers = {int(w) for _, w in pairs}
     slices = ",".join(str(int(s)) for s, _ in pairs)
-    lowers = ",".join(str(int(w)) for _, w in pairs)
-    return f"unnest('{{{slices}}}'::smallint[], '{{{lowers}}}'::xid8[]) AS w(slice, lo)"
+    if len(lowers) == 1:
+        (lo,) = lowers
+        return "", f"e.slice = ANY('{{{slices}}}'::smallint[]) AND e.tx_id >= '{lo}'::xid8{hi}"
+    lows = ",".join(str(int(w)) for _, w in pairs)
+    return f"unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) AS w(slice, lo)", hi
+
+
+def _select(schema: str, columns: str, pairs: Sequence[tuple[int, int]], upper: int | None) -> str:
+    table = sql.Identifier(schema, "events").as_string(None)
+    prefix, cond = _where(pairs, upper)
+    if not prefix:
+        return f"SELECT {columns} FROM {table} e WHERE {cond}"
+    return (
+        f"SELECT {columns} FROM {prefix} CROSS JOIN LATERAL "
+        f"(SELECT * FROM {table} e WHERE e.slice = w.slice AND e.tx_id >= w.lo{cond} OFFSET 0) e"
+    )
 
 
 def batch_query(schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> str:
-    table = sql.Identifier(schema, "events").as_string(None)
-    return (
-        f"SELECT {EVENT_COLUMNS} FROM {_bounds_sql(pairs)} "
-        f"JOIN {table} e ON e.slice = w.slice AND e.tx_id >= w.lo AND e.tx_id < '{int(upper)}'::xid8"
-    )
+    return _select(schema, EVENT_COLUMNS, pairs, upper)
 
 
 def read_batch_arrow(dsn: str, schema: str, batch: Batch) -> pa.Table:
@@ -99,11 +119,7 @@ def count_between(
 ) -> int:
     if not pairs:
         return 0
-    table = sql.Identifier(schema, "events").as_string(conn)
-    cond = f" AND e.tx_id < '{int(upper)}'::xid8" if upper is not None else ""
-    row = conn.execute(
-        f"SELECT count(*) FROM {_bounds_sql(pairs)} JOIN {table} e ON e.slice = w.slice AND e.tx_id >= w.lo{cond}"  # type: ignore[arg-type]
-    ).fetchone()
+    row = conn.execute(_select(schema, "count(*)", pairs, upper)).fetchone()  # type: ignore[arg-type]
     return int(row[0]) if row else 0
 
 
@@ -112,10 +128,12 @@ def first_tx_ids(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[in
     if not pairs:
         return None
     table = sql.Identifier(schema, "events").as_string(conn)
+    slices = ",".join(str(int(s)) for s, _ in pairs)
+    lows = ",".join(str(int(w)) for _, w in pairs)
     row = conn.execute(
-        f"SELECT min(f.tx_id)::text::bigint FROM {_bounds_sql(pairs)} CROSS JOIN LATERAL "  # type: ignore[arg-type]
-        f"(SELECT e.tx_id FROM {table} e WHERE e.slice = w.slice AND e.tx_id >= w.lo "
-        f"AND e.tx_id < '{int(upper)}'::xid8 ORDER BY e.tx_id LIMIT 1) f"
+        f"SELECT min(f.tx_id)::text::bigint FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) "  # type: ignore[arg-type]
+        f"AS w(slice, lo) CROSS JOIN LATERAL (SELECT e.tx_id FROM {table} e WHERE e.slice = w.slice "
+        f"AND e.tx_id >= w.lo AND e.tx_id < '{int(upper)}'::xid8 ORDER BY e.tx_id LIMIT 1) f"
     ).fetchone()
     return int(row[0]) if row and row[0] is not None else None
 
