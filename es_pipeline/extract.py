@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,10 @@ class Extractor:
         return lake.table_path(self.warehouse, "events")
 
     def ensure_table(self) -> None:
-        lake.ensure_table(self.spark, self.events_path, lake.EVENTS_DDL, comment="es_pipeline: one row per event")
+        lake.ensure_table(
+            self.spark, self.events_path, lake.EVENTS_DDL,
+            comment="es_pipeline: one row per event", properties=lake.EVENTS_PROPERTIES,
+        )
 
     def _step(self, name: str, batch: Batch | None) -> None:
         if self.on_step is not None:
@@ -118,16 +122,24 @@ class Extractor:
             result.backlog = source.count_between(session.conn, self.schema, pairs, horizon)
             app_id = app_id_for(self.consumer, slice_range.key)
             done = 0
+            batches, lower = [], dict(watermarks)
             for upper in self._cuts(session, pairs, horizon, result.backlog):
-                batch = Batch(
-                    self.consumer, app_id, tuple(watermarks), tuple(watermarks[s] for s in watermarks), upper
-                )
-                batch = session.record_pending(batch)
-                rows = self._write_batch(session, batch, result)
-                for s in watermarks:
-                    watermarks[s] = max(watermarks[s], upper)
-                done += rows
-                self._report_progress(done, result.backlog, started)
+                batches.append(Batch(self.consumer, app_id, tuple(lower), tuple(lower.values()), upper))
+                lower = {s: max(w, upper) for s, w in lower.items()}
+            # While batch i is written to Delta, batch i+1 is read from Postgres (its bounds are
+            # fixed in advance; ADBC releases the GIL). Its pending record is still written first.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="es-read") as pool:
+                ahead: Future[Any] | None = pool.submit(self._read, batches[0]) if batches else None
+                for i, planned in enumerate(batches):
+                    assert ahead is not None
+                    table, seconds = ahead.result()
+                    result.read_seconds += seconds
+                    ahead = pool.submit(self._read, batches[i + 1]) if i + 1 < len(batches) else None
+                    batch = session.record_pending(planned)
+                    rows = self._write_batch(session, batch, result, table)
+                    watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
+                    done += rows
+                    self._report_progress(done, result.backlog, started)
             # Nothing left below H: the watermark of every slice moves up to H, so that the
             # sensor's probe and the lag figures start from here next time.
             if any(w < horizon for w in watermarks.values()):
@@ -167,11 +179,16 @@ class Extractor:
             lo = hi
         return cuts
 
-    def _write_batch(self, session: OffsetSession, batch: Batch, result: ExtractResult) -> int:
+    def _read(self, batch: Batch) -> tuple[Any, float]:
         t0 = time.monotonic()
         table = source.read_batch_arrow(self.dsn, self.schema, batch)
+        return table, time.monotonic() - t0
+
+    def _write_batch(self, session: OffsetSession, batch: Batch, result: ExtractResult, table: Any = None) -> int:
+        if table is None:  # a replay reads its own rows
+            table, seconds = self._read(batch)
+            result.read_seconds += seconds
         t1 = time.monotonic()
-        result.read_seconds += t1 - t0
         self._step("read", batch)
         if table.num_rows:
             df = self._to_spark(table, batch)
