@@ -106,11 +106,18 @@ def _sql(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _spark_jars(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.spark import delta_jars
+def _spark(args: argparse.Namespace, settings: Settings) -> int:
+    import os
 
-    for jar in delta_jars():
-        print(jar)
+    from es_pipeline.spark import connect_server_command, delta_jars
+
+    if args.action == "jars":
+        for jar in delta_jars():
+            print(jar)
+        return 0
+    cmd = connect_server_command(settings, port=args.port)
+    print(f"Spark Connect server with Delta on sc://127.0.0.1:{args.port} (master {settings.spark_master})", flush=True)
+    os.execvp(cmd[0], cmd)  # replaces this process: Ctrl-C and SIGTERM reach the server directly
     return 0
 
 
@@ -161,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_sql)
 
     sp = sub.add_parser("spark", help="Spark set-up")
-    sp.add_argument("action", choices=["jars"], help="resolve the Delta jars into the project cache")
-    sp.set_defaults(func=_spark_jars)
+    sp.add_argument("action", choices=["jars", "serve"],
+                    help="jars: resolve the Delta jars into the project cache; serve: run a Spark Connect server")
+    sp.add_argument("--port", type=int, default=15002)
+    sp.set_defaults(func=_spark)
     return p
 
 

@@ -23,30 +23,72 @@ def is_delta_table(path: str) -> bool:
 
 # Delta computes min/max statistics per file for the columns named here only: the ones queries
 # prune on. Statistics on the long JSON text columns cost ~40% of a write and prune nothing.
-EVENTS_PROPERTIES = {"delta.dataSkippingStatsColumns": "tx_id,slice,stream_id,version,global_position,event_date"}
+# The change data feed lets `stream_state` read only the rows that later commits added.
+EVENTS_PROPERTIES = {
+    "delta.dataSkippingStatsColumns": "tx_id,slice,stream_id,version,global_position,event_date",
+    "delta.enableChangeDataFeed": "true",
+}
 
 
 def ensure_table(
     spark: Any, path: str, ddl: str, *, comment: str = "", properties: dict[str, str] | None = None
 ) -> None:
-    """Create an empty Delta table with `ddl` if none is there. Safe when two processes race."""
+    """Create an empty Delta table with `ddl` if none is there. Safe when two processes race.
+
+    Plain SQL, like every Delta operation here, so that it runs the same on a classic session and
+    on a Spark Connect one.
+    """
     if is_delta_table(path):
         return
-    from delta.tables import DeltaTable
-
+    props = ", ".join(f"'{k}' = '{v}'" for k, v in (properties or {}).items())
+    statement = (
+        f"CREATE TABLE IF NOT EXISTS delta.`{path}` ({ddl}) USING delta"
+        + (f" COMMENT '{comment}'" if comment else "")
+        + (f" TBLPROPERTIES ({props})" if props else "")
+    )
     try:
-        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(
-            spark.createDataFrame([], ddl).schema
-        )
-        if comment:
-            builder = builder.comment(comment)
-        for key, value in (properties or {}).items():
-            builder = builder.property(key, value)
-        builder.execute()
-    except Exception as exc:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
+        spark.sql(statement)
+    except Exception:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
         if not is_delta_table(path):
             raise
-        del exc
+
+
+def table_version(spark: Any, path: str) -> int:
+    """The latest commit version of a Delta table."""
+    row = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").first()
+    assert row is not None
+    return int(row["version"])
+
+
+def merge_by_key(spark: Any, path: str, updates: Any, key: str, *, app_id: str, version: int) -> None:
+    """Upsert `updates` on `key`, as Delta transaction (`app_id`, `version`): a replay is skipped.
+
+    MERGE has no writer options, only session confs, and those stay set after the command:
+    they are set and cleared around it.
+    """
+    view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
+    updates.createOrReplaceTempView(view)
+    spark.conf.set("spark.databricks.delta.write.txnAppId", app_id)
+    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
+    try:
+        spark.sql(
+            f"MERGE INTO delta.`{path}` t USING {view} u ON t.{key} = u.{key} "
+            "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *"
+        )
+    finally:
+        spark.conf.unset("spark.databricks.delta.write.txnAppId")
+        spark.conf.unset("spark.databricks.delta.write.txnVersion")
+        spark.catalog.dropTempView(view)
+
+
+def transaction_version(path: str, app_id: str) -> int | None:
+    """The last `txnVersion` Delta committed for `app_id` (read from the log by delta-rs)."""
+    from deltalake import DeltaTable
+
+    if not is_delta_table(path):
+        return None
+    v = DeltaTable(path).transaction_version(app_id)
+    return None if v is None else int(v)
 
 
 def append_idempotent(df: Any, path: str, *, app_id: str, version: int) -> None:

@@ -22,6 +22,7 @@ class Settings:
     warehouse: Path
     slice_ranges: int
     spark_master: str
+    spark_remote: str | None
     schema: str
     dagster_home: Path
 
@@ -42,6 +43,7 @@ class Settings:
             warehouse=Path(env.get("ES_PIPELINE_WAREHOUSE", str(PROJECT_ROOT / "warehouse"))),
             slice_ranges=ranges,
             spark_master=env.get("ES_PIPELINE_SPARK_MASTER", "local[*]"),
+            spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
             schema=env.get("ES_PIPELINE_SCHEMA", "es"),
             dagster_home=Path(env.get("DAGSTER_HOME", str(PROJECT_ROOT / ".dagster_home"))),
         )

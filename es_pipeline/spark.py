@@ -6,8 +6,10 @@ uses the local files through `spark.jars`: no resolution, no network.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -115,15 +117,48 @@ def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, An
         "spark.databricks.delta.autoCompact.enabled": "false",
         "spark.databricks.delta.optimizeWrite.enabled": "false",
         "spark.driver.extraJavaOptions": "-Dderby.system.home=" + str(JAR_CACHE / "derby"),
+        # Python workers (grouped folds) run the project's interpreter, with its pandas and reducers.
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
     }
 
 
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+DEFAULT_CONNECT_PORT = 15002
+
+
+def connect_server_command(settings: Settings, *, port: int = DEFAULT_CONNECT_PORT) -> list[str]:
+    """A long-lived Spark Connect server with Delta: runs then attach in ~0.1 s instead of starting a JVM.
+
+    `spark-submit` from the pyspark package, the same `spark_conf`, bound to 127.0.0.1 only.
+    """
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    delta_jars()
+    conf = spark_conf(settings)
+    cmd = [str(submit), "--class", CONNECT_SERVER_CLASS, "--master", conf.pop("spark.master"),
+           "--name", "es_pipeline-connect", "--driver-memory", conf.pop("spark.driver.memory")]
+    conf.update({
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+    })
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    return [*cmd, "spark-internal"]
+
+
 def get_spark(settings: Settings | None = None, *, master: str | None = None) -> Any:
-    """One SparkSession per process, built with `spark_conf`."""
+    """One SparkSession per process: a Spark Connect session when ES_PIPELINE_SPARK_REMOTE is set,
+    else a classic one built with `spark_conf`."""
     from pyspark.sql import SparkSession
 
     settings = settings or Settings.from_env()
+    if settings.spark_remote and master is None:
+        return SparkSession.builder.remote(settings.spark_remote).getOrCreate()
     delta_jars()
+    # A local SparkContext takes its workers' interpreter from the environment, not from the conf.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder
     for key, value in spark_conf(settings, master=master).items():
         builder = builder.config(key, value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,9 @@ class SparkResource(LazyPySparkResource):
 
     @property
     def spark_session(self) -> Any:
-        delta_jars()  # resolve once if a fresh clone skipped `make jars`
+        if "spark.remote" not in self.spark_config:
+            delta_jars()  # resolve once if a fresh clone skipped `make jars`
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers run the project's interpreter
         return super().spark_session
 
 
@@ -46,5 +50,7 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     return {
         "event_store": EventStoreResource(dsn=settings.pg_dsn, schema_name=settings.schema),
         "warehouse": WarehouseResource(path=str(settings.warehouse)),
-        "spark": SparkResource(spark_config=spark_conf(settings)),
+        "spark": SparkResource(
+            spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)
+        ),
     }

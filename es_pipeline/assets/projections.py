@@ -1,0 +1,80 @@
+"""Projections of `events` (catalog, daily counts, current state) by declarative automation; snapshots."""
+
+import dagster as dg
+
+from es_pipeline.projections import build_event_type_daily, build_stream_catalog
+from es_pipeline.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.snapshots import DEFAULT_THRESHOLD, take_snapshots
+from es_pipeline.state import update_stream_state
+
+
+@dg.asset(
+    description="One row per stream: type, first and last event time, event count, version. Rebuilt from "
+    "`events` when it changes.",
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    rows = build_stream_catalog(spark.spark_session, warehouse.root)
+    return dg.MaterializeResult(metadata={"dagster/row_count": rows})
+
+
+@dg.asset(
+    description="Stream type x event type x day: number of events. Rebuilt from `events` when it changes.",
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def event_type_daily(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    rows = build_event_type_daily(spark.spark_session, warehouse.root)
+    return dg.MaterializeResult(metadata={"dagster/row_count": rows})
+
+
+@dg.asset(
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+    description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
+    "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
+    "from their previous state; a reducer revision bump rebuilds that type alone.",
+)
+def stream_state(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    r = update_stream_state(spark.spark_session, warehouse.root)
+    return dg.MaterializeResult(metadata={
+        "events_folded": r.events_folded,
+        "streams_updated": r.streams_updated,
+        "events_table_version": r.events_version,
+        "parked_streams": r.parked_streams,
+        "skipped_unknown_events": r.skipped_unknown,
+        "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
+    })
+
+
+class SnapshotConfig(dg.Config):
+    threshold: int = DEFAULT_THRESHOLD
+    """Take a snapshot of a stream once it has this many events more than its last snapshot."""
+
+
+@dg.asset(
+    deps=[stream_state],
+    kinds={"spark", "delta", "postgres"},
+    owners=["team:data-engineering"],
+    tags={"layer": "snapshot"},
+    description="One row per (stream, version) snapshot taken, for streams that grew past a threshold since "
+    "their last snapshot or whose reducer revision changed; each is also written back to the event "
+    "store's snapshot table, so that `load` = snapshot + the events after it.",
+)
+def snapshots(
+    config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+) -> dg.MaterializeResult:
+    r = take_snapshots(spark.spark_session, warehouse.root, event_store.store(), threshold=config.threshold)
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": r.taken, "written_back": r.written_back, "stream_state_version": r.state_version,
+    })
