@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
@@ -73,6 +74,34 @@ def _select(schema: str, columns: str, pairs: Sequence[tuple[int, int]], upper: 
 
 def batch_query(schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> str:
     return _select(schema, EVENT_COLUMNS, pairs, upper)
+
+
+def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
+    """A psycopg DSN as Spark's JDBC URL and connection properties."""
+    from es_pipeline.spark import JDBC_DRIVER_CLASS
+
+    parts = conninfo_to_dict(dsn)
+    props = {"user": str(parts.get("user", "postgres")), "driver": JDBC_DRIVER_CLASS}
+    if parts.get("password"):
+        props["password"] = str(parts["password"])
+    return f"jdbc:postgresql://{parts.get('host', 'localhost')}:{parts.get('port', '5432')}/{parts.get('dbname', '')}", props
+
+
+def jdbc_frame(spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int) -> Any:
+    """The rows of a batch read by Spark's executors over JDBC: `splits` queries over interleaved
+    slice subsets, each bounded by the same fixed upper bound H, so a cluster shares the read and
+    the result is exactly the batch that the Arrow path would read."""
+    from functools import reduce
+
+    url, props = jdbc_url(dsn)
+    pairs = batch.bounds
+    groups = [g for g in (pairs[i::splits] for i in range(max(1, splits))) if g]
+    frames = [
+        spark.read.format("jdbc").option("url", url).option("query", batch_query(schema, g, batch.upper))
+        .option("fetchsize", "10000").options(**props).load()
+        for g in groups
+    ]
+    return reduce(lambda a, b: a.unionByName(b), frames)
 
 
 def read_batch_arrow(dsn: str, schema: str, batch: Batch) -> pa.Table:

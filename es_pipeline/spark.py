@@ -21,7 +21,11 @@ DELTA_VERSION = "4.4.0"
 JAR_CACHE = PROJECT_ROOT / ".cache"
 # Only Delta's own jars: Spark already ships Scala, Hadoop, Parquet and Jackson, and a second,
 # older copy of those on the class path breaks it.
-KEEP_JAR_PREFIXES = ("io.delta-delta-spark", "io.delta-delta-storage")
+KEEP_JAR_PREFIXES = ("io.delta-delta-spark", "io.delta-delta-storage", "org.postgresql-postgresql")
+# The PostgreSQL JDBC driver: large backfills are read by Spark's executors (see source.jdbc_frame).
+JDBC_VERSION = "42.7.14"
+JDBC_DRIVER_CLASS = "org.postgresql.Driver"
+_CACHE_KEY = f"delta {DELTA_VERSION} jdbc {JDBC_VERSION}"
 
 
 class SparkSetupError(EsPipelineError):
@@ -43,7 +47,7 @@ def delta_jars(*, resolve: bool = True) -> list[Path]:
     """The local Delta jars; resolved from Maven Central the first time (about a minute)."""
     target = jars_dir()
     done = target / ".complete"
-    if not done.exists():
+    if not done.exists() or done.read_text().strip() != _CACHE_KEY:
         if not resolve:
             raise SparkSetupError(f"the Delta jars are not in {target}; run `es-pipeline spark jars` (or `make jars`).")
         _resolve_into(target)
@@ -55,6 +59,7 @@ def expected_jars() -> list[Path]:
     return [
         jars_dir() / f"io.delta-{delta_artifact()}-{DELTA_VERSION}.jar",
         jars_dir() / f"io.delta-delta-storage-{DELTA_VERSION}.jar",
+        jars_dir() / f"org.postgresql-postgresql-{JDBC_VERSION}.jar",
     ]
 
 
@@ -67,30 +72,34 @@ def _resolve_into(target: Path) -> None:
         raise SparkSetupError("cannot resolve the Delta jars: need `java` on PATH and pyspark's bundled Ivy jar.")
     JAR_CACHE.mkdir(parents=True, exist_ok=True)
     target.mkdir(parents=True, exist_ok=True)
-    for artifact in (delta_artifact(), "delta-storage"):
-        _ivy_retrieve(java, ivy_jar, artifact, target)
-    (target / ".complete").write_text(DELTA_VERSION + "\n")
+    for org, artifact, version in (
+        ("io.delta", delta_artifact(), DELTA_VERSION),
+        ("io.delta", "delta-storage", DELTA_VERSION),
+        ("org.postgresql", "postgresql", JDBC_VERSION),
+    ):
+        _ivy_retrieve(java, ivy_jar, org, artifact, version, target)
+    (target / ".complete").write_text(_CACHE_KEY + "\n")
 
 
-def _ivy_retrieve(java: str, ivy_jar: Path, artifact: str, target: Path) -> None:
+def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=JAR_CACHE) as tmp:
         cmd = [
             java, "-jar", str(ivy_jar),
-            "-dependency", "io.delta", artifact, DELTA_VERSION,
+            "-dependency", org, artifact, version,
             "-confs", "default",
-            "-notransitive",  # delta-storage is named explicitly below; Spark ships the rest
+            "-notransitive",  # each jar is named explicitly; Spark ships the rest
             "-cache", str(JAR_CACHE / "ivy"),
             "-retrieve", f"{tmp}/[organisation]-[artifact]-[revision].[ext]",
         ]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise SparkSetupError(
-                f"resolving io.delta:{artifact}:{DELTA_VERSION} from Maven Central failed:\n"
+                f"resolving {org}:{artifact}:{version} from Maven Central failed:\n"
                 + "\n".join(res.stdout.splitlines()[-15:])
             )
         kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(KEEP_JAR_PREFIXES)]
         if not kept:
-            raise SparkSetupError(f"Ivy resolved no jar of io.delta:{artifact}:{DELTA_VERSION}")
+            raise SparkSetupError(f"Ivy resolved no jar of {org}:{artifact}:{version}")
         for jar in kept:
             shutil.copy2(jar, target / jar.name)
 

@@ -135,6 +135,18 @@ def test_crash_midway_through_a_multi_interval_backfill(dsn: str, spark: Any, wa
     assert assert_exactly_once(spark, warehouse, dsn) == 5000
 
 
+def test_the_jdbc_read_path_is_exactly_once_too(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Large batches can be read by Spark's executors over JDBC, bounded by the same fixed H."""
+    bulk_load(dsn, events=3000, streams=100, events_per_tx=500)
+    r = SliceRange(0, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1,
+                  on_step=crash_at("delta_committed", nth=2)).run(r)
+    result = Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1).run(r)
+    assert result.replayed_batches == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 3000
+
+
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)

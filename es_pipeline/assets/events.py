@@ -3,8 +3,9 @@
 
 import dagster as dg
 
-from es_pipeline.extract import Extractor
+from es_pipeline.extract import Extractor, default_jdbc_min_rows
 from es_pipeline.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.settings import Settings
 from es_pipeline.slices import SliceRange
 
 RANGE_TAG = "es_pipeline/slice_range"
@@ -36,6 +37,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
             warehouse=warehouse.root,
             schema=event_store.schema_name,
             progress=context.log.info,
+            jdbc_min_rows=default_jdbc_min_rows(Settings.from_env().spark_master),
         )
         result = extractor.run(slice_range, run_id=context.run_id)
         context.log.info(
