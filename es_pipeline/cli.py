@@ -116,6 +116,7 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
             print(jar)
         return 0
     cmd = connect_server_command(settings, port=args.port)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # its Python workers run our interpreter
     print(f"Spark Connect server with Delta on sc://127.0.0.1:{args.port} (master {settings.spark_master})", flush=True)
     os.execvp(cmd[0], cmd)  # replaces this process: Ctrl-C and SIGTERM reach the server directly
     return 0

@@ -14,7 +14,7 @@ def test_defs_load_with_the_designed_names() -> None:
     assert checks == {"events_no_duplicates", "events_versions_contiguous", "events_reconcile_with_source",
                       "stream_state_version_matches_events"}
     assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor"}
-    assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule"}
+    assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule", "lake_checks_schedule"}
     events = defs.resolve_assets_def("events")
     assert isinstance(events.partitions_def, dg.StaticPartitionsDefinition)
     assert events.partitions_def.get_partition_keys()[:2] == ["0000-0127", "0128-0255"]

@@ -1,6 +1,8 @@
 """The `events` asset: committed events of one slice range, exactly once into Delta."""
 
 
+import time
+
 import dagster as dg
 
 from es_pipeline.extract import Extractor, default_jdbc_min_rows
@@ -31,9 +33,12 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
         warehouse: WarehouseResource,
     ) -> dg.MaterializeResult:
         slice_range = SliceRange.from_key(context.partition_key)
+        t0 = time.monotonic()
+        session = spark.spark_session  # a local JVM start, or attaching to a Spark Connect server
+        spark_seconds = time.monotonic() - t0
         extractor = Extractor(
             dsn=event_store.dsn,
-            spark=spark.spark_session,
+            spark=session,
             warehouse=warehouse.root,
             schema=event_store.schema_name,
             progress=context.log.info,
@@ -44,6 +49,6 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
             f"{slice_range.key}: {result.rows} events in {result.batches} batches below horizon {result.horizon}; "
             f"{result.events_behind} committed events wait behind it"
         )
-        return dg.MaterializeResult(metadata=result.metadata())
+        return dg.MaterializeResult(metadata={**result.metadata(), "spark_session_seconds": round(spark_seconds, 3)})
 
     return events
