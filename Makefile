@@ -64,6 +64,7 @@ test: lint typecheck pytest
 
 bench: setup
 	$(PY) -m bench.run
+	$(PY) -m bench.latency
 
 clean:
 	-$(CLI) db stop
