@@ -14,6 +14,8 @@ def register_tables(spark: Any, warehouse: Path) -> list[str]:
     for name in lake.TABLES:
         path = lake.table_path(warehouse, name)
         if lake.is_delta_table(path):
-            spark.sql(f"CREATE TABLE IF NOT EXISTS {name} USING delta LOCATION '{path}'")
+            # External tables: DROP forgets the name, never the files; re-pointing keeps the name current.
+            spark.sql(f"DROP TABLE IF EXISTS {name}")
+            spark.sql(f"CREATE TABLE {name} USING delta LOCATION '{path}'")
             names.append(name)
     return names

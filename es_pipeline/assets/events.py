@@ -44,7 +44,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
             progress=context.log.info,
             jdbc_min_rows=default_jdbc_min_rows(Settings.from_env().spark_master),
         )
-        result = extractor.run(slice_range, run_id=context.run_id)
+        result = extractor.run(slice_range, run_id=context.run.run_id)
         context.log.info(
             f"{slice_range.key}: {result.rows} events in {result.batches} batches below horizon {result.horizon}; "
             f"{result.events_behind} committed events wait behind it"
