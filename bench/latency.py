@@ -43,6 +43,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.Event) -> None:
     from deltalake import DeltaTable
+    from deltalake.exceptions import DeltaError, TableNotFoundError
 
     last = -1
     while not stop.is_set():
@@ -55,8 +56,8 @@ def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.E
                     t = dt.to_pyarrow_table(columns=["stream_id", "version"])
                     for k in zip(t.column("stream_id").to_pylist(), t.column("version").to_pylist(), strict=True):
                         seen.setdefault(k, now)
-            except OSError:
-                pass
+            except (OSError, DeltaError, TableNotFoundError):
+                pass  # the log is being created or a commit is half-written: look again
         time.sleep(0.25)
 
 
