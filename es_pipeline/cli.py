@@ -79,6 +79,16 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _offsets(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline import offsets
+    from es_pipeline.pg import connect
+
+    with connect(settings.pg_dsn) as conn:
+        n = offsets.reset(conn, args.consumer)
+    print(f"forgot {n} slice watermarks of consumer {args.consumer!r}; the next runs extract from the beginning")
+    return 0
+
+
 def _status(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline import source
     from es_pipeline.extract import EVENTS_CONSUMER
@@ -158,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("extract", help="extract slice ranges into the Delta events table, without Dagster")
     ex.add_argument("--range", action="append", help="a range key like 0000-0127 (repeatable; default: all)")
     ex.set_defaults(func=_extract)
+
+    off = sub.add_parser("offsets", help="the per-slice watermarks")
+    off.add_argument("action", choices=["reset"], help="reset: forget them (to rebuild a lost lake from scratch)")
+    off.add_argument("--consumer", default="events")
+    off.set_defaults(func=_offsets)
 
     st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
     st.set_defaults(func=_status)

@@ -78,3 +78,16 @@ class ReducerError(EsPipelineError):
             f"reducer failed on stream {stream_id!r} version {version} ({event_type}): {reason}. "
             "Nothing of this run was committed. Fix the reducer or the event, then re-run."
         )
+
+
+class LakeOffsetsMismatch(EsPipelineError):
+    """The offsets say events were extracted, but the Delta table they went to is gone."""
+
+    def __init__(self, path: str, consumer: str, slices: list[int]) -> None:
+        self.path, self.consumer, self.slices = path, consumer, slices
+        super().__init__(
+            f"the Delta table {path} was just created, but es_pipeline.offsets says {len(slices)} of this range's "
+            f"slices were already extracted for consumer {consumer!r} (into a table that is no longer there). "
+            "Nothing was written. To rebuild the lake from the event store, run "
+            f"`es-pipeline offsets reset --consumer {consumer}`; or point ES_PIPELINE_WAREHOUSE back at the old lake."
+        )

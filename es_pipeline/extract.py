@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from es_pipeline import lake, source
+from es_pipeline.errors import LakeOffsetsMismatch
 from es_pipeline.offsets import Batch, OffsetSession
 from es_pipeline.slices import SliceRange
 
@@ -115,10 +116,15 @@ class Extractor:
     def run(self, slice_range: SliceRange, *, run_id: str = "manual") -> ExtractResult:
         started = time.monotonic()
         result = ExtractResult(slice_range.key)
+        table_is_new = not lake.is_delta_table(self.events_path)
         self.ensure_table()
         with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
             session.lock(slice_range.slices, slice_range.key)
             self._step("locked", None)
+            if table_is_new:  # a lost or moved lake must not be taken for an up-to-date one
+                extracted = [s for s, w in session.watermarks(slice_range.slices).items() if w > 0]
+                if extracted:
+                    raise LakeOffsetsMismatch(self.events_path, self.consumer, extracted)
             for pending in session.pending_overlapping(slice_range.slices):
                 session.lock(pending.slices, slice_range.key)  # a batch of an older range split
                 self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")

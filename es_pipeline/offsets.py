@@ -153,3 +153,11 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     ).fetchall()
     found = {int(s): int(w) for s, w in rows}
     return {s: found.get(s, 0) for s in slices}
+
+
+def reset(conn: psycopg.Connection, consumer: str) -> int:
+    """Forget every watermark and pending batch of `consumer`: the next runs start from the beginning."""
+    with conn.transaction():
+        n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
+        conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
+    return n

@@ -147,6 +147,23 @@ def test_the_jdbc_read_path_is_exactly_once_too(dsn: str, spark: Any, warehouse:
     assert assert_exactly_once(spark, warehouse, dsn) == 3000
 
 
+def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    import psycopg as pg
+
+    from es_pipeline import offsets
+    from es_pipeline.errors import LakeOffsetsMismatch
+
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    new_lake = tmp_path / "moved"
+    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+        Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+    with pg.connect(dsn) as conn:
+        offsets.reset(conn, "events")
+    Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+    assert assert_exactly_once(spark, new_lake, dsn) == 100
+
+
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
