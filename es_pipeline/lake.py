@@ -18,7 +18,9 @@ def table_path(warehouse: Path | str, name: str) -> str:
 
 
 def is_delta_table(path: str) -> bool:
-    return (Path(path) / "_delta_log").is_dir()
+    """A Delta table exists once its first commit file does (a killed creator can leave an empty log)."""
+    log = Path(path) / "_delta_log"
+    return log.is_dir() and any(log.glob("*.json"))
 
 
 # Delta computes min/max statistics per file for the columns named here only: the ones queries
