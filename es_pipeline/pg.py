@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import psycopg
 from psycopg.adapt import Loader
 from psycopg.conninfo import conninfo_to_dict
@@ -60,13 +57,3 @@ def check_server_version(conn: psycopg.Connection) -> None:
         major = conn.info.server_version // 10000
         raise PostgresTooOld(f"{major} ({conn.info.server_version})")
 
-
-@contextmanager
-def transaction(dsn: str) -> Iterator[psycopg.Connection]:
-    """A connection whose work commits on success and rolls back on any error."""
-    conn = connect(dsn)
-    try:
-        with conn.transaction():
-            yield conn
-    finally:
-        conn.close()

@@ -23,6 +23,7 @@ from typing import Any
 from es_pipeline import lake
 from es_pipeline.errors import ReducerError
 from es_pipeline.reducers import REGISTRY, Event, Reducer, UnknownEventType
+from es_pipeline.reducers import revisions as current_revisions
 
 APP_ID = "es_pipeline.stream_state"
 
@@ -125,7 +126,7 @@ def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = Fal
     lake.ensure_table(spark, state_path, STATE_DDL, comment="es_pipeline: current state per stream")
     now = lake.table_version(spark, events_path)
     prev = _processed_version(state_path)
-    revisions = {t: r.revision for t, r in REGISTRY.items()}
+    revisions = current_revisions()
     state = spark.read.format("delta").load(state_path)
 
     stale = [
