@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from es_pipeline import lake, source
-from es_pipeline.errors import LakeOffsetsMismatch
+from es_pipeline.errors import ConfigError, LakeOffsetsMismatch
 from es_pipeline.offsets import Batch, OffsetSession
 from es_pipeline.slices import SliceRange
 
@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 
 EVENTS_CONSUMER = "events"
 DEFAULT_BATCH_EVENTS = 500_000
+# Who writes Arrow batches into Delta: delta-rs (Rust, in this process, no JVM) or Spark. Both
+# commit the same `txn` action, so a replay is skipped whichever wrote first (docs/decisions.md).
+WRITERS = ("delta-rs", "spark")
+DEFAULT_WRITER = "delta-rs"
+DEFAULT_READ_PARALLELISM = 2
+PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
 
 # Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
 STEPS = ("locked", "read", "delta_committed", "offsets_committed")
@@ -86,11 +92,13 @@ class Extractor:
     """Moves committed events of a slice range from Postgres into the Delta `events` table."""
 
     dsn: str
-    spark: Any
+    spark: Any  # may be None with the delta-rs writer and no JDBC reads: then no JVM is started
     warehouse: Path
     schema: str = "es"
     consumer: str = EVENTS_CONSUMER
     batch_events: int = DEFAULT_BATCH_EVENTS
+    writer: str = DEFAULT_WRITER
+    read_parallelism: int = DEFAULT_READ_PARALLELISM
     # Batches of at least this many rows are read by Spark's executors over JDBC, in `jdbc_splits`
     # parallel queries; smaller ones travel as Arrow through the driver. 0 = always Arrow, the
     # default on a local master, where it measured as fast or faster (docs/decisions.md).
@@ -99,15 +107,26 @@ class Extractor:
     on_step: Callable[[str, Batch | None], None] | None = None
     progress: Callable[[str], None] = log.info
 
+    def __post_init__(self) -> None:
+        if self.writer not in WRITERS:
+            raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
+        if self.spark is None and (self.writer == "spark" or self.jdbc_min_rows > 0):
+            raise ValueError("the spark writer and JDBC reads need a Spark session: pass one, or use delta-rs")
+
     @property
     def events_path(self) -> str:
         return lake.table_path(self.warehouse, "events")
 
     def ensure_table(self) -> None:
-        lake.ensure_table(
-            self.spark, self.events_path, lake.EVENTS_DDL,
-            comment="es_pipeline: one row per event", properties=lake.EVENTS_PROPERTIES,
-        )
+        comment = "es_pipeline: one row per event"
+        if self.writer == "delta-rs":
+            lake.ensure_table_arrow(
+                self.events_path, lake.events_arrow_schema(), comment=comment, properties=lake.EVENTS_PROPERTIES
+            )
+        else:
+            lake.ensure_table(
+                self.spark, self.events_path, lake.EVENTS_DDL, comment=comment, properties=lake.EVENTS_PROPERTIES
+            )
 
     def _step(self, name: str, batch: Batch | None) -> None:
         if self.on_step is not None:
@@ -149,7 +168,7 @@ class Extractor:
                 # bounds are fixed in advance; ADBC releases the GIL). Its pending record still comes first.
                 if i >= len(batches) or self._uses_jdbc(batches[i][1]):
                     return None
-                return pool.submit(self._read, batches[i][0])
+                return pool.submit(self._read, batches[i][0], batches[i][1])
 
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="es-read") as pool:
                 ahead = prefetch(0)
@@ -209,9 +228,11 @@ class Extractor:
             lo = hi
         return cuts
 
-    def _read(self, batch: Batch) -> tuple[Any, float]:
+    def _read(self, batch: Batch, rows: int | None = None) -> tuple[Any, float]:
+        """Read a batch as Arrow; `rows` (when counted) keeps small batches on one connection."""
         t0 = time.monotonic()
-        table = source.read_batch_arrow(self.dsn, self.schema, batch)
+        small = rows is not None and rows < PARALLEL_READ_MIN_ROWS
+        table = source.read_batch_arrow(self.dsn, self.schema, batch, parallel=1 if small else self.read_parallelism)
         return table, time.monotonic() - t0
 
     def _write_batch(
@@ -234,9 +255,14 @@ class Extractor:
                 t1 = time.monotonic()
             self._step("read", batch)
             if table.num_rows:
-                lake.append_idempotent(
-                    self._to_spark(table, batch), self.events_path, app_id=batch.app_id, version=batch.batch_id
-                )
+                table = self._with_lake_columns(table, batch)
+                if self.writer == "delta-rs":
+                    lake.append_arrow_idempotent(table, self.events_path, app_id=batch.app_id, version=batch.batch_id)
+                else:
+                    lake.append_idempotent(
+                        self.spark.createDataFrame(table), self.events_path,
+                        app_id=batch.app_id, version=batch.batch_id,
+                    )
             rows = table.num_rows
         result.write_seconds += time.monotonic() - t1
         self._step("delta_committed", batch)
@@ -247,14 +273,15 @@ class Extractor:
         result.batch_rows.append(rows)
         return rows
 
-    def _to_spark(self, table: Any, batch: Batch) -> Any:
+    @staticmethod
+    def _with_lake_columns(table: Any, batch: Batch) -> Any:
+        """The two columns the lake adds: the event's UTC day, and the batch that brought it."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        table = table.append_column(
+        return table.append_column(
             "event_date", pc.cast(pc.cast(table["recorded_at"], pa.timestamp("us", tz="UTC")), pa.date32())
         ).append_column("batch_id", pa.array([batch.batch_id] * table.num_rows, pa.int64()))
-        return self.spark.createDataFrame(table)
 
     def _jdbc_to_spark(self, batch: Batch) -> Any:
         from pyspark.sql import functions as F

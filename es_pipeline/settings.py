@@ -25,6 +25,7 @@ class Settings:
     spark_remote: str | None
     schema: str
     dagster_home: Path
+    events_writer: str = "delta-rs"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -46,4 +47,15 @@ class Settings:
             spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
             schema=env.get("ES_PIPELINE_SCHEMA", "es"),
             dagster_home=Path(env.get("DAGSTER_HOME", str(PROJECT_ROOT / ".dagster_home"))),
+            events_writer=_events_writer(env.get("ES_PIPELINE_EVENTS_WRITER", "delta-rs")),
         )
+
+
+def _events_writer(value: str) -> str:
+    from es_pipeline.extract import WRITERS
+
+    if value not in WRITERS:
+        from es_pipeline.errors import ConfigError
+
+        raise ConfigError("ES_PIPELINE_EVENTS_WRITER", value, " or ".join(WRITERS))
+    return value

@@ -57,10 +57,11 @@ def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> N
             time.sleep(0.005)
 
 
+@pytest.mark.parametrize("writer", ["delta-rs", "spark"])
 def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: str, spark: Any, warehouse: Path, writer: str
 ) -> None:
-    """8 writers, random commit delays, ~10% rollbacks, extraction running all along."""
+    """8 writers, random commit delays, ~10% rollbacks, extraction running all along (both Delta writers)."""
     stop = threading.Event()
     naive_seen: set[tuple[str, int]] = set()
     naive = threading.Thread(target=naive_poll, args=(dsn, stop, naive_seen))
@@ -70,7 +71,7 @@ def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_event
             EventStore(dsn), streams=300, events=8000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=4
         ))
     )
-    ex = Extractor(dsn, spark, warehouse)
+    ex = Extractor(dsn, spark, warehouse, writer=writer)
     EventStore(dsn).append("warm-up", "cart", [NewEvent("ItemAdded", {})], 0)
     ex.run(SliceRange(0, 1023))  # warm up: the table exists, Spark has written once
     naive.start()
@@ -108,15 +109,25 @@ def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehou
     assert assert_exactly_once(spark, warehouse, dsn) == 2
 
 
-@pytest.mark.parametrize("step", ["read", "delta_committed"])
-def test_crash_at_a_step_then_rerun_is_exactly_once(dsn: str, spark: Any, warehouse: Path, step: str) -> None:
+@pytest.mark.parametrize(
+    ("step", "crashed_writer", "rerun_writer"),
+    [
+        ("read", "delta-rs", "delta-rs"),
+        ("delta_committed", "delta-rs", "delta-rs"),
+        ("delta_committed", "spark", "delta-rs"),  # a commit by either writer is seen by the other
+        ("delta_committed", "delta-rs", "spark"),
+    ],
+)
+def test_crash_at_a_step_then_rerun_is_exactly_once(
+    dsn: str, spark: Any, warehouse: Path, step: str, crashed_writer: str, rerun_writer: str
+) -> None:
     run_workload(EventStore(dsn), streams=50, events=800, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=1)
     r = SliceRange(0, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, on_step=crash_at(step)).run(r)
+        Extractor(dsn, spark, warehouse, writer=crashed_writer, on_step=crash_at(step)).run(r)
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
-    result = Extractor(dsn, spark, warehouse).run(r)
+    result = Extractor(dsn, spark, warehouse, writer=rerun_writer).run(r)
     assert result.replayed_batches == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 800
     with psycopg.connect(dsn) as conn:

@@ -17,7 +17,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
     @dg.asset(
         name="events",
         partitions_def=partitions,
-        kinds={"spark", "delta", "postgres"},
+        kinds={"delta", "postgres", "arrow"},
         owners=["team:data-engineering"],
         tags={"layer": "raw"},
         description=(
@@ -33,16 +33,22 @@ def build_events_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefiniti
         warehouse: WarehouseResource,
     ) -> dg.MaterializeResult:
         slice_range = SliceRange.from_key(context.partition_key)
-        t0 = time.monotonic()
-        session = spark.spark_session  # a local JVM start, or attaching to a Spark Connect server
-        spark_seconds = time.monotonic() - t0
+        settings = Settings.from_env()
+        jdbc_min_rows = default_jdbc_min_rows(settings.spark_master)
+        session, spark_seconds = None, 0.0
+        if settings.events_writer == "spark" or jdbc_min_rows > 0:
+            # Only these need Spark; the default (Arrow into Delta with delta-rs) starts no JVM.
+            t0 = time.monotonic()
+            session = spark.spark_session  # a local JVM start, or attaching to a Spark Connect server
+            spark_seconds = time.monotonic() - t0
         extractor = Extractor(
             dsn=event_store.dsn,
             spark=session,
             warehouse=warehouse.root,
             schema=event_store.schema_name,
             progress=context.log.info,
-            jdbc_min_rows=default_jdbc_min_rows(Settings.from_env().spark_master),
+            writer=settings.events_writer,
+            jdbc_min_rows=jdbc_min_rows,
         )
         result = extractor.run(slice_range, run_id=context.run.run_id)
         context.log.info(
