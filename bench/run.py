@@ -1,4 +1,4 @@
-"""The benchmarks of the real extraction path: `python -m bench.run [--quick] [--only NAME ...] [--keep]`.
+"""The benchmarks of the real extraction and projection paths: `python -m bench.run [--quick] [--only NAME ...] [--keep]`.
 
 Each benchmark writes `bench/results/<name>.json` (raw figures) and `<name>.md` (a table), its
 figures expressed as ratios against a baseline measured in the same run. Sizes: defaults, or
@@ -15,12 +15,12 @@ import sys
 import time
 from typing import Any
 
-from bench import extract_backfill, extract_incremental, extract_memory
+from bench import extract_backfill, extract_incremental, extract_memory, state
 from bench.common import WORK_ROOT, Sizes, database_name, drop_database, fresh_database, log, spark_session
 from bench.jdbc import jdbc_jar
 from bench.results import Goal, machine_facts, write_result
 
-BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME)
+BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD)
 
 
 class LazySpark:
@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                     out = extract_memory.run(lambda: fresh_database(db), work, sizes)
                 elif name == extract_backfill.NAME:
                     out = extract_backfill.run(fresh_database(db), spark.get(), work, sizes)
+                elif name == state.INCREMENTAL:
+                    out = state.run_incremental(fresh_database(db), spark.get(), work, sizes)
+                elif name == state.REBUILD:
+                    out = state.run_rebuild(fresh_database(db), spark.get(), work, sizes)
                 else:
                     out = extract_incremental.run(fresh_database(db), spark.get(), work, sizes)
             finally:

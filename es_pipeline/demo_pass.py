@@ -9,7 +9,7 @@ from es_pipeline.demo import run_workload
 from es_pipeline.event_store import EventStore
 from es_pipeline.extract import Extractor
 from es_pipeline.migrations import migrate
-from es_pipeline.projections import build_event_type_daily, build_stream_catalog
+from es_pipeline.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.settings import Settings
 from es_pipeline.slices import split
 from es_pipeline.spark import get_spark
@@ -42,10 +42,10 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
 
     t0 = time.monotonic()
     state = update_stream_state(spark, settings.warehouse)
-    build_stream_catalog(spark, settings.warehouse)
-    build_event_type_daily(spark, settings.warehouse)
+    update_stream_catalog(spark, settings.warehouse)
+    update_event_type_daily(spark, settings.warehouse)
     print(f"   projections: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
-          f"catalog and daily counts rebuilt ({time.monotonic() - t0:.1f} s)")
+          f"catalog and daily counts updated ({time.monotonic() - t0:.1f} s)")
 
     register_tables(spark, settings.warehouse)
     total = spark.sql("SELECT count(*) AS n, count(DISTINCT stream_id) AS streams FROM events").first()

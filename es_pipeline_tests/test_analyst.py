@@ -12,7 +12,7 @@ from es_pipeline.analyst import register_tables
 from es_pipeline.demo import run_workload
 from es_pipeline.event_store import EventStore
 from es_pipeline.extract import Extractor
-from es_pipeline.projections import build_event_type_daily, build_stream_catalog
+from es_pipeline.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.slices import SliceRange
 from es_pipeline.snapshots import take_snapshots
 from es_pipeline.state import update_stream_state
@@ -28,8 +28,8 @@ def test_every_table_is_queryable_by_name_with_time_travel_and_readable_by_delta
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     ex.run(SliceRange(0, 1023))
     update_stream_state(spark, warehouse)
-    build_stream_catalog(spark, warehouse)
-    build_event_type_daily(spark, warehouse)
+    update_stream_catalog(spark, warehouse)
+    update_event_type_daily(spark, warehouse)
     take_snapshots(spark, warehouse, store, threshold=5)
 
     names = register_tables(spark, warehouse)

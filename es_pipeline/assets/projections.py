@@ -2,15 +2,15 @@
 
 import dagster as dg
 
-from es_pipeline.projections import build_event_type_daily, build_stream_catalog
+from es_pipeline.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.snapshots import DEFAULT_THRESHOLD, take_snapshots
 from es_pipeline.state import update_stream_state
 
 
 @dg.asset(
-    description="One row per stream: type, first and last event time, event count, version. Rebuilt from "
-    "`events` when it changes.",
+    description="One row per stream: type, first and last event time, event count, version. Kept "
+    "incrementally: each run merges in only the events that `events` commits added since the last run.",
     deps=["events"],
     kinds={"spark", "delta"},
     owners=["team:data-engineering"],
@@ -18,12 +18,11 @@ from es_pipeline.state import update_stream_state
     automation_condition=dg.AutomationCondition.eager(),
 )
 def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
-    rows = build_stream_catalog(spark.spark_session, warehouse.root)
-    return dg.MaterializeResult(metadata={"dagster/row_count": rows})
+    return _projection_result(update_stream_catalog(spark.spark_session, warehouse.root))
 
 
 @dg.asset(
-    description="Stream type x event type x day: number of events. Rebuilt from `events` when it changes.",
+    description="Stream type x event type x day: number of events. Kept incrementally, like stream_catalog.",
     deps=["events"],
     kinds={"spark", "delta"},
     owners=["team:data-engineering"],
@@ -31,8 +30,14 @@ def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.Mat
     automation_condition=dg.AutomationCondition.eager(),
 )
 def event_type_daily(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
-    rows = build_event_type_daily(spark.spark_session, warehouse.root)
-    return dg.MaterializeResult(metadata={"dagster/row_count": rows})
+    return _projection_result(update_event_type_daily(spark.spark_session, warehouse.root))
+
+
+def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": r.rows, "events_read": r.events_read, "keys_updated": r.keys_updated,
+        "events_version": r.events_version, "full_rebuild": r.previous_events_version < 0,
+    })
 
 
 @dg.asset(

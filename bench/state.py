@@ -1,0 +1,157 @@
+"""stream_state benchmarks: an increment's cost against the history folded, and a full rebuild's speed.
+
+state_incremental: 1,000 new events folded with a small history already folded (baseline), then again
+after the history has grown ten times; the figure is the ratio of median times, large / small.
+
+state_rebuild: `update_stream_state` on an empty state over the whole `events` table (the fold in
+pandas per stream), next to a plain Spark `groupBy` aggregate of the same events written to Delta: the
+floor that any per-stream computation sits on. The figure is the fold's events/s over the floor's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    ALL_SLICES,
+    EVENTS_PER_STREAM,
+    SCHEMA,
+    Sizes,
+    Timing,
+    load_events,
+    log,
+    wait_until_extractable,
+)
+from bench.extract_incremental import append_increment
+from bench.results import Goal, n, ratio, secs
+from es_pipeline.extract import Extractor
+from es_pipeline.state import StateResult, update_stream_state
+
+INCREMENTAL = "state_incremental"
+REBUILD = "state_rebuild"
+GOAL_RATIO = 1.3
+
+
+def _extract(dsn: str, work: Path, run_id: str) -> int:
+    return Extractor(dsn, None, work / "lake", schema=SCHEMA, progress=log.info).run(ALL_SLICES, run_id=run_id).rows
+
+
+def _fold(spark: Any, work: Path) -> tuple[float, StateResult]:
+    t0 = time.perf_counter()
+    result = update_stream_state(spark, work / "lake")
+    return time.perf_counter() - t0, result
+
+
+def _series(dsn: str, spark: Any, work: Path, sizes: Sizes, phase: str, first_round: int) -> list[Timing]:
+    timings = []
+    for i in range(sizes.repeats):
+        append_increment(dsn, 500 + first_round + i, sizes.increment)
+        wait_until_extractable(dsn)
+        if _extract(dsn, work, f"bench-state-{phase}-{i}") != sizes.increment:
+            raise RuntimeError(f"{phase} #{i}: the increment did not reach the lake whole")
+        seconds, r = _fold(spark, work)
+        if r.events_folded != sizes.increment:
+            raise RuntimeError(f"{phase} #{i}: folded {r.events_folded:,} events, expected {sizes.increment:,}")
+        timings.append(Timing(f"{phase} #{i + 1}", r.events_folded, seconds, {"streams_updated": r.streams_updated}))
+        log.info("[%s]   %s increment %d: %.2f s", INCREMENTAL, phase, i + 1, seconds)
+    return timings
+
+
+def run_incremental(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any]:
+    streams = max(1, sizes.small // EVENTS_PER_STREAM)
+    growth = (sizes.large - sizes.small) // streams * streams
+    log.info("[%s] small history: %s events over %s streams", INCREMENTAL, f"{sizes.small:,}", f"{streams:,}")
+    load_events(dsn, sizes.small, streams)
+    wait_until_extractable(dsn)
+    lake_small = _extract(dsn, work, "bench-state-small")
+    fold_small, _ = _fold(spark, work)
+    _fold(spark, work)  # nothing new: warms the no-op path, not timed
+    log.info("[%s] small history folded (%.1f s); increments:", INCREMENTAL, fold_small)
+    small = _series(dsn, spark, work, sizes, "small", 0)
+
+    log.info("[%s] growing the history by %s events", INCREMENTAL, f"{growth:,}")
+    load_events(dsn, growth, streams)
+    wait_until_extractable(dsn)
+    lake_large = lake_small + sum(t.events for t in small) + _extract(dsn, work, "bench-state-growth")
+    fold_growth, _ = _fold(spark, work)
+    log.info("[%s] large history folded (%.1f s); increments:", INCREMENTAL, fold_growth)
+    large = _series(dsn, spark, work, sizes, "large", sizes.repeats)
+
+    med_small = statistics.median(t.seconds for t in small)
+    med_large = statistics.median(t.seconds for t in large)
+    state_rows = int(spark.read.format("delta").load(str(work / "lake" / "stream_state")).count())
+
+    def row(label: str, lake: int, ts: list[Timing], med: float, baseline: bool = False) -> list[str]:
+        return [label + (" ← baseline" if baseline else ""), n(lake), n(sizes.increment), secs(med),
+                secs(min(t.seconds for t in ts)), secs(max(t.seconds for t in ts)), ratio(med / med_small)]
+
+    return {
+        "title": "stream_state: an increment of 1,000 events, small vs large history folded",
+        "parameters": {"small": sizes.small, "large_target": sizes.large, "streams": streams,
+                       "increment": sizes.increment, "repeats": sizes.repeats,
+                       "spark_master": spark.sparkContext.master},
+        "columns": ["history", "events folded", "new events", "median s", "min s", "max s", "ratio to small"],
+        "rows": [row("small", lake_small, small, med_small, baseline=True), row("large", lake_large, large, med_large)],
+        "figures": {
+            "median_seconds_small": round(med_small, 3), "median_seconds_large": round(med_large, 3),
+            "ratio_large_to_small": round(med_large / med_small, 4), "state_rows_at_end": state_rows,
+            "fold_small_history_seconds": round(fold_small, 2), "fold_growth_seconds": round(fold_growth, 2),
+            "runs_small": [t.as_dict() for t in small], "runs_large": [t.as_dict() for t in large],
+        },
+        "goals": [Goal("median large / median small", med_large / med_small, "<=", GOAL_RATIO)],
+        "notes": [
+            f"Each increment: {sizes.increment:,} account events on new streams (10 per transaction), extracted "
+            "(not timed), then `update_stream_state` timed end to end: the change feed of the new `events` "
+            f"commit, the fold per stream in pandas, the MERGE into `stream_state`; median of {sizes.repeats}.",
+        ],
+    }
+
+
+def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    events = sizes.events
+    streams = max(1, events // EVENTS_PER_STREAM)
+    log.info("[%s] loading %s events over %s streams", REBUILD, f"{events:,}", f"{streams:,}")
+    load_events(dsn, events, streams)
+    wait_until_extractable(dsn)
+    if _extract(dsn, work, "bench-state-rebuild") != events:
+        raise RuntimeError("the backfill did not bring every event")
+    lake = work / "lake"
+    source = spark.read.format("delta").load(str(lake / "events"))
+
+    log.info("[%s] plain groupBy floor", REBUILD)
+    t0 = time.perf_counter()
+    (source.groupBy("stream_id").agg(
+        F.first("stream_type").alias("stream_type"), F.max("version").alias("version"),
+        F.count(F.lit(1)).alias("events"), F.sum(F.length("payload")).alias("payload_bytes"),
+        F.max("recorded_at").alias("last_event_at"),
+    ).write.format("delta").mode("overwrite").save(str(work / "groupby")))
+    floor = Timing("plain Spark groupBy aggregate → Delta ← baseline", events, time.perf_counter() - t0)
+
+    log.info("[%s] full fold", REBUILD)
+    seconds, r = _fold(spark, work)
+    if r.events_folded != events or r.previous_events_version != -1:
+        raise RuntimeError(f"the rebuild folded {r.events_folded:,} of {events:,} events")
+    fold = Timing("stream_state full rebuild (fold per stream)", events, seconds, {"streams": r.streams_updated})
+
+    def row(t: Timing) -> list[str]:
+        return [t.label, n(t.events), secs(t.seconds), n(t.rate), ratio(t.rate / floor.rate)]
+
+    return {
+        "title": "stream_state full rebuild vs a plain groupBy over the same events",
+        "parameters": {"events": events, "streams": streams, "spark_master": spark.sparkContext.master},
+        "columns": ["measurement", "events", "seconds", "events/s", "ratio to groupBy"],
+        "rows": [row(floor), row(fold)],
+        "figures": {"groupby": floor.as_dict(), "fold": fold.as_dict(),
+                    "fold_ratio_to_groupby": round(fold.rate / floor.rate, 4)},
+        "goals": [],
+        "notes": [
+            "Floor: `groupBy(stream_id)` with first type, max version, count, payload bytes and last time, "
+            "written to Delta (no Python). Fold: `update_stream_state` on an empty `stream_state` (every event "
+            "through its reducer in pandas, grouped per stream, then the MERGE). Same session, same lake.",
+        ],
+    }
