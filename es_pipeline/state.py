@@ -3,8 +3,9 @@
 Each run folds only what is new since the last run: the rows that the Delta commits of `events`
 after the last processed table version added (read through Delta's change data feed, so the cost
 follows the increment, not the table), onto the previous state of the streams they touch, in
-version order, grouped per stream in pandas (`applyInPandas`: one Python call per stream, not per
-row through the driver). The events table version processed is committed atomically with the
+version order: the rows are partitioned by stream and sorted, and a `mapInArrow` function folds
+them in one pass per partition on the Python workers (plain Python per event, Arrow in and out;
+nothing goes through the driver, and no pandas frame is built per stream). The events table version processed is committed atomically with the
 state, as the MERGE's Delta transaction id (`txnAppId`/`txnVersion`), so a crash or a retry never
 folds an event twice.
 
@@ -64,58 +65,114 @@ def _processed_version(path: str) -> int:
     return -1 if v is None else v // _REVISION_SLOTS
 
 
-def _fold_group(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
-    """The per-stream fold, shipped to Python workers with the reducers captured (not re-imported)."""
-    import pandas as pd
+class _StreamFold:
+    """One stream's fold within a partition: its prior row (if any), then its events in version order."""
 
-    def fold(pdf: pd.DataFrame) -> pd.DataFrame:
-        first = pdf.iloc[0]
-        stream_id, stream_type = first["stream_id"], first["stream_type"]
-        has_prior = pd.notna(first["prior_version"])
-        state = json.loads(first["prior_state"]) if has_prior else {}
-        version = int(first["prior_version"]) if has_prior else 0
-        last_at = first["prior_last_event_at"] if has_prior else None
-        skipped = int(first["prior_skipped"]) if has_prior and pd.notna(first["prior_skipped"]) else 0
-        folded = 0
-        reducer = registry.get(stream_type)
-        error = None
-        rows = pdf.dropna(subset=["version"]).drop_duplicates("version").sort_values("version")
-        parked: list[dict[str, Any]] = []
-        for row in rows.itertuples(index=False):
-            v = int(row.version)
-            if v <= version:
-                continue
-            if v != version + 1 or parked:
-                parked.append({"version": v, "event_type": row.event_type, "payload": row.payload,
-                               "recorded_at": row.recorded_at})
-                continue
-            event = Event(stream_id, v, row.event_type, json.loads(row.payload))
-            try:
-                if reducer is None:
-                    raise UnknownEventType(event)
-                state = reducer.fold(state, event)
-            except UnknownEventType as exc:
-                if not skip_unknown:
-                    error = json.dumps([stream_id, v, row.event_type, str(exc)])
-                    break
-                skipped += 1
-            except KeyError as exc:
-                error = json.dumps([stream_id, v, row.event_type, f"the payload has no field {exc}"])
-                break
-            except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
-                error = json.dumps([stream_id, v, row.event_type, f"{type(exc).__name__}: {exc}"])
-                break
-            version, last_at = v, row.recorded_at
-            folded += 1
-        return pd.DataFrame([{
-            "stream_id": stream_id, "stream_type": stream_type, "version": version,
-            "state": json.dumps(state, sort_keys=True, separators=(",", ":")), "last_event_at": last_at,
-            "revision": reducer.revision if reducer else 0,
-            "parked": json.dumps(parked, default=str) if parked else None,
-            "skipped": skipped, "folded": folded, "error": error,
-        }])
+    def __init__(self, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool) -> None:
+        self.stream_id, self.stream_type, self.reducer, self.skip_unknown = stream_id, stream_type, reducer, skip_unknown
+        self.state: dict[str, Any] = {}
+        self.version = 0
+        self.last_at: Any = None
+        self.skipped = 0
+        self.folded = 0
+        self.parked: list[dict[str, Any]] = []
+        self.error: str | None = None
 
-    return fold
+    def prior(self, state: str, version: int, last_at: Any, skipped: int | None) -> None:
+        self.state, self.version, self.last_at, self.skipped = json.loads(state), version, last_at, skipped or 0
+
+    def event(self, v: int, event_type: str, payload: str, recorded_at: Any) -> None:
+        if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
+            return  # after an error, or already folded, or a duplicate of a parked event
+        if v != self.version + 1 or self.parked:
+            self.parked.append({"version": v, "event_type": event_type, "payload": payload, "recorded_at": recorded_at})
+            return
+        event = Event(self.stream_id, v, event_type, json.loads(payload))
+        try:
+            if self.reducer is None:
+                raise UnknownEventType(event)
+            self.state = self.reducer.fold(self.state, event)
+        except UnknownEventType as exc:
+            if not self.skip_unknown:
+                self.error = json.dumps([self.stream_id, v, event_type, str(exc)])
+                return
+            self.skipped += 1
+        except KeyError as exc:
+            self.error = json.dumps([self.stream_id, v, event_type, f"the payload has no field {exc}"])
+            return
+        except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
+            self.error = json.dumps([self.stream_id, v, event_type, f"{type(exc).__name__}: {exc}"])
+            return
+        self.version, self.last_at = v, recorded_at
+        self.folded += 1
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.stream_id, self.stream_type, self.version,
+            json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
+            self.reducer.revision if self.reducer else 0,
+            json.dumps(self.parked, default=str) if self.parked else None,
+            self.skipped, self.folded, self.error,
+        )
+
+
+_OUT_BATCH_ROWS = 5_000
+
+
+def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
+    """The fold as a `mapInArrow` function, shipped to the Python workers with the reducers captured.
+
+    Its input is partitioned by stream and sorted by (stream, prior row first, version), so one
+    pass over the Arrow batches meets each stream's rows together, in order: plain Python per
+    event, one Arrow batch out per few thousand streams (no pandas frame per stream).
+    """
+
+    def run(batches):  # type: ignore[no-untyped-def]
+        import pyarrow as pa
+
+        schema = _fold_out_arrow_schema()
+        out: list[tuple[Any, ...]] = []
+        current: _StreamFold | None = None
+
+        def flush() -> Any:
+            columns = list(zip(*out, strict=True))
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema
+            )
+            out.clear()
+            return batch
+
+        for batch in batches:
+            c = batch.to_pydict()
+            for i in range(batch.num_rows):
+                sid = c["stream_id"][i]
+                if current is None or current.stream_id != sid:
+                    if current is not None:
+                        out.append(current.row())
+                        if len(out) >= _OUT_BATCH_ROWS:
+                            yield flush()
+                    stype = c["stream_type"][i]
+                    current = _StreamFold(sid, stype, registry.get(stype), skip_unknown)
+                if c["is_prior"][i]:
+                    current.prior(c["payload"][i], c["version"][i], c["recorded_at"][i], c["prior_skipped"][i])
+                else:
+                    current.event(c["version"][i], c["event_type"][i], c["payload"][i], c["recorded_at"][i])
+        if current is not None:
+            out.append(current.row())
+        if out:
+            yield flush()
+
+    return run
+
+
+def _fold_out_arrow_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([
+        ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
+        ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
+        ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()),
+    ])
 
 
 def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = False) -> StateResult:
@@ -159,15 +216,19 @@ def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = Fal
     )
     todo = new.unionByName(parked)
     touched = todo.select("stream_id").distinct()
-    prior_cols = prior.join(touched, "stream_id", "left_semi").select(
-        "stream_id",
-        F.col("state").alias("prior_state"), F.col("version").alias("prior_version"),
-        F.col("last_event_at").alias("prior_last_event_at"), F.col("skipped").alias("prior_skipped"),
+    # The prior row of each touched stream travels with its events, marked and sorted first: its
+    # state in `payload`, its version and last event time in theirs.
+    prior_rows = prior.join(touched, "stream_id", "left_semi").select(
+        "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
+        F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"),
+        F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
     )
+    rows = todo.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
+        .unionByName(prior_rows)
     folded = (
-        todo.join(prior_cols, "stream_id", "left")
-        .groupBy("stream_id")
-        .applyInPandas(_fold_group(dict(REGISTRY), skip_unknown), _FOLD_OUT)
+        rows.repartition("stream_id")
+        .sortWithinPartitions("stream_id", F.col("is_prior").desc(), "version")
+        .mapInArrow(_fold_partitions(dict(REGISTRY), skip_unknown), _FOLD_OUT)
         .cache()
     )
     try:
