@@ -63,6 +63,7 @@ pytest: setup
 test: lint typecheck pytest
 
 bench: setup
+	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline
 	$(PY) -m bench.run
 	$(PY) -m bench.latency
 
