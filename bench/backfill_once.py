@@ -2,7 +2,8 @@
 
     python -m bench.backfill_once --dsn DSN --warehouse DIR --events N
 
-Starts es_pipeline's Spark session (local[2]), runs `Extractor.run` over all 1024 slices of a
+With the default writer (delta-rs) no Spark session is started, as in an `events` run; with
+`--writer spark` es_pipeline's Spark session (local[2]) is. Runs `Extractor.run` over all 1024 slices of a
 database already loaded with N events, and prints one line `BENCH_RESULT {json}` on stdout: the
 Python process's VmHWM, the sampled peak RSS of the Spark JVM and of the other children, and times.
 """
@@ -30,14 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dsn", required=True, help="a database loaded with the events (not changed but offsets)")
     parser.add_argument("--warehouse", required=True, type=Path, help="a fresh folder for the lake")
     parser.add_argument("--events", required=True, type=int, help="events expected in the backfill (checked)")
+    parser.add_argument("--writer", default="delta-rs", choices=["delta-rs", "spark"], help="who writes to Delta")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
 
     sampler = ChildrenSampler().start()
     t0 = time.perf_counter()
-    spark = spark_session(args.warehouse)
+    spark = spark_session(args.warehouse) if args.writer == "spark" else None
     t1 = time.perf_counter()
-    result = Extractor(args.dsn, spark, args.warehouse / "lake", schema=SCHEMA, progress=log.info).run(
+    result = Extractor(args.dsn, spark, args.warehouse / "lake", schema=SCHEMA, progress=log.info,
+                       writer=args.writer).run(
         ALL_SLICES, run_id="bench-memory"
     )
     t2 = time.perf_counter()
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         "samples": peaks.samples,
     }
     print(RESULT_PREFIX + json.dumps(out), flush=True)
-    spark.stop()
+    if spark is not None:
+        spark.stop()
     return 0
 
 

@@ -73,9 +73,9 @@ def run(fresh_db: Callable[[], str], work: Path, sizes: Sizes) -> dict[str, Any]
         },
         "goals": [Goal("total peak 2N / N", total_ratio, "<", GOAL_RATIO)],
         "notes": [
-            "Each backfill runs in its own process (`python -m bench.backfill_once`): Spark start plus "
-            "`Extractor.run(SliceRange(0, 1023))` on a fresh lake. Total peak = the Python process's VmHWM "
-            "+ the largest total RSS of its descendants (the Spark JVM, under `spark.driver.memory` 4g) "
-            "sampled every 0.2 s; the JVM's RSS also holds heap it has not given back yet.",
+            "Each backfill runs in its own process (`python -m bench.backfill_once`): "
+            "`Extractor.run(SliceRange(0, 1023))` on a fresh lake with the default writer (delta-rs: no Spark "
+            "JVM is started, as in an `events` run). Total peak = the Python process's VmHWM + the largest "
+            "total RSS of its descendants sampled every 0.2 s (none with this writer).",
         ],
     }

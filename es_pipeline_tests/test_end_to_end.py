@@ -16,6 +16,7 @@ import pytest
 
 from es_pipeline.demo import run_workload
 from es_pipeline.event_store import EventStore
+from es_pipeline.launcher import PID_TAG
 from es_pipeline_tests.e2e import alive, dagster_stack, run_pid
 from es_pipeline_tests.lakecheck import assert_exactly_once, source_events
 
@@ -58,11 +59,12 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
                     break
             time.sleep(0.2)
         assert killed is not None, "no run was ever seen running"
-        # DefaultRunLauncher cannot see a dead worker: mark its run failed, as an operator (or run
-        # monitoring with a launcher that checks worker health) would, so its range can run again.
-        time.sleep(1.0)
-        if instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.STARTED:
-            instance.report_run_failed(killed)
+        # Run monitoring asks the launcher whether the run's process lives: the killed run is marked
+        # failed by the daemon itself, which frees its range's place in the queue.
+        deadline = time.monotonic() + 90
+        while instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.STARTED and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.FAILURE
         time.sleep(15)
         stop.set()
         writer.join()
@@ -78,6 +80,7 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
             by_range.setdefault(r.dagster_run.tags.get("dagster/partition", ""), []).append(
                 (r.start_time, r.end_time or time.time()))
     assert len(records) >= 3
+    assert all(PID_TAG in r.dagster_run.tags for r in records), "every run was forked from the warm worker"
     for key, spans in by_range.items():
         spans.sort()
         for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
