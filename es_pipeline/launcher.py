@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 PID_TAG = "es_pipeline/run_pid"
 PACKAGE_DIR = Path(__file__).resolve().parent
 WORKER_START_TIMEOUT_S = 180.0
+# What a run imports, imported once by the worker: Dagster's run machinery and its Postgres storage,
+# the code location, and what an `events` run reads and writes with (imported lazily by the code).
+WARM_IMPORTS = (
+    "dagster._cli.api", "dagster._core.execution.api", "dagster_postgres", "sqlalchemy.dialects.postgresql.psycopg2",
+    "es_pipeline.definitions", "es_pipeline.extract", "adbc_driver_postgresql.dbapi", "pyarrow.compute", "deltalake",
+)
 
 
 def _code_mtime() -> float:
@@ -168,9 +174,10 @@ def _run_child(run_id: str, instance_ref: str) -> int:
 
 def worker_main() -> int:
     """Import everything a run needs once, then fork per request read from stdin."""
-    import dagster._cli.api  # noqa: F401 - the run machinery
+    import importlib
 
-    import es_pipeline.definitions  # noqa: F401 - the code location, with its own imports
+    for module in WARM_IMPORTS:
+        importlib.import_module(module)
 
     started_mtime = _code_mtime()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
