@@ -2,12 +2,21 @@
 # `make dev`: a Spark Connect server (one warm JVM shared by every run), the demo writers
 # (--forever) and `dagster dev` (UI + daemon, sensor on). Ctrl-C stops them all.
 set -euo pipefail
+# Job control on: without it bash starts background commands with SIGINT ignored, and Python
+# programs (dagster dev among them) then cannot be interrupted the way Ctrl-C interrupts them.
+set -m
 cd "$(dirname "$0")/.."
 pids=()
+alive() { for p in "${pids[@]:-}"; do kill -0 -- "-$p" 2>/dev/null && return 0; done; return 1; }
 cleanup() {
   trap - INT TERM EXIT
   echo "stopping: ${pids[*]:-}"
-  for p in "${pids[@]:-}"; do kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null || true; done
+  # SIGINT first, as Ctrl-C: `dagster dev` shuts its webserver and daemon down only on that.
+  for p in "${pids[@]:-}"; do kill -INT -- "-$p" 2>/dev/null || true; done
+  for _ in $(seq 1 60); do alive || break; sleep 0.5; done
+  for p in "${pids[@]:-}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  sleep 2
+  for p in "${pids[@]:-}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup INT TERM EXIT
@@ -15,14 +24,14 @@ trap cleanup INT TERM EXIT
 port="${ES_PIPELINE_CONNECT_PORT:-15002}"
 export ES_PIPELINE_SPARK_REMOTE="${ES_PIPELINE_SPARK_REMOTE:-sc://127.0.0.1:$port}"
 mkdir -p .dagster_home/logs
-setsid .venv/bin/es-pipeline spark serve --port "$port" > .dagster_home/logs/spark-connect.log 2>&1 &
+.venv/bin/es-pipeline spark serve --port "$port" > .dagster_home/logs/spark-connect.log 2>&1 &
 pids+=($!)
 echo "Spark Connect server starting on $ES_PIPELINE_SPARK_REMOTE (log: .dagster_home/logs/spark-connect.log)"
 for _ in $(seq 1 120); do (echo > "/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.5; done
 
-setsid .venv/bin/es-pipeline demo load --forever --rate "${ES_PIPELINE_DEMO_RATE:-20}" --writers 4 --max-commit-delay 0.2 &
+.venv/bin/es-pipeline demo load --forever --rate "${ES_PIPELINE_DEMO_RATE:-20}" --writers 4 --max-commit-delay 0.2 &
 pids+=($!)
-setsid .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${DAGSTER_PORT:-3000}" &
+.venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${DAGSTER_PORT:-3000}" &
 pids+=($!)
 echo "Dagster UI: http://127.0.0.1:${DAGSTER_PORT:-3000}  (Ctrl-C stops everything)"
 wait -n "${pids[@]}"
