@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,25 +75,40 @@ def table_version(spark: Any, path: str) -> int:
     return int(row["version"])
 
 
-def merge_by_key(spark: Any, path: str, updates: Any, key: str, *, app_id: str, version: int) -> None:
+def merge_by_key(
+    spark: Any, path: str, updates: Any, key: str | Sequence[str], *, app_id: str, version: int,
+    update_set: str = "*",
+) -> None:
     """Upsert `updates` on `key`, as Delta transaction (`app_id`, `version`): a replay is skipped.
 
-    MERGE has no writer options, only session confs, and those stay set after the command:
-    they are set and cleared around it.
+    `update_set` says how a matched row (t) takes the update (u): `*` replaces it; an additive
+    projection passes e.g. `t.events = t.events + u.events`. MERGE has no writer options, only
+    session confs, and those stay set after the command: they are set and cleared around it.
     """
+    keys = [key] if isinstance(key, str) else list(key)
+    on = " AND ".join(f"t.{k} = u.{k}" for k in keys)
     view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
     updates.createOrReplaceTempView(view)
     spark.conf.set("spark.databricks.delta.write.txnAppId", app_id)
     spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
     try:
         spark.sql(
-            f"MERGE INTO delta.`{path}` t USING {view} u ON t.{key} = u.{key} "
-            "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *"
+            f"MERGE INTO delta.`{path}` t USING {view} u ON {on} "
+            f"WHEN MATCHED THEN UPDATE SET {update_set} WHEN NOT MATCHED THEN INSERT *"
         )
     finally:
         spark.conf.unset("spark.databricks.delta.write.txnAppId")
         spark.conf.unset("spark.databricks.delta.write.txnVersion")
         spark.catalog.dropTempView(view)
+
+
+def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
+    """The rows that the commits `after` < version <= `until` inserted (Delta's change data feed)."""
+    return (
+        spark.read.format("delta").option("readChangeFeed", "true")
+        .option("startingVersion", after + 1).option("endingVersion", until).load(path)
+        .where("_change_type = 'insert'")
+    )
 
 
 def transaction_version(path: str, app_id: str) -> int | None:

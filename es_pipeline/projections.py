@@ -56,28 +56,10 @@ class _Projection:
             finally:
                 agg.unpersist()
             return ProjectionResult(_count(spark, path), now, -1, read, n)
-        new = (
-            spark.read.format("delta").option("readChangeFeed", "true")
-            .option("startingVersion", prev + 1).option("endingVersion", now).load(events_path)
-            .where("_change_type = 'insert'")
-        )
-        agg = self.aggregate(new).cache()
+        agg = self.aggregate(lake.rows_added(spark, events_path, prev, now)).cache()
         try:
             n, read = _figures(agg)
-            on = " AND ".join(f"t.{k} = u.{k}" for k in self.key)
-            view = f"_es_{self.name}_{now}"
-            agg.createOrReplaceTempView(view)
-            spark.conf.set("spark.databricks.delta.write.txnAppId", self.app_id)
-            spark.conf.set("spark.databricks.delta.write.txnVersion", str(now))
-            try:
-                spark.sql(
-                    f"MERGE INTO delta.`{path}` t USING {view} u ON {on} "
-                    f"WHEN MATCHED THEN UPDATE SET {self.merge_set} WHEN NOT MATCHED THEN INSERT *"
-                )
-            finally:
-                spark.conf.unset("spark.databricks.delta.write.txnAppId")
-                spark.conf.unset("spark.databricks.delta.write.txnVersion")
-                spark.catalog.dropTempView(view)
+            lake.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
         finally:
             agg.unpersist()
         return ProjectionResult(_count(spark, path), now, prev, read, n)

@@ -194,11 +194,7 @@ def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = Fal
     if prev < 0:
         new = spark.read.format("delta").option("versionAsOf", now).load(events_path).select(*cols)
     elif prev < now:
-        new = (
-            spark.read.format("delta").option("readChangeFeed", "true")
-            .option("startingVersion", prev + 1).option("endingVersion", now).load(events_path)
-            .where("_change_type = 'insert'").select(*cols)
-        )
+        new = lake.rows_added(spark, events_path, prev, now).select(*cols)
     else:
         new = None
     if stale:
