@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from es_pipeline import lake, source
 from es_pipeline.errors import ConfigError, LakeOffsetsMismatch
 from es_pipeline.offsets import Batch, OffsetSession
@@ -37,6 +39,10 @@ WRITERS = ("delta-rs", "spark")
 DEFAULT_WRITER = "delta-rs"
 DEFAULT_READ_PARALLELISM = 2
 PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
+# The `events` table as Arrow: what the source reads (recorded_at in UTC), plus the lake's two columns.
+EVENTS_LAKE_ARROW_SCHEMA = source.EVENTS_ARROW_SCHEMA.append(pa.field("event_date", pa.date32())).append(
+    pa.field("batch_id", pa.int64())
+)
 
 # Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
 STEPS = ("locked", "read", "delta_committed", "offsets_committed")
@@ -121,7 +127,7 @@ class Extractor:
         comment = "es_pipeline: one row per event"
         if self.writer == "delta-rs":
             lake.ensure_table_arrow(
-                self.events_path, lake.events_arrow_schema(), comment=comment, properties=lake.EVENTS_PROPERTIES
+                self.events_path, EVENTS_LAKE_ARROW_SCHEMA, comment=comment, properties=lake.EVENTS_PROPERTIES
             )
         else:
             lake.ensure_table(
@@ -279,9 +285,9 @@ class Extractor:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        return table.append_column(
-            "event_date", pc.cast(pc.cast(table["recorded_at"], pa.timestamp("us", tz="UTC")), pa.date32())
-        ).append_column("batch_id", pa.array([batch.batch_id] * table.num_rows, pa.int64()))
+        return table.append_column("event_date", pc.cast(table["recorded_at"], pa.date32())).append_column(
+            "batch_id", pa.repeat(pa.scalar(batch.batch_id, pa.int64()), table.num_rows)
+        )
 
     def _jdbc_to_spark(self, batch: Batch) -> Any:
         from pyspark.sql import functions as F

@@ -11,18 +11,6 @@ EVENTS_DDL = (
     "event_type STRING, payload STRING, metadata STRING, recorded_at TIMESTAMP, event_date DATE, batch_id BIGINT"
 )
 
-# The same columns as Arrow types: what the Arrow write path hands to delta-rs.
-def events_arrow_schema() -> Any:
-    import pyarrow as pa
-
-    return pa.schema([
-        ("global_position", pa.int64()), ("tx_id", pa.int64()), ("stream_id", pa.string()),
-        ("stream_type", pa.string()), ("version", pa.int32()), ("slice", pa.int32()),
-        ("event_type", pa.string()), ("payload", pa.string()), ("metadata", pa.string()),
-        ("recorded_at", pa.timestamp("us", tz="UTC")), ("event_date", pa.date32()), ("batch_id", pa.int64()),
-    ])
-
-
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
@@ -154,15 +142,17 @@ def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int)
     The same guarantee as Spark's `txnAppId`/`txnVersion` options, and the same log entry (a `txn`
     action), so either writer sees the other's commits: a version at or below the one Delta holds
     for `app_id` is a replay and writes nothing. Callers serialize the writers of one `app_id` (the
-    slice locks), so reading the version and then committing cannot race.
+    slice locks), so reading the version and then committing cannot race. The log is read once,
+    for both.
     """
-    from deltalake import CommitProperties, Transaction, write_deltalake
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-    done = transaction_version(path, app_id)
+    dt = DeltaTable(path)
+    done = dt.transaction_version(app_id)
     if done is not None and done >= version:
         return False
     write_deltalake(
-        path, table, mode="append",
+        dt, table, mode="append",
         commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
     )
     return True
