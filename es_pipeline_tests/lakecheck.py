@@ -11,6 +11,15 @@ import psycopg
 Key = tuple[str, int]
 
 
+def extract_all(dsn: str, spark: Any, warehouse: Path, n_ranges: int = 4, **kw: Any) -> int:
+    """Extract every range once (ranges of `n_ranges`); returns the events moved."""
+    from es_pipeline.extract import Extractor
+    from es_pipeline.slices import split
+
+    ex = Extractor(dsn, spark, warehouse, **kw)
+    return sum(ex.run(r).rows for r in split(n_ranges))
+
+
 def source_events(dsn: str, schema: str = "es") -> dict[Key, str]:
     """Every committed event: (stream_id, version) -> payload as JSON text."""
     with psycopg.connect(dsn) as conn:

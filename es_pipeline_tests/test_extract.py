@@ -16,7 +16,7 @@ from es_pipeline.event_store import EventStore, NewEvent
 from es_pipeline.extract import Extractor
 from es_pipeline.offsets import Batch
 from es_pipeline.slices import SliceRange, split
-from es_pipeline_tests.lakecheck import assert_exactly_once, source_events
+from es_pipeline_tests.lakecheck import assert_exactly_once, extract_all, source_events
 
 
 class Crash(Exception):
@@ -33,11 +33,6 @@ def crash_at(step: str, nth: int = 1):  # type: ignore[no-untyped-def]
                 raise Crash(step)
 
     return hook
-
-
-def extract_all(dsn: str, spark: Any, warehouse: Path, n_ranges: int = 8, **kw: Any) -> int:
-    ex = Extractor(dsn, spark, warehouse, **kw)
-    return sum(ex.run(r).rows for r in split(n_ranges))
 
 
 def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
@@ -105,7 +100,7 @@ def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehou
     with psycopg.connect(dsn) as conn:
         positions = [r[0] for r in conn.execute("SELECT global_position FROM es.events ORDER BY 1")]
     assert positions[1] - positions[0] > 1, "the rollback left a gap in global_position"
-    assert extract_all(dsn, spark, warehouse) == 2
+    assert extract_all(dsn, spark, warehouse, 8) == 2
     assert assert_exactly_once(spark, warehouse, dsn) == 2
 
 
@@ -282,7 +277,7 @@ def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
     finally:
         release.set()
         first.join()
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn, spark, warehouse, 8)
     assert assert_exactly_once(spark, warehouse, dsn) == 500
 
 

@@ -10,15 +10,8 @@ import psycopg
 
 from es_pipeline.demo import run_workload
 from es_pipeline.event_store import EventStore
-from es_pipeline.extract import Extractor
 from es_pipeline.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.slices import split
-
-
-def extract_all(dsn: str, spark: Any, warehouse: Path) -> None:
-    ex = Extractor(dsn, spark, warehouse)
-    for r in split(4):
-        ex.run(r)
+from es_pipeline_tests.lakecheck import extract_all
 
 
 def source_catalog(dsn: str) -> dict[str, tuple[Any, ...]]:

@@ -14,10 +14,9 @@ from es_pipeline import reducers
 from es_pipeline.demo import run_workload
 from es_pipeline.errors import ReducerError
 from es_pipeline.event_store import EventStore, NewEvent
-from es_pipeline.extract import Extractor
 from es_pipeline.reducers import REGISTRY, Event, Reducer
-from es_pipeline.slices import split
 from es_pipeline.state import update_stream_state
+from es_pipeline_tests.lakecheck import extract_all
 
 
 def full_replay(dsn: str) -> dict[str, tuple[int, dict[str, Any]]]:
@@ -36,12 +35,6 @@ def full_replay(dsn: str) -> dict[str, tuple[int, dict[str, Any]]]:
 def lake_state(spark: Any, warehouse: Path) -> dict[str, tuple[int, dict[str, Any], int]]:
     rows = spark.read.format("delta").load(str(warehouse / "stream_state")).collect()
     return {r["stream_id"]: (r["version"], json.loads(r["state"]), r["revision"]) for r in rows}
-
-
-def extract_all(dsn: str, spark: Any, warehouse: Path) -> None:
-    ex = Extractor(dsn, spark, warehouse)
-    for r in split(4):
-        ex.run(r)
 
 
 def test_incremental_state_equals_full_replay_after_many_increments_with_concurrent_writers(
