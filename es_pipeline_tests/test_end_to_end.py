@@ -53,10 +53,13 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
             for record in instance.get_run_records(dg.RunsFilter(job_name="events_job", statuses=[dg.DagsterRunStatus.STARTED])):
                 pid = run_pid(instance, record.dagster_run.run_id)
                 if pid and alive(pid):
-                    time.sleep(0.5)
                     os.kill(pid, signal.SIGKILL)
-                    killed = record.dagster_run
-                    break
+                    # An `events` run takes about a second now: one that finished before the signal
+                    # landed was not killed, so look for another.
+                    time.sleep(3.0)
+                    if instance.get_run_by_id(record.dagster_run.run_id).status != dg.DagsterRunStatus.SUCCESS:
+                        killed = record.dagster_run
+                        break
             time.sleep(0.2)
         assert killed is not None, "no run was ever seen running"
         # Run monitoring asks the launcher whether the run's process lives: the killed run is marked
