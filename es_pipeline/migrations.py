@@ -109,6 +109,17 @@ CREATE TABLE IF NOT EXISTS es_pipeline.pending_batches (
 );
 """,
     ),
+    Migration(
+        3,
+        "events: index on tx_id, for the sensor's probe of the newest committed events",
+        # The sensor reads the newest events (tx_id >= the lowest watermark, below the horizon) from the
+        # end of this index: one descent whatever the table size (docs/decisions.md, "The sensor's probe").
+        # On a large existing table, build it first with CREATE INDEX CONCURRENTLY under this name: the
+        # migration then only records itself.
+        """
+CREATE INDEX IF NOT EXISTS events_tx_idx ON {schema}.events (tx_id);
+""",
+    ),
 )
 
 # What an existing table must look like for us to adopt it instead of refusing.

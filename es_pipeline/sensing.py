@@ -1,8 +1,17 @@
 """What the sensor asks Postgres, and how it decides (pure). No Dagster here.
 
-The probe is one statement: for each of the 1024 slices, does an event exist with
-`W(slice) <= tx_id < H`? Each EXISTS is one index probe on (slice, tx_id), so a tick costs the
-same with a thousand events or a billion.
+The probe is one statement that answers: which slices have a committed event with
+`W(slice) <= tx_id < H`? Its cost must not grow with the table, so it reads the *tail*:
+
+1. the newest events, `lo <= tx_id < H` with `lo` the lowest watermark, from the end of the index
+   on `tx_id`, at most `tail_rows` of them (one index descent plus the rows read);
+2. a slice with a tail event at or above its own watermark is ready;
+3. if the tail was cut short at `tx_id = t`, the slices whose watermark is at or below `t` are not
+   fully covered by it: each of them gets its own index probe on `(slice, tx_id)` (the old,
+   1024-probe plan, now only for lagging slices, e.g. before the first run of a range).
+
+In the steady state (every range extracted recently) the tail holds the events since the last runs,
+a handful, and no slice needs its own probe. docs/decisions.md, "The sensor's probe", has the numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from psycopg import sql
 
 from es_pipeline.slices import NUM_SLICES, SliceRange
 
+# More new events than this since the lowest watermark, and the lagging slices are probed one by one.
+TAIL_ROWS = 512
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -23,19 +35,49 @@ class Probe:
     ready_slices: frozenset[int]
 
 
-def probe(conn: psycopg.Connection, schema: str, consumer: str) -> Probe:
-    row = conn.execute(
-        sql.SQL(
-            "WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h), "
-            "w AS (SELECT g.slice::smallint AS slice, coalesce(o.watermark, '0'::xid8) AS wm "
-            "      FROM generate_series(0, %s) AS g(slice) "
-            "      LEFT JOIN es_pipeline.offsets o ON o.consumer = %s AND o.slice = g.slice) "
-            "SELECT (SELECT h::text::bigint FROM h), "
-            "       (SELECT array_agg(w.slice) FROM w, h WHERE EXISTS ("
-            "           SELECT 1 FROM {}.events e WHERE e.slice = w.slice AND e.tx_id >= w.wm AND e.tx_id < h.h))"
-        ).format(sql.Identifier(schema)),
-        (NUM_SLICES - 1, consumer),
-    ).fetchone()
+_PROBE = """
+WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
+     -- The lowest watermark; a slice without an offset row has watermark 0.
+     lo AS MATERIALIZED (
+         SELECT CASE WHEN count(*) = {slices} THEN min(watermark) ELSE '0'::xid8 END AS lo
+         FROM es_pipeline.offsets WHERE consumer = {consumer}),
+     tail AS MATERIALIZED (
+         SELECT e.slice, e.tx_id FROM {events} e
+         WHERE e.tx_id >= (SELECT lo FROM lo) AND e.tx_id < (SELECT h FROM h)
+         ORDER BY e.tx_id DESC LIMIT {tail_rows}),
+     -- NULL when the tail holds every event in [lo, H); else its lowest tx_id, which it may hold only in part.
+     cut AS MATERIALIZED (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx_id) END AS t FROM tail),
+     from_tail AS MATERIALIZED (
+         SELECT t.slice FROM (SELECT slice, max(tx_id) AS top FROM tail GROUP BY slice) t
+         LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = t.slice
+         WHERE t.top >= coalesce(o.watermark, '0'::xid8)),
+     probed AS (
+         SELECT g.slice::smallint AS slice
+         FROM cut, h, generate_series(0, {last_slice}) AS g(slice)
+         LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = g.slice
+         WHERE cut.t IS NOT NULL AND coalesce(o.watermark, '0'::xid8) <= cut.t
+           AND g.slice NOT IN (SELECT slice FROM from_tail)
+           AND EXISTS (SELECT 1 FROM {events} e WHERE e.slice = g.slice
+                       AND e.tx_id >= coalesce(o.watermark, '0'::xid8) AND e.tx_id < h.h))
+SELECT (SELECT h::text::bigint FROM h),
+       (SELECT array_agg(slice) FROM (SELECT slice FROM from_tail UNION ALL SELECT slice FROM probed) r)
+"""
+
+
+def probe_statement(schema: str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
+    """The probe's one statement; its parameter is `consumer`."""
+    return sql.SQL(_PROBE).format(
+        slices=sql.Literal(NUM_SLICES),
+        last_slice=sql.Literal(NUM_SLICES - 1),
+        consumer=sql.Placeholder("consumer"),
+        events=sql.SQL("{}.events").format(sql.Identifier(schema)),
+        tail_rows=sql.Literal(tail_rows),
+    )
+
+
+def probe(conn: psycopg.Connection, schema: str, consumer: str, *, tail_rows: int = TAIL_ROWS) -> Probe:
+    """The horizon, and the slices with committed events at or above their watermark below it."""
+    row = conn.execute(probe_statement(schema, tail_rows), {"consumer": consumer}).fetchone()
     assert row is not None
     return Probe(int(row[0]), frozenset(row[1] or ()))
 

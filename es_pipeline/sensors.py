@@ -26,7 +26,8 @@ def build_new_events_sensor(job: Any, ranges: list[SliceRange]) -> dg.SensorDefi
         minimum_interval_seconds=interval,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(
-            "Each tick asks Postgres, with one indexed probe per slice, which slice ranges have committed "
+            "Each tick asks Postgres, in one statement that reads the newest events from the end of the tx_id "
+            "index (its cost does not grow with the table), which slice ranges have committed "
             "events at or above their watermark and below the horizon, and requests one run per such range "
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
             "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5)."

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import psycopg
 import pytest
+from psycopg import sql
 
 from es_pipeline.event_store import EventStore, NewEvent
 from es_pipeline.extract import EVENTS_CONSUMER
 from es_pipeline.pg import connect
-from es_pipeline.sensing import Probe, decide, format_cursor, parse_cursor, probe
+from es_pipeline.sensing import Probe, decide, format_cursor, parse_cursor, probe, probe_statement
 from es_pipeline.slices import split
 
 RANGES = split(8)
@@ -65,7 +68,50 @@ def test_probe_sees_committed_events_below_the_horizon_only(dsn: str) -> None:
         assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == frozenset()
 
 
-def test_probe_plan_is_index_probes(dsn: str) -> None:
+def _truth(conn: psycopg.Connection, watermarks: dict[int, int]) -> Probe:
+    """The ready slices by brute force: every event read, compared in Python."""
+    horizon = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()[0]  # type: ignore[index]
+    rows = conn.execute("SELECT slice, tx_id::text::bigint FROM es.events").fetchall()
+    return Probe(horizon, frozenset(s for s, tx in rows if watermarks.get(s, 0) <= tx < horizon))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_probe_equals_brute_force_for_every_tail_length(dsn: str, seed: int) -> None:
+    """Whether the tail covers everything or is cut (and lagging slices are probed one by one), the
+    answer is the same as reading every event; watermarks fall on, between and around transactions."""
+    rng = random.Random(seed)
+    store = EventStore(dsn)
+    versions: dict[str, int] = {}
+    with store.connect() as conn:
+        for _ in range(40):  # 40 transactions, 1-8 events each, over 60 streams
+            with conn.transaction():
+                for _ in range(rng.randint(1, 8)):
+                    sid = f"s-{rng.randrange(60)}"
+                    store.append(sid, "cart", [NewEvent("ItemAdded", {})], versions.get(sid, 0), conn=conn)
+                    versions[sid] = versions.get(sid, 0) + 1
+    with connect(dsn, autocommit=True) as conn:
+        txs = sorted({r[0] for r in conn.execute("SELECT tx_id::text::bigint FROM es.events")})
+        slices = sorted({r[0] for r in conn.execute("SELECT DISTINCT slice FROM es.events")})
+        for trial in range(6):
+            conn.execute("DELETE FROM es_pipeline.offsets")
+            # Trial 0: no offsets at all; later trials: some slices (with and without events) get one.
+            chosen = [] if trial == 0 else rng.sample(range(1024), 900) + rng.sample(slices, len(slices) // 2)
+            marks = {s: rng.choice(txs) + rng.choice((-1, 0, 0, 1)) for s in set(chosen)}
+            if trial == 5:  # every slice has an offset, most caught up: the steady state
+                marks = {s: txs[-1] + 1 for s in range(1024)} | {s: rng.choice(txs) for s in rng.sample(slices, 5)}
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO es_pipeline.offsets (consumer, slice, watermark) VALUES (%s, %s, %s::text::xid8)",
+                    [(EVENTS_CONSUMER, s, str(w)) for s, w in marks.items()],
+                )
+            expected = _truth(conn, marks)
+            for tail_rows in (1, 2, 7, 50, 512):
+                found = probe(conn, "es", EVENTS_CONSUMER, tail_rows=tail_rows)
+                assert found == expected, f"trial {trial}, tail_rows {tail_rows}"
+
+
+def test_probe_plan_reads_the_tail_in_the_steady_state(dsn: str) -> None:
+    """Caught-up watermarks: the plan reads the end of the tx_id index and probes no slice one by one."""
     from es_pipeline.demo import bulk_load
 
     bulk_load(dsn, events=100_000, streams=1000, events_per_tx=50_000)
@@ -75,7 +121,12 @@ def test_probe_plan_is_index_probes(dsn: str) -> None:
             "INSERT INTO es_pipeline.offsets (consumer, slice, watermark) SELECT 'events', s, "
             "pg_snapshot_xmin(pg_current_snapshot()) FROM generate_series(0, 1023) s"
         )
+    EventStore(dsn).append("cart-new", "cart", [NewEvent("ItemAdded", {})], 0)
+    with psycopg.connect(dsn, autocommit=True) as conn:
         plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN SELECT 1 FROM es.events e WHERE e.slice = 5::smallint AND e.tx_id >= '1'::xid8 AND e.tx_id < '2'::xid8"
+            sql.SQL("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) ") + probe_statement("es"), {"consumer": EVENTS_CONSUMER}
         ))
-    assert "events_slice_tx_idx" in plan
+        assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == {EventStore(dsn).slice_of("cart-new")}
+    assert "Index Scan Backward using events_tx_idx" in plan, plan
+    per_slice = plan[plan.index("events_slice_tx_idx") - 200:]
+    assert "never executed" in per_slice, plan
