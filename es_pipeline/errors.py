@@ -81,13 +81,20 @@ class ReducerError(EsPipelineError):
 
 
 class LakeOffsetsMismatch(EsPipelineError):
-    """The offsets say events were extracted, but the Delta table they went to is gone."""
+    """The offsets say events were extracted, but not into the Delta table this run would write to."""
 
-    def __init__(self, path: str, consumer: str, slices: list[int]) -> None:
-        self.path, self.consumer, self.slices = path, consumer, slices
+    def __init__(
+        self, path: str, consumer: str, slices: list[int], *, recorded: tuple[str, str] | None = None
+    ) -> None:
+        self.path, self.consumer, self.slices, self.recorded = path, consumer, slices, recorded
+        if recorded is None:
+            what = f"the Delta table {path} was just created, but"
+            where = "(into a table that is no longer there)"
+        else:
+            what = f"the Delta table at {path} is not the one es_pipeline.offsets describes, and"
+            where = f"(into Delta table {recorded[0]}, then at {recorded[1]})"
         super().__init__(
-            f"the Delta table {path} was just created, but es_pipeline.offsets says {len(slices)} of this range's "
-            f"slices were already extracted for consumer {consumer!r} (into a table that is no longer there). "
-            "Nothing was written. To rebuild the lake from the event store, run "
+            f"{what} es_pipeline.offsets says {len(slices)} slice(s) were already extracted for consumer "
+            f"{consumer!r} {where}. Nothing was written. To rebuild the lake from the event store, run "
             f"`es-pipeline offsets reset --consumer {consumer}`; or point ES_PIPELINE_WAREHOUSE back at the old lake."
         )

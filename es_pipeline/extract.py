@@ -150,6 +150,8 @@ class Extractor:
                 extracted = [s for s, w in session.watermarks(slice_range.slices).items() if w > 0]
                 if extracted:
                     raise LakeOffsetsMismatch(self.events_path, self.consumer, extracted)
+            # Also when another range's run made the table: the watermarks must be this table's.
+            session.bind_sink(lake.table_id(self.events_path), self.events_path)
             for pending in session.pending_overlapping(slice_range.slices):
                 session.lock(pending.slices, slice_range.key)  # a batch of an older range split
                 self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")

@@ -136,6 +136,13 @@ def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties:
             raise
 
 
+def table_id(path: str) -> str:
+    """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one."""
+    from deltalake import DeltaTable
+
+    return str(DeltaTable(path).metadata().id)
+
+
 def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int) -> bool:
     """Append an Arrow table with delta-rs as Delta transaction (`app_id`, `version`); False if skipped.
 

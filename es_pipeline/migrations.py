@@ -120,6 +120,21 @@ CREATE TABLE IF NOT EXISTS es_pipeline.pending_batches (
 CREATE INDEX IF NOT EXISTS events_tx_idx ON {schema}.events (tx_id);
 """,
     ),
+    Migration(
+        4,
+        "sinks: the Delta table a consumer's offsets belong to",
+        """
+-- A consumer's watermarks say what is in one particular Delta table. Its id (Delta's metaData.id,
+-- set when the table is created) is recorded with the first batch, so that a run pointed at another
+-- table (a lost, moved or recreated lake) refuses instead of continuing from watermarks that are not its own.
+CREATE TABLE IF NOT EXISTS es_pipeline.sinks (
+    consumer    text        PRIMARY KEY,
+    table_id    text        NOT NULL,
+    path        text        NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+);
+""",
+    ),
 )
 
 # What an existing table must look like for us to adopt it instead of refusing.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from es_pipeline.errors import SliceLocked
+from es_pipeline.errors import LakeOffsetsMismatch, SliceLocked
 from es_pipeline.pg import connect
 
 
@@ -96,6 +96,35 @@ class OffsetSession:
         name, pid = row
         return f"'{name}' (backend pid {pid})" if name else f"backend pid {pid}"
 
+    # -- the sink the watermarks belong to -----------------------------------------------------------
+
+    def bind_sink(self, table_id: str, path: str) -> None:
+        """Check that the watermarks of this consumer describe the Delta table `table_id`, or record it.
+
+        Raises `LakeOffsetsMismatch` when another table was recorded and some slice is already extracted:
+        continuing would leave the events below those watermarks out of this table. With no slice
+        extracted (a fresh start, or after `offsets reset`) the new table is simply recorded.
+        """
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "INSERT INTO es_pipeline.sinks (consumer, table_id, path) VALUES (%s, %s, %s) "
+                "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer RETURNING table_id, path",
+                (self.consumer, table_id, path),
+            ).fetchone()
+            assert row is not None
+            if row[0] == table_id:
+                return
+            extracted = [s for (s,) in self.conn.execute(
+                "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",
+                (self.consumer,),
+            )]
+            if extracted:
+                raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=(row[0], row[1]))
+            self.conn.execute(
+                "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
+                (table_id, path, self.consumer),
+            )
+
     # -- horizon and watermarks --------------------------------------------------------------------
 
     def horizon(self) -> int:
@@ -156,8 +185,9 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
 
 
 def reset(conn: psycopg.Connection, consumer: str) -> int:
-    """Forget every watermark and pending batch of `consumer`: the next runs start from the beginning."""
+    """Forget every watermark, pending batch and recorded sink of `consumer`: the next runs start from the beginning."""
     with conn.transaction():
         n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
         conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
+        conn.execute("DELETE FROM es_pipeline.sinks WHERE consumer = %s", (consumer,))
     return n

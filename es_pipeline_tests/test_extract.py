@@ -170,6 +170,32 @@ def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: str, spark: Any, w
     assert assert_exactly_once(spark, new_lake, dsn) == 100
 
 
+def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, warehouse: Path) -> None:
+    """The lake is lost after one range was extracted; another range (no watermarks yet) recreates the
+    table. The first range must not then continue from its watermarks into the new table, which lacks
+    its earlier events: the recorded table id tells the two tables apart."""
+    import shutil
+
+    import psycopg as pg
+
+    from es_pipeline import offsets
+    from es_pipeline.errors import LakeOffsetsMismatch
+
+    run_workload(EventStore(dsn), streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
+    low, high = SliceRange(0, 511), SliceRange(512, 1023)
+    Extractor(dsn, spark, warehouse).run(low)
+    shutil.rmtree(warehouse / "events")
+    with pytest.raises(LakeOffsetsMismatch, match="not the one es_pipeline.offsets describes"):
+        Extractor(dsn, spark, warehouse).run(high)  # creates the new table, then refuses
+    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+        Extractor(dsn, spark, warehouse).run(low)  # the table exists now: refused all the same
+    with pg.connect(dsn) as conn:
+        offsets.reset(conn, "events")
+    Extractor(dsn, spark, warehouse).run(low)
+    Extractor(dsn, spark, warehouse).run(high)
+    assert assert_exactly_once(spark, warehouse, dsn) == 200
+
+
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
