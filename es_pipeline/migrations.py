@@ -111,13 +111,15 @@ CREATE TABLE IF NOT EXISTS es_pipeline.pending_batches (
     ),
     Migration(
         3,
-        "events: index on tx_id, for the sensor's probe of the newest committed events",
-        # The sensor reads the newest events (tx_id >= the lowest watermark, below the horizon) from the
-        # end of this index: one descent whatever the table size (docs/decisions.md, "The sensor's probe").
+        "events: index on the transaction order, for the sensor's probe of the newest committed events",
+        # The sensor reads the newest events (from the lowest watermark up to the horizon) from the end of
+        # this index: one descent whatever the table size (docs/decisions.md, "The sensor's probe"). It is
+        # on the expression tx_id::text::bigint, not on tx_id, so that only the probe, which names that
+        # expression, can use it: on plain tx_id the planner began reading extraction batches through it.
         # On a large existing table, build it first with CREATE INDEX CONCURRENTLY under this name: the
         # migration then only records itself.
         """
-CREATE INDEX IF NOT EXISTS events_tx_idx ON {schema}.events (tx_id);
+CREATE INDEX IF NOT EXISTS events_tx_order_idx ON {schema}.events ((tx_id::text::bigint));
 """,
     ),
     Migration(

@@ -4,7 +4,8 @@ The probe is one statement that answers: which slices have a committed event wit
 `W(slice) <= tx_id < H`? Its cost must not grow with the table, so it reads the *tail*:
 
 1. the newest events, `lo <= tx_id < H` with `lo` the lowest watermark, from the end of the index
-   on `tx_id`, at most `tail_rows` of them (one index descent plus the rows read);
+   on the transaction order (`events_tx_order_idx`), at most `tail_rows` of them (one index descent
+   plus the rows read);
 2. a slice with a tail event at or above its own watermark is ready;
 3. if the tail was cut short at `tx_id = t`, the slices whose watermark is at or below `t` are not
    fully covered by it: each of them gets its own index probe on `(slice, tx_id)` (the old,
@@ -41,10 +42,12 @@ WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
      lo AS MATERIALIZED (
          SELECT CASE WHEN count(*) = {slices} THEN min(watermark) ELSE '0'::xid8 END AS lo
          FROM es_pipeline.offsets WHERE consumer = {consumer}),
+     -- tx_id::text::bigint is the expression events_tx_order_idx indexes (xid8 values fit in a bigint).
      tail AS MATERIALIZED (
          SELECT e.slice, e.tx_id FROM {events} e
-         WHERE e.tx_id >= (SELECT lo FROM lo) AND e.tx_id < (SELECT h FROM h)
-         ORDER BY e.tx_id DESC LIMIT {tail_rows}),
+         WHERE e.tx_id::text::bigint >= (SELECT lo::text::bigint FROM lo)
+           AND e.tx_id::text::bigint < (SELECT h::text::bigint FROM h)
+         ORDER BY e.tx_id::text::bigint DESC LIMIT {tail_rows}),
      -- NULL when the tail holds every event in [lo, H); else its lowest tx_id, which it may hold only in part.
      cut AS MATERIALIZED (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx_id) END AS t FROM tail),
      from_tail AS MATERIALIZED (

@@ -127,6 +127,6 @@ def test_probe_plan_reads_the_tail_in_the_steady_state(dsn: str) -> None:
             sql.SQL("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) ") + probe_statement("es"), {"consumer": EVENTS_CONSUMER}
         ))
         assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == {EventStore(dsn).slice_of("cart-new")}
-    assert "Index Scan Backward using events_tx_idx" in plan, plan
+    assert "Index Scan Backward using events_tx_order_idx" in plan, plan
     per_slice = plan[plan.index("events_slice_tx_idx") - 200:]
     assert "never executed" in per_slice, plan
