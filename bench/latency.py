@@ -10,7 +10,7 @@ and the moment the event became visible in the Delta table (polled every 0.25 s 
 sensor_tick: the sensor's one-statement probe, median of 50, with 100 thousand vs 10 million
 events in the store (BENCH_TICK_SMALL / BENCH_TICK_LARGE override); beside it the whole tick (new
 connection, as the sensor does), the per-slice probe it replaced, and the case of a lagging range.
-append_cost: demo appends per second with and without the sensor's tx_id index, same run.
+append_cost: demo appends per second with and without the sensor's transaction-order index, same run.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def sensor_tick() -> None:
         drop_database(db)
     small_f, large_f = figures["small"], figures["large"]
     labels = {
-        "tail": "probe: tail of the tx_id index (es_pipeline)",
+        "tail": "probe: tail of the transaction-order index (es_pipeline)",
         "whole_tick": "whole tick: connect + plan + probe (as the sensor)",
         "per_slice": "baseline: 1024 per-slice index probes (before)",
         "lagging_range": "probe, one range never extracted (128 slices probed)",
@@ -284,17 +284,17 @@ def sensor_tick() -> None:
 
 
 def append_cost() -> None:
-    """What the sensor's tx_id index costs the writers: demo appends with and without it, same run."""
+    """What the sensor's transaction-order index costs the writers: demo appends with and without it, same run."""
     events, rounds = int(os.environ.get("BENCH_APPEND_EVENTS", "20000")), 2
     db = "bench_append"
-    figures: dict[str, list[float]] = {"with events_tx_idx": [], "without": []}
+    figures: dict[str, list[float]] = {"with events_tx_order_idx": [], "without": []}
     try:
         for _ in range(rounds):  # alternate, so drift on the machine falls on both
             for label in figures:
                 dsn = fresh_database(db)
                 if label == "without":
                     with psycopg.connect(dsn, autocommit=True) as c:
-                        c.execute("DROP INDEX es.events_tx_idx")
+                        c.execute("DROP INDEX es.events_tx_order_idx")
                 report = run_workload(EventStore(dsn), streams=1000, events=events, writers=4,
                                       rollback_rate=0.0, max_commit_delay=0.0)
                 figures[label].append(report.events_per_second)
@@ -303,7 +303,7 @@ def append_cost() -> None:
     base = statistics.median(figures["without"])
     write_result(
         "append_cost",
-        title="appends per second with and without the sensor's tx_id index (4 writers, 1-4 events per transaction)",
+        title="appends per second with and without the sensor's transaction-order index (4 writers, 1-4 events per transaction)",
         facts=machine_facts(),
         parameters={"events": events, "rounds": rounds, "writers": 4},
         columns=["events table", "events/s (median)", "ratio to without"],
