@@ -137,7 +137,22 @@ def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties:
 
 
 def table_id(path: str) -> str:
-    """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one."""
+    """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one.
+
+    Read from the first commit, whose size does not grow with the table; only once log cleanup has
+    removed that file is the whole log loaded (the id never changes over a table's life).
+    """
+    import json
+
+    first = Path(path) / "_delta_log" / f"{0:020d}.json"
+    try:
+        with first.open(encoding="utf-8") as log:
+            for line in log:
+                action = json.loads(line) if line.strip() else {}
+                if "metaData" in action:
+                    return str(action["metaData"]["id"])
+    except FileNotFoundError:
+        pass
     from deltalake import DeltaTable
 
     return str(DeltaTable(path).metadata().id)

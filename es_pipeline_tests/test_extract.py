@@ -184,6 +184,12 @@ def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, ware
     run_workload(EventStore(dsn), streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
     low, high = SliceRange(0, 511), SliceRange(512, 1023)
     Extractor(dsn, spark, warehouse).run(low)
+    from deltalake import DeltaTable
+
+    from es_pipeline import lake
+
+    first_id = lake.table_id(str(warehouse / "events"))
+    assert first_id == DeltaTable(str(warehouse / "events")).metadata().id  # read from the first commit alone
     shutil.rmtree(warehouse / "events")
     with pytest.raises(LakeOffsetsMismatch, match="not the one es_pipeline.offsets describes"):
         Extractor(dsn, spark, warehouse).run(high)  # creates the new table, then refuses
@@ -194,6 +200,7 @@ def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, ware
     Extractor(dsn, spark, warehouse).run(low)
     Extractor(dsn, spark, warehouse).run(high)
     assert assert_exactly_once(spark, warehouse, dsn) == 200
+    assert lake.table_id(str(warehouse / "events")) != first_id
 
 
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
