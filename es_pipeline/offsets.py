@@ -113,6 +113,8 @@ class OffsetSession:
             ).fetchone()
             assert row is not None
             if row[0] == table_id:
+                if row[1] != path:  # the same table, moved: remember where it is now
+                    self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
                 return
             extracted = [s for (s,) in self.conn.execute(
                 "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",

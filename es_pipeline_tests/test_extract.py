@@ -203,6 +203,24 @@ def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, ware
     assert lake.table_id(str(warehouse / "events")) != first_id
 
 
+def test_a_moved_lake_is_the_same_lake(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    """Moving the warehouse keeps the table id: the run goes on from the watermarks, and the new path is recorded."""
+    import shutil
+
+    import psycopg as pg
+
+    store = EventStore(dsn)
+    run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    moved = tmp_path / "moved"
+    shutil.move(str(warehouse), str(moved))
+    run_workload(store, streams=20, events=50, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
+    assert Extractor(dsn, spark, moved).run(SliceRange(0, 1023)).rows == 50
+    assert assert_exactly_once(spark, moved, dsn) == 150
+    with pg.connect(dsn) as conn:
+        assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(moved / "events"),)
+
+
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
