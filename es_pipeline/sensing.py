@@ -38,27 +38,28 @@ class Probe:
 
 _PROBE = """
 WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
-     -- The lowest watermark; a slice without an offset row has watermark 0.
+     -- The lowest watermark; a slice without an offset row has watermark 0. Transaction ids are compared
+     -- as bigints where aggregated (min/max over xid8 exist only from PostgreSQL 15; xid8 fits a bigint).
      lo AS MATERIALIZED (
-         SELECT CASE WHEN count(*) = {slices} THEN min(watermark) ELSE '0'::xid8 END AS lo
+         SELECT CASE WHEN count(*) = {slices} THEN min(watermark::text::bigint) ELSE 0 END AS lo
          FROM es_pipeline.offsets WHERE consumer = {consumer}),
-     -- tx_id::text::bigint is the expression events_tx_order_idx indexes (xid8 values fit in a bigint).
+     -- tx_id::text::bigint is the expression events_tx_order_idx indexes.
      tail AS MATERIALIZED (
-         SELECT e.slice, e.tx_id FROM {events} e
-         WHERE e.tx_id::text::bigint >= (SELECT lo::text::bigint FROM lo)
+         SELECT e.slice, e.tx_id::text::bigint AS tx FROM {events} e
+         WHERE e.tx_id::text::bigint >= (SELECT lo FROM lo)
            AND e.tx_id::text::bigint < (SELECT h::text::bigint FROM h)
          ORDER BY e.tx_id::text::bigint DESC LIMIT {tail_rows}),
-     -- NULL when the tail holds every event in [lo, H); else its lowest tx_id, which it may hold only in part.
-     cut AS MATERIALIZED (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx_id) END AS t FROM tail),
+     -- NULL when the tail holds every event in [lo, H); else its lowest tx, which it may hold only in part.
+     cut AS MATERIALIZED (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx) END AS t FROM tail),
      from_tail AS MATERIALIZED (
-         SELECT t.slice FROM (SELECT slice, max(tx_id) AS top FROM tail GROUP BY slice) t
+         SELECT t.slice FROM (SELECT slice, max(tx) AS top FROM tail GROUP BY slice) t
          LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = t.slice
-         WHERE t.top >= coalesce(o.watermark, '0'::xid8)),
+         WHERE t.top >= coalesce(o.watermark::text::bigint, 0)),
      probed AS (
          SELECT g.slice::smallint AS slice
          FROM cut, h, generate_series(0, {last_slice}) AS g(slice)
          LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = g.slice
-         WHERE cut.t IS NOT NULL AND coalesce(o.watermark, '0'::xid8) <= cut.t
+         WHERE cut.t IS NOT NULL AND coalesce(o.watermark::text::bigint, 0) <= cut.t
            AND g.slice NOT IN (SELECT slice FROM from_tail)
            AND EXISTS (SELECT 1 FROM {events} e WHERE e.slice = g.slice
                        AND e.tx_id >= coalesce(o.watermark, '0'::xid8) AND e.tx_id < h.h))
@@ -69,6 +70,8 @@ SELECT (SELECT h::text::bigint FROM h),
 
 def probe_statement(schema: str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
     """The probe's one statement; its parameter is `consumer`."""
+    if tail_rows < 1:
+        raise ValueError(f"tail_rows must be at least 1, not {tail_rows}")
     return sql.SQL(_PROBE).format(
         slices=sql.Literal(NUM_SLICES),
         last_slice=sql.Literal(NUM_SLICES - 1),

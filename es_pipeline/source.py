@@ -176,7 +176,7 @@ def first_tx_ids(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[in
     slices = ",".join(str(int(s)) for s, _ in pairs)
     lows = ",".join(str(int(w)) for _, w in pairs)
     row = conn.execute(
-        f"SELECT min(f.tx_id)::text::bigint FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) "  # type: ignore[arg-type]
+        f"SELECT min(f.tx_id::text::bigint) FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) "  # type: ignore[arg-type]
         f"AS w(slice, lo) CROSS JOIN LATERAL (SELECT e.tx_id FROM {table} e WHERE e.slice = w.slice "
         f"AND e.tx_id >= w.lo AND e.tx_id < '{int(upper)}'::xid8 ORDER BY e.tx_id LIMIT 1) f"
     ).fetchone()
