@@ -81,10 +81,15 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline import offsets
-    from es_pipeline.pg import connect
+    from es_pipeline.errors import SliceLocked
 
-    with connect(settings.pg_dsn) as conn:
-        n = offsets.reset(conn, args.consumer)
+    try:
+        n = offsets.reset_when_idle(settings.pg_dsn, args.consumer)
+    except SliceLocked as exc:
+        print(f"es-pipeline offsets reset: refused, nothing was forgotten: {exc.holder} is extracting slices of "
+              f"consumer {args.consumer!r}. Let the running events runs finish (turn new_events_sensor off to stop "
+              "new ones), then run this again.", file=sys.stderr)
+        return 1
     print(f"forgot {n} slice watermarks of consumer {args.consumer!r}; the next runs extract from the beginning")
     return 0
 

@@ -95,6 +95,20 @@ class LakeOffsetsMismatch(EsPipelineError):
             where = f"(into Delta table {recorded[0]}, then at {recorded[1]})"
         super().__init__(
             f"{what} es_pipeline.offsets says {len(slices)} slice(s) were already extracted for consumer "
-            f"{consumer!r} {where}. Nothing was written. To rebuild the lake from the event store, run "
-            f"`es-pipeline offsets reset --consumer {consumer}`; or point ES_PIPELINE_WAREHOUSE back at the old lake."
+            f"{consumer!r} {where}. Nothing was written. Either point ES_PIPELINE_WAREHOUSE back at the old lake, "
+            f"or rebuild from the event store: remove {path} if it holds any rows (a reset extracts everything "
+            f"again), then run `es-pipeline offsets reset --consumer {consumer}`."
+        )
+
+
+class SinkChanged(EsPipelineError):
+    """While a run was writing, its consumer's offsets were bound to another Delta table or reset."""
+
+    def __init__(self, consumer: str, table_id: str) -> None:
+        self.consumer, self.table_id = consumer, table_id
+        super().__init__(
+            f"while this run was writing, the offsets of consumer {consumer!r} were bound to another Delta table "
+            f"than {table_id}, or reset. Its watermarks were not advanced; its batch stays pending and the next "
+            "run replays it into the table the offsets belong to now. Look for another deployment of es_pipeline "
+            "writing to a different ES_PIPELINE_WAREHOUSE with the same database."
         )

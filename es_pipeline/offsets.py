@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import psycopg
 
-from es_pipeline.errors import LakeOffsetsMismatch, SliceLocked
+from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
 from es_pipeline.pg import connect
+from es_pipeline.slices import NUM_SLICES
 
 
 def lock_namespace(consumer: str) -> int:
@@ -50,6 +51,7 @@ class OffsetSession:
         self.namespace = lock_namespace(consumer)
         self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=f"es_pipeline {label} run {run_id}"[:63])
         self.locked: set[int] = set()
+        self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
 
     def close(self) -> None:
         try:
@@ -115,6 +117,7 @@ class OffsetSession:
             if row[0] == table_id:
                 if row[1] != path:  # the same table, moved: remember where it is now
                     self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
+                self.sink_id = table_id
                 return
             extracted = [s for (s,) in self.conn.execute(
                 "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",
@@ -126,6 +129,7 @@ class OffsetSession:
                 "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
                 (table_id, path, self.consumer),
             )
+        self.sink_id = table_id
 
     # -- horizon and watermarks --------------------------------------------------------------------
 
@@ -139,8 +143,18 @@ class OffsetSession:
         return read_watermarks(self.conn, self.consumer, slices)
 
     def commit(self, batch: Batch) -> None:
-        """Advance the watermarks of the batch's slices to its upper bound and drop its pending record."""
+        """Advance the watermarks of the batch's slices to its upper bound and drop its pending record.
+
+        If the run checked its sink, the binding must still hold (FOR SHARE keeps it until the commit):
+        another range's run may have bound the consumer to another table meanwhile. Then nothing is
+        committed and the batch stays pending, to be replayed into the table now bound.
+        """
         with self.conn.transaction():
+            if self.sink_id is not None and self.conn.execute(
+                "SELECT 1 FROM es_pipeline.sinks WHERE consumer = %s AND table_id = %s FOR SHARE",
+                (self.consumer, self.sink_id),
+            ).fetchone() is None:
+                raise SinkChanged(self.consumer, self.sink_id)
             self.conn.execute(
                 "INSERT INTO es_pipeline.offsets AS o (consumer, slice, watermark, updated_at, run_id) "
                 "SELECT %s, s, %s::text::xid8, now(), %s FROM unnest(%s::smallint[]) AS s "
@@ -184,6 +198,13 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     ).fetchall()
     found = {int(s): int(w) for s, w in rows}
     return {s: found.get(s, 0) for s in slices}
+
+
+def reset_when_idle(dsn: str, consumer: str) -> int:
+    """`reset`, holding every slice lock of `consumer`: refused (SliceLocked) while a run is extracting."""
+    with OffsetSession(dsn, consumer, run_id="offsets-reset", label="offsets reset") as session:
+        session.lock(range(NUM_SLICES), "all slices")
+        return reset(session.conn, consumer)
 
 
 def reset(conn: psycopg.Connection, consumer: str) -> int:

@@ -221,6 +221,53 @@ def test_a_moved_lake_is_the_same_lake(dsn: str, spark: Any, warehouse: Path, tm
         assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(moved / "events"),)
 
 
+def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Another run binds the consumer to another table while this one writes: no watermark moves, the
+    batch stays pending, and the next run replays it into the table bound then, exactly once."""
+    import psycopg as pg
+
+    from es_pipeline.errors import SinkChanged
+
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+
+    def rebind(name: str, batch: Batch | None) -> None:
+        if name == "delta_committed":
+            with pg.connect(dsn, autocommit=True) as conn:
+                conn.execute("UPDATE es_pipeline.sinks SET table_id = 'another-table'")
+
+    with pytest.raises(SinkChanged, match="replays it"):
+        Extractor(dsn, spark, warehouse, on_step=rebind).run(SliceRange(0, 1023))
+    with pg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.offsets").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
+    result = Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # no watermark yet: it rebinds
+    assert result.replayed_batches == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 100
+
+
+def test_offsets_reset_waits_for_running_extractions(dsn: str, spark: Any, warehouse: Path) -> None:
+    from es_pipeline import offsets
+
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(name: str, batch: Batch | None) -> None:
+        if name == "locked":
+            holding.set()
+            release.wait(60)
+
+    running = threading.Thread(target=lambda: Extractor(dsn, spark, warehouse, on_step=hold).run(split(8)[3]))
+    running.start()
+    assert holding.wait(60)
+    try:
+        with pytest.raises(SliceLocked):
+            offsets.reset_when_idle(dsn, "events")
+    finally:
+        release.set()
+        running.join()
+    assert offsets.reset_when_idle(dsn, "events") == 128  # the run's slices, now forgotten
+
+
 def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
