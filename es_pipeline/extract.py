@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from es_pipeline import lake, source
-from es_pipeline.errors import ConfigError, LakeOffsetsMismatch
+from es_pipeline.errors import ConfigError
 from es_pipeline.offsets import Batch, OffsetSession
 from es_pipeline.slices import SliceRange
 
@@ -146,12 +146,8 @@ class Extractor:
         with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
             session.lock(slice_range.slices, slice_range.key)
             self._step("locked", None)
-            if table_is_new:  # a lost or moved lake must not be taken for an up-to-date one
-                extracted = [s for s, w in session.watermarks(slice_range.slices).items() if w > 0]
-                if extracted:
-                    raise LakeOffsetsMismatch(self.events_path, self.consumer, extracted)
-            # Also when another range's run made the table: the watermarks must be this table's.
-            session.bind_sink(lake.table_id(self.events_path), self.events_path)
+            # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
+            session.bind_sink(lake.table_id(self.events_path), self.events_path, created_now=table_is_new)
             for pending in session.pending_overlapping(slice_range.slices):
                 session.lock(pending.slices, slice_range.key)  # a batch of an older range split
                 self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")

@@ -100,22 +100,25 @@ class OffsetSession:
 
     # -- the sink the watermarks belong to -----------------------------------------------------------
 
-    def bind_sink(self, table_id: str, path: str) -> None:
+    def bind_sink(self, table_id: str, path: str, *, created_now: bool = False) -> None:
         """Check that the watermarks of this consumer describe the Delta table `table_id`, or record it.
 
-        Raises `LakeOffsetsMismatch` when another table was recorded and some slice is already extracted:
-        continuing would leave the events below those watermarks out of this table. With no slice
-        extracted (a fresh start, or after `offsets reset`) the new table is simply recorded.
+        Raises `LakeOffsetsMismatch` when some slice is already extracted but not into this table:
+        another table is recorded, or none is (offsets older than this record) and this run has just
+        created the table. Continuing would leave the events below those watermarks out of it. With no
+        slice extracted (a fresh start, or after `offsets reset`) the table is simply recorded.
         """
         with self.conn.transaction():
             row = self.conn.execute(
                 "INSERT INTO es_pipeline.sinks (consumer, table_id, path) VALUES (%s, %s, %s) "
-                "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer RETURNING table_id, path",
+                "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer "
+                "RETURNING table_id, path, xmax = 0 AS inserted",
                 (self.consumer, table_id, path),
             ).fetchone()
             assert row is not None
-            if row[0] == table_id:
-                if row[1] != path:  # the same table, moved: remember where it is now
+            recorded_id, recorded_path, inserted = row
+            if recorded_id == table_id and not (inserted and created_now):
+                if recorded_path != path:  # the same table, moved: remember where it is now
                     self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
                 self.sink_id = table_id
                 return
@@ -124,11 +127,13 @@ class OffsetSession:
                 (self.consumer,),
             )]
             if extracted:
-                raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=(row[0], row[1]))
-            self.conn.execute(
-                "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
-                (table_id, path, self.consumer),
-            )
+                recorded = None if inserted else (recorded_id, recorded_path)
+                raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=recorded)
+            if not inserted:
+                self.conn.execute(
+                    "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
+                    (table_id, path, self.consumer),
+                )
         self.sink_id = table_id
 
     # -- horizon and watermarks --------------------------------------------------------------------
