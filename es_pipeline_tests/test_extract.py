@@ -170,6 +170,27 @@ def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: str, spark: Any, w
     assert assert_exactly_once(spark, new_lake, dsn) == 100
 
 
+def test_a_lost_lake_is_refused_for_offsets_older_than_the_sink_record(
+    dsn: str, spark: Any, warehouse: Path, tmp_path: Path
+) -> None:
+    """Offsets written before es_pipeline.sinks existed (no record): a run that creates the table refuses."""
+    import psycopg as pg
+
+    from es_pipeline.errors import LakeOffsetsMismatch
+
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    with pg.connect(dsn) as conn:
+        conn.execute("DELETE FROM es_pipeline.sinks")
+    with pytest.raises(LakeOffsetsMismatch, match="was just created"):
+        Extractor(dsn, spark, tmp_path / "moved").run(SliceRange(0, 1023))
+    with pg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.sinks").fetchone() == (0,), "nothing recorded"
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # the old lake is recorded on its next run
+    with pg.connect(dsn) as conn:
+        assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(warehouse / "events"),)
+
+
 def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, warehouse: Path) -> None:
     """The lake is lost after one range was extracted; another range (no watermarks yet) recreates the
     table. The first range must not then continue from its watermarks into the new table, which lacks
