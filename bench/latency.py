@@ -123,8 +123,6 @@ def latency(commits: int) -> None:
     finally:
         drop_database(db)
 
-    from es_pipeline.slices import split
-
     ranges = split(8)
     pieces: dict[str, list[float]] = {k: [] for k in ("total", "sensor_wait", "queue", "launch", "spark", "read", "write", "other")}
     not_seen: list[str] = []  # never visible in the lake within the wait: reported, never dropped silently
