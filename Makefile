@@ -14,12 +14,13 @@ export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PI
 export ES_PIPELINE_WAREHOUSE ?= $(CURDIR)/warehouse
 export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 
-.PHONY: help setup venv jars db dagster-home dev demo test lint typecheck pytest bench clean
+.PHONY: help setup venv jars db dagster-home dev demo check test lint typecheck pytest pytest-fast bench clean
 
 help:
 	@echo "make dev    - set up everything, then Dagster UI + daemon + demo writers (Ctrl-C stops all)"
 	@echo "make demo   - set up, then one headless end-to-end pass printing what an analyst sees"
-	@echo "make test   - set up, then lint, type checks and the whole test suite"
+	@echo "make check  - lint, types, layer contracts and the tests that need no Spark or daemon (< 3 min)"
+	@echo "make test   - set up, then lint, type checks, layer contracts and the whole test suite (what CI runs)"
 	@echo "make bench  - set up, then the benchmarks (results in bench/results/)"
 
 $(UV):
@@ -53,12 +54,19 @@ demo: setup
 
 lint: venv
 	$(VENV)/bin/ruff check es_pipeline es_pipeline_tests bench
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
 	$(VENV)/bin/mypy es_pipeline
 
 pytest: setup
 	$(VENV)/bin/pytest -q es_pipeline_tests
+
+# The fast tier: pure tests and those against the local Postgres; no Spark JVM, no Dagster daemon.
+pytest-fast: db
+	$(VENV)/bin/pytest -q -m "not spark and not e2e" es_pipeline_tests
+
+check: lint typecheck pytest-fast
 
 test: lint typecheck pytest
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.common import ALL_SLICES, SCHEMA, spark_session
 from bench.procmem import ChildrenSampler, status_kib
-from es_pipeline.extract import Extractor
+from es_pipeline.extraction.extractor import Extractor
 
 RESULT_PREFIX = "BENCH_RESULT "
 log = logging.getLogger("bench.backfill_once")

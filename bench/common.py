@@ -16,10 +16,11 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from es_pipeline.demo import bulk_load
-from es_pipeline.migrations import migrate
-from es_pipeline.settings import LOCAL_PG_PORT, PROJECT_ROOT, Settings
-from es_pipeline.slices import NUM_SLICES, SliceRange
+from es_pipeline.dev.workload import bulk_load
+from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
+from es_pipeline.lake.spark import delta_jars, spark_conf
+from es_pipeline.settings import PROJECT_ROOT, Settings, local_pg_dsn
+from es_pipeline.store.migrations import migrate
 
 BENCH_DIR = PROJECT_ROOT / "bench"
 WORK_ROOT = BENCH_DIR / "work"  # git-ignored scratch: lakes, Spark warehouse
@@ -81,7 +82,7 @@ class Sizes:
 
 
 def admin_dsn() -> str:
-    return os.environ.get("BENCH_PG_ADMIN_DSN", f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/postgres")
+    return os.environ.get("BENCH_PG_ADMIN_DSN") or local_pg_dsn(Settings.from_env().local_pg_port, "postgres")
 
 
 def database_name() -> str:
@@ -170,8 +171,6 @@ def server_version(dsn: str) -> str:
 def spark_session(warehouse: Path, *, extra_jars: Sequence[Path] = ()) -> Any:
     """The process's one Spark session: es_pipeline's own configuration at local[2], plus `extra_jars`."""
     from pyspark.sql import SparkSession
-
-    from es_pipeline.spark import delta_jars, spark_conf
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # as `make` sets it: workers use this venv
     delta_jars()

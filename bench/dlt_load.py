@@ -15,7 +15,8 @@ from pathlib import Path
 import psycopg
 
 from bench.common import SCHEMA, Timing
-from es_pipeline.source import EVENT_COLUMNS
+from es_pipeline.extraction.reader import EVENT_COLUMNS
+from es_pipeline.store.conninfo import parse
 
 VIEW = "bench_dlt_events"
 
@@ -25,12 +26,11 @@ def dlt_delta(dsn: str, work: Path) -> Timing:
     from dlt.sources.credentials import ConnectionStringCredentials
     from dlt.sources.sql_database import sql_table
 
-    from es_pipeline.source import to_uri
-
     os.environ.setdefault("RUNTIME__DLTHUB_TELEMETRY", "false")
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{VIEW} AS SELECT {EVENT_COLUMNS} FROM {SCHEMA}.events e")
-    url = to_uri(dsn).replace("postgresql://", "postgresql+psycopg2://", 1)
+    p = parse(dsn)  # the benchmark's own database: host, port, user and dbname, no password
+    url = f"postgresql+psycopg2://{p['user']}@{p['host']}:{p['port']}/{p['dbname']}"
     table = sql_table(
         credentials=ConnectionStringCredentials(url), schema=SCHEMA, table=VIEW,
         incremental=dlt.sources.incremental("global_position"),

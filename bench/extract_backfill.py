@@ -27,8 +27,10 @@ from bench.common import (
 from bench.dlt_load import dlt_delta
 from bench.jdbc import jdbc_url
 from bench.results import Goal, n, ratio, secs
-from es_pipeline.extract import DEFAULT_BATCH_EVENTS, Extractor
-from es_pipeline.source import EVENT_COLUMNS
+from es_pipeline.extraction.extractor import DEFAULT_BATCH_EVENTS, Extractor
+from es_pipeline.extraction.reader import EVENT_COLUMNS, EVENTS_ARROW_SCHEMA
+from es_pipeline.lake import tables
+from es_pipeline.store.conninfo import adbc_dsn
 
 NAME = "extract_backfill"
 TITLE = "backfill of a whole event table into Delta"
@@ -95,7 +97,7 @@ def spark_jdbc(dsn: str, spark: Any, table_dir: Path) -> Timing:
     t0 = time.perf_counter()
     jdbc_frame(spark, dsn).write.format("delta").mode("append").save(str(table_dir))
     seconds = time.perf_counter() - t0
-    rows = int(spark.read.format("delta").load(str(table_dir)).count())
+    rows = int(tables.read(spark, str(table_dir)).count())
     return Timing("plain Spark JDBC → Delta", rows, seconds, {"fetchsize": JDBC_FETCH_SIZE})
 
 
@@ -109,10 +111,8 @@ def warm_up(dsn: str, spark: Any, scratch: Path, events: int) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from es_pipeline.source import EVENTS_ARROW_SCHEMA, to_uri
-
     sample = min(WARM_UP_EVENTS, events)
-    with adbc.connect(to_uri(dsn)) as conn, conn.cursor() as cur:
+    with adbc.connect(adbc_dsn(dsn)) as conn, conn.cursor() as cur:
         cur.execute(select_events() + f" LIMIT {sample}")
         table = cur.fetch_arrow_table().cast(EVENTS_ARROW_SCHEMA)
     table = table.append_column("event_date", pc.cast(table["recorded_at"], pa.date32())).append_column(

@@ -24,8 +24,8 @@ from bench.common import (
     wait_until_extractable,
 )
 from bench.results import Goal, n, ratio, secs
-from es_pipeline.event_store import NO_STREAM, EventStore, NewEvent
-from es_pipeline.extract import Extractor, ExtractResult
+from es_pipeline.extraction.extractor import Extractor, ExtractResult
+from es_pipeline.store.event_store import NO_STREAM, EventStore, NewEvent
 
 NAME = "extract_incremental"
 TITLE = "an incremental batch of new events, small vs large history"

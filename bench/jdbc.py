@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from es_pipeline.source import jdbc_url
-from es_pipeline.spark import SparkSetupError, delta_jars
+from es_pipeline.errors import SparkSetupError
+from es_pipeline.lake.spark import delta_jars
+from es_pipeline.store.conninfo import jdbc_url
 
 __all__ = ["jdbc_jar", "jdbc_url"]
 

@@ -29,12 +29,12 @@ import psycopg
 
 from bench.common import admin_dsn, drop_database, fresh_database
 from bench.results import Goal, machine_facts, write_result
-from es_pipeline.demo import bulk_load, run_workload
-from es_pipeline.event_store import EventStore, NewEvent
-from es_pipeline.pg import connect
-from es_pipeline.sensing import TAIL_ROWS, probe
-from es_pipeline.slices import split
-from es_pipeline_tests.e2e import dagster_stack
+from es_pipeline.dev.stack import dagster_stack
+from es_pipeline.dev.workload import bulk_load, run_workload
+from es_pipeline.extraction.probe import TAIL_ROWS, probe
+from es_pipeline.extraction.slices import split
+from es_pipeline.store.conninfo import connect
+from es_pipeline.store.event_store import EventStore, NewEvent
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -27,8 +27,9 @@ from bench.common import (
 )
 from bench.extract_incremental import append_increment
 from bench.results import Goal, n, ratio, secs
-from es_pipeline.extract import Extractor
-from es_pipeline.state import StateResult, update_stream_state
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.lake import tables
+from es_pipeline.lake.stream_state import StateResult, update_stream_state
 
 INCREMENTAL = "state_incremental"
 REBUILD = "state_rebuild"
@@ -82,7 +83,7 @@ def run_incremental(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str,
 
     med_small = statistics.median(t.seconds for t in small)
     med_large = statistics.median(t.seconds for t in large)
-    state_rows = int(spark.read.format("delta").load(str(work / "lake" / "stream_state")).count())
+    state_rows = int(tables.read(spark, str(work / "lake" / "stream_state")).count())
 
     def row(label: str, lake: int, ts: list[Timing], med: float, baseline: bool = False) -> list[str]:
         return [label + (" ← baseline" if baseline else ""), n(lake), n(sizes.increment), secs(med),
@@ -121,7 +122,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
     if _extract(dsn, work, "bench-state-rebuild") != events:
         raise RuntimeError("the backfill did not bring every event")
     lake = work / "lake"
-    source = spark.read.format("delta").load(str(lake / "events"))
+    source = tables.read(spark, str(lake / "events"))
 
     def floor_job() -> None:
         (source.groupBy("stream_id").agg(

@@ -1,28 +1,38 @@
-"""The `es-pipeline` command line (DESIGN §6)."""
+"""The `es-pipeline` command line: argparse only; each command calls one library function."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-from es_pipeline.errors import EsPipelineError
+from es_pipeline.dev import local_server
+from es_pipeline.dev.demo import run_demo_pass
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import EsPipelineError, SliceLocked
+from es_pipeline.extraction import offsets
+from es_pipeline.extraction.extractor import extract_ranges
+from es_pipeline.extraction.status import status_report
+from es_pipeline.lake import tables
+from es_pipeline.lake.catalog import sql_over_lake
+from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark
 from es_pipeline.settings import Settings
+from es_pipeline.store.event_store import EventStore
+from es_pipeline.store.migrations import migrate
 
 
 def _db(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline import localdb
-    from es_pipeline.migrations import migrate
-
     if args.action == "start":
-        state = localdb.start()
-        print(f"local PostgreSQL {state} on 127.0.0.1:{localdb.LOCAL_PG_PORT} (data in {localdb.PGDATA})")
+        state = local_server.start(settings.local_pg_port)
+        print(f"local PostgreSQL {state} on 127.0.0.1:{settings.local_pg_port} (data in {local_server.PGDATA})")
     elif args.action == "stop":
-        print("local PostgreSQL stopped" if localdb.stop() else "local PostgreSQL was not running")
+        print("local PostgreSQL stopped" if local_server.stop() else "local PostgreSQL was not running")
     elif args.action == "migrate":
         applied = migrate(settings.pg_dsn, settings.schema)
         if applied:
@@ -34,9 +44,6 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.demo import run_workload
-    from es_pipeline.event_store import EventStore
-
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     store = EventStore(settings.pg_dsn, settings.schema)
@@ -62,27 +69,17 @@ def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _extract(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.extract import Extractor
-    from es_pipeline.slices import SliceRange, split
-    from es_pipeline.spark import get_spark
-
-    ranges = [SliceRange.from_key(k) for k in args.range] if args.range else split(settings.slice_ranges)
-    extractor = Extractor(settings.pg_dsn, get_spark(settings), settings.warehouse, settings.schema,
-                          progress=lambda m: print(m, flush=True))
     total = 0
-    for r in ranges:
-        res = extractor.run(r, run_id=f"cli-{int(time.time())}")
+    for res in extract_ranges(settings, args.range, lambda: get_spark(settings),
+                              run_id=f"cli-{int(time.time())}", progress=functools.partial(print, flush=True)):
         total += res.rows
-        print(f"{r.key}: {res.rows:,} events in {res.batches} batches, horizon {res.horizon}, "
+        print(f"{res.range_key}: {res.rows:,} events in {res.batches} batches, horizon {res.horizon}, "
               f"{res.events_behind:,} behind the horizon ({res.total_seconds:.1f} s)", flush=True)
-    print(f"extracted {total:,} events into {extractor.events_path}")
+    print(f"extracted {total:,} events into {tables.table_path(settings.warehouse, 'events')}")
     return 0
 
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline import offsets
-    from es_pipeline.errors import SliceLocked
-
     try:
         n = offsets.reset_when_idle(settings.pg_dsn, args.consumer)
     except SliceLocked as exc:
@@ -95,37 +92,20 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline import source
-    from es_pipeline.extract import EVENTS_CONSUMER
-    from es_pipeline.offsets import OffsetSession
-    from es_pipeline.slices import split
-    from es_pipeline.status import format_table, range_status
-
-    with OffsetSession(settings.pg_dsn, EVENTS_CONSUMER, run_id="status", label="status") as s:
-        horizon = s.horizon()
-        rows = [range_status(s.conn, settings.schema, EVENTS_CONSUMER, r, horizon) for r in split(settings.slice_ranges)]
-        print(format_table(rows, source.oldest_open_transaction_seconds(s.conn)))
+    print(status_report(settings))
     return 0
 
 
 def _sql(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.analyst import register_tables
-    from es_pipeline.spark import get_spark
-
-    spark = get_spark(settings, master=settings.spark_master)
-    names = register_tables(spark, settings.warehouse)
+    result, names = sql_over_lake(settings, args.query)
     if not names:
         print(f"no Delta tables under {settings.warehouse} yet: run `make demo` or materialize `events` first",
               file=sys.stderr)
-    spark.sql(args.query).show(args.limit, truncate=args.truncate)
+    result.show(args.limit, truncate=args.truncate)
     return 0
 
 
 def _spark(args: argparse.Namespace, settings: Settings) -> int:
-    import os
-
-    from es_pipeline.spark import connect_server_command, delta_jars
-
     if args.action == "jars":
         for jar in delta_jars():
             print(jar)
@@ -138,8 +118,6 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_run(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.demo_pass import run_demo_pass
-
     run_demo_pass(settings, events=args.events, writers=args.writers)
     return 0
 

@@ -1,29 +1,28 @@
-"""The code location: `es_pipeline.definitions:defs` (DESIGN §4)."""
+"""The code location, `es_pipeline.definitions:defs`: every Dagster object, assembled from `defs/`.
 
-import os
+Explicit rather than autoloaded: the partitions, the sensor's interval, the automation switch and
+the `events` asset's writer come from `Settings`, so `build_definitions(settings)` builds all of it.
+"""
 
 import dagster as dg
 
-from es_pipeline.assets.events import build_events_asset
-from es_pipeline.assets.projections import event_type_daily, snapshots, stream_catalog, stream_state
-from es_pipeline.checks import CHECKS
-from es_pipeline.partitions import slice_ranges_partitions
-from es_pipeline.resources import build_resources
-from es_pipeline.schedules import (
-    delta_maintenance_job,
-    delta_maintenance_schedule,
-    snapshots_job,
-    snapshots_schedule,
-)
-from es_pipeline.sensors import build_new_events_sensor
+from es_pipeline.defs.events.asset import build_events_asset
+from es_pipeline.defs.events.partitions import slice_ranges_partitions
+from es_pipeline.defs.events.sensor import build_new_events_sensor
+from es_pipeline.defs.maintenance.jobs import CHECKS, delta_maintenance_job, lake_checks_job
+from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, lake_checks_schedule
+from es_pipeline.defs.projections.assets import ASSETS as PROJECTIONS
+from es_pipeline.defs.projections.automation import build_projections_automation_sensor
+from es_pipeline.defs.resources import build_resources
+from es_pipeline.defs.snapshots.asset import snapshots
+from es_pipeline.defs.snapshots.schedule import snapshots_job, snapshots_schedule
+from es_pipeline.extraction.slices import split
 from es_pipeline.settings import Settings
-from es_pipeline.slices import split
 
 
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     settings = settings or Settings.from_env()
-    partitions = slice_ranges_partitions(settings.slice_ranges)
-    events = build_events_asset(partitions)
+    events = build_events_asset(slice_ranges_partitions(settings.slice_ranges), settings)
     # In-process: no step subprocess to start (seconds of latency per run); the table-wide checks
     # run on their own schedule, not in every incremental run.
     events_job = dg.define_asset_job(
@@ -31,31 +30,15 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         executor_def=dg.in_process_executor,
         description="Extract one slice range into the Delta `events` table.",
     )
-    checks_job = dg.define_asset_job(
-        "lake_checks_job", selection=dg.AssetSelection.checks(*CHECKS), executor_def=dg.in_process_executor,
-        description="Table-wide invariants of `events` and `stream_state`.",
-    )
-    checks_schedule = dg.ScheduleDefinition(
-        name="lake_checks_schedule", job=checks_job, cron_schedule="7 * * * *",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description="Hourly: no duplicates, contiguous versions, counts reconcile with Postgres, state matches events.",
-    )
-    automation = dg.AutomationConditionSensorDefinition(
-        "projections_automation_sensor",
-        target=dg.AssetSelection.assets(stream_catalog, event_type_daily, stream_state),
-        # On unless ES_PIPELINE_AUTOMATION=off (the end-to-end extraction test turns it off).
-        default_status=dg.DefaultSensorStatus.STOPPED
-        if os.environ.get("ES_PIPELINE_AUTOMATION", "on") == "off"
-        else dg.DefaultSensorStatus.RUNNING,
-        minimum_interval_seconds=30,
-        description="Declarative automation of the projections: they update after `events` does.",
+    new_events_sensor = build_new_events_sensor(
+        events_job, split(settings.slice_ranges), interval_seconds=settings.sensor_interval_seconds
     )
     return dg.Definitions(
-        assets=[events, stream_catalog, event_type_daily, stream_state, snapshots],
+        assets=[events, *PROJECTIONS, snapshots],
         asset_checks=CHECKS,
-        jobs=[events_job, checks_job, delta_maintenance_job, snapshots_job],
-        sensors=[build_new_events_sensor(events_job, split(settings.slice_ranges)), automation],
-        schedules=[delta_maintenance_schedule, snapshots_schedule, checks_schedule],
+        jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
+        sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation)],
+        schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
     )
 

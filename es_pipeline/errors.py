@@ -26,6 +26,14 @@ class DatabaseUnreachable(EsPipelineError, Retryable):
         )
 
 
+class UnsupportedDsn(EsPipelineError):
+    """A connection string that one of the read paths cannot use. Never echoes the DSN (it may hold a password)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"ES_PIPELINE_PG_DSN cannot be used by {path}: {reason}.")
+
+
 class PostgresTooOld(EsPipelineError):
     def __init__(self, version: str) -> None:
         self.version = version
@@ -112,3 +120,11 @@ class SinkChanged(EsPipelineError):
             "run replays it into the table the offsets belong to now. Look for another deployment of es_pipeline "
             "writing to a different ES_PIPELINE_WAREHOUSE with the same database."
         )
+
+
+class SparkSetupError(EsPipelineError):
+    """Spark or its Delta jars cannot be set up (no `java`, Maven Central unreachable, jars missing)."""
+
+
+class LocalServerError(EsPipelineError):
+    """The local development PostgreSQL server cannot be found, started or stopped."""

@@ -1,61 +1,87 @@
-"""Settings from the environment (DESIGN §5), read when asked for, never at import time."""
+"""Every setting, read from the environment in one place and validated there.
+
+Nothing reads the environment at import time: `Settings.from_env()` does, when asked, and refuses a
+bad value with one line naming the variable, what it holds and what it accepts. The table of
+variables is in README.md ("Settings"). A leaf: this module imports only `errors`.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from es_pipeline.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
-# The local development server's port. The one setting read at import: it only names the project's
-# own dev server, and lets a second checkout on the same machine run its server beside the first.
-LOCAL_PG_PORT = int(os.environ.get("ES_PIPELINE_LOCAL_PG_PORT", "54329"))
+# Who appends extracted batches to the Delta `events` table: delta-rs (Rust, in the run's own
+# process, no JVM) or Spark. Both commit the same Delta `txn` action (docs/architecture.md).
+WRITERS = ("delta-rs", "spark")
+MAX_SLICE_RANGES = 1024  # one slice per range at most (extraction.slices.NUM_SLICES)
+
+# The project's own development server (`es-pipeline db start`): the default event store.
+DEFAULT_LOCAL_PG_PORT = 54329
 LOCAL_PG_DATABASE = "es_pipeline"
 LOCAL_DAGSTER_DATABASE = "dagster"
-LOCAL_PG_DSN = f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/{LOCAL_PG_DATABASE}"
+
+
+def local_pg_dsn(port: int, database: str = LOCAL_PG_DATABASE) -> str:
+    """A database on the local development server."""
+    return f"postgresql://postgres@127.0.0.1:{port}/{database}"
 
 
 @dataclass(frozen=True)
 class Settings:
     pg_dsn: str
     warehouse: Path
-    slice_ranges: int
-    spark_master: str
-    spark_remote: str | None
-    schema: str
-    dagster_home: Path
+    slice_ranges: int = 8
+    spark_master: str = "local[*]"
+    spark_remote: str | None = None
+    schema: str = "es"
+    dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
     events_writer: str = "delta-rs"
+    sensor_interval_seconds: int = 5
+    automation: bool = True
+    local_pg_port: int = DEFAULT_LOCAL_PG_PORT
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
-        ranges_text = env.get("ES_PIPELINE_SLICE_RANGES", "8")
-        try:
-            ranges = int(ranges_text)
-        except ValueError:
-            from es_pipeline.errors import ConfigError
-
-            raise ConfigError(
-                "ES_PIPELINE_SLICE_RANGES", ranges_text, "a whole number of ranges between 1 and 1024"
-            ) from None
+        port = _int(env, "ES_PIPELINE_LOCAL_PG_PORT", DEFAULT_LOCAL_PG_PORT, 1, 65535, "a TCP port (1-65535)")
         return cls(
-            pg_dsn=env.get("ES_PIPELINE_PG_DSN", LOCAL_PG_DSN),
-            warehouse=Path(env.get("ES_PIPELINE_WAREHOUSE", str(PROJECT_ROOT / "warehouse"))),
-            slice_ranges=ranges,
-            spark_master=env.get("ES_PIPELINE_SPARK_MASTER", "local[*]"),
+            pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
+            warehouse=Path(env.get("ES_PIPELINE_WAREHOUSE") or PROJECT_ROOT / "warehouse"),
+            slice_ranges=_int(env, "ES_PIPELINE_SLICE_RANGES", 8, 1, MAX_SLICE_RANGES,
+                              f"a whole number of ranges between 1 and {MAX_SLICE_RANGES}"),
+            spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
             spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
-            schema=env.get("ES_PIPELINE_SCHEMA", "es"),
-            dagster_home=Path(env.get("DAGSTER_HOME", str(PROJECT_ROOT / ".dagster_home"))),
-            events_writer=_events_writer(env.get("ES_PIPELINE_EVENTS_WRITER", "delta-rs")),
+            schema=env.get("ES_PIPELINE_SCHEMA") or "es",
+            dagster_home=Path(env.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home"),
+            events_writer=_choice(env, "ES_PIPELINE_EVENTS_WRITER", "delta-rs", WRITERS),
+            sensor_interval_seconds=_int(env, "ES_PIPELINE_SENSOR_INTERVAL", 5, 1, 86_400,
+                                         "a whole number of seconds between 1 and 86400"),
+            automation=_choice(env, "ES_PIPELINE_AUTOMATION", "on", ("on", "off")) == "on",
+            local_pg_port=port,
         )
 
 
-def _events_writer(value: str) -> str:
-    from es_pipeline.extract import WRITERS
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int, expected: str) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(name, text, expected) from None
+    if not lo <= value <= hi:
+        raise ConfigError(name, text, expected)
+    return value
 
-    if value not in WRITERS:
-        from es_pipeline.errors import ConfigError
 
-        raise ConfigError("ES_PIPELINE_EVENTS_WRITER", value, " or ".join(WRITERS))
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = env.get(name, "").strip() or default
+    if value not in allowed:
+        raise ConfigError(name, value, " or ".join(allowed))
     return value

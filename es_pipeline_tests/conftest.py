@@ -11,23 +11,25 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from es_pipeline import localdb
-from es_pipeline.migrations import migrate
-from es_pipeline.settings import LOCAL_PG_PORT, Settings
+from es_pipeline.dev import local_server
+from es_pipeline.lake.spark import get_spark
+from es_pipeline.settings import Settings, local_pg_dsn
+from es_pipeline.store.migrations import migrate
 
-ADMIN_DSN = f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/postgres"
+LOCAL_PG_PORT = Settings.from_env().local_pg_port
+ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
 TEMPLATE_DB = f"es_test_template_{os.getpid()}"
 _counter = itertools.count()
 
 
 def _dsn(db: str) -> str:
-    return f"postgresql://postgres@127.0.0.1:{LOCAL_PG_PORT}/{db}"
+    return local_pg_dsn(LOCAL_PG_PORT, db)
 
 
 @pytest.fixture(scope="session")
 def pg_server() -> str:
     if "ES_PIPELINE_TEST_PG_ADMIN_DSN" not in os.environ:
-        localdb.start()
+        local_server.start(LOCAL_PG_PORT)
     return os.environ.get("ES_PIPELINE_TEST_PG_ADMIN_DSN", ADMIN_DSN)
 
 
@@ -73,8 +75,6 @@ def spark_warehouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def spark(spark_warehouse: Path):  # type: ignore[no-untyped-def]
     """One Spark session for the whole test session, at local[2]."""
-    from es_pipeline.spark import get_spark
-
     settings = replace(Settings.from_env(), warehouse=spark_warehouse, spark_master="local[2]")
     session = get_spark(settings)
     yield session
@@ -91,3 +91,15 @@ def warehouse(tmp_path: Path) -> Path:
 @pytest.fixture
 def settings(dsn: str, warehouse: Path) -> Settings:
     return replace(Settings.from_env(), pg_dsn=dsn, warehouse=warehouse, spark_master="local[2]")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tiers: a test that takes the `spark` fixture is marked `spark`, one under e2e/ `e2e`.
+
+    `make check` runs the rest (`-m "not spark and not e2e"`): the pure tests and those against Postgres.
+    """
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.e2e)

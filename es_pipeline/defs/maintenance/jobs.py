@@ -1,0 +1,28 @@
+"""Maintenance jobs: Delta compaction and vacuum of every table; the table-wide checks of the lake."""
+
+import dagster as dg
+
+from es_pipeline.defs.events.checks import CHECKS as EVENTS_CHECKS
+from es_pipeline.defs.projections.checks import CHECKS as PROJECTIONS_CHECKS
+from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.lake.maintenance import maintain
+
+CHECKS = [*EVENTS_CHECKS, *PROJECTIONS_CHECKS]
+
+
+@dg.op(description="OPTIMIZE (compaction) then VACUUM RETAIN 168 HOURS on every Delta table of the warehouse.")
+def delta_maintenance(context: dg.OpExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> None:
+    for table, metrics in maintain(spark.spark_session, warehouse.root).items():
+        context.log.info(f"{table}: compacted {metrics['files_removed']} files into {metrics['files_added']}")
+
+
+@dg.job(description="Compaction and vacuum of the Delta tables.", tags={"es_pipeline/maintenance": "delta"})
+def delta_maintenance_job() -> None:
+    delta_maintenance()
+
+
+# In-process: the checks read the whole lake with Spark; a step subprocess would only add a start-up.
+lake_checks_job = dg.define_asset_job(
+    "lake_checks_job", selection=dg.AssetSelection.checks(*CHECKS), executor_def=dg.in_process_executor,
+    description="Table-wide invariants of `events` and `stream_state`.",
+)

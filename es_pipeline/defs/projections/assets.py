@@ -1,0 +1,64 @@
+"""Projections of `events` (catalog, daily counts, current state), kept by declarative automation."""
+
+import dagster as dg
+
+from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.stream_state import update_stream_state
+
+
+@dg.asset(
+    description="One row per stream: type, first and last event time, event count, version. Kept "
+    "incrementally: each run merges in only the events that `events` commits added since the last run.",
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    return _projection_result(update_stream_catalog(spark.spark_session, warehouse.root))
+
+
+@dg.asset(
+    description="Stream type x event type x day: number of events. Kept incrementally, like stream_catalog.",
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def event_type_daily(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    return _projection_result(update_event_type_daily(spark.spark_session, warehouse.root))
+
+
+def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": r.rows, "events_read": r.events_read, "keys_updated": r.keys_updated,
+        "events_version": r.events_version, "full_rebuild": r.previous_events_version < 0,
+    })
+
+
+@dg.asset(
+    deps=["events"],
+    kinds={"spark", "delta"},
+    owners=["team:data-engineering"],
+    tags={"layer": "projection"},
+    automation_condition=dg.AutomationCondition.eager(),
+    description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
+    "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
+    "from their previous state; a reducer revision bump rebuilds that type alone.",
+)
+def stream_state(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    r = update_stream_state(spark.spark_session, warehouse.root)
+    return dg.MaterializeResult(metadata={
+        "events_folded": r.events_folded,
+        "streams_updated": r.streams_updated,
+        "events_table_version": r.events_version,
+        "parked_streams": r.parked_streams,
+        "skipped_unknown_events": r.skipped_unknown,
+        "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
+    })
+
+
+ASSETS = [stream_catalog, event_type_daily, stream_state]

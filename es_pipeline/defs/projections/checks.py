@@ -1,0 +1,27 @@
+"""Table-wide check of `stream_state`: every stream is folded up to its last event in `events`."""
+
+import dagster as dg
+
+from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.lake import tables
+
+
+@dg.asset_check(
+    asset="stream_state", blocking=True,
+    description="Each stream's folded version equals its max version in `events` (unless events wait, parked, for a gap).",
+)
+def stream_state_version_matches_events(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
+    s = spark.spark_session
+    events = tables.read(s, tables.table_path(warehouse.root, "events")).groupBy("stream_id").agg(
+        {"version": "max"}).withColumnRenamed("max(version)", "max_version")
+    state = tables.read(s, tables.table_path(warehouse.root, "stream_state"))
+    bad = state.join(events, "stream_id", "full_outer").where(
+        "parked IS NULL AND (version IS NULL OR max_version IS NULL OR version <> max_version)")
+    n = int(bad.count())
+    return dg.AssetCheckResult(
+        passed=n == 0,
+        metadata={"streams_off": n, "examples": ", ".join(r["stream_id"] for r in bad.limit(5).collect())},
+    )
+
+
+CHECKS = [stream_state_version_matches_events]

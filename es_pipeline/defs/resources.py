@@ -1,0 +1,56 @@
+"""Dagster resources: the event store, the warehouse, Spark. Built from `Settings` in one place."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from dagster_pyspark import LazyPySparkResource
+
+from es_pipeline.lake.spark import delta_jars, spark_conf
+from es_pipeline.settings import Settings
+from es_pipeline.store.event_store import EventStore
+
+
+class EventStoreResource(dg.ConfigurableResource):
+    """The PostgreSQL event store: where events are read from and snapshots written back."""
+
+    dsn: str
+    schema_name: str = "es"
+
+    def store(self) -> EventStore:
+        return EventStore(self.dsn, self.schema_name)
+
+
+class WarehouseResource(dg.ConfigurableResource):
+    """The root folder of the Delta tables (`ES_PIPELINE_WAREHOUSE`)."""
+
+    path: str
+
+    @property
+    def root(self) -> Path:
+        return Path(self.path)
+
+
+class SparkResource(LazyPySparkResource):
+    """PySpark with Delta: the session starts on first use, with the locally cached Delta jars."""
+
+    @property
+    def spark_session(self) -> Any:
+        if "spark.remote" not in self.spark_config:
+            delta_jars()  # resolve once if a fresh clone skipped `make jars`
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers run the project's interpreter
+        return super().spark_session
+
+
+def build_resources(settings: Settings) -> dict[str, Any]:
+    return {
+        "event_store": EventStoreResource(dsn=settings.pg_dsn, schema_name=settings.schema),
+        "warehouse": WarehouseResource(path=str(settings.warehouse)),
+        "spark": SparkResource(
+            spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)
+        ),
+    }

@@ -1,0 +1,1 @@
+"""The `snapshots` asset and the schedule that takes them."""

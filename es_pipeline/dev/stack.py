@@ -1,0 +1,126 @@
+"""The whole stack as separate processes: a Dagster daemon over Postgres storage, a Spark Connect server.
+
+Used by the end-to-end test and the latency benchmark: everything runs as separate processes,
+as `make dev` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from es_pipeline.settings import PROJECT_ROOT
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    dagster_home: Path
+    warehouse: Path
+    processes: list[subprocess.Popen[bytes]]
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f} s")
+
+
+@contextmanager
+def dagster_stack(
+    *, admin_dsn: str, dsn: str, tmp: Path, slice_ranges: int = 2, sensor_interval: int = 2, connect: bool = True,
+    automation: bool = False,
+) -> Iterator[Stack]:
+    """Dagster daemon (sensor on, run queue with tag limits) with its storage in a fresh database."""
+    storage_db = f"dagster_e2e_{os.getpid()}_{int(time.time())}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{storage_db}"')
+    base = admin_dsn.rsplit("/", 1)[0]
+    home = tmp / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((PROJECT_ROOT / "dagster.yaml").read_text())
+    warehouse = tmp / "warehouse"
+    env = dict(os.environ)
+    env.update({
+        "DAGSTER_HOME": str(home),
+        # SQLAlchemy 2.1 maps postgresql:// to psycopg 3, whose server-side binding breaks
+        # dagster-postgres's `NOTIFY run_events, %s`: name psycopg2 explicitly.
+        "DAGSTER_PG_URL": f"{base.replace('postgresql://', 'postgresql+psycopg2://')}/{storage_db}",
+        "ES_PIPELINE_PG_DSN": dsn,
+        "ES_PIPELINE_WAREHOUSE": str(warehouse),
+        "ES_PIPELINE_SLICE_RANGES": str(slice_ranges),
+        "ES_PIPELINE_SENSOR_INTERVAL": str(sensor_interval),
+        "ES_PIPELINE_SPARK_MASTER": "local[2]",
+        "ES_PIPELINE_AUTOMATION": "on" if automation else "off",
+        "PYSPARK_PYTHON": sys.executable,
+    })
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = tmp / "logs"
+    logs.mkdir()
+    try:
+        if connect:
+            port = free_port()
+            env["ES_PIPELINE_SPARK_REMOTE"] = f"sc://127.0.0.1:{port}"
+            procs.append(subprocess.Popen(
+                [str(VENV_BIN / "es-pipeline"), "spark", "serve", "--port", str(port)], env=env,
+                stdout=open(logs / "connect.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            ))
+            _wait_port(port, 120)
+        procs.append(subprocess.Popen(
+            [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
+            env=env, cwd=PROJECT_ROOT, stdout=open(logs / "daemon.log", "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))
+        yield Stack(env, home, warehouse, procs)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{storage_db}" WITH (FORCE)')
+
+
+def run_pid(instance: Any, run_id: str) -> int | None:
+    """The pid of a run's worker process, as its own events record it."""
+    for entry in instance.all_logs(run_id):
+        if entry.dagster_event is not None and entry.dagster_event.pid:
+            return int(entry.dagster_event.pid)
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,352 @@
+"""Exactly-once extraction of a slice range into the Delta `events` table.
+
+One run, for a slice range (docs/architecture.md, "The guarantee", says why each step is there):
+1. lock every slice of the range (advisory locks; a second run fails fast naming the holder);
+2. check that the offsets describe this Delta table (the sink binding);
+3. replay any batch a crashed run left pending on these slices (same rows, same Delta txn id);
+4. read the horizon H once, and the per-slice watermarks W;
+5. cut the backlog `W(s) <= tx_id < H` into consecutive xid intervals of bounded size (a cut
+   between two xids never splits a transaction);
+6. per interval: record it as pending, read it as Arrow, append it to Delta with
+   `txnAppId`/`txnVersion` (a replay of a committed batch is skipped by Delta), then advance the
+   watermarks and drop the pending record in one Postgres transaction.
+
+`build_extractor` is the one way to make an `Extractor` from `Settings` (the `events` asset, the
+command line and the demo all use it); it starts Spark only if the writer or the read path needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from es_pipeline.errors import ConfigError
+from es_pipeline.extraction import reader
+from es_pipeline.extraction.offsets import EVENTS_CONSUMER, Batch, OffsetSession
+from es_pipeline.extraction.slices import SliceRange, split
+from es_pipeline.lake import tables
+from es_pipeline.settings import WRITERS, Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_EVENTS = 500_000
+DEFAULT_WRITER = "delta-rs"
+DEFAULT_READ_PARALLELISM = 2
+PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
+# The `events` table as Arrow: what the source reads (recorded_at in UTC), plus the lake's two columns.
+EVENTS_LAKE_ARROW_SCHEMA = reader.EVENTS_ARROW_SCHEMA.append(pa.field("event_date", pa.date32())).append(
+    pa.field("batch_id", pa.int64())
+)
+
+# Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
+STEPS = ("locked", "read", "delta_committed", "offsets_committed")
+
+SparkProvider = Callable[[], Any]  # returns a SparkSession; called only when one is needed
+
+
+@dataclass
+class ExtractResult:
+    range_key: str
+    rows: int = 0
+    batches: int = 0
+    replayed_batches: int = 0
+    horizon: int = 0
+    min_watermark: int = 0
+    max_watermark: int = 0
+    events_behind: int = 0
+    oldest_open_tx_seconds: float = 0.0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    total_seconds: float = 0.0
+    backlog: int = 0
+    batch_rows: list[int] = field(default_factory=list)
+
+    def metadata(self) -> dict[str, int | float]:
+        """Numeric metadata, plain int/float so that the Dagster UI plots it over time."""
+        return {
+            "dagster/row_count": int(self.rows),
+            "rows": int(self.rows),
+            "batches": int(self.batches),
+            "replayed_batches": int(self.replayed_batches),
+            "horizon": int(self.horizon),
+            "min_watermark": int(self.min_watermark),
+            "max_watermark": int(self.max_watermark),
+            "events_behind_horizon": int(self.events_behind),
+            "oldest_open_tx_seconds": round(float(self.oldest_open_tx_seconds), 3),
+            "read_seconds": round(float(self.read_seconds), 3),
+            "write_seconds": round(float(self.write_seconds), 3),
+            "total_seconds": round(float(self.total_seconds), 3),
+        }
+
+
+def default_jdbc_min_rows(spark_master: str) -> int:
+    """On a cluster, large batches are read by the executors; on one machine, Arrow is as fast."""
+    return 0 if spark_master.startswith("local") else 500_000
+
+
+def needs_spark(writer: str, jdbc_min_rows: int) -> bool:
+    """Only the Spark writer and the executors' JDBC reads need a session; Arrow into delta-rs needs none."""
+    return writer == "spark" or jdbc_min_rows > 0
+
+
+def app_id_for(consumer: str, range_key: str) -> str:
+    """Delta txn app id: one per consumer and range, whose batches the slice locks serialize."""
+    return f"es_pipeline.{consumer}.{range_key}"
+
+
+@dataclass
+class Extractor:
+    """Moves committed events of a slice range from Postgres into the Delta `events` table."""
+
+    dsn: str
+    spark: Any  # may be None with the delta-rs writer and no JDBC reads: then no JVM is started
+    warehouse: Path
+    schema: str = "es"
+    consumer: str = EVENTS_CONSUMER
+    batch_events: int = DEFAULT_BATCH_EVENTS
+    writer: str = DEFAULT_WRITER
+    read_parallelism: int = DEFAULT_READ_PARALLELISM
+    # Batches of at least this many rows are read by Spark's executors over JDBC, in `jdbc_splits`
+    # parallel queries; smaller ones travel as Arrow through the driver. 0 = always Arrow, the
+    # default on a local master, where it measured as fast or faster (docs/decisions.md).
+    jdbc_min_rows: int = 0
+    jdbc_splits: int = 2
+    on_step: Callable[[str, Batch | None], None] | None = None
+    progress: Callable[[str], None] = log.info
+    spark_seconds: float = 0.0  # what starting (or attaching to) Spark cost `build_extractor`
+
+    def __post_init__(self) -> None:
+        if self.writer not in WRITERS:
+            raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
+        if self.spark is None and self.needs_spark:
+            raise ValueError("the spark writer and JDBC reads need a Spark session: pass one, or use delta-rs")
+
+    @property
+    def needs_spark(self) -> bool:
+        return needs_spark(self.writer, self.jdbc_min_rows)
+
+    @property
+    def events_path(self) -> str:
+        return tables.table_path(self.warehouse, "events")
+
+    def ensure_table(self) -> None:
+        comment = "es_pipeline: one row per event"
+        if self.writer == "delta-rs":
+            tables.ensure_table_arrow(
+                self.events_path, EVENTS_LAKE_ARROW_SCHEMA, comment=comment, properties=tables.EVENTS_PROPERTIES
+            )
+        else:
+            tables.ensure_table(
+                self.spark, self.events_path, tables.EVENTS_DDL, comment=comment, properties=tables.EVENTS_PROPERTIES
+            )
+
+    def _step(self, name: str, batch: Batch | None) -> None:
+        if self.on_step is not None:
+            self.on_step(name, batch)
+
+    def run(self, slice_range: SliceRange, *, run_id: str = "manual") -> ExtractResult:
+        started = time.monotonic()
+        result = ExtractResult(slice_range.key)
+        table_is_new = not tables.is_delta_table(self.events_path)
+        self.ensure_table()
+        with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
+            session.lock(slice_range.slices, slice_range.key)
+            self._step("locked", None)
+            # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
+            session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
+            for pending in session.pending_overlapping(slice_range.slices):
+                session.lock(pending.slices, slice_range.key)  # a batch of an older range split
+                self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
+                self._write_batch(session, pending, result)
+                result.replayed_batches += 1
+
+            horizon = session.horizon()
+            watermarks = session.watermarks(slice_range.slices)
+            result.horizon = horizon
+            pairs = [(s, w) for s, w in watermarks.items() if w < horizon]
+            result.backlog = reader.count_between(session.conn, self.schema, pairs, horizon)
+            app_id = app_id_for(self.consumer, slice_range.key)
+            done = 0
+            batches: list[tuple[Batch, int]] = []
+            lower = dict(watermarks)
+            for upper, n in self._cuts(session, pairs, horizon, result.backlog):
+                batches.append((Batch(self.consumer, app_id, tuple(lower), tuple(lower.values()), upper), n))
+                lower = {s: max(w, upper) for s, w in lower.items()}
+
+            def prefetch(i: int) -> Future[Any] | None:
+                # While batch i is written to Delta, batch i+1 is read from Postgres as Arrow (its
+                # bounds are fixed in advance; ADBC releases the GIL). Its pending record still comes first.
+                if i >= len(batches) or self._uses_jdbc(batches[i][1]):
+                    return None
+                return pool.submit(self._read, batches[i][0], batches[i][1])
+
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="es-read") as pool:
+                ahead = prefetch(0)
+                for i, (planned, n) in enumerate(batches):
+                    table = None
+                    if ahead is not None:
+                        table, seconds = ahead.result()
+                        result.read_seconds += seconds
+                    ahead = prefetch(i + 1)
+                    batch = session.record_pending(planned)
+                    rows = self._write_batch(session, batch, result, table, jdbc_rows=n if table is None else None)
+                    watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
+                    done += rows
+                    self._report_progress(done, result.backlog, started)
+            # Nothing left below H: the watermark of every slice moves up to H, so that the
+            # sensor's probe and the lag figures start from here next time.
+            if any(w < horizon for w in watermarks.values()):
+                session.commit(Batch(self.consumer, app_id, tuple(watermarks), tuple(watermarks.values()), horizon))
+                for s in watermarks:
+                    watermarks[s] = horizon
+            result.min_watermark = min(watermarks.values())
+            result.max_watermark = max(watermarks.values())
+            lag = reader.lag(session.conn, self.schema, slice_range.slices, horizon)
+            result.events_behind = lag.events_behind
+            result.oldest_open_tx_seconds = lag.oldest_open_tx_seconds
+        result.total_seconds = time.monotonic() - started
+        return result
+
+    def _uses_jdbc(self, rows: int) -> bool:
+        return self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows
+
+    def _cuts(
+        self, session: OffsetSession, pairs: list[tuple[int, int]], horizon: int, backlog: int
+    ) -> list[tuple[int, int]]:
+        """(upper bound, rows) of consecutive xid intervals, each holding about `batch_events` rows.
+
+        The xid span is split evenly by the backlog's density, then an interval that still counts
+        over 1.5x the target is halved (counting is an index-only scan, far cheaper than reading).
+        A cut lies between two xids, so one transaction's events always stay in one batch.
+        """
+        if backlog <= self.batch_events:
+            return [(horizon, backlog)] if backlog else []
+        first = reader.first_tx_ids(session.conn, self.schema, pairs, horizon)
+        if first is None:
+            return []
+        step = max(1, math.ceil((horizon - first) * self.batch_events / backlog))
+        cuts: list[tuple[int, int]] = []
+        lo = first
+        while lo < horizon:
+            hi = min(horizon, lo + step)
+            n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
+            while n > 1.5 * self.batch_events and hi - lo > 1:
+                hi = lo + max(1, (hi - lo) // 2)
+                n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
+            if n:
+                cuts.append((hi, n))
+            lo = hi
+        return cuts
+
+    def _read(self, batch: Batch, rows: int | None = None) -> tuple[Any, float]:
+        """Read a batch as Arrow; `rows` (when counted) keeps small batches on one connection."""
+        t0 = time.monotonic()
+        small = rows is not None and rows < PARALLEL_READ_MIN_ROWS
+        table = reader.read_batch_arrow(self.dsn, self.schema, batch, parallel=1 if small else self.read_parallelism)
+        return table, time.monotonic() - t0
+
+    def _write_batch(
+        self, session: OffsetSession, batch: Batch, result: ExtractResult, table: Any = None,
+        *, jdbc_rows: int | None = None,
+    ) -> int:
+        assert batch.batch_id is not None
+        t1 = time.monotonic()
+        if jdbc_rows is not None and self._uses_jdbc(jdbc_rows):
+            # Spark reads the batch itself (lazily, inside the write): `jdbc_rows` was counted
+            # exactly over the same deterministic bounds.
+            self._step("read", batch)
+            df = self._jdbc_to_spark(batch)
+            tables.append_idempotent(df, self.events_path, app_id=batch.app_id, version=batch.batch_id)
+            rows = jdbc_rows
+        else:
+            if table is None:  # a replay, or a small batch not prefetched, reads its own rows
+                table, seconds = self._read(batch)
+                result.read_seconds += seconds
+                t1 = time.monotonic()
+            self._step("read", batch)
+            if table.num_rows:
+                table = self._with_lake_columns(table, batch)
+                if self.writer == "delta-rs":
+                    tables.append_arrow_idempotent(table, self.events_path, app_id=batch.app_id, version=batch.batch_id)
+                else:
+                    tables.append_idempotent(
+                        self.spark.createDataFrame(table), self.events_path,
+                        app_id=batch.app_id, version=batch.batch_id,
+                    )
+            rows = table.num_rows
+        result.write_seconds += time.monotonic() - t1
+        self._step("delta_committed", batch)
+        session.commit(batch)
+        self._step("offsets_committed", batch)
+        result.rows += rows
+        result.batches += 1
+        result.batch_rows.append(rows)
+        return rows
+
+    @staticmethod
+    def _with_lake_columns(table: Any, batch: Batch) -> Any:
+        """The two columns the lake adds: the event's UTC day, and the batch that brought it."""
+        return table.append_column("event_date", pc.cast(table["recorded_at"], pa.date32())).append_column(
+            "batch_id", pa.repeat(pa.scalar(batch.batch_id, pa.int64()), table.num_rows)
+        )
+
+    def _jdbc_to_spark(self, batch: Batch) -> Any:
+        from pyspark.sql import functions as F
+
+        df = reader.jdbc_frame(self.spark, self.dsn, self.schema, batch, splits=self.jdbc_splits)
+        return df.withColumn("event_date", F.to_date("recorded_at")).withColumn(
+            "batch_id", F.lit(batch.batch_id).cast("bigint")
+        )
+
+    def _report_progress(self, done: int, total: int, started: float) -> None:
+        elapsed = max(time.monotonic() - started, 1e-6)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        pct = 100.0 * done / total if total else 100.0
+        self.progress(f"events: {done:,}/{total:,} ({pct:.0f}%), {rate:,.0f} events/s, ETA {eta:.0f} s")
+
+
+def build_extractor(
+    settings: Settings, spark: SparkProvider, *, progress: Callable[[str], None] = log.info
+) -> Extractor:
+    """The `Extractor` that `settings` describe: store, schema, lake, writer, read path.
+
+    `spark` is called only when the writer or the read path needs a session (the Spark writer, or a
+    cluster master, whose executors read large batches over JDBC): with the defaults no JVM starts.
+    """
+    jdbc_min_rows = default_jdbc_min_rows(settings.spark_master)
+    session, seconds = None, 0.0
+    if needs_spark(settings.events_writer, jdbc_min_rows):
+        t0 = time.monotonic()
+        session = spark()
+        seconds = time.monotonic() - t0
+    return Extractor(
+        dsn=settings.pg_dsn,
+        spark=session,
+        warehouse=settings.warehouse,
+        schema=settings.schema,
+        writer=settings.events_writer,
+        jdbc_min_rows=jdbc_min_rows,
+        progress=progress,
+        spark_seconds=seconds,
+    )
+
+
+def extract_ranges(
+    settings: Settings, range_keys: Sequence[str] | None, spark: SparkProvider, *,
+    run_id: str, progress: Callable[[str], None] = log.info,
+) -> Iterator[ExtractResult]:
+    """Extract the ranges named by their keys (default: every range of `settings`), one after another."""
+    ranges = [SliceRange.from_key(k) for k in range_keys] if range_keys else split(settings.slice_ranges)
+    extractor = build_extractor(settings, spark, progress=progress)
+    for r in ranges:
+        yield extractor.run(r, run_id=run_id)

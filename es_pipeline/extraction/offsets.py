@@ -1,0 +1,265 @@
+"""Per-slice watermarks, slice locks, pending batches and sink bindings in Postgres. No Spark here.
+
+Every statement on es_pipeline's own tables is in this module (the sensor's probe, one statement
+over the events and the offsets together, is in `probe.py`). docs/architecture.md explains them:
+
+- `es_pipeline.offsets`: for a consumer and a slice, all events with `tx_id < watermark` are in the sink.
+- Advisory locks (consumer, slice): one place per slice; a second run fails fast naming the holder.
+- `es_pipeline.pending_batches`: a batch is recorded before its sink write and deleted together with
+  the offset commit, so a crash in between leaves a record that the next run replays exactly.
+- `es_pipeline.sinks`: the Delta table a consumer's watermarks describe.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
+from es_pipeline.extraction.slices import NUM_SLICES
+from es_pipeline.store.conninfo import connect
+
+# The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
+EVENTS_CONSUMER = "events"
+
+
+def lock_namespace(consumer: str) -> int:
+    """The first key of the two-int advisory lock: a stable int4 per consumer."""
+    return zlib.crc32(f"es_pipeline:{consumer}".encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events of `slices` with `from_watermarks[i] <= tx_id < upper` (per slice). Deterministic."""
+
+    consumer: str
+    app_id: str
+    slices: tuple[int, ...]
+    from_watermarks: tuple[int, ...]
+    upper: int
+    batch_id: int | None = None
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(slice, lower bound) for the slices that have anything below `upper`."""
+        return [(s, w) for s, w in zip(self.slices, self.from_watermarks, strict=True) if w < self.upper]
+
+
+class OffsetSession:
+    """One autocommit connection that holds the slice locks of a run and commits its offsets."""
+
+    def __init__(self, dsn: str, consumer: str, *, run_id: str, label: str) -> None:
+        self.consumer = consumer
+        self.run_id = run_id
+        self.label = label
+        self.namespace = lock_namespace(consumer)
+        self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=f"es_pipeline {label} run {run_id}"[:63])
+        self.locked: set[int] = set()
+        self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
+
+    def close(self) -> None:
+        try:
+            if self.locked and not self.conn.closed:
+                self.conn.execute("SELECT pg_advisory_unlock_all()")
+        finally:
+            self.locked.clear()
+            self.conn.close()
+
+    def __enter__(self) -> OffsetSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- locks -------------------------------------------------------------------------------------
+
+    def lock(self, slices: Sequence[int], range_key: str) -> None:
+        """Take the advisory lock of every slice, or none of them and raise `SliceLocked`."""
+        wanted = [s for s in slices if s not in self.locked]
+        if not wanted:
+            return
+        rows = self.conn.execute(
+            "SELECT s, pg_try_advisory_lock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, wanted)
+        ).fetchall()
+        got = [s for s, ok in rows if ok]
+        missed = sorted(s for s, ok in rows if not ok)
+        if missed:
+            if got:
+                self.conn.execute(
+                    "SELECT pg_advisory_unlock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, got)
+                )
+            raise SliceLocked(range_key, missed, self._holder(missed[0]))
+        self.locked.update(got)
+
+    def _holder(self, slice_: int) -> str:
+        row = self.conn.execute(
+            "SELECT a.application_name, a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND l.granted",
+            (self.namespace, slice_),
+        ).fetchone()
+        if row is None:
+            return "another run (it has just finished; retry)"
+        name, pid = row
+        return f"'{name}' (backend pid {pid})" if name else f"backend pid {pid}"
+
+    # -- the sink the watermarks belong to -----------------------------------------------------------
+
+    def bind_sink(self, table_id: str, path: str, *, created_now: bool = False) -> None:
+        """Check that the watermarks of this consumer describe the Delta table `table_id`, or record it.
+
+        Raises `LakeOffsetsMismatch` when some slice is already extracted but not into this table:
+        another table is recorded, or none is (offsets older than this record) and this run has just
+        created the table. Continuing would leave the events below those watermarks out of it. With no
+        slice extracted (a fresh start, or after `offsets reset`) the table is simply recorded.
+        """
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "INSERT INTO es_pipeline.sinks (consumer, table_id, path) VALUES (%s, %s, %s) "
+                "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer "
+                "RETURNING table_id, path, xmax = 0 AS inserted",
+                (self.consumer, table_id, path),
+            ).fetchone()
+            assert row is not None
+            recorded_id, recorded_path, inserted = row
+            if recorded_id == table_id and not (inserted and created_now):
+                if recorded_path != path:  # the same table, moved: remember where it is now
+                    self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
+                self.sink_id = table_id
+                return
+            extracted = [s for (s,) in self.conn.execute(
+                "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",
+                (self.consumer,),
+            )]
+            if extracted:
+                recorded = None if inserted else (recorded_id, recorded_path)
+                raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=recorded)
+            if not inserted:
+                self.conn.execute(
+                    "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
+                    (table_id, path, self.consumer),
+                )
+        self.sink_id = table_id
+
+    # -- horizon and watermarks --------------------------------------------------------------------
+
+    def horizon(self) -> int:
+        """H: every transaction below it has ended, and none can start below it."""
+        row = self.conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def watermarks(self, slices: Sequence[int]) -> dict[int, int]:
+        return read_watermarks(self.conn, self.consumer, slices)
+
+    def commit(self, batch: Batch) -> None:
+        """Advance the watermarks of the batch's slices to its upper bound and drop its pending record.
+
+        If the run checked its sink, the binding must still hold (FOR SHARE keeps it until the commit):
+        another range's run may have bound the consumer to another table meanwhile. Then nothing is
+        committed and the batch stays pending, to be replayed into the table now bound.
+        """
+        with self.conn.transaction():
+            if self.sink_id is not None and self.conn.execute(
+                "SELECT 1 FROM es_pipeline.sinks WHERE consumer = %s AND table_id = %s FOR SHARE",
+                (self.consumer, self.sink_id),
+            ).fetchone() is None:
+                raise SinkChanged(self.consumer, self.sink_id)
+            self.conn.execute(
+                "INSERT INTO es_pipeline.offsets AS o (consumer, slice, watermark, updated_at, run_id) "
+                "SELECT %s, s, %s::text::xid8, now(), %s FROM unnest(%s::smallint[]) AS s "
+                "ON CONFLICT (consumer, slice) DO UPDATE SET watermark = excluded.watermark, "
+                "updated_at = excluded.updated_at, run_id = excluded.run_id "
+                "WHERE o.watermark < excluded.watermark",
+                (self.consumer, str(batch.upper), self.run_id, list(batch.slices)),
+            )
+            if batch.batch_id is not None:
+                self.conn.execute("DELETE FROM es_pipeline.pending_batches WHERE batch_id = %s", (batch.batch_id,))
+
+    # -- pending batches ---------------------------------------------------------------------------
+
+    def record_pending(self, batch: Batch) -> Batch:
+        row = self.conn.execute(
+            "INSERT INTO es_pipeline.pending_batches (consumer, app_id, slices, from_watermarks, upper_bound, run_id) "
+            "VALUES (%s, %s, %s::smallint[], %s::text[]::xid8[], %s::text::xid8, %s) RETURNING batch_id",
+            (batch.consumer, batch.app_id, list(batch.slices), [str(w) for w in batch.from_watermarks],
+             str(batch.upper), self.run_id),
+        ).fetchone()
+        assert row is not None
+        return Batch(batch.consumer, batch.app_id, batch.slices, batch.from_watermarks, batch.upper, int(row[0]))
+
+    def pending_overlapping(self, slices: Sequence[int]) -> list[Batch]:
+        rows = self.conn.execute(
+            "SELECT batch_id, app_id, slices, from_watermarks::text[], upper_bound FROM es_pipeline.pending_batches "
+            "WHERE consumer = %s AND slices && %s::smallint[] ORDER BY batch_id",
+            (self.consumer, list(slices)),
+        ).fetchall()
+        return [
+            Batch(self.consumer, app_id, tuple(sl), tuple(int(w) for w in ws), int(upper), int(bid))
+            for bid, app_id, sl, ws, upper in rows
+        ]
+
+
+def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[int]) -> dict[int, int]:
+    """Watermark per slice; a slice never extracted has watermark 0 (nothing is below it)."""
+    rows = conn.execute(
+        "SELECT slice, watermark FROM es_pipeline.offsets WHERE consumer = %s AND slice = ANY(%s::smallint[])",
+        (consumer, list(slices)),
+    ).fetchall()
+    found = {int(s): int(w) for s, w in rows}
+    return {s: found.get(s, 0) for s in slices}
+
+
+def reset_when_idle(dsn: str, consumer: str) -> int:
+    """`reset`, holding every slice lock of `consumer`: refused (SliceLocked) while a run is extracting."""
+    with OffsetSession(dsn, consumer, run_id="offsets-reset", label="offsets reset") as session:
+        session.lock(range(NUM_SLICES), "all slices")
+        return reset(session.conn, consumer)
+
+
+def reset(conn: psycopg.Connection, consumer: str) -> int:
+    """Forget every watermark, pending batch and recorded sink of `consumer`: the next runs start from the beginning."""
+    with conn.transaction():
+        n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
+        conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
+        conn.execute("DELETE FROM es_pipeline.sinks WHERE consumer = %s", (consumer,))
+    return n
+
+
+# -- what the lake should hold, for the checks -----------------------------------------------------
+
+
+def pending_batch_ids(conn: psycopg.Connection, consumer: str) -> list[int]:
+    """Batches written (or being written) whose watermarks have not advanced yet."""
+    return [int(r[0]) for r in conn.execute(
+        "SELECT batch_id FROM es_pipeline.pending_batches WHERE consumer = %s ORDER BY batch_id", (consumer,))]
+
+
+def counts_below_watermarks(conn: psycopg.Connection, schema: str, consumer: str) -> dict[int, int]:
+    """Per slice with an offset row: how many events of the store lie below its watermark."""
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT o.slice, count(e.*) FROM es_pipeline.offsets o LEFT JOIN {}.events e "
+            "ON e.slice = o.slice AND e.tx_id < o.watermark WHERE o.consumer = %s GROUP BY o.slice"
+        ).format(sql.Identifier(schema)),
+        (consumer,),
+    ).fetchall()
+    return {int(s): int(n) for s, n in rows}
+
+
+def events_below_watermarks(
+    conn: psycopg.Connection, schema: str, consumer: str, stream_ids: Sequence[str]
+) -> list[tuple[str, int]]:
+    """(stream_id, version) of the events of these streams that lie below their slice's watermark."""
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT e.stream_id, e.version FROM {}.events e "
+            "LEFT JOIN es_pipeline.offsets o ON o.consumer = %s AND o.slice = e.slice "
+            "WHERE e.stream_id = ANY(%s) AND e.tx_id < coalesce(o.watermark, '0'::xid8)"
+        ).format(sql.Identifier(schema)),
+        (consumer, list(stream_ids)),
+    ).fetchall()
+    return [(str(s), int(v)) for s, v in rows]

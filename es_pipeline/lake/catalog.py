@@ -1,0 +1,30 @@
+"""For analysts: every Delta table of the warehouse registered by name in Spark SQL's catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from es_pipeline.lake import tables
+from es_pipeline.lake.spark import get_spark
+from es_pipeline.settings import Settings
+
+
+def register_tables(spark: Any, warehouse: Path) -> list[str]:
+    """Register each Delta table under the warehouse as a table of its name (time travel works)."""
+    names = []
+    for name in tables.TABLES:
+        path = tables.table_path(warehouse, name)
+        if tables.is_delta_table(path):
+            # External tables: DROP forgets the name, never the files; re-pointing keeps the name current.
+            spark.sql(f"DROP TABLE IF EXISTS {name}")
+            spark.sql(f"CREATE TABLE {name} USING delta LOCATION '{path}'")
+            names.append(name)
+    return names
+
+
+def sql_over_lake(settings: Settings, query: str) -> tuple[Any, list[str]]:
+    """`query` as a Spark DataFrame over every table of the lake by name (`es-pipeline sql`); the names."""
+    spark = get_spark(settings, master=settings.spark_master)
+    names = register_tables(spark, settings.warehouse)
+    return spark.sql(query), names

@@ -1,0 +1,121 @@
+"""Read models over the Delta `events` table, in Spark (no Dagster here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from es_pipeline.lake import tables
+
+
+@dataclass(frozen=True)
+class ProjectionResult:
+    rows: int  # rows of the table after the run
+    events_version: int  # the `events` table version now folded in
+    previous_events_version: int  # -1: the table was (re)built from the whole of `events`
+    events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
+    keys_updated: int  # rows inserted or updated by this run
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """An additive aggregate of `events`, kept incrementally.
+
+    Each run aggregates only the rows that the `events` commits since the last run added (Delta's
+    change data feed) and merges them in: counts add up, first/last times take the min/max. The
+    `events` version folded in is the MERGE's own Delta transaction id (`txnAppId`/`txnVersion`),
+    committed atomically with the rows, so a retry or a crash never counts an event twice. The
+    first run, or one on a table with no such id, builds from the whole table instead.
+    """
+
+    name: str
+    key: tuple[str, ...]
+    aggregate: Callable[[Any], Any]  # events frame -> one row per key, columns of `ddl`
+    merge_set: str  # the UPDATE SET clause: how an increment combines with the row (t) it meets (u)
+
+    @property
+    def app_id(self) -> str:
+        return f"es_pipeline.{self.name}"
+
+    def update(self, spark: Any, warehouse: Path) -> ProjectionResult:
+        events_path = tables.table_path(warehouse, "events")
+        path = tables.table_path(warehouse, self.name)
+        now = tables.table_version(spark, events_path)
+        prev = tables.transaction_version(path, self.app_id)
+        if prev is not None and prev >= now:
+            return ProjectionResult(_count(spark, path), now, prev, 0, 0)
+        if prev is None:  # first run (or a table of an older es_pipeline): build it whole
+            events = tables.read(spark, events_path, version=now)
+            agg = self.aggregate(events).cache()
+            try:
+                n, read = _figures(agg)
+                (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+                 .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
+            finally:
+                agg.unpersist()
+            return ProjectionResult(_count(spark, path), now, -1, read, n)
+        agg = self.aggregate(tables.rows_added(spark, events_path, prev, now)).cache()
+        try:
+            n, read = _figures(agg)
+            tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
+        finally:
+            agg.unpersist()
+        return ProjectionResult(_count(spark, path), now, prev, read, n)
+
+
+def _count(spark: Any, path: str) -> int:
+    return int(tables.read(spark, path).count())
+
+
+def _figures(agg: Any) -> tuple[int, int]:
+    """(keys, events) of an aggregate, in one job."""
+    from pyspark.sql import functions as F
+
+    row = agg.agg(F.count(F.lit(1)).alias("keys"), F.sum("events").alias("events")).first()
+    return int(row["keys"] or 0), int(row["events"] or 0)
+
+
+def _catalog(events: Any) -> Any:
+    from pyspark.sql import functions as F
+
+    return events.groupBy("stream_id").agg(
+        F.first("stream_type").alias("stream_type"), F.min("recorded_at").alias("first_event_at"),
+        F.max("version").alias("version"), F.count(F.lit(1)).alias("events"),
+        F.max("recorded_at").alias("last_event_at"),
+    )
+
+
+def _daily(events: Any) -> Any:
+    from pyspark.sql import functions as F
+
+    return events.groupBy("stream_type", "event_type", "event_date").agg(F.count(F.lit(1)).alias("events"))
+
+
+STREAM_CATALOG = _Projection(
+    name="stream_catalog",
+    key=("stream_id",),
+    aggregate=_catalog,
+    merge_set=(
+        "t.first_event_at = least(t.first_event_at, u.first_event_at), t.version = greatest(t.version, u.version), "
+        "t.events = t.events + u.events, t.last_event_at = greatest(t.last_event_at, u.last_event_at)"
+    ),
+)
+
+EVENT_TYPE_DAILY = _Projection(
+    name="event_type_daily",
+    key=("stream_type", "event_type", "event_date"),
+    aggregate=_daily,
+    merge_set="t.events = t.events + u.events",
+)
+
+
+def update_stream_catalog(spark: Any, warehouse: Path) -> ProjectionResult:
+    """One row per stream: type, first and last event time, event count, version (incremental)."""
+    return STREAM_CATALOG.update(spark, warehouse)
+
+
+def update_event_type_daily(spark: Any, warehouse: Path) -> ProjectionResult:
+    """Stream type x event type x day: count (incremental)."""
+    return EVENT_TYPE_DAILY.update(spark, warehouse)

@@ -1,0 +1,172 @@
+"""Spark with Delta, from one place: the cached Delta jars and the session configuration.
+
+The Delta jars are resolved from Maven Central once (Ivy, into `.cache/`), then every Spark start
+uses the local files through `spark.jars`: no resolution, no network.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from es_pipeline.errors import SparkSetupError
+from es_pipeline.settings import PROJECT_ROOT, Settings
+
+DELTA_VERSION = "4.4.0"
+JAR_CACHE = PROJECT_ROOT / ".cache"
+# Only Delta's own jars: Spark already ships Scala, Hadoop, Parquet and Jackson, and a second,
+# older copy of those on the class path breaks it.
+KEEP_JAR_PREFIXES = ("io.delta-delta-spark", "io.delta-delta-storage", "org.postgresql-postgresql")
+# The PostgreSQL JDBC driver: on a cluster, large batches are read by Spark's executors
+# (extraction.reader.jdbc_frame).
+JDBC_VERSION = "42.7.14"
+_CACHE_KEY = f"delta {DELTA_VERSION} jdbc {JDBC_VERSION}"
+
+
+def delta_artifact() -> str:
+    import pyspark
+
+    major_minor = ".".join(pyspark.__version__.split(".")[:2])
+    return f"delta-spark_{major_minor}_2.13"
+
+
+def jars_dir() -> Path:
+    return JAR_CACHE / "jars" / f"{delta_artifact()}-{DELTA_VERSION}"
+
+
+def delta_jars(*, resolve: bool = True) -> list[Path]:
+    """The local Delta jars; resolved from Maven Central the first time (about a minute)."""
+    target = jars_dir()
+    done = target / ".complete"
+    if not done.exists() or done.read_text().strip() != _CACHE_KEY:
+        if not resolve:
+            raise SparkSetupError(f"the Delta jars are not in {target}; run `es-pipeline spark jars` (or `make jars`).")
+        _resolve_into(target)
+    return sorted(target.glob("*.jar"))
+
+
+def expected_jars() -> list[Path]:
+    """The jar files `delta_jars()` puts in the cache; known without touching the disk."""
+    return [
+        jars_dir() / f"io.delta-{delta_artifact()}-{DELTA_VERSION}.jar",
+        jars_dir() / f"io.delta-delta-storage-{DELTA_VERSION}.jar",
+        jars_dir() / f"org.postgresql-postgresql-{JDBC_VERSION}.jar",
+    ]
+
+
+def _resolve_into(target: Path) -> None:
+    import pyspark
+
+    ivy_jar = next((Path(pyspark.__file__).parent / "jars").glob("ivy-*.jar"), None)
+    java = shutil.which("java")
+    if ivy_jar is None or java is None:
+        raise SparkSetupError("cannot resolve the Delta jars: need `java` on PATH and pyspark's bundled Ivy jar.")
+    JAR_CACHE.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    for org, artifact, version in (
+        ("io.delta", delta_artifact(), DELTA_VERSION),
+        ("io.delta", "delta-storage", DELTA_VERSION),
+        ("org.postgresql", "postgresql", JDBC_VERSION),
+    ):
+        _ivy_retrieve(java, ivy_jar, org, artifact, version, target)
+    (target / ".complete").write_text(_CACHE_KEY + "\n")
+
+
+def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=JAR_CACHE) as tmp:
+        cmd = [
+            java, "-jar", str(ivy_jar),
+            "-dependency", org, artifact, version,
+            "-confs", "default",
+            "-notransitive",  # each jar is named explicitly; Spark ships the rest
+            "-cache", str(JAR_CACHE / "ivy"),
+            "-retrieve", f"{tmp}/[organisation]-[artifact]-[revision].[ext]",
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SparkSetupError(
+                f"resolving {org}:{artifact}:{version} from Maven Central failed:\n"
+                + "\n".join(res.stdout.splitlines()[-15:])
+            )
+        kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(KEEP_JAR_PREFIXES)]
+        if not kept:
+            raise SparkSetupError(f"Ivy resolved no jar of {org}:{artifact}:{version}")
+        for jar in kept:
+            shutil.copy2(jar, target / jar.name)
+
+
+def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, Any]:
+    """The Spark configuration every es_pipeline session uses (resource, CLI, tests, benchmarks)."""
+    return {
+        "spark.master": master or settings.spark_master,
+        "spark.app.name": "es_pipeline",
+        "spark.jars": ",".join(str(p) for p in expected_jars()),
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        # One machine: a few shuffle partitions, not 200.
+        "spark.sql.shuffle.partitions": "4",
+        "spark.default.parallelism": "4",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "100000",
+        "spark.driver.memory": "4g",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.warehouse.dir": str(settings.warehouse / "_spark_sql"),
+        "spark.databricks.delta.snapshotPartitions": "2",
+        "spark.databricks.delta.autoCompact.enabled": "false",
+        "spark.databricks.delta.optimizeWrite.enabled": "false",
+        "spark.driver.extraJavaOptions": "-Dderby.system.home=" + str(JAR_CACHE / "derby"),
+        # Python workers (grouped folds) run the project's interpreter, with its pandas and reducers.
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+    }
+
+
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+DEFAULT_CONNECT_PORT = 15002
+
+
+def connect_server_command(settings: Settings, *, port: int = DEFAULT_CONNECT_PORT) -> list[str]:
+    """A long-lived Spark Connect server with Delta: runs then attach in ~0.1 s instead of starting a JVM.
+
+    `spark-submit` from the pyspark package, the same `spark_conf`, bound to 127.0.0.1 only.
+    """
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    delta_jars()
+    conf = spark_conf(settings)
+    cmd = [str(submit), "--class", CONNECT_SERVER_CLASS, "--master", conf.pop("spark.master"),
+           "--name", "es_pipeline-connect", "--driver-memory", conf.pop("spark.driver.memory")]
+    conf.update({
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+    })
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    return [*cmd, "spark-internal"]
+
+
+def get_spark(settings: Settings | None = None, *, master: str | None = None) -> Any:
+    """One SparkSession per process: a Spark Connect session when ES_PIPELINE_SPARK_REMOTE is set,
+    else a classic one built with `spark_conf`."""
+    from pyspark.sql import SparkSession
+
+    settings = settings or Settings.from_env()
+    if settings.spark_remote and master is None:
+        return SparkSession.builder.remote(settings.spark_remote).getOrCreate()
+    delta_jars()
+    # A local SparkContext takes its workers' interpreter from the environment, not from the conf.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder
+    for key, value in spark_conf(settings, master=master).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark

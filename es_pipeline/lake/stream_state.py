@@ -1,0 +1,243 @@
+"""`stream_state`: one row per stream, folded incrementally from `events` by the reducers (Spark).
+
+Each run folds only what is new since the last run: the rows that the Delta commits of `events`
+after the last processed table version added (read through Delta's change data feed, so the cost
+follows the increment, not the table), onto the previous state of the streams they touch, in
+version order: the rows are partitioned by stream and sorted, and a `mapInArrow` function folds
+them in one pass per partition on the Python workers (plain Python per event, Arrow in and out;
+nothing goes through the driver, and no pandas frame is built per stream). The events table version processed is committed atomically with the
+state, as the MERGE's Delta transaction id (`txnAppId`/`txnVersion`), so a crash or a retry never
+folds an event twice.
+
+A stream's versions can reach the lake out of order (two transactions whose xids are in the other
+order than their commits), so only the contiguous run after the folded version is applied; later
+events wait in the row's `parked` column, and are folded when the gap fills.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from es_pipeline.errors import ReducerError
+from es_pipeline.lake import tables
+from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
+from es_pipeline.lake.reducers import revisions as current_revisions
+
+APP_ID = "es_pipeline.stream_state"
+
+STATE_DDL = (
+    "stream_id STRING, stream_type STRING, version INT, state STRING, last_event_at TIMESTAMP, "
+    "revision INT, parked STRING, skipped INT, updated_at TIMESTAMP"
+)
+_FOLD_OUT = (
+    "stream_id STRING, stream_type STRING, version INT, state STRING, last_event_at TIMESTAMP, "
+    "revision INT, parked STRING, skipped INT, folded INT, error STRING"
+)
+_PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
+
+
+@dataclass(frozen=True)
+class StateResult:
+    events_version: int
+    previous_events_version: int
+    events_folded: int
+    streams_updated: int
+    rebuilt_types: tuple[str, ...]
+    parked_streams: int
+    skipped_unknown: int
+
+
+# The Delta txn version of a stream_state commit encodes the events table version folded and the
+# sum of the reducer revisions, so that a revision bump with no new events still commits (Delta
+# skips a txn version it has seen) while a replay of the same work does not.
+_REVISION_SLOTS = 1000
+
+
+def _txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
+    return events_version * _REVISION_SLOTS + min(_REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
+
+
+def _processed_version(path: str) -> int:
+    v = tables.transaction_version(path, APP_ID)
+    return -1 if v is None else v // _REVISION_SLOTS
+
+
+class _StreamFold:
+    """One stream's fold within a partition: its prior row (if any), then its events in version order."""
+
+    def __init__(self, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool) -> None:
+        self.stream_id, self.stream_type, self.reducer, self.skip_unknown = stream_id, stream_type, reducer, skip_unknown
+        self.state: dict[str, Any] = {}
+        self.version = 0
+        self.last_at: Any = None
+        self.skipped = 0
+        self.folded = 0
+        self.parked: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    def prior(self, state: str, version: int, last_at: Any, skipped: int | None) -> None:
+        self.state, self.version, self.last_at, self.skipped = json.loads(state), version, last_at, skipped or 0
+
+    def event(self, v: int, event_type: str, payload: str, recorded_at: Any) -> None:
+        if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
+            return  # after an error, or already folded, or a duplicate of a parked event
+        if v != self.version + 1 or self.parked:
+            self.parked.append({"version": v, "event_type": event_type, "payload": payload, "recorded_at": recorded_at})
+            return
+        event = Event(self.stream_id, v, event_type, json.loads(payload))
+        try:
+            if self.reducer is None:
+                raise UnknownEventType(event)
+            self.state = self.reducer.fold(self.state, event)
+        except UnknownEventType as exc:
+            if not self.skip_unknown:
+                self.error = json.dumps([self.stream_id, v, event_type, str(exc)])
+                return
+            self.skipped += 1
+        except KeyError as exc:
+            self.error = json.dumps([self.stream_id, v, event_type, f"the payload has no field {exc}"])
+            return
+        except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
+            self.error = json.dumps([self.stream_id, v, event_type, f"{type(exc).__name__}: {exc}"])
+            return
+        self.version, self.last_at = v, recorded_at
+        self.folded += 1
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.stream_id, self.stream_type, self.version,
+            json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
+            self.reducer.revision if self.reducer else 0,
+            json.dumps(self.parked, default=str) if self.parked else None,
+            self.skipped, self.folded, self.error,
+        )
+
+
+_OUT_BATCH_ROWS = 5_000
+
+
+def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
+    """The fold as a `mapInArrow` function, shipped to the Python workers with the reducers captured.
+
+    Its input is partitioned by stream and sorted by (stream, prior row first, version), so one
+    pass over the Arrow batches meets each stream's rows together, in order: plain Python per
+    event, one Arrow batch out per few thousand streams (no pandas frame per stream).
+    """
+
+    def run(batches):  # type: ignore[no-untyped-def]
+        schema = _fold_out_arrow_schema()
+        out: list[tuple[Any, ...]] = []
+        current: _StreamFold | None = None
+
+        def flush() -> Any:
+            columns = list(zip(*out, strict=True))
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema
+            )
+            out.clear()
+            return batch
+
+        for batch in batches:
+            c = batch.to_pydict()
+            for i in range(batch.num_rows):
+                sid = c["stream_id"][i]
+                if current is None or current.stream_id != sid:
+                    if current is not None:
+                        out.append(current.row())
+                        if len(out) >= _OUT_BATCH_ROWS:
+                            yield flush()
+                    stype = c["stream_type"][i]
+                    current = _StreamFold(sid, stype, registry.get(stype), skip_unknown)
+                if c["is_prior"][i]:
+                    current.prior(c["payload"][i], c["version"][i], c["recorded_at"][i], c["prior_skipped"][i])
+                else:
+                    current.event(c["version"][i], c["event_type"][i], c["payload"][i], c["recorded_at"][i])
+        if current is not None:
+            out.append(current.row())
+        if out:
+            yield flush()
+
+    return run
+
+
+def _fold_out_arrow_schema() -> Any:
+    return pa.schema([
+        ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
+        ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
+        ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()),
+    ])
+
+
+def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = False) -> StateResult:
+    from pyspark.sql import functions as F
+
+    events_path = tables.table_path(warehouse, "events")
+    state_path = tables.table_path(warehouse, "stream_state")
+    tables.ensure_table(spark, state_path, STATE_DDL, comment="es_pipeline: current state per stream")
+    now = tables.table_version(spark, events_path)
+    prev = _processed_version(state_path)
+    revisions = current_revisions()
+    state = tables.read(spark, state_path)
+
+    stale = [
+        r["stream_type"] for r in state.select("stream_type", "revision").distinct().collect()
+        if r["stream_type"] in revisions and revisions[r["stream_type"]] != r["revision"]
+    ]
+    cols = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
+    if prev < 0:
+        new = tables.read(spark, events_path, version=now).select(*cols)
+    elif prev < now:
+        new = tables.rows_added(spark, events_path, prev, now).select(*cols)
+    else:
+        new = None
+    if stale:
+        rebuild = tables.read(spark, events_path, version=now) \
+            .where(F.col("stream_type").isin(stale)).select(*cols)
+        new = rebuild if new is None else new.where(~F.col("stream_type").isin(stale)).unionByName(rebuild)
+    if new is None:
+        return StateResult(now, prev, 0, 0, (), 0, 0)
+
+    prior = state.where(~F.col("stream_type").isin(stale)) if stale else state
+    parked = (
+        prior.where("parked IS NOT NULL")
+        .select("stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
+        .select("stream_id", "stream_type", "p.version", "p.event_type", "p.payload", "p.recorded_at")
+    )
+    todo = new.unionByName(parked)
+    touched = todo.select("stream_id").distinct()
+    # The prior row of each touched stream travels with its events, marked and sorted first: its
+    # state in `payload`, its version and last event time in theirs.
+    prior_rows = prior.join(touched, "stream_id", "left_semi").select(
+        "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
+        F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"),
+        F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
+    )
+    rows = todo.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
+        .unionByName(prior_rows)
+    folded = (
+        rows.repartition("stream_id")
+        .sortWithinPartitions("stream_id", F.col("is_prior").desc(), "version")
+        .mapInArrow(_fold_partitions(dict(REGISTRY), skip_unknown), _FOLD_OUT)
+        .cache()
+    )
+    try:
+        # One action computes the fold (cached) and its figures; the first error, if any, is in it.
+        stats = folded.agg(
+            F.count("*").alias("streams"), F.sum(F.when(F.col("parked").isNotNull(), 1).otherwise(0)).alias("parked"),
+            F.sum("skipped").alias("skipped"), F.sum("folded").alias("folded"), F.min("error").alias("error"),
+        ).first()
+        if stats["error"] is not None:
+            stream_id, version, event_type, reason = json.loads(stats["error"])
+            raise ReducerError(stream_id, version, event_type, reason)
+        n_events = stats["folded"] or 0
+        updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
+        tables.merge_by_key(spark, state_path, updates, "stream_id", app_id=APP_ID, version=_txn_version(now, REGISTRY))
+    finally:
+        folded.unpersist()
+    return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
+                       int(stats["parked"] or 0), int(stats["skipped"] or 0))

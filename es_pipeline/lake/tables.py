@@ -1,0 +1,185 @@
+"""The Delta tables under the warehouse: paths, schemas, creation, reads, idempotent writes.
+
+Every Delta read and write of es_pipeline goes through here, with Spark or with delta-rs. The
+tables and what each holds: docs/architecture.md ("The lake").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+EVENTS_DDL = (
+    "global_position BIGINT, tx_id BIGINT, stream_id STRING, stream_type STRING, version INT, slice INT, "
+    "event_type STRING, payload STRING, metadata STRING, recorded_at TIMESTAMP, event_date DATE, batch_id BIGINT"
+)
+
+TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+
+
+def table_path(warehouse: Path | str, name: str) -> str:
+    return str(Path(warehouse) / name)
+
+
+def is_delta_table(path: str) -> bool:
+    """A Delta table exists once its first commit file does (a killed creator can leave an empty log)."""
+    log = Path(path) / "_delta_log"
+    return log.is_dir() and any(log.glob("*.json"))
+
+
+# Delta computes min/max statistics per file for the columns named here only: the ones queries
+# prune on. Statistics on the long JSON text columns cost ~40% of a write and prune nothing.
+# The change data feed lets `stream_state` read only the rows that later commits added.
+EVENTS_PROPERTIES = {
+    "delta.dataSkippingStatsColumns": "tx_id,slice,stream_id,version,global_position,event_date",
+    "delta.enableChangeDataFeed": "true",
+}
+
+
+def ensure_table(
+    spark: Any, path: str, ddl: str, *, comment: str = "", properties: dict[str, str] | None = None
+) -> None:
+    """Create an empty Delta table with `ddl` if none is there. Safe when two processes race.
+
+    Plain SQL, like every Delta operation here, so that it runs the same on a classic session and
+    on a Spark Connect one.
+    """
+    if is_delta_table(path):
+        return
+    props = ", ".join(f"'{k}' = '{v}'" for k, v in (properties or {}).items())
+    statement = (
+        f"CREATE TABLE IF NOT EXISTS delta.`{path}` ({ddl}) USING delta"
+        + (f" COMMENT '{comment}'" if comment else "")
+        + (f" TBLPROPERTIES ({props})" if props else "")
+    )
+    try:
+        spark.sql(statement)
+    except Exception:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
+        if not is_delta_table(path):
+            raise
+
+
+def read(spark: Any, path: str, *, version: int | None = None) -> Any:
+    """A Delta table as a Spark DataFrame: its latest version, or `version` (time travel)."""
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return reader.load(path)
+
+
+def table_version(spark: Any, path: str) -> int:
+    """The latest commit version of a Delta table."""
+    row = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").first()
+    assert row is not None
+    return int(row["version"])
+
+
+def merge_by_key(
+    spark: Any, path: str, updates: Any, key: str | Sequence[str], *, app_id: str, version: int,
+    update_set: str = "*",
+) -> None:
+    """Upsert `updates` on `key`, as Delta transaction (`app_id`, `version`): a replay is skipped.
+
+    `update_set` says how a matched row (t) takes the update (u): `*` replaces it; an additive
+    projection passes e.g. `t.events = t.events + u.events`. MERGE has no writer options, only
+    session confs, and those stay set after the command: they are set and cleared around it.
+    """
+    keys = [key] if isinstance(key, str) else list(key)
+    on = " AND ".join(f"t.{k} = u.{k}" for k in keys)
+    view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
+    updates.createOrReplaceTempView(view)
+    spark.conf.set("spark.databricks.delta.write.txnAppId", app_id)
+    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
+    try:
+        spark.sql(
+            f"MERGE INTO delta.`{path}` t USING {view} u ON {on} "
+            f"WHEN MATCHED THEN UPDATE SET {update_set} WHEN NOT MATCHED THEN INSERT *"
+        )
+    finally:
+        spark.conf.unset("spark.databricks.delta.write.txnAppId")
+        spark.conf.unset("spark.databricks.delta.write.txnVersion")
+        spark.catalog.dropTempView(view)
+
+
+def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
+    """The rows that the commits `after` < version <= `until` inserted (Delta's change data feed)."""
+    return (
+        spark.read.format("delta").option("readChangeFeed", "true")
+        .option("startingVersion", after + 1).option("endingVersion", until).load(path)
+        .where("_change_type = 'insert'")
+    )
+
+
+def transaction_version(path: str, app_id: str) -> int | None:
+    """The last `txnVersion` Delta committed for `app_id` (read from the log by delta-rs)."""
+    if not is_delta_table(path):
+        return None
+    v = DeltaTable(path).transaction_version(app_id)
+    return None if v is None else int(v)
+
+
+def append_idempotent(df: Any, path: str, *, app_id: str, version: int) -> None:
+    """Append unless Delta already holds a commit of (`app_id`, `version`) or later: replay-safe."""
+    (
+        df.write.format("delta")
+        .mode("append")
+        .option("txnAppId", app_id)
+        .option("txnVersion", str(version))
+        .save(path)
+    )
+
+
+def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties: dict[str, str] | None = None) -> None:
+    """Create an empty Delta table of Arrow `schema` with delta-rs, if none is there (race-safe).
+
+    For writers that need no Spark session: Spark reads and writes the table like one it made.
+    """
+    if is_delta_table(path):
+        return
+    try:
+        DeltaTable.create(path, schema, mode="ignore", description=comment or None, configuration=properties)
+    except Exception:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
+        if not is_delta_table(path):
+            raise
+
+
+def table_id(path: str) -> str:
+    """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one.
+
+    Read from the first commit, whose size does not grow with the table; only once log cleanup has
+    removed that file is the whole log loaded (the id never changes over a table's life).
+    """
+    first = Path(path) / "_delta_log" / f"{0:020d}.json"
+    try:
+        with first.open(encoding="utf-8") as log:
+            for line in log:
+                action = json.loads(line) if line.strip() else {}
+                if "metaData" in action:
+                    return str(action["metaData"]["id"])
+    except FileNotFoundError:
+        pass
+    return str(DeltaTable(path).metadata().id)
+
+
+def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int) -> bool:
+    """Append an Arrow table with delta-rs as Delta transaction (`app_id`, `version`); False if skipped.
+
+    The same guarantee as Spark's `txnAppId`/`txnVersion` options, and the same log entry (a `txn`
+    action), so either writer sees the other's commits: a version at or below the one Delta holds
+    for `app_id` is a replay and writes nothing. Callers serialize the writers of one `app_id` (the
+    slice locks), so reading the version and then committing cannot race. The log is read once,
+    for both.
+    """
+    dt = DeltaTable(path)
+    done = dt.transaction_version(app_id)
+    if done is not None and done >= version:
+        return False
+    write_deltalake(
+        dt, table, mode="append",
+        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
+    )
+    return True

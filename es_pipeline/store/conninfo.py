@@ -1,0 +1,110 @@
+"""PostgreSQL connection strings and connections, from one place, for every read path.
+
+One DSN (`ES_PIPELINE_PG_DSN`, a libpq key=value string or a `postgresql://` URI) reaches three
+clients, and each gets it from here:
+
+- psycopg (`connect`): the offsets, the probe, the event store's writers;
+- ADBC (`adbc_dsn`): the Arrow reads of the extractor. libpq parses the string itself, so
+  `service=`, socket directories, multi-host lists and `PG*` variables mean the same as for psycopg;
+- JDBC (`jdbc_url`): Spark's executors on a cluster. pgjdbc has its own syntax: what it cannot
+  express (a service file, a socket directory, a DSN without a host) is refused with one line,
+  never replaced by a default such as localhost:5432.
+
+No function here puts the DSN's text into an error message: it may hold a password.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg.adapt import Loader
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from es_pipeline.errors import DatabaseUnreachable, PostgresTooOld, UnsupportedDsn
+
+MIN_SERVER_VERSION = 130000
+XID8_OID = 5069  # fixed in pg_type since PostgreSQL 13
+JDBC_DRIVER_CLASS = "org.postgresql.Driver"
+# libpq parameters that pgjdbc takes under the same name.
+_JDBC_SAME_NAME = ("sslmode", "sslrootcert", "sslcert", "sslkey")
+
+
+def parse(dsn: str) -> dict[str, str]:
+    """The DSN's parameters (only those it names: libpq's defaults are not filled in)."""
+    try:
+        return {k: str(v) for k, v in conninfo_to_dict(dsn).items()}
+    except psycopg.ProgrammingError:
+        raise UnsupportedDsn(
+            "es_pipeline", "it is not a valid libpq connection string (key=value pairs or a postgresql:// URI)"
+        ) from None
+
+
+def describe(dsn: str) -> tuple[str, str, str]:
+    """(host, port, database) as the DSN names them, for messages; what it leaves to libpq says so."""
+    try:
+        parts = parse(dsn)
+    except UnsupportedDsn:
+        return ("?", "?", "?")
+    return (parts.get("host", "(libpq's default host)"), parts.get("port", "(default port)"),
+            parts.get("dbname", "(default database)"))
+
+
+class Xid8Loader(Loader):
+    """psycopg 3 has no loader for xid8: read it as a Python int (text format)."""
+
+    def load(self, data: bytes | bytearray | memoryview) -> int:
+        return int(bytes(data))
+
+
+def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_pipeline") -> psycopg.Connection:
+    """Open a psycopg connection, turning every way of failing to reach the server into one clear line."""
+    try:
+        conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        host, port, dbname = describe(dsn)
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        reason = lines[0].rsplit("failed: ", 1)[-1] if lines else type(exc).__name__
+        raise DatabaseUnreachable(host, port, dbname, reason) from None
+    except psycopg.ProgrammingError:
+        host, port, dbname = describe(dsn)
+        raise DatabaseUnreachable(host, port, dbname, "the DSN is not a valid libpq connection string") from None
+    register_types(conn)
+    return conn
+
+
+def register_types(conn: psycopg.Connection) -> None:
+    check_server_version(conn)
+    conn.adapters.register_loader(XID8_OID, Xid8Loader)
+
+
+def check_server_version(conn: psycopg.Connection) -> None:
+    if conn.info.server_version < MIN_SERVER_VERSION:
+        major = conn.info.server_version // 10000
+        raise PostgresTooOld(f"{major} ({conn.info.server_version})")
+
+
+def adbc_dsn(dsn: str, *, application_name: str = "es_pipeline reader") -> str:
+    """The DSN for ADBC's PostgreSQL driver, which hands it to libpq as it is (key=value form)."""
+    parse(dsn)  # a clear error before the driver's, which would quote the string
+    return make_conninfo(dsn, application_name=application_name)
+
+
+def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
+    """The DSN as pgjdbc's URL and connection properties (for Spark's JDBC reads on executors)."""
+    parts = parse(dsn)
+    if "service" in parts:
+        raise UnsupportedDsn("the JDBC read path", "pgjdbc does not read service files; name host, port and dbname")
+    hosts = [h for h in parts.get("host", "").split(",") if h]
+    if not hosts:
+        raise UnsupportedDsn("the JDBC read path", "it names no host, and pgjdbc cannot use libpq's default; add host=")
+    if any(h.startswith(("/", "@")) for h in hosts):
+        raise UnsupportedDsn("the JDBC read path", "pgjdbc cannot connect through a Unix socket directory; use a TCP host")
+    ports = [p for p in parts.get("port", "").split(",") if p] or [""]
+    if len(ports) not in (1, len(hosts)):
+        raise UnsupportedDsn("the JDBC read path", f"it names {len(hosts)} hosts but {len(ports)} ports")
+    ports = ports * len(hosts) if len(ports) == 1 else ports
+    netloc = ",".join(f"{h}:{p}" if p else h for h, p in zip(hosts, ports, strict=True))
+    props = {"driver": JDBC_DRIVER_CLASS}
+    for key in ("user", "password", *_JDBC_SAME_NAME):
+        if parts.get(key):
+            props[key] = parts[key]
+    return f"jdbc:postgresql://{netloc}/{parts.get('dbname', '')}", props

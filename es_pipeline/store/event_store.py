@@ -1,0 +1,255 @@
+"""The writers' side of the event store (DESIGN §1): append with an expected version, read, load.
+
+Knows nothing of Dagster or Spark. Every identifier goes through `sql.Identifier`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from es_pipeline.errors import ConcurrencyError, InvalidAppend
+from es_pipeline.store.conninfo import connect
+
+MAX_STREAM_ID_LENGTH = 200
+NO_STREAM = 0  # expected version of a stream that does not exist yet
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    event_type: str
+    payload: Mapping[str, Any]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RecordedEvent:
+    stream_id: str
+    stream_type: str
+    version: int
+    event_type: str
+    payload: dict[str, Any]
+    metadata: dict[str, Any]
+    tx_id: int
+    global_position: int
+    slice: int
+    recorded_at: datetime
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    stream_id: str
+    stream_type: str
+    version: int
+    state: dict[str, Any]
+    revision: int
+
+
+State = dict[str, Any]
+Fold = Callable[[State, RecordedEvent], State]
+
+_EVENT_COLUMNS = (
+    "stream_id, stream_type, version, event_type, payload, metadata, tx_id, global_position, slice, recorded_at"
+)
+
+
+def _encode(stream_id: str, what: str, value: Mapping[str, Any]) -> str:
+    if not isinstance(value, Mapping):
+        raise InvalidAppend(stream_id, f"the {what} must be a JSON object (a dict), got {type(value).__name__}")
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidAppend(stream_id, f"the {what} is not JSON-serialisable ({exc})") from None
+
+
+def _validate(stream_id: str, stream_type: str, events: Sequence[NewEvent], expected_version: int) -> None:
+    if not isinstance(stream_id, str) or not stream_id:
+        raise InvalidAppend(str(stream_id), "the stream id must be a non-empty string")
+    if len(stream_id) > MAX_STREAM_ID_LENGTH:
+        raise InvalidAppend(
+            stream_id[:40] + "…", f"the stream id has {len(stream_id)} characters, at most {MAX_STREAM_ID_LENGTH} allowed"
+        )
+    if not stream_type:
+        raise InvalidAppend(stream_id, "the stream type must be a non-empty string")
+    if not events:
+        raise InvalidAppend(stream_id, "the list of events is empty; append at least one event")
+    if expected_version < 0:
+        raise InvalidAppend(stream_id, f"expected version {expected_version} is negative")
+    for e in events:
+        if not e.event_type:
+            raise InvalidAppend(stream_id, "an event has an empty event_type")
+
+
+class EventStore:
+    """Append to and read from the event store in `schema` (default `es`)."""
+
+    def __init__(self, dsn: str, schema: str = "es") -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self._s = sql.Identifier(schema)
+
+    def connect(self) -> psycopg.Connection:
+        return connect(self.dsn)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def append(
+        self,
+        stream_id: str,
+        stream_type: str,
+        events: Sequence[NewEvent],
+        expected_version: int,
+        *,
+        conn: psycopg.Connection | None = None,
+    ) -> int:
+        """Append `events` to a stream atomically; return the stream's new version.
+
+        `expected_version` is the version the caller last saw (0 for a new stream). A mismatch raises
+        `ConcurrencyError` and writes nothing. With `conn`, the append joins the caller's transaction
+        (several streams can then commit together); without, it commits on its own.
+        """
+        _validate(stream_id, stream_type, events, expected_version)
+        payloads = [_encode(stream_id, "payload", e.payload) for e in events]
+        metadatas = [_encode(stream_id, "metadata", e.metadata) for e in events]
+        if conn is None:
+            with self.connect() as own, own.transaction():
+                return self._append(own, stream_id, stream_type, events, expected_version, payloads, metadatas)
+        # In the caller's transaction: the version check comes first, so a conflict raises
+        # before anything is written, and the caller's transaction decides commit or rollback.
+        return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas)
+
+    def _append(
+        self,
+        conn: psycopg.Connection,
+        stream_id: str,
+        stream_type: str,
+        events: Sequence[NewEvent],
+        expected_version: int,
+        payloads: list[str],
+        metadatas: list[str],
+    ) -> int:
+        new_version = expected_version + len(events)
+        if expected_version == NO_STREAM:
+            claim = sql.SQL(
+                "INSERT INTO {s}.streams (stream_id, stream_type, version) VALUES (%(id)s, %(type)s, %(new)s) "
+                "ON CONFLICT (stream_id) DO NOTHING RETURNING version"
+            )
+        else:
+            claim = sql.SQL(
+                "UPDATE {s}.streams SET version = %(new)s, updated_at = now() "
+                "WHERE stream_id = %(id)s AND version = %(expected)s RETURNING version"
+            )
+        # One round trip: claim the version range, then insert only if the claim succeeded.
+        query = sql.SQL(
+            "WITH claim AS ({claim}) "
+            "INSERT INTO {s}.events (stream_id, stream_type, version, event_type, payload, metadata) "
+            "SELECT %(id)s, %(type)s, u.version, u.event_type, u.payload, u.metadata "
+            "FROM unnest(%(versions)s::int[], %(types)s::text[], %(payloads)s::jsonb[], %(metadatas)s::jsonb[]) "
+            "AS u(version, event_type, payload, metadata) WHERE EXISTS (SELECT 1 FROM claim)"
+        ).format(claim=claim.format(s=self._s), s=self._s)
+        cur = conn.execute(
+            query,
+            {
+                "id": stream_id,
+                "type": stream_type,
+                "new": new_version,
+                "expected": expected_version,
+                "versions": list(range(expected_version + 1, new_version + 1)),
+                "types": [e.event_type for e in events],
+                "payloads": payloads,
+                "metadatas": metadatas,
+            },
+        )
+        if cur.rowcount == 0:
+            actual = conn.execute(
+                sql.SQL("SELECT version FROM {}.streams WHERE stream_id = %s").format(self._s), (stream_id,)
+            ).fetchone()
+            raise ConcurrencyError(stream_id, expected_version, actual[0] if actual else NO_STREAM)
+        return new_version
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def read_stream(
+        self, stream_id: str, *, after_version: int = 0, conn: psycopg.Connection | None = None
+    ) -> list[RecordedEvent]:
+        query = sql.SQL(
+            "SELECT " + _EVENT_COLUMNS + " FROM {}.events WHERE stream_id = %s AND version > %s ORDER BY version"
+        ).format(self._s)
+        if conn is None:
+            with self.connect() as own:
+                rows = own.execute(query, (stream_id, after_version)).fetchall()
+        else:
+            rows = conn.execute(query, (stream_id, after_version)).fetchall()
+        return [RecordedEvent(*r) for r in rows]
+
+    def stream_version(self, stream_id: str) -> int:
+        with self.connect() as conn:
+            row = conn.execute(
+                sql.SQL("SELECT version FROM {}.streams WHERE stream_id = %s").format(self._s), (stream_id,)
+            ).fetchone()
+        return row[0] if row else NO_STREAM
+
+    def slice_of(self, stream_id: str) -> int:
+        """The slice of a stream, computed by the database's own function (the one definition)."""
+        with self.connect() as conn:
+            row = conn.execute(sql.SQL("SELECT {}.slice_of(%s)").format(self._s), (stream_id,)).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def read_snapshot(self, stream_id: str, conn: psycopg.Connection | None = None) -> Snapshot | None:
+        query = sql.SQL(
+            "SELECT stream_id, stream_type, version, state, revision FROM {}.snapshots WHERE stream_id = %s"
+        ).format(self._s)
+        if conn is None:
+            with self.connect() as own:
+                row = own.execute(query, (stream_id,)).fetchone()
+        else:
+            row = conn.execute(query, (stream_id,)).fetchone()
+        return Snapshot(*row) if row else None
+
+    def load(self, stream_id: str, fold: Fold, *, revision: int, initial: State | None = None) -> tuple[State, int]:
+        """State of a stream = its snapshot (if taken by this `revision`) + the events after it.
+
+        Returns (state, version). Read in one repeatable-read transaction so that the snapshot and
+        the events agree even while writers append.
+        """
+        with self.connect() as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            with conn.transaction():
+                snap = self.read_snapshot(stream_id, conn)
+                if snap is not None and snap.revision == revision:
+                    state, version = dict(snap.state), snap.version
+                else:
+                    state, version = dict(initial or {}), 0
+                for event in self.read_stream(stream_id, after_version=version, conn=conn):
+                    state = fold(state, event)
+                    version = event.version
+        return state, version
+
+    def write_snapshots(self, snapshots: Iterable[Snapshot], conn: psycopg.Connection | None = None) -> int:
+        """Upsert snapshots; an older version never overwrites a newer one of the same revision."""
+        rows = [
+            (s.stream_id, s.stream_type, s.version, json.dumps(s.state), s.revision) for s in snapshots
+        ]
+        if not rows:
+            return 0
+        query = sql.SQL(
+            "INSERT INTO {s}.snapshots AS t (stream_id, stream_type, version, state, revision) "
+            "VALUES (%s, %s, %s, %s::jsonb, %s) "
+            "ON CONFLICT (stream_id) DO UPDATE SET stream_type = excluded.stream_type, "
+            "version = excluded.version, state = excluded.state, revision = excluded.revision, taken_at = now() "
+            "WHERE excluded.revision <> t.revision OR excluded.version > t.version"
+        ).format(s=self._s)
+        if conn is None:
+            with self.connect() as own, own.transaction(), own.cursor() as cur:
+                cur.executemany(query, rows)
+        else:
+            with conn.cursor() as cur:
+                cur.executemany(query, rows)
+        return len(rows)

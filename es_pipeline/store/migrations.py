@@ -1,0 +1,214 @@
+"""Versioned, idempotent migrations of the event store and of es_pipeline's own tables.
+
+Each migration runs once, in the same transaction that records it in `<schema>.schema_migrations`,
+under an advisory lock so that two `migrate` calls at once do not race. Before creating a table
+that already exists but was not made by us, its columns are checked; an incompatible table makes
+the whole migration refuse and roll back, changing nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from es_pipeline.errors import IncompatibleSchema
+from es_pipeline.store.conninfo import connect
+
+OFFSETS_SCHEMA = "es_pipeline"
+MIGRATION_LOCK_KEY = 0x65735F6D69677274  # "es_migrt"
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: str
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "event store: streams, events, snapshots, slice function, notify trigger",
+        """
+CREATE FUNCTION {schema}.slice_of(stream_id text) RETURNS smallint
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    -- Bitwise AND of the 64-bit hash keeps 0..1023 for every value (abs() overflows on one).
+    AS $$ SELECT (hashtextextended(stream_id, 0) & 1023)::smallint $$;
+
+CREATE TABLE {schema}.streams (
+    stream_id   text        PRIMARY KEY CHECK (length(stream_id) BETWEEN 1 AND 200),
+    stream_type text        NOT NULL,
+    version     integer     NOT NULL CHECK (version >= 0),
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    updated_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX streams_type_idx ON {schema}.streams (stream_type);
+
+CREATE TABLE {schema}.events (
+    global_position bigint      GENERATED ALWAYS AS IDENTITY,
+    tx_id           xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    stream_id       text        NOT NULL,
+    stream_type     text        NOT NULL,
+    version         integer     NOT NULL CHECK (version >= 1),
+    slice           smallint    NOT NULL GENERATED ALWAYS AS ({schema}.slice_of(stream_id)) STORED,
+    event_type      text        NOT NULL,
+    payload         jsonb       NOT NULL,
+    metadata        jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    recorded_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (stream_id, version)
+);
+-- The extraction and the sensor probe (slice = s AND tx_id >= W(s) AND tx_id < H).
+CREATE INDEX events_slice_tx_idx ON {schema}.events (slice, tx_id);
+
+CREATE TABLE {schema}.snapshots (
+    stream_id   text        PRIMARY KEY,
+    stream_type text        NOT NULL,
+    version     integer     NOT NULL,
+    state       jsonb       NOT NULL,
+    revision    integer     NOT NULL,
+    taken_at    timestamptz NOT NULL DEFAULT now()
+);
+
+-- One NOTIFY per appending transaction: PostgreSQL folds identical (channel, payload) pairs
+-- within a transaction, and the payload is the transaction id.
+CREATE FUNCTION {schema}.notify_events() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('es_events', pg_current_xact_id()::text);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER events_notify AFTER INSERT ON {schema}.events
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}.notify_events();
+""",
+    ),
+    Migration(
+        2,
+        "offsets: per consumer and slice, the xid8 watermark",
+        """
+CREATE SCHEMA IF NOT EXISTS es_pipeline;
+CREATE TABLE IF NOT EXISTS es_pipeline.offsets (
+    consumer   text        NOT NULL,
+    slice      smallint    NOT NULL CHECK (slice >= 0 AND slice < 1024),
+    watermark  xid8        NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    run_id     text,
+    PRIMARY KEY (consumer, slice)
+);
+-- A batch being written: recorded before the sink write, deleted with the offset commit.
+-- A row left behind by a crash is replayed, byte for byte, by the next run on its slices.
+CREATE TABLE IF NOT EXISTS es_pipeline.pending_batches (
+    batch_id        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer        text        NOT NULL,
+    app_id          text        NOT NULL,
+    slices          smallint[]  NOT NULL,
+    from_watermarks xid8[]      NOT NULL,
+    upper_bound     xid8        NOT NULL,
+    run_id          text,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
+""",
+    ),
+    Migration(
+        3,
+        "events: index on the transaction order, for the sensor's probe of the newest committed events",
+        # The sensor reads the newest events (from the lowest watermark up to the horizon) from the end of
+        # this index: one descent whatever the table size (docs/decisions.md, "The sensor's probe"). It is
+        # on the expression tx_id::text::bigint, not on tx_id, so that only the probe, which names that
+        # expression, can use it: on plain tx_id the planner began reading extraction batches through it.
+        # On a large existing table, build it first with CREATE INDEX CONCURRENTLY under this name: the
+        # migration then only records itself.
+        """
+CREATE INDEX IF NOT EXISTS events_tx_order_idx ON {schema}.events ((tx_id::text::bigint));
+""",
+    ),
+    Migration(
+        4,
+        "sinks: the Delta table a consumer's offsets belong to",
+        """
+-- A consumer's watermarks say what is in one particular Delta table. Its id (Delta's metaData.id,
+-- set when the table is created) is recorded with the first batch, so that a run pointed at another
+-- table (a lost, moved or recreated lake) refuses instead of continuing from watermarks that are not its own.
+CREATE TABLE IF NOT EXISTS es_pipeline.sinks (
+    consumer    text        PRIMARY KEY,
+    table_id    text        NOT NULL,
+    path        text        NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+);
+""",
+    ),
+)
+
+# What an existing table must look like for us to adopt it instead of refusing.
+EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
+    "streams": {"stream_id": "text", "stream_type": "text", "version": "integer"},
+    "events": {
+        "tx_id": "xid8", "stream_id": "text", "stream_type": "text", "version": "integer",
+        "slice": "smallint", "event_type": "text", "payload": "jsonb", "metadata": "jsonb",
+    },
+    "snapshots": {"stream_id": "text", "version": "integer", "state": "jsonb", "revision": "integer"},
+}
+
+
+def applied_versions(conn: psycopg.Connection, schema: str) -> set[int]:
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.schema_migrations",)).fetchone()
+    if not exists or not exists[0]:
+        return set()
+    rows = conn.execute(
+        sql.SQL("SELECT version FROM {}.schema_migrations").format(sql.Identifier(schema))
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def _check_existing_tables(conn: psycopg.Connection, schema: str) -> None:
+    for table, expected in EXPECTED_COLUMNS.items():
+        rows = conn.execute(
+            "SELECT column_name, format_type(atttypid, atttypmod) FROM information_schema.columns c "
+            "JOIN pg_attribute a ON a.attrelid = format('%%I.%%I', c.table_schema, c.table_name)::regclass "
+            " AND a.attname = c.column_name "
+            "WHERE c.table_schema = %s AND c.table_name = %s",
+            (schema, table),
+        ).fetchall()
+        if not rows:
+            continue
+        actual = {name: typ for name, typ in rows}
+        for column, typ in expected.items():
+            if column not in actual:
+                raise IncompatibleSchema(f"{schema}.{table}", f"it has no column {column} ({typ})")
+            if actual[column] != typ:
+                raise IncompatibleSchema(
+                    f"{schema}.{table}", f"its column {column} is {actual[column]}, expected {typ}"
+                )
+        raise IncompatibleSchema(
+            f"{schema}.{table}", "it was not created by es_pipeline's migrations (no record in schema_migrations)"
+        )
+
+
+def migrate(dsn: str, schema: str = "es") -> list[Migration]:
+    """Apply the missing migrations; return the ones applied now (empty when up to date)."""
+    applied_now: list[Migration] = []
+    with connect(dsn) as conn:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            done = applied_versions(conn, schema)
+            if not done:
+                _check_existing_tables(conn, schema)
+            ident = sql.Identifier(schema)
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
+                    " version integer PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(ident)
+            )
+            for m in MIGRATIONS:
+                if m.version in done:
+                    continue
+                conn.execute(sql.SQL(m.statements).format(schema=ident))  # type: ignore[arg-type]
+                conn.execute(
+                    sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)").format(ident),
+                    (m.version, m.name),
+                )
+                applied_now.append(m)
+    return applied_now

@@ -1,0 +1,392 @@
+"""Exactly-once extraction, against real Postgres, Spark and Delta, compared event by event."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from delta.tables import DeltaTable as SparkDeltaTable
+from deltalake import DeltaTable
+
+from es_pipeline.dev.workload import bulk_load, run_workload
+from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
+from es_pipeline.extraction import offsets
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.offsets import Batch
+from es_pipeline.extraction.reader import batch_query
+from es_pipeline.extraction.slices import SliceRange, split
+from es_pipeline.lake import tables
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
+
+
+class Crash(Exception):
+    """Stands for the process dying at a step: nothing after it runs."""
+
+
+def crash_at(step: str, nth: int = 1):  # type: ignore[no-untyped-def]
+    seen = [0]
+
+    def hook(name: str, batch: Batch | None) -> None:
+        if name == step:
+            seen[0] += 1
+            if seen[0] == nth:
+                raise Crash(step)
+
+    return hook
+
+
+def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
+    """The broken extractor of seed 004: `global_position > last`, polled while writers write."""
+    last = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while True:
+            rows = conn.execute(
+                "SELECT global_position, stream_id, version FROM es.events WHERE global_position > %s "
+                "ORDER BY global_position", (last,)
+            ).fetchall()
+            for pos, s, v in rows:
+                seen.add((s, v))
+                last = max(last, pos)
+            if stop.is_set():
+                break
+            time.sleep(0.005)
+
+
+@pytest.mark.parametrize("writer", ["delta-rs", "spark"])
+def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events(
+    dsn: str, spark: Any, warehouse: Path, writer: str
+) -> None:
+    """8 writers, random commit delays, ~10% rollbacks, extraction running all along (both Delta writers)."""
+    stop = threading.Event()
+    naive_seen: set[tuple[str, int]] = set()
+    naive = threading.Thread(target=naive_poll, args=(dsn, stop, naive_seen))
+    report: list[Any] = []
+    writers = threading.Thread(
+        target=lambda: report.append(run_workload(
+            EventStore(dsn), streams=300, events=8000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=4
+        ))
+    )
+    ex = Extractor(dsn, spark, warehouse, writer=writer)
+    EventStore(dsn).append("warm-up", "cart", [NewEvent("ItemAdded", {})], 0)
+    ex.run(SliceRange(0, 1023))  # warm up: the table exists, Spark has written once
+    naive.start()
+    writers.start()
+    runs_during_writing = 0
+    while writers.is_alive():
+        for r in split(4):
+            if writers.is_alive():
+                runs_during_writing += 1
+            ex.run(r)
+    writers.join()
+    stop.set()
+    naive.join()
+    for r in split(4):
+        ex.run(r)
+    assert runs_during_writing >= 4, "extraction ran during the writing"
+    assert report[0].rollbacks > 0
+    n = assert_exactly_once(spark, warehouse, dsn)
+    assert n == report[0].events + 1 == 8001
+    lost = set(source_events(dsn)) - naive_seen
+    assert lost, "the naive `global_position > last` extractor should have lost events"
+
+
+def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    store.append("a", "cart", [NewEvent("ItemAdded", {"n": 1})], 0)
+    with store.connect() as conn, conn.transaction():
+        store.append("b", "cart", [NewEvent("ItemAdded", {"n": 2})] * 5, 0, conn=conn)
+        raise psycopg.Rollback()
+    store.append("a", "cart", [NewEvent("ItemAdded", {"n": 3})], 1)
+    with psycopg.connect(dsn) as conn:
+        positions = [r[0] for r in conn.execute("SELECT global_position FROM es.events ORDER BY 1")]
+    assert positions[1] - positions[0] > 1, "the rollback left a gap in global_position"
+    assert extract_all(dsn, spark, warehouse, 8) == 2
+    assert assert_exactly_once(spark, warehouse, dsn) == 2
+
+
+@pytest.mark.parametrize(
+    ("step", "crashed_writer", "rerun_writer"),
+    [
+        ("read", "delta-rs", "delta-rs"),
+        ("delta_committed", "delta-rs", "delta-rs"),
+        ("delta_committed", "spark", "delta-rs"),  # a commit by either writer is seen by the other
+        ("delta_committed", "delta-rs", "spark"),
+    ],
+)
+def test_crash_at_a_step_then_rerun_is_exactly_once(
+    dsn: str, spark: Any, warehouse: Path, step: str, crashed_writer: str, rerun_writer: str
+) -> None:
+    run_workload(EventStore(dsn), streams=50, events=800, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=1)
+    r = SliceRange(0, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, writer=crashed_writer, on_step=crash_at(step)).run(r)
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
+    result = Extractor(dsn, spark, warehouse, writer=rerun_writer).run(r)
+    assert result.replayed_batches == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 800
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (0,)
+
+
+def test_crash_midway_through_a_multi_interval_backfill(dsn: str, spark: Any, warehouse: Path) -> None:
+    bulk_load(dsn, events=5000, streams=100, events_per_tx=250)
+    r = SliceRange(0, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, batch_events=1000, on_step=crash_at("delta_committed", nth=3)).run(r)
+    result = Extractor(dsn, spark, warehouse, batch_events=1000).run(r)
+    assert result.replayed_batches == 1
+    assert result.batches >= 2
+    assert max(result.batch_rows) <= 1500, "intervals stay near the target size"
+    assert assert_exactly_once(spark, warehouse, dsn) == 5000
+
+
+def test_the_jdbc_read_path_is_exactly_once_too(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Large batches can be read by Spark's executors over JDBC, bounded by the same fixed H."""
+    bulk_load(dsn, events=3000, streams=100, events_per_tx=500)
+    r = SliceRange(0, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1,
+                  on_step=crash_at("delta_committed", nth=2)).run(r)
+    result = Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1).run(r)
+    assert result.replayed_batches == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 3000
+
+
+def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    new_lake = tmp_path / "moved"
+    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+        Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+    with psycopg.connect(dsn) as conn:
+        offsets.reset(conn, "events")
+    Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+    assert assert_exactly_once(spark, new_lake, dsn) == 100
+
+
+def test_a_lost_lake_is_refused_for_offsets_older_than_the_sink_record(
+    dsn: str, spark: Any, warehouse: Path, tmp_path: Path
+) -> None:
+    """Offsets written before es_pipeline.sinks existed (no record): a run that creates the table refuses."""
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("DELETE FROM es_pipeline.sinks")
+    with pytest.raises(LakeOffsetsMismatch, match="was just created"):
+        Extractor(dsn, spark, tmp_path / "moved").run(SliceRange(0, 1023))
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.sinks").fetchone() == (0,), "nothing recorded"
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # the old lake is recorded on its next run
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(warehouse / "events"),)
+
+
+def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, warehouse: Path) -> None:
+    """The lake is lost after one range was extracted; another range (no watermarks yet) recreates the
+    table. The first range must not then continue from its watermarks into the new table, which lacks
+    its earlier events: the recorded table id tells the two tables apart."""
+    run_workload(EventStore(dsn), streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
+    low, high = SliceRange(0, 511), SliceRange(512, 1023)
+    Extractor(dsn, spark, warehouse).run(low)
+
+    first_id = tables.table_id(str(warehouse / "events"))
+    assert first_id == DeltaTable(str(warehouse / "events")).metadata().id  # read from the first commit alone
+    shutil.rmtree(warehouse / "events")
+    with pytest.raises(LakeOffsetsMismatch, match="not the one es_pipeline.offsets describes"):
+        Extractor(dsn, spark, warehouse).run(high)  # creates the new table, then refuses
+    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+        Extractor(dsn, spark, warehouse).run(low)  # the table exists now: refused all the same
+    with psycopg.connect(dsn) as conn:
+        offsets.reset(conn, "events")
+    Extractor(dsn, spark, warehouse).run(low)
+    Extractor(dsn, spark, warehouse).run(high)
+    assert assert_exactly_once(spark, warehouse, dsn) == 200
+    assert tables.table_id(str(warehouse / "events")) != first_id
+
+
+def test_a_moved_lake_is_the_same_lake(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    """Moving the warehouse keeps the table id: the run goes on from the watermarks, and the new path is recorded."""
+    store = EventStore(dsn)
+    run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    moved = tmp_path / "moved"
+    shutil.move(str(warehouse), str(moved))
+    run_workload(store, streams=20, events=50, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
+    assert Extractor(dsn, spark, moved).run(SliceRange(0, 1023)).rows == 50
+    assert assert_exactly_once(spark, moved, dsn) == 150
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(moved / "events"),)
+
+
+def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Another run binds the consumer to another table while this one writes: no watermark moves, the
+    batch stays pending, and the next run replays it into the table bound then, exactly once."""
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+
+    def rebind(name: str, batch: Batch | None) -> None:
+        if name == "delta_committed":
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("UPDATE es_pipeline.sinks SET table_id = 'another-table'")
+
+    with pytest.raises(SinkChanged, match="replays it"):
+        Extractor(dsn, spark, warehouse, on_step=rebind).run(SliceRange(0, 1023))
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.offsets").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
+    result = Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # no watermark yet: it rebinds
+    assert result.replayed_batches == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 100
+
+
+def test_offsets_reset_waits_for_running_extractions(dsn: str, spark: Any, warehouse: Path) -> None:
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(name: str, batch: Batch | None) -> None:
+        if name == "locked":
+            holding.set()
+            release.wait(60)
+
+    running = threading.Thread(target=lambda: Extractor(dsn, spark, warehouse, on_step=hold).run(split(8)[3]))
+    running.start()
+    assert holding.wait(60)
+    try:
+        with pytest.raises(SliceLocked):
+            offsets.reset_when_idle(dsn, "events")
+    finally:
+        release.set()
+        running.join()
+    assert offsets.reset_when_idle(dsn, "events") == 128  # the run's slices, now forgotten
+
+
+def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
+    run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, on_step=crash_at("delta_committed")).run(SliceRange(0, 1023))
+    version_before = SparkDeltaTable.forPath(spark, str(warehouse / "events")).history(1).first()["version"]
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    version_after = SparkDeltaTable.forPath(spark, str(warehouse / "events")).history(1).first()["version"]
+    assert version_after == version_before, "the replay was skipped by Delta, no new commit"
+    assert assert_exactly_once(spark, warehouse, dsn) == 200
+
+
+def test_long_open_transaction_holds_the_horizon_and_loses_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    long_tx = store.connect()
+    long_tx.execute("BEGIN")
+    store.append("slow", "cart", [NewEvent("ItemAdded", {"sku": "slow"})], 0, conn=long_tx)
+    run_workload(store, streams=20, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
+    time.sleep(0.2)
+    ex = Extractor(dsn, spark, warehouse)
+    first = ex.run(SliceRange(0, 1023))
+    assert first.rows == 0, "everything after the open transaction waits behind the horizon"
+    assert first.events_behind == 300
+    assert first.oldest_open_tx_seconds > 0.1
+    long_tx.execute("COMMIT")
+    long_tx.close()
+    second = ex.run(SliceRange(0, 1023))
+    assert second.rows == 301 and second.events_behind == 0
+    assert assert_exactly_once(spark, warehouse, dsn) == 301
+
+
+def test_prepared_transaction_holds_the_horizon_too(dsn: str, spark: Any, warehouse: Path) -> None:
+    """A prepared (two-phase) transaction keeps its xid open: H stays below it until COMMIT PREPARED.
+
+    It writes a snapshot row, not events: a transaction that executed NOTIFY (every append does)
+    cannot be prepared, a PostgreSQL rule noted in docs/decisions.md.
+    """
+    store = EventStore(dsn)
+    with store.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO es.snapshots (stream_id, stream_type, version, state, revision) "
+                     "VALUES ('p', 'cart', 0, '{}', 1)")
+        conn.execute("PREPARE TRANSACTION 'es_test_prepared'")
+    try:
+        store.append("later", "cart", [NewEvent("ItemAdded", {})], 0)
+        time.sleep(0.2)
+        result = Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+        assert result.rows == 0 and result.events_behind == 1 and result.oldest_open_tx_seconds > 0.1
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("COMMIT PREPARED 'es_test_prepared'")
+    assert Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023)).rows == 1
+    assert assert_exactly_once(spark, warehouse, dsn) == 1
+
+
+def test_reslicing_8_16_4_reads_every_slice_once(dsn: str, spark: Any, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    read = 0
+    for i, n in enumerate((8, 16, 4)):
+        run_workload(store, streams=100, events=700, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=i)
+        read += extract_all(dsn, spark, warehouse, n)
+    total = assert_exactly_once(spark, warehouse, dsn)
+    assert total == 2100
+    assert read == total, "rows read across the splits add up to the total: no slice was read twice"
+
+
+def test_a_batch_left_pending_by_one_split_is_replayed_by_another(dsn: str, spark: Any, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=100, events=600, writers=2, rollback_rate=0, max_commit_delay=0)
+    with pytest.raises(Crash):
+        Extractor(dsn, spark, warehouse, on_step=crash_at("delta_committed")).run(split(16)[1])
+    result = Extractor(dsn, spark, warehouse).run(split(4)[0])  # 0000-0255 covers 0064-0127
+    assert result.replayed_batches == 1
+    extract_all(dsn, spark, warehouse, 4)
+    assert assert_exactly_once(spark, warehouse, dsn) == 600
+
+
+def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
+    dsn: str, spark: Any, warehouse: Path
+) -> None:
+    run_workload(EventStore(dsn), streams=50, events=500, writers=2, rollback_rate=0, max_commit_delay=0)
+    holding = threading.Event()
+    release = threading.Event()
+
+    def hold(name: str, batch: Batch | None) -> None:
+        if name == "locked":
+            holding.set()
+            release.wait(60)
+
+    first = threading.Thread(target=lambda: Extractor(dsn, spark, warehouse, on_step=hold).run(split(8)[0], run_id="run-A"))
+    first.start()
+    assert holding.wait(60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(SliceLocked) as info:
+            Extractor(dsn, spark, warehouse).run(SliceRange(100, 200), run_id="run-B")
+        assert time.monotonic() - started < 5
+        message = str(info.value)
+        assert "0100-0200" in message and "run-A" in message
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM es_pipeline.offsets WHERE run_id = 'run-B'").fetchone() == (0,)
+            assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (0,)
+    finally:
+        release.set()
+        first.join()
+    extract_all(dsn, spark, warehouse, 8)
+    assert assert_exactly_once(spark, warehouse, dsn) == 500
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["one-watermark", "per-slice-watermarks"])
+def test_incremental_read_probes_the_slice_index(dsn: str, uniform: bool) -> None:
+    """On a table large enough for the planner to care, an incremental batch is index probes, not a scan."""
+    bulk_load(dsn, events=200_000, streams=2000, events_per_tx=50_000)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE es.events")
+        row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()
+        assert row is not None
+        horizon = int(row[0])
+        tx = [int(r[0]) for r in conn.execute("SELECT DISTINCT tx_id::text::bigint FROM es.events ORDER BY 1")]
+        recent = tx[-1]  # only the last transaction is new: an incremental batch
+        pairs = [(s, recent if uniform or s % 2 else recent - 1) for s in range(0, 128)]
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + batch_query("es", pairs, horizon)))
+    assert "events_slice_tx_idx" in plan, plan
+    assert "Seq Scan on events" not in plan, plan

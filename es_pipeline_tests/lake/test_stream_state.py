@@ -1,0 +1,145 @@
+"""`stream_state`: incremental folds equal a full replay, event by event; revisions; bad events."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import ReducerError
+from es_pipeline.lake import reducers, tables
+from es_pipeline.lake.reducers import REGISTRY, Event, Reducer
+from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import extract_all
+
+
+def full_replay(dsn: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """State of every stream by folding all its events from Postgres, in version order."""
+    out: dict[str, tuple[int, dict[str, Any]]] = {}
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT stream_id, stream_type, version, event_type, payload FROM es.events ORDER BY stream_id, version"
+        ).fetchall()
+    for stream_id, stream_type, version, event_type, payload in rows:
+        _, state = out.get(stream_id, (0, {}))
+        out[stream_id] = (version, REGISTRY[stream_type].fold(state, Event(stream_id, version, event_type, payload)))
+    return out
+
+
+def lake_state(spark: Any, warehouse: Path) -> dict[str, tuple[int, dict[str, Any], int]]:
+    rows = tables.read(spark, str(warehouse / "stream_state")).collect()
+    return {r["stream_id"]: (r["version"], json.loads(r["state"]), r["revision"]) for r in rows}
+
+
+def test_incremental_state_equals_full_replay_after_many_increments_with_concurrent_writers(
+    dsn: str, spark: Any, warehouse: Path
+) -> None:
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=10)
+    extract_all(dsn, spark, warehouse)
+    update_stream_state(spark, warehouse)  # warm: the Python workers and the table exist
+    writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
+        streams=200, events=3000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
+    writers.start()
+    increments = 0
+    while writers.is_alive():
+        extract_all(dsn, spark, warehouse)
+        update_stream_state(spark, warehouse)
+        increments += 1
+    writers.join()
+    extract_all(dsn, spark, warehouse)
+    last = update_stream_state(spark, warehouse)
+    assert increments >= 2 and last.previous_events_version > 0, "the state was built incrementally"
+    expected = full_replay(dsn)
+    got = lake_state(spark, warehouse)
+    assert got.keys() == expected.keys()
+    for stream_id, (version, state) in expected.items():
+        assert got[stream_id][0] == version, stream_id
+        assert got[stream_id][1] == json.loads(json.dumps(state)), stream_id
+
+
+def test_a_retried_update_folds_nothing_twice(dsn: str, spark: Any, warehouse: Path) -> None:
+    run_workload(EventStore(dsn), streams=50, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
+    extract_all(dsn, spark, warehouse)
+    first = update_stream_state(spark, warehouse)
+    again = update_stream_state(spark, warehouse)
+    assert first.events_folded == 300 and again.events_folded == 0
+    assert {k: v[0] for k, v in lake_state(spark, warehouse).items()} == {k: v[0] for k, v in full_replay(dsn).items()}
+
+
+def test_a_revision_bump_rebuilds_that_stream_type_alone(
+    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_workload(EventStore(dsn), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
+    extract_all(dsn, spark, warehouse)
+    update_stream_state(spark, warehouse)
+    before = {r["stream_id"]: r["updated_at"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
+
+    def cart_v2(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        return {**reducers.cart(state, event), "events_seen": int(state.get("events_seen", 0)) + 1}
+
+    monkeypatch.setitem(REGISTRY, "cart", Reducer("cart", 2, cart_v2))
+    result = update_stream_state(spark, warehouse)
+    assert result.rebuilt_types == ("cart",)
+    rows = {r["stream_id"]: r for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
+    carts = [r for r in rows.values() if r["stream_type"] == "cart"]
+    accounts = [r for r in rows.values() if r["stream_type"] == "account"]
+    assert carts and accounts
+    wrong = [(r["stream_id"], r["revision"], r["version"], r["state"][:80]) for r in carts
+             if r["revision"] != 2 or json.loads(r["state"]).get("events_seen") != r["version"]]
+    assert not wrong, wrong[:3]
+    touched = [r["stream_id"] for r in accounts if r["revision"] != 1 or r["updated_at"] != before[r["stream_id"]]]
+    assert not touched, touched[:3]
+
+
+def test_an_unknown_event_type_fails_naming_stream_version_and_type_and_commits_nothing(
+    dsn: str, spark: Any, warehouse: Path
+) -> None:
+    store = EventStore(dsn)
+    store.append("cart-ok", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 1})], 0)
+    store.append("cart-bad", "cart", [NewEvent("ItemAdded", {"sku": "a"}), NewEvent("Teleported", {})], 0)
+    extract_all(dsn, spark, warehouse)
+    with pytest.raises(ReducerError, match=r"'cart-bad' version 2 \(Teleported\)"):
+        update_stream_state(spark, warehouse)
+    assert tables.read(spark, str(warehouse / "stream_state")).count() == 0
+    result = update_stream_state(spark, warehouse, skip_unknown=True)
+    assert result.skipped_unknown == 1 and result.streams_updated == 2
+
+
+def test_a_payload_missing_a_field_fails_naming_the_field(dsn: str, spark: Any, warehouse: Path) -> None:
+    EventStore(dsn).append("acc-x", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"}),
+                                                 NewEvent("Deposited", {"amt": 5})], 0)
+    extract_all(dsn, spark, warehouse)
+    with pytest.raises(ReducerError, match=r"'acc-x' version 2 \(Deposited\).*no field 'amount'"):
+        update_stream_state(spark, warehouse)
+
+
+def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, warehouse: Path) -> None:
+    """v2 can reach the lake before v1 (xid order differs from commit order): v2 waits, parked."""
+
+    path = str(warehouse / "events")
+    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+
+    def put(version: int, event_type: str, payload: dict[str, Any]) -> None:
+        spark.createDataFrame(
+            [(version, 1, "acc-g", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1)],
+            tables.EVENTS_DDL.replace("recorded_at TIMESTAMP", "recorded_at TIMESTAMP"),
+        ).write.format("delta").mode("append").save(path)
+
+    put(1, "Opened", {"owner": "o", "currency": "EUR"})
+    put(3, "Withdrawn", {"amount": 2})
+    first = update_stream_state(spark, warehouse)
+    assert first.parked_streams == 1
+    assert lake_state(spark, warehouse)["acc-g"][0] == 1
+    put(2, "Deposited", {"amount": 10})
+    second = update_stream_state(spark, warehouse)
+    assert second.parked_streams == 0
+    version, state, _ = lake_state(spark, warehouse)["acc-g"]
+    assert version == 3 and state["balance"] == 8.0
+
+
