@@ -6,7 +6,7 @@ the `events` asset's writer come from `Settings`, so `build_definitions(settings
 
 import dagster as dg
 
-from es_pipeline.defs.events.asset import build_events_asset
+from es_pipeline.defs.events.asset import build_events_asset, build_events_job
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import build_new_events_sensor
 from es_pipeline.defs.maintenance.jobs import CHECKS, delta_maintenance_job, lake_checks_job
@@ -23,13 +23,7 @@ from es_pipeline.settings import Settings
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     settings = settings or Settings.from_env()
     events = build_events_asset(slice_ranges_partitions(settings.slice_ranges), settings)
-    # In-process: no step subprocess to start (seconds of latency per run); the table-wide checks
-    # run on their own schedule, not in every incremental run.
-    events_job = dg.define_asset_job(
-        "events_job", selection=dg.AssetSelection.assets(events).without_checks(),
-        executor_def=dg.in_process_executor,
-        description="Extract one slice range into the Delta `events` table.",
-    )
+    events_job = build_events_job(events)
     new_events_sensor = build_new_events_sensor(
         events_job, split(settings.slice_ranges), interval_seconds=settings.sensor_interval_seconds
     )

@@ -61,7 +61,7 @@ def test_materializing_every_partition_puts_each_event_in_the_lake_once(
 ) -> None:
     run_workload(EventStore(settings.pg_dsn), streams=100, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01)
     defs = _defs(settings, spark)
-    events = build_events_asset(slice_ranges_partitions(2))
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2))
     # The Spark resource's getOrCreate() returns the test session's one session: no second JVM.
     resources = dict(defs.resources)
     with dg.instance_for_test() as instance:

@@ -1,8 +1,9 @@
-"""The `events` asset: committed events of one slice range, exactly once into Delta."""
+"""The `events` asset: committed events of one slice range, exactly once into Delta; and its job."""
 
 from dataclasses import replace
 
 import dagster as dg
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction.extractor import build_extractor
@@ -48,3 +49,13 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         )
 
     return events
+
+
+def build_events_job(events: dg.AssetsDefinition) -> UnresolvedAssetJobDefinition:
+    """One slice range per run, in process (no step subprocess: seconds of latency per run), without the
+    table-wide checks, which run on their own schedule rather than after every increment."""
+    return dg.define_asset_job(
+        "events_job", selection=dg.AssetSelection.assets(events).without_checks(),
+        executor_def=dg.in_process_executor,
+        description="Extract one slice range into the Delta `events` table.",
+    )

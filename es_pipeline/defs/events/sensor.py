@@ -1,9 +1,8 @@
 """`new_events_sensor`: a run per slice range with new committed events."""
 
-from typing import Any
-
 import dagster as dg
 import psycopg
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from es_pipeline.defs.events.asset import RANGE_TAG
 from es_pipeline.defs.resources import EventStoreResource
@@ -17,7 +16,7 @@ WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
 
 
 def build_new_events_sensor(
-    job: dg.JobDefinition | Any, ranges: list[SliceRange], *, interval_seconds: int
+    job: UnresolvedAssetJobDefinition, ranges: list[SliceRange], *, interval_seconds: int
 ) -> dg.SensorDefinition:
     @dg.sensor(
         name="new_events_sensor",
