@@ -24,3 +24,26 @@ def test_a_bad_value_names_the_setting_and_what_it_accepts(name: str, value: str
     with pytest.raises(ConfigError) as err:
         Settings.from_env({name: value})
     assert name in str(err.value) and repr(value) in str(err.value) and expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("ES_PIPELINE_SENSOR_INTERVAL", "soon", "whole number of seconds"),
+        ("ES_PIPELINE_SENSOR_INTERVAL", "0", "whole number of seconds"),
+        ("ES_PIPELINE_AUTOMATION", "maybe", "on or off"),
+        ("ES_PIPELINE_LOCAL_PG_PORT", "post", "TCP port"),
+        ("ES_PIPELINE_SLICE_RANGES", "2048", "between 1 and 1024"),
+    ],
+)
+def test_every_setting_is_validated_when_read(name: str, value: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({name: value})
+    assert name in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_read_the_values_given() -> None:
+    s = Settings.from_env({"ES_PIPELINE_SENSOR_INTERVAL": "2", "ES_PIPELINE_AUTOMATION": "off",
+                           "ES_PIPELINE_LOCAL_PG_PORT": "6543", "ES_PIPELINE_EVENTS_WRITER": "spark"})
+    assert (s.sensor_interval_seconds, s.automation, s.local_pg_port, s.events_writer) == (2, False, 6543, "spark")
+    assert ":6543/" in s.pg_dsn  # the default store is the local server, on its port
