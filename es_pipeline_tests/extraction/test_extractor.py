@@ -16,11 +16,12 @@ from deltalake import DeltaTable
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
 from es_pipeline.extraction import offsets
-from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.extractor import Extractor, build_extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.reader import batch_query
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import tables
+from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
 
@@ -42,7 +43,7 @@ def crash_at(step: str, nth: int = 1):  # type: ignore[no-untyped-def]
 
 
 def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
-    """The broken extractor of seed 004: `global_position > last`, polled while writers write."""
+    """The broken extractor that reads by sequence, `global_position > last`, polled while writers write."""
     last = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
@@ -390,3 +391,27 @@ def test_incremental_read_probes_the_slice_index(dsn: str, uniform: bool) -> Non
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + batch_query("es", pairs, horizon)))
     assert "events_slice_tx_idx" in plan, plan
     assert "Seq Scan on events" not in plan, plan
+
+
+def _no_spark() -> Any:
+    raise AssertionError("Spark was started, but nothing here needs it")
+
+
+@pytest.mark.parametrize(
+    ("writer", "master", "needs_spark"),
+    [("delta-rs", "local[*]", False), ("spark", "local[2]", True), ("delta-rs", "spark://cluster:7077", True)],
+)
+def test_build_extractor_starts_spark_only_for_the_spark_writer_or_a_cluster(
+    tmp_path: Path, writer: str, master: str, needs_spark: bool
+) -> None:
+    settings = Settings(pg_dsn="postgresql://unused/db", warehouse=tmp_path, events_writer=writer, spark_master=master)
+    started: list[str] = []
+
+    def spark() -> str:
+        started.append("spark")
+        return "a session"
+
+    extractor = build_extractor(settings, spark if needs_spark else _no_spark)
+    assert (extractor.spark == "a session") is needs_spark and len(started) == int(needs_spark)
+    assert (extractor.writer, extractor.dsn, extractor.warehouse) == (writer, settings.pg_dsn, tmp_path)
+    assert extractor.jdbc_min_rows == (0 if master.startswith("local") else 500_000)
