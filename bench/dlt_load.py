@@ -3,7 +3,7 @@
 dlt's own defaults (SQLAlchemy backend, incremental cursor on `global_position`, the filesystem
 destination with `table_format="delta"`), reading the same columns as es_pipeline through a view
 (dlt's reflection knows neither xid8 nor what es_pipeline casts jsonb to). Its cursor is a
-sequence, which seed 004 shows can lose events; it is measured here for speed only.
+sequence, which can lose events (docs/architecture.md); it is measured here for speed only.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ SERVER_SETTINGS = {
     "max_wal_size": "4GB",
     "checkpoint_timeout": "15min",
     "log_min_messages": "warning",
-    # Lets tests and `status` see the real commit order (seed 004: it differs from tx_id order).
+    # Lets tests and `status` see the real commit order (it differs from tx_id order).
     "track_commit_timestamp": "on",
 }
 

@@ -3,7 +3,7 @@
 Shopping carts (ItemAdded / ItemRemoved / CheckedOut) and bank accounts (Opened / Deposited /
 Withdrawn / Closed). Each writer has its own connection and owns its own streams; it holds some
 transactions open for a random delay so that commit order differs from transaction-id order (the
-race of seed 004), and rolls back a fraction of them. What it reports is exactly what committed.
+race that loses events for a reader by sequence; docs/architecture.md), and rolls back a fraction of them. What it reports is exactly what committed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Slices and slice ranges (DESIGN §2, seed 000): 1024 slices, split into contiguous ranges."""
+"""Slices and slice ranges: 1024 slices, split into contiguous ranges (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Reducers: plain functions that fold one event onto a stream's state, registered per stream type.
 
 A reducer has a `revision`: bump it when its logic changes, and `stream_state` rebuilds that stream
-type (alone) from `events`, and new snapshots are taken (seed 001).
+type (alone) from `events`, and new snapshots are taken (docs/architecture.md, "Tables").
 
 Register a new stream type in a few lines:
 

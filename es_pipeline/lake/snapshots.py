@@ -1,6 +1,6 @@
 """Snapshots: for streams that grew past a threshold since their last snapshot, or whose reducer
 revision changed, append (stream, version, state, revision) to the Delta `snapshots` table and
-write it back to the event store's `es.snapshots` (seed 001, seed 002).
+write it back to the event store's `es.snapshots`, so that `load` = snapshot + later events.
 """
 
 from __future__ import annotations

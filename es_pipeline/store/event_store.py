@@ -1,4 +1,4 @@
-"""The writers' side of the event store (DESIGN §1): append with an expected version, read, load.
+"""The writers' side of the event store: append with an expected version, read, load.
 
 Knows nothing of Dagster or Spark. Every identifier goes through `sql.Identifier`.
 """
