@@ -21,7 +21,7 @@ from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.extraction.status import status_report
 from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import sql_over_lake
-from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark
+from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
@@ -111,7 +111,7 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
             print(jar)
         return 0
     cmd = connect_server_command(settings, port=args.port)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # its Python workers run our interpreter
+    prepare_local_start()
     print(f"Spark Connect server with Delta on sc://127.0.0.1:{args.port} (master {settings.spark_master})", flush=True)
     os.execvp(cmd[0], cmd)  # replaces this process: Ctrl-C and SIGTERM reach the server directly
     return 0

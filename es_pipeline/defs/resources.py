@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from es_pipeline.lake.spark import delta_jars, spark_conf
+from es_pipeline.lake.spark import prepare_local_start, spark_conf
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 
@@ -41,8 +39,7 @@ class SparkResource(LazyPySparkResource):
     @property
     def spark_session(self) -> Any:
         if "spark.remote" not in self.spark_config:
-            delta_jars()  # resolve once if a fresh clone skipped `make jars`
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers run the project's interpreter
+            prepare_local_start()
         return super().spark_session
 
 

@@ -153,6 +153,14 @@ def connect_server_command(settings: Settings, *, port: int = DEFAULT_CONNECT_PO
     return [*cmd, "spark-internal"]
 
 
+def prepare_local_start() -> None:
+    """What a JVM started from this process needs: the cached Delta jars (resolved once if a fresh clone
+    skipped `make jars`), and Python workers that run this interpreter (a local SparkContext and the
+    Connect server take it from the environment, not from the conf)."""
+    delta_jars()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
 def get_spark(settings: Settings | None = None, *, master: str | None = None) -> Any:
     """One SparkSession per process: a Spark Connect session when ES_PIPELINE_SPARK_REMOTE is set,
     else a classic one built with `spark_conf`."""
@@ -161,9 +169,7 @@ def get_spark(settings: Settings | None = None, *, master: str | None = None) ->
     settings = settings or Settings.from_env()
     if settings.spark_remote and master is None:
         return SparkSession.builder.remote(settings.spark_remote).getOrCreate()
-    delta_jars()
-    # A local SparkContext takes its workers' interpreter from the environment, not from the conf.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    prepare_local_start()
     builder = SparkSession.builder
     for key, value in spark_conf(settings, master=master).items():
         builder = builder.config(key, value)
