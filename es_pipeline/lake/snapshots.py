@@ -26,18 +26,18 @@ class SnapshotResult:
 
 
 def take_snapshots(spark: Any, warehouse: Path, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD) -> SnapshotResult:
+    """Append the snapshots now due to the Delta table, then write back to the store every latest
+    snapshot of the lake that the store does not hold (these, and any a failed run left behind)."""
     from pyspark.sql import functions as F
 
     state_path = tables.table_path(warehouse, "stream_state")
     snap_path = tables.table_path(warehouse, "snapshots")
     tables.ensure_table(spark, snap_path, SNAPSHOTS_DDL, comment="es_pipeline: snapshots taken per stream and version")
     if not tables.is_delta_table(state_path):
-        return SnapshotResult(0, 0, -1)
+        return SnapshotResult(0, write_back(spark, warehouse, store), -1)
     state_version = tables.table_version(spark, state_path)
     state = tables.read(spark, state_path, version=state_version)
-    last = tables.read(spark, snap_path).groupBy("stream_id").agg(
-        F.max(F.struct("version", "revision")).alias("last")
-    )
+    last = tables.read(spark, snap_path).groupBy("stream_id").agg(F.max(F.struct("version", "revision")).alias("last"))
     due = (
         state.join(last, "stream_id", "left")
         .where(
@@ -57,10 +57,34 @@ def take_snapshots(spark: Any, warehouse: Path, store: EventStore, *, threshold:
         if taken:
             (due.write.format("delta").mode("append")
              .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
-        written = store.write_snapshots(
-            Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
-            for r in due.toLocalIterator()
-        )
     finally:
         due.unpersist()
-    return SnapshotResult(taken, written, state_version)
+    # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed
+    # against the new snapshots it is empty (that lost every write-back once). The lake is the record.
+    return SnapshotResult(taken, write_back(spark, warehouse, store), state_version)
+
+
+def not_in_store(spark: Any, warehouse: Path, store: EventStore) -> Any:
+    """The latest snapshot of each stream in the lake, where the store holds another (or none): a DataFrame."""
+    from pyspark.sql import functions as F
+
+    snap_path = tables.table_path(warehouse, "snapshots")
+    latest = (
+        tables.read(spark, snap_path).groupBy("stream_id")
+        .agg(F.max(F.struct("version", "revision", "stream_type", "state")).alias("s"))
+        .select("stream_id", "s.stream_type", "s.version", "s.state", "s.revision")
+    )
+    held = spark.createDataFrame(store.snapshot_keys(), "stream_id STRING, held_version INT, held_revision INT")
+    return latest.join(held, "stream_id", "left").where(
+        F.col("held_version").isNull() | (F.col("held_version") != F.col("version"))
+        | (F.col("held_revision") != F.col("revision"))
+    ).drop("held_version", "held_revision")
+
+
+def write_back(spark: Any, warehouse: Path, store: EventStore) -> int:
+    """Upsert into the store's snapshot table every latest snapshot of the lake it does not hold; the count."""
+    missing = not_in_store(spark, warehouse, store)
+    return store.write_snapshots(
+        Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
+        for r in missing.toLocalIterator()
+    )

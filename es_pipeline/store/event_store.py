@@ -213,6 +213,14 @@ class EventStore:
             row = conn.execute(query, (stream_id,)).fetchone()
         return Snapshot(*row) if row else None
 
+    def snapshot_keys(self) -> list[tuple[str, int, int]]:
+        """(stream_id, version, revision) of every snapshot the store holds."""
+        with self.connect() as conn:
+            rows = conn.execute(
+                sql.SQL("SELECT stream_id, version, revision FROM {}.snapshots").format(self._s)
+            ).fetchall()
+        return [(str(s), int(v), int(r)) for s, v, r in rows]
+
     def load(self, stream_id: str, fold: Fold, *, revision: int, initial: State | None = None) -> tuple[State, int]:
         """State of a stream = its snapshot (if taken by this `revision`) + the events after it.
 

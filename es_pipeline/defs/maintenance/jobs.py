@@ -5,9 +5,10 @@ import dagster as dg
 from es_pipeline.defs.events.checks import CHECKS as EVENTS_CHECKS
 from es_pipeline.defs.projections.checks import CHECKS as PROJECTIONS_CHECKS
 from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.defs.snapshots.checks import CHECKS as SNAPSHOTS_CHECKS
 from es_pipeline.lake.maintenance import maintain
 
-CHECKS = [*EVENTS_CHECKS, *PROJECTIONS_CHECKS]
+CHECKS = [*EVENTS_CHECKS, *PROJECTIONS_CHECKS, *SNAPSHOTS_CHECKS]
 
 
 @dg.op(description="OPTIMIZE (compaction) then VACUUM RETAIN 168 HOURS on every Delta table of the warehouse.")
@@ -24,5 +25,5 @@ def delta_maintenance_job() -> None:
 # In-process: the checks read the whole lake with Spark; a step subprocess would only add a start-up.
 lake_checks_job = dg.define_asset_job(
     "lake_checks_job", selection=dg.AssetSelection.checks(*CHECKS), executor_def=dg.in_process_executor,
-    description="Table-wide invariants of `events` and `stream_state`.",
+    description="Table-wide invariants of `events`, `stream_state` and `snapshots`.",
 )

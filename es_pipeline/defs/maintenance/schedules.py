@@ -15,5 +15,6 @@ delta_maintenance_schedule = dg.ScheduleDefinition(
 lake_checks_schedule = dg.ScheduleDefinition(
     name="lake_checks_schedule", job=lake_checks_job, cron_schedule="7 * * * *",
     default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Hourly: no duplicates, contiguous versions, counts reconcile with Postgres, state matches events.",
+    description="Hourly: no duplicates, contiguous versions, counts reconcile with Postgres, state matches events, "
+    "snapshots reached the store.",
 )
