@@ -81,7 +81,8 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     try:
-        n = offsets.reset_when_idle(settings.pg_dsn, args.consumer)
+        n = offsets.reset_consumer(settings.pg_dsn, args.consumer, tables.table_path(settings.warehouse, "events"),
+                                   lake_removed=args.lake_removed)
     except SliceLocked as exc:
         print(f"es-pipeline offsets reset: refused, nothing was forgotten: {exc.holder} is extracting slices of "
               f"consumer {args.consumer!r}. Let the running events runs finish (turn new_events_sensor off to stop "
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offsets", help="the per-slice watermarks")
     off.add_argument("action", choices=["reset"], help="reset: forget them (to rebuild a lost lake from scratch)")
     off.add_argument("--consumer", default="events")
+    off.add_argument("--lake-removed", action="store_true",
+                     help="the lake's events table is gone, though it cannot be checked from here")
     off.set_defaults(func=_offsets)
 
     st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")

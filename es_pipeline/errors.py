@@ -122,6 +122,63 @@ class SinkChanged(EsPipelineError):
         )
 
 
+class LakeStoreDiverged(EsPipelineError):
+    """The Delta table's record of committed batches and Postgres's disagree: one of them went back in time."""
+
+    def __init__(self, app_id: str, path: str, in_lake: int | None, in_store: int | None) -> None:
+        self.app_id, self.path, self.in_lake, self.in_store = app_id, path, in_lake, in_store
+        if in_store is None or (in_lake is not None and in_lake > in_store):
+            what = (f"the Delta table at {path} holds batch {in_lake} of {app_id}, which PostgreSQL has no record of "
+                    f"({'none recorded' if in_store is None else f'its last: {in_store}'}): PostgreSQL is behind the lake (a point-in-time restore, a failover to "
+                    "a replica that was behind, or synchronous_commit off)")
+        else:
+            what = (f"PostgreSQL recorded batch {in_store} of {app_id} as committed to the Delta table at {path}, "
+                    f"but the table's last is {in_lake}: the lake is behind PostgreSQL (restored from a copy?)")
+        super().__init__(
+            f"{what}. Nothing was written: extracting on would lose or repeat events. "
+            "See docs/operations.md, \"The lake and PostgreSQL disagree\"."
+        )
+
+
+class SourceChanged(EsPipelineError):
+    """The event store is another PostgreSQL cluster than the one the offsets were recorded on."""
+
+    def __init__(self, consumer: str, recorded: str, current: str) -> None:
+        self.consumer, self.recorded, self.current = consumer, recorded, current
+        super().__init__(
+            f"the event store is now PostgreSQL cluster {current}, but the offsets of consumer {consumer!r} count "
+            f"transaction ids of cluster {recorded}: a dump restored into a new cluster, a cut-over to a logical "
+            "replica, or another server. Its transaction ids do not continue the old ones, so the watermarks mean "
+            "nothing there. Nothing was written. See docs/operations.md, \"The store moved to another cluster\"."
+        )
+
+
+class XidSpaceWentBack(EsPipelineError):
+    """A watermark lies above the horizon: the server's transaction ids went back."""
+
+    def __init__(self, consumer: str, watermark: int, horizon: int) -> None:
+        self.consumer, self.watermark, self.horizon = consumer, watermark, horizon
+        super().__init__(
+            f"the offsets of consumer {consumer!r} reach transaction {watermark}, above the horizon {horizon} of "
+            "this server: its transaction ids went back (a restore, a logical replica, pg_resetwal), so everything "
+            "new would look extracted already. Nothing was written. "
+            "See docs/operations.md, \"The store moved to another cluster\"."
+        )
+
+
+class LakeNotEmpty(EsPipelineError):
+    """`offsets reset` would extract every event again into a table that still holds them."""
+
+    def __init__(self, path: str, consumer: str, reason: str) -> None:
+        self.path, self.consumer, self.reason = path, consumer, reason
+        super().__init__(
+            f"refusing to reset the offsets of consumer {consumer!r}: the Delta table at {path} {reason}, and a reset "
+            "extracts every event again, so each would be there twice. Nothing was forgotten. Remove that table "
+            "(or point ES_PIPELINE_WAREHOUSE at an empty place) and run the reset again; if the table is gone but "
+            "cannot be checked from here, pass --lake-removed."
+        )
+
+
 class SparkSetupError(EsPipelineError):
     """Spark or its Delta jars cannot be set up (no `java`, Maven Central unreachable, jars missing)."""
 

@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from es_pipeline.errors import ConfigError
+from es_pipeline.errors import ConfigError, LakeStoreDiverged
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import EVENTS_CONSUMER, Batch, OffsetSession
 from es_pipeline.extraction.slices import SliceRange, split
@@ -161,12 +161,20 @@ class Extractor:
         with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
             session.lock(slice_range.slices, slice_range.key)
             self._step("locked", None)
-            # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
+            # A store whose transaction ids are not the ones the offsets count (restored elsewhere) would
+            # look caught up for ever; a lost, moved or recreated lake must not be taken for the one
+            # the watermarks describe.
+            session.check_source()
             session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
-            for pending in session.pending_overlapping(slice_range.slices):
+            replays = session.pending_overlapping(slice_range.slices)
+            app_id = app_id_for(self.consumer, slice_range.key)
+            # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything.
+            for app in sorted({app_id, *(p.app_id for p in replays)}):
+                session.check_lake_commits(app, tables.transaction_version(self.events_path, app), self.events_path)
+            for pending in replays:
                 session.lock(pending.slices, slice_range.key)  # a batch of an older range split
                 self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
-                self._write_batch(session, pending, result)
+                self._write_batch(session, pending, result, replay=True)
                 result.replayed_batches += 1
 
             horizon = session.horizon()
@@ -174,7 +182,6 @@ class Extractor:
             result.horizon = horizon
             pairs = [(s, w) for s, w in watermarks.items() if w < horizon]
             result.backlog = reader.count_between(session.conn, self.schema, pairs, horizon)
-            app_id = app_id_for(self.consumer, slice_range.key)
             done = 0
             batches: list[tuple[Batch, int]] = []
             lower = dict(watermarks)
@@ -256,7 +263,7 @@ class Extractor:
 
     def _write_batch(
         self, session: OffsetSession, batch: Batch, result: ExtractResult, table: Any = None,
-        *, jdbc_rows: int | None = None,
+        *, jdbc_rows: int | None = None, replay: bool = False,
     ) -> int:
         assert batch.batch_id is not None
         t1 = time.monotonic()
@@ -276,7 +283,13 @@ class Extractor:
             if table.num_rows:
                 table = self._with_lake_columns(table, batch)
                 if self.writer == "delta-rs":
-                    tables.append_arrow_idempotent(table, self.events_path, app_id=batch.app_id, version=batch.batch_id)
+                    written = tables.append_arrow_idempotent(
+                        table, self.events_path, app_id=batch.app_id, version=batch.batch_id
+                    )
+                    if not written and not replay:  # a new batch Delta says it has: never skip it and go on
+                        session.forget_pending(batch)
+                        raise LakeStoreDiverged(batch.app_id, self.events_path,
+                                                tables.transaction_version(self.events_path, batch.app_id), None)
                 else:
                     tables.append_idempotent(
                         self.spark.createDataFrame(table), self.events_path,

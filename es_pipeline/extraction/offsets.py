@@ -19,8 +19,17 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
+from es_pipeline.errors import (
+    LakeNotEmpty,
+    LakeOffsetsMismatch,
+    LakeStoreDiverged,
+    SinkChanged,
+    SliceLocked,
+    SourceChanged,
+    XidSpaceWentBack,
+)
 from es_pipeline.extraction.slices import NUM_SLICES
+from es_pipeline.lake import tables
 from es_pipeline.store.conninfo import connect
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
@@ -58,8 +67,11 @@ class OffsetSession:
         self.label = label
         self.namespace = lock_namespace(consumer)
         self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=f"es_pipeline {label} run {run_id}"[:63])
+        # An offset commit must survive a crash of the server once it is acknowledged, whatever the role's default.
+        self.conn.execute("SET synchronous_commit = on")
         self.locked: set[int] = set()
         self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
+        self.cluster: str | None = None  # the source cluster's identity, once checked (check_source)
 
     def close(self) -> None:
         try:
@@ -114,35 +126,85 @@ class OffsetSession:
         Raises `LakeOffsetsMismatch` when some slice is already extracted but not into this table:
         another table is recorded, or none is (offsets older than this record) and this run has just
         created the table. Continuing would leave the events below those watermarks out of it. With no
-        slice extracted (a fresh start, or after `offsets reset`) the table is simply recorded.
+        slice extracted (a fresh start, or after `offsets reset`) the table is simply recorded. The
+        source cluster (`check_source`) is recorded with it where none is yet.
         """
         with self.conn.transaction():
-            row = self.conn.execute(
-                "INSERT INTO es_pipeline.sinks (consumer, table_id, path) VALUES (%s, %s, %s) "
-                "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer "
-                "RETURNING table_id, path, xmax = 0 AS inserted",
-                (self.consumer, table_id, path),
-            ).fetchone()
-            assert row is not None
-            recorded_id, recorded_path, inserted = row
-            if recorded_id == table_id and not (inserted and created_now):
-                if recorded_path != path:  # the same table, moved: remember where it is now
-                    self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
-                self.sink_id = table_id
-                return
-            extracted = [s for (s,) in self.conn.execute(
-                "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",
-                (self.consumer,),
-            )]
-            if extracted:
-                recorded = None if inserted else (recorded_id, recorded_path)
-                raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=recorded)
-            if not inserted:
+            self._bind(table_id, path, created_now)
+            if self.cluster is not None:
                 self.conn.execute(
-                    "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
-                    (table_id, path, self.consumer),
+                    "UPDATE es_pipeline.sinks SET source_cluster = %s WHERE consumer = %s AND source_cluster IS NULL",
+                    (self.cluster, self.consumer),
                 )
         self.sink_id = table_id
+
+    def _bind(self, table_id: str, path: str, created_now: bool) -> None:
+        row = self.conn.execute(
+            "INSERT INTO es_pipeline.sinks (consumer, table_id, path) VALUES (%s, %s, %s) "
+            "ON CONFLICT (consumer) DO UPDATE SET consumer = excluded.consumer "
+            "RETURNING table_id, path, xmax = 0 AS inserted",
+            (self.consumer, table_id, path),
+        ).fetchone()
+        assert row is not None
+        recorded_id, recorded_path, inserted = row
+        if recorded_id == table_id and not (inserted and created_now):
+            if recorded_path != path:  # the same table, moved: remember where it is now
+                self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
+            return
+        extracted = [s for (s,) in self.conn.execute(
+            "SELECT slice FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 ORDER BY slice",
+            (self.consumer,),
+        )]
+        if extracted:
+            recorded = None if inserted else (recorded_id, recorded_path)
+            raise LakeOffsetsMismatch(path, self.consumer, extracted, recorded=recorded)
+        if not inserted:
+            self.conn.execute(
+                "UPDATE es_pipeline.sinks SET table_id = %s, path = %s, recorded_at = now() WHERE consumer = %s",
+                (table_id, path, self.consumer),
+            )
+
+    def check_source(self) -> None:
+        """Refuse a store whose transaction ids are not the ones the offsets count (see `check_source`)."""
+        self.cluster = check_source(self.conn, self.consumer)
+
+    # -- the lake's record of batches against ours ---------------------------------------------------
+
+    def check_lake_commits(self, app_id: str, in_lake: int | None, path: str) -> None:
+        """Compare the Delta table's last batch of `app_id` (its txn version) with the one recorded here.
+
+        They agree when the table's is the recorded one, or a batch still pending (written to Delta, then
+        a crash before its watermarks advanced). Anything else means PostgreSQL or the lake went back in
+        time, and `LakeStoreDiverged` stops the run before it writes. Where nothing is recorded yet (a
+        store migrated from a release without this record) the table's batch is adopted if PostgreSQL
+        has issued that batch id.
+        """
+        row = self.conn.execute(
+            "SELECT (SELECT batch_id FROM es_pipeline.lake_commits WHERE app_id = %(a)s), "
+            " (SELECT array_agg(batch_id) FROM es_pipeline.pending_batches WHERE app_id = %(a)s), "
+            " (SELECT last_value FROM es_pipeline.pending_batches_batch_id_seq)",
+            {"a": app_id},
+        ).fetchone()
+        assert row is not None
+        recorded, pending, issued = row[0], set(row[1] or ()), int(row[2])
+        if in_lake == recorded or in_lake in pending:
+            return
+        if recorded is None and in_lake is not None and in_lake <= issued:
+            self._record_lake_commit(app_id, in_lake)
+            return
+        raise LakeStoreDiverged(app_id, path, in_lake, recorded)
+
+    def _record_lake_commit(self, app_id: str, batch_id: int) -> None:
+        self.conn.execute(
+            "INSERT INTO es_pipeline.lake_commits AS c (app_id, consumer, batch_id) VALUES (%s, %s, %s) "
+            "ON CONFLICT (app_id) DO UPDATE SET batch_id = excluded.batch_id, committed_at = now() "
+            "WHERE c.batch_id < excluded.batch_id",
+            (app_id, self.consumer, batch_id),
+        )
+
+    def forget_pending(self, batch: Batch) -> None:
+        """Drop a pending record whose batch must not be replayed (Delta refused it as already committed)."""
+        self.conn.execute("DELETE FROM es_pipeline.pending_batches WHERE batch_id = %s", (batch.batch_id,))
 
     # -- horizon and watermarks --------------------------------------------------------------------
 
@@ -178,6 +240,7 @@ class OffsetSession:
             )
             if batch.batch_id is not None:
                 self.conn.execute("DELETE FROM es_pipeline.pending_batches WHERE batch_id = %s", (batch.batch_id,))
+                self._record_lake_commit(batch.app_id, batch.batch_id)
 
     # -- pending batches ---------------------------------------------------------------------------
 
@@ -203,6 +266,32 @@ class OffsetSession:
         ]
 
 
+_SOURCE = """
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+       greatest((SELECT max(watermark::text::bigint) FROM es_pipeline.offsets WHERE consumer = %(c)s),
+                (SELECT max(upper_bound::text::bigint) FROM es_pipeline.pending_batches WHERE consumer = %(c)s)),
+       (SELECT source_cluster FROM es_pipeline.sinks WHERE consumer = %(c)s),
+       (SELECT system_identifier::text FROM pg_control_system())
+"""
+
+
+def check_source(conn: psycopg.Connection, consumer: str) -> str:
+    """The store's cluster identity, after checking that the offsets of `consumer` count its transaction ids.
+
+    Raises `SourceChanged` when the offsets were recorded on another cluster (a dump restored elsewhere,
+    a logical replica), and `XidSpaceWentBack` when a watermark or pending batch lies above the horizon
+    (the transaction ids went back). Either way every new event would look extracted already: loss.
+    """
+    row = conn.execute(_SOURCE, {"c": consumer}).fetchone()
+    assert row is not None
+    horizon, top, recorded, current = int(row[0]), row[1], row[2], str(row[3])
+    if recorded is not None and recorded != current:
+        raise SourceChanged(consumer, recorded, current)
+    if top is not None and int(top) > horizon:
+        raise XidSpaceWentBack(consumer, int(top), horizon)
+    return current
+
+
 def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[int]) -> dict[int, int]:
     """Watermark per slice; a slice never extracted has watermark 0 (nothing is below it)."""
     rows = conn.execute(
@@ -213,6 +302,18 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     return {s: found.get(s, 0) for s in slices}
 
 
+def reset_consumer(dsn: str, consumer: str, events_path: str, *, lake_removed: bool = False) -> int:
+    """`es-pipeline offsets reset`: forget the watermarks, unless the table the next runs write to still
+    holds rows (they would all be extracted again); refused too while a run is extracting."""
+    try:
+        if tables.holds_rows(events_path):
+            raise LakeNotEmpty(events_path, consumer, "still holds events")
+    except OSError as exc:
+        if not lake_removed:
+            raise LakeNotEmpty(events_path, consumer, f"cannot be checked ({type(exc).__name__})") from None
+    return reset_when_idle(dsn, consumer)
+
+
 def reset_when_idle(dsn: str, consumer: str) -> int:
     """`reset`, holding every slice lock of `consumer`: refused (SliceLocked) while a run is extracting."""
     with OffsetSession(dsn, consumer, run_id="offsets-reset", label="offsets reset") as session:
@@ -221,11 +322,13 @@ def reset_when_idle(dsn: str, consumer: str) -> int:
 
 
 def reset(conn: psycopg.Connection, consumer: str) -> int:
-    """Forget every watermark, pending batch and recorded sink of `consumer`: the next runs start from the beginning."""
+    """Forget every watermark, pending batch, recorded sink and lake commit of `consumer`: the next runs start
+    from the beginning."""
     with conn.transaction():
         n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
         conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
         conn.execute("DELETE FROM es_pipeline.sinks WHERE consumer = %s", (consumer,))
+        conn.execute("DELETE FROM es_pipeline.lake_commits WHERE consumer = %s", (consumer,))
     return n
 
 

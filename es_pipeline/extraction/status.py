@@ -58,6 +58,7 @@ def format_table(rows: list[RangeStatus], oldest_open_tx: float) -> str:
 def status_report(settings: Settings) -> str:
     """The status table of every range of `settings`, at one horizon."""
     with OffsetSession(settings.pg_dsn, EVENTS_CONSUMER, run_id="status", label="status") as s:
+        s.check_source()  # a moved store would show nothing to do: say so instead
         horizon = s.horizon()
         rows = [range_status(s.conn, settings.schema, EVENTS_CONSUMER, r, horizon) for r in split(settings.slice_ranges)]
         return format_table(rows, reader.oldest_open_transaction_seconds(s.conn))

@@ -71,6 +71,13 @@ def read(spark: Any, path: str, *, version: int | None = None) -> Any:
     return reader.load(path)
 
 
+def holds_rows(path: str) -> bool:
+    """Whether the Delta table at `path` exists and has any data file (an empty table just created has none)."""
+    if not is_delta_table(path):
+        return False
+    return bool(DeltaTable(path).file_uris())
+
+
 def table_version(spark: Any, path: str) -> int:
     """The latest commit version of a Delta table."""
     row = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").first()

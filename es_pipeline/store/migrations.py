@@ -137,6 +137,51 @@ CREATE TABLE IF NOT EXISTS es_pipeline.sinks (
 );
 """,
     ),
+    Migration(
+        5,
+        "events: append-only, and tx_id is always the writing transaction's",
+        """
+-- An event placed below a watermark (a tx_id written by hand) or changed after it was extracted would make
+-- the lake differ from the store without anyone noticing. So an insert whose tx_id is not the inserting
+-- transaction's is refused (the WHEN clause keeps the normal path free of a trigger call), and so are
+-- UPDATE, DELETE and TRUNCATE of events. A dump restored into a new cluster keeps its rows' tx_ids:
+-- pg_dump creates triggers after it has loaded the data.
+CREATE FUNCTION {schema}.events_guard() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        RAISE EXCEPTION 'tx_id is set by the database: leave it out of the insert into %.%', TG_TABLE_SCHEMA, TG_TABLE_NAME
+            USING ERRCODE = 'check_violation';
+    END IF;
+    RAISE EXCEPTION 'events are append-only: % on %.% is refused', TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME
+        USING ERRCODE = 'restrict_violation',
+              HINT = 'Append a new event that corrects the old one; the lake keeps every event once.';
+END $$;
+CREATE TRIGGER events_tx_id_is_the_writer BEFORE INSERT ON {schema}.events
+    FOR EACH ROW WHEN (NEW.tx_id IS DISTINCT FROM pg_current_xact_id()) EXECUTE FUNCTION {schema}.events_guard();
+CREATE TRIGGER events_append_only BEFORE UPDATE OR DELETE OR TRUNCATE ON {schema}.events
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}.events_guard();
+""",
+    ),
+    Migration(
+        6,
+        "lake_commits: the last batch in Delta per app id; sinks: the source cluster's identity",
+        """
+-- The PostgreSQL cluster (pg_control_system().system_identifier) whose transaction ids the watermarks
+-- count in. A store restored or replicated into another cluster has other ids: runs refuse there.
+ALTER TABLE es_pipeline.sinks ADD COLUMN IF NOT EXISTS source_cluster text;
+
+-- Written in the transaction that advances the watermarks. At the start of a run it is compared with the
+-- Delta table's own record (its txn version for the app id): if they differ beyond a pending batch,
+-- Postgres and the lake have parted (a restore, a failover to a replica that was behind, a lake restored
+-- from a copy), and the run refuses instead of skipping or repeating batches.
+CREATE TABLE IF NOT EXISTS es_pipeline.lake_commits (
+    app_id       text        PRIMARY KEY,
+    consumer     text        NOT NULL,
+    batch_id     bigint      NOT NULL,
+    committed_at timestamptz NOT NULL DEFAULT now()
+);
+""",
+    ),
 )
 
 # What an existing table must look like for us to adopt it instead of refusing.

@@ -155,3 +155,27 @@ def test_load_is_snapshot_plus_later_events(dsn: str) -> None:
     assert store.load("acc-9", fold, revision=1) == ({"balance": 12}, 3)
     # A snapshot of another revision is ignored: full replay.
     assert store.load("acc-9", fold, revision=2) == ({"balance": 12}, 3)
+
+
+@pytest.mark.parametrize(
+    ("statement", "refused"),
+    [
+        ("INSERT INTO es.events (tx_id, stream_id, stream_type, version, event_type, payload) "
+         "VALUES ('3'::xid8, 'forged-1', 'cart', 1, 'ItemAdded', '{}')", "tx_id is set by the database"),
+        ("UPDATE es.events SET payload = '{}' WHERE stream_id = 'cart-g'", "append-only: UPDATE"),
+        ("DELETE FROM es.events WHERE stream_id = 'cart-g'", "append-only: DELETE"),
+        ("TRUNCATE es.events", "append-only: TRUNCATE"),
+    ],
+)
+def test_events_cannot_be_forged_below_a_watermark_or_rewritten(dsn: str, statement: str, refused: str) -> None:
+    """A row placed below a watermark, or changed after extraction, would leave the lake silently different."""
+    EventStore(dsn).append("cart-g", "cart", [NewEvent("ItemAdded", {"sku": "a"})], 0)
+    with psycopg.connect(dsn) as conn, pytest.raises(psycopg.Error, match=refused):
+        conn.execute(statement)
+    assert _count(dsn) == 1
+    with psycopg.connect(dsn) as conn:
+        mine = conn.execute(
+            "INSERT INTO es.events (tx_id, stream_id, stream_type, version, event_type, payload) "
+            "VALUES (pg_current_xact_id(), 'own-1', 'cart', 1, 'ItemAdded', '{}') RETURNING tx_id = pg_current_xact_id()"
+        ).fetchone()
+    assert mine == (True,), "naming the writer's own transaction is allowed"

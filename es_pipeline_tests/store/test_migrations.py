@@ -6,6 +6,7 @@ import psycopg
 import pytest
 
 from es_pipeline.errors import DatabaseUnreachable, IncompatibleSchema, PostgresTooOld
+from es_pipeline.store import migrations
 from es_pipeline.store.conninfo import check_server_version, connect
 from es_pipeline.store.migrations import MIGRATIONS, migrate
 
@@ -23,6 +24,20 @@ def test_migrating_twice_is_a_no_op(empty_dsn: str) -> None:
             "WHERE table_schema = 'es' AND table_name = 'events'"
         ).fetchall())
     assert types["tx_id"] == "xid8" and types["slice"] == "smallint"
+
+
+def test_a_store_migrated_by_an_older_release_gets_the_new_migrations_only(
+    empty_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(migrations, "MIGRATIONS", MIGRATIONS[:4])
+    assert len(migrate(empty_dsn)) == 4
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO es.events (tx_id, stream_id, stream_type, version, event_type, payload) "
+                     "VALUES ('3'::xid8, 'old-1', 'cart', 1, 'ItemAdded', '{}')")  # allowed before migration 5
+    monkeypatch.setattr(migrations, "MIGRATIONS", MIGRATIONS)
+    assert [m.version for m in migrate(empty_dsn)] == [m.version for m in MIGRATIONS[4:]]
+    with psycopg.connect(empty_dsn) as conn, pytest.raises(psycopg.Error, match="append-only"):
+        conn.execute("DELETE FROM es.events")
 
 
 def test_incompatible_existing_table_is_refused_and_nothing_changes(empty_dsn: str) -> None:

@@ -1,0 +1,108 @@
+"""Offsets under what operators do: a reset never duplicates a live lake; a restored store or lake is refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from es_pipeline.cli import main
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import LakeStoreDiverged
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.offsets import OffsetSession
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.lake import tables
+from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
+
+
+def _watermarks(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM es_pipeline.offsets WHERE consumer = 'events'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_reset_over_a_lake_that_holds_events_is_refused_until_it_is_removed(
+    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_workload(EventStore(dsn), streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
+    extract_all(dsn, spark, warehouse)
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn)
+    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+
+    assert main(["offsets", "reset"]) == 2
+    err = capsys.readouterr().err
+    assert "still holds events" in err and str(warehouse / "events") in err and "Nothing was forgotten" in err
+    assert _watermarks(dsn) == 1024, "a refused reset forgets nothing"
+
+    shutil.rmtree(warehouse / "events")
+    assert main(["offsets", "reset"]) == 0
+    assert _watermarks(dsn) == 0
+    extract_all(dsn, spark, warehouse)
+    assert assert_exactly_once(spark, warehouse, dsn) == 200
+
+
+def _copy_database(admin_dsn: str, dsn: str, name: str) -> str:
+    """A copy of the test database as it is now: PostgreSQL as a point-in-time restore would bring it back."""
+    source = dsn.rsplit("/", 1)[1]
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
+    return dsn.rsplit("/", 1)[0] + "/" + name
+
+
+def _append(dsn: str, events: int, seed: int) -> None:
+    run_workload(EventStore(dsn), streams=30, events=events, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
+
+
+def test_postgres_restored_behind_the_lake_is_refused_not_skipped_or_repeated(
+    dsn: str, pg_server: str, spark: Any, warehouse: Path
+) -> None:
+    _append(dsn, 100, 1)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    behind = _copy_database(pg_server, dsn, dsn.rsplit("/", 1)[1] + "_pitr")
+    try:
+        _append(dsn, 100, 2)
+        Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # the lake moves on; the copy does not know
+        before = tables.table_version(spark, str(warehouse / "events"))
+        with pytest.raises(LakeStoreDiverged, match="PostgreSQL is behind the lake"):
+            Extractor(behind, spark, warehouse).run(SliceRange(0, 1023))
+        assert tables.table_version(spark, str(warehouse / "events")) == before, "nothing was written"
+        assert assert_exactly_once(spark, warehouse, dsn) == 200
+    finally:
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{behind.rsplit("/", 1)[1]}" WITH (FORCE)')
+
+
+def test_a_lake_restored_from_an_older_copy_is_refused(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    _append(dsn, 100, 1)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    old = tmp_path / "old_copy"
+    shutil.copytree(warehouse, old)  # same Delta table id: the sink binding alone cannot tell
+    _append(dsn, 100, 2)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    with pytest.raises(LakeStoreDiverged, match="the lake is behind PostgreSQL"):
+        Extractor(dsn, spark, old).run(SliceRange(0, 1023))
+
+
+def test_a_store_upgraded_from_before_the_record_adopts_the_lake_once(dsn: str, spark: Any, warehouse: Path) -> None:
+    _append(dsn, 100, 1)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM es_pipeline.lake_commits")  # as an older release left it
+    _append(dsn, 100, 2)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    assert assert_exactly_once(spark, warehouse, dsn) == 200
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM es_pipeline.lake_commits").fetchone() == (1,)
+
+
+def test_offset_sessions_commit_synchronously_whatever_the_role_says(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET synchronous_commit = off', current_database()); END $$")
+    with OffsetSession(dsn, "events", run_id="t", label="t") as session:
+        row = session.conn.execute("SHOW synchronous_commit").fetchone()
+    assert row == ("on",)
