@@ -18,6 +18,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.extractor import extract_ranges
+from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.status import status_report
 from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import sql_over_lake
@@ -80,9 +81,18 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
+    events_path = tables.table_path(settings.warehouse, "events")
+    if args.action == "rebase":
+        done = rebase(settings.pg_dsn, settings.schema, args.consumer, events_path)
+        if done is None:
+            print(f"nothing to rebase: the offsets of consumer {args.consumer!r} count this cluster's transaction ids")
+        else:
+            print(f"rebased consumer {args.consumer!r} onto cluster {done.cluster}: all {done.lake_events:,} events of "
+                  f"the lake are in the store; forgot {done.forgotten_slices} slice watermarks. The next runs read the "
+                  f"store again and leave out, by key, the events the lake holds (below transaction {done.rebased_below}).")
+        return 0
     try:
-        n = offsets.reset_consumer(settings.pg_dsn, args.consumer, tables.table_path(settings.warehouse, "events"),
-                                   lake_removed=args.lake_removed)
+        n = offsets.reset_consumer(settings.pg_dsn, args.consumer, events_path, lake_removed=args.lake_removed)
     except SliceLocked as exc:
         print(f"es-pipeline offsets reset: refused, nothing was forgotten: {exc.holder} is extracting slices of "
               f"consumer {args.consumer!r}. Let the running events runs finish (turn new_events_sensor off to stop "
@@ -154,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=_extract)
 
     off = sub.add_parser("offsets", help="the per-slice watermarks")
-    off.add_argument("action", choices=["reset"], help="reset: forget them (to rebuild a lost lake from scratch)")
+    off.add_argument("action", choices=["reset", "rebase"],
+                     help="reset: forget them (to rebuild a lost lake from scratch); rebase: after the store moved "
+                     "to another cluster (a restore, a cut-over), bring every event the lake lacks into it exactly once")
     off.add_argument("--consumer", default="events")
     off.add_argument("--lake-removed", action="store_true",
                      help="the lake's events table is gone, though it cannot be checked from here")

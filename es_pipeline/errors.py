@@ -166,6 +166,19 @@ class XidSpaceWentBack(EsPipelineError):
         )
 
 
+class RebaseRefused(EsPipelineError):
+    """The lake holds events the store does not: the store is older than the lake, a rebase cannot be exact."""
+
+    def __init__(self, path: str, missing: int, example: str) -> None:
+        self.path, self.missing, self.example = path, missing, example
+        super().__init__(
+            f"refusing to rebase: the lake at {path} holds {missing} event(s) that the event store does not, e.g. "
+            f"{example} (same stream, version and recorded_at): the store was restored from a state older than the "
+            "lake, or events were appended again under keys the lake holds. Nothing was changed. "
+            "See docs/operations.md, \"The store moved to another cluster\"."
+        )
+
+
 class LakeNotEmpty(EsPipelineError):
     """`offsets reset` would extract every event again into a table that still holds them."""
 

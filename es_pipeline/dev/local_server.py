@@ -73,43 +73,46 @@ def _owned_by_postgres(path: Path) -> None:
             os.chown(os.path.join(root, name), pw.pw_uid, pw.pw_gid, follow_symlinks=False)
 
 
-def is_running() -> bool:
-    res = _as_postgres([str(bindir() / "pg_ctl"), "status", "-D", str(PGDATA)])
+def is_running(data: Path = PGDATA) -> bool:
+    res = _as_postgres([str(bindir() / "pg_ctl"), "status", "-D", str(data)])
     return res.returncode == 0
 
 
-def init() -> bool:
+def init(data: Path = PGDATA) -> bool:
     """Create the cluster if missing. Returns True when it was created now."""
-    if (PGDATA / "PG_VERSION").exists():
+    if (data / "PG_VERSION").exists():
         return False
-    PGDATA.parent.mkdir(parents=True, exist_ok=True)
-    _owned_by_postgres(PGDATA.parent)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    _owned_by_postgres(data.parent)
     res = _as_postgres(
-        [str(bindir() / "initdb"), "-D", str(PGDATA), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
+        [str(bindir() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
     )
     if res.returncode != 0:
         raise LocalServerError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
-    _owned_by_postgres(PGDATA.parent)
+    _owned_by_postgres(data.parent)
     return True
 
 
-def start(port: int) -> str:
-    """Init if needed, start on `port` if stopped, create the project's databases. Idempotent."""
-    created = init()
-    if not is_running():
-        PGLOG.touch(exist_ok=True)
-        _owned_by_postgres(PGLOG)
+def start(port: int, data: Path = PGDATA) -> str:
+    """Init if needed, start on `port` if stopped, create the project's databases. Idempotent.
+
+    `data` is the cluster's folder: the development server's by default; a test may run a second cluster."""
+    log = data.parent / f"{data.name}.log" if data != PGDATA else PGLOG
+    created = init(data)
+    if not is_running(data):
+        log.touch(exist_ok=True)
+        _owned_by_postgres(log)
         res = _as_postgres(
-            [str(bindir() / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(PGDATA), "-l", str(PGLOG),
+            [str(bindir() / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data), "-l", str(log),
              "-o", " ".join(f"-c {k}={v.strip(chr(39))}" for k, v in {**SERVER_SETTINGS, "port": str(port)}.items())]
         )
         if res.returncode != 0:
-            tail = PGLOG.read_text().strip().splitlines()[-5:] if PGLOG.exists() else []
+            tail = log.read_text().strip().splitlines()[-5:] if log.exists() else []
             raise LocalServerError(
                 "the local PostgreSQL server did not start: "
                 + (res.stderr.strip() or res.stdout.strip())
                 + ("\n" + "\n".join(tail) if tail else "")
-                + f"\nIs port {port} taken by another server? See {PGLOG}."
+                + f"\nIs port {port} taken by another server? See {log}."
             )
     _wait_ready(port)
     for db in (LOCAL_PG_DATABASE, LOCAL_DAGSTER_DATABASE):
@@ -117,10 +120,10 @@ def start(port: int) -> str:
     return "created and started" if created else "running"
 
 
-def stop() -> bool:
-    if not (PGDATA / "PG_VERSION").exists() or not is_running():
+def stop(data: Path = PGDATA) -> bool:
+    if not (data / "PG_VERSION").exists() or not is_running(data):
         return False
-    res = _as_postgres([str(bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(PGDATA)])
+    res = _as_postgres([str(bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(data)])
     if res.returncode != 0:
         raise LocalServerError(f"pg_ctl stop failed: {res.stderr.strip()}")
     return True

@@ -192,7 +192,7 @@ class Extractor:
             def prefetch(i: int) -> Future[Any] | None:
                 # While batch i is written to Delta, batch i+1 is read from Postgres as Arrow (its
                 # bounds are fixed in advance; ADBC releases the GIL). Its pending record still comes first.
-                if i >= len(batches) or self._uses_jdbc(batches[i][1]):
+                if i >= len(batches) or self._uses_jdbc(batches[i][1], session):
                     return None
                 return pool.submit(self._read, batches[i][0], batches[i][1])
 
@@ -209,6 +209,9 @@ class Extractor:
                     watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
                     done += rows
                     self._report_progress(done, result.backlog, started)
+            catchup = session.catchup_slices(slice_range.slices)
+            if catchup:
+                result.rows += self._catch_up(session, catchup, horizon)
             # Nothing left below H: the watermark of every slice moves up to H, so that the
             # sensor's probe and the lag figures start from here next time.
             if any(w < horizon for w in watermarks.values()):
@@ -223,8 +226,9 @@ class Extractor:
         result.total_seconds = time.monotonic() - started
         return result
 
-    def _uses_jdbc(self, rows: int) -> bool:
-        return self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows
+    def _uses_jdbc(self, rows: int, session: OffsetSession) -> bool:
+        # After a rebase the rows are checked against the lake in this process, so they come as Arrow.
+        return self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows and session.rebased_below is None
 
     def _cuts(
         self, session: OffsetSession, pairs: list[tuple[int, int]], horizon: int, backlog: int
@@ -267,43 +271,71 @@ class Extractor:
     ) -> int:
         assert batch.batch_id is not None
         t1 = time.monotonic()
-        if jdbc_rows is not None and self._uses_jdbc(jdbc_rows):
+        if jdbc_rows is not None and self._uses_jdbc(jdbc_rows, session):
             # Spark reads the batch itself (lazily, inside the write): `jdbc_rows` was counted
             # exactly over the same deterministic bounds.
             self._step("read", batch)
             df = self._jdbc_to_spark(batch)
             tables.append_idempotent(df, self.events_path, app_id=batch.app_id, version=batch.batch_id)
-            rows = jdbc_rows
+            rows, in_lake = jdbc_rows, True
         else:
             if table is None:  # a replay, or a small batch not prefetched, reads its own rows
                 table, seconds = self._read(batch)
                 result.read_seconds += seconds
                 t1 = time.monotonic()
             self._step("read", batch)
+            if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
+                table = tables.without_events_in_lake(table, self.events_path)  # see extraction/rebase.py
             if table.num_rows:
-                table = self._with_lake_columns(table, batch)
-                if self.writer == "delta-rs":
-                    written = tables.append_arrow_idempotent(
-                        table, self.events_path, app_id=batch.app_id, version=batch.batch_id
-                    )
-                    if not written and not replay:  # a new batch Delta says it has: never skip it and go on
-                        session.forget_pending(batch)
-                        raise LakeStoreDiverged(batch.app_id, self.events_path,
-                                                tables.transaction_version(self.events_path, batch.app_id), None)
-                else:
-                    tables.append_idempotent(
-                        self.spark.createDataFrame(table), self.events_path,
-                        app_id=batch.app_id, version=batch.batch_id,
-                    )
+                self._append(session, self._with_lake_columns(table, batch), batch, replay)
             rows = table.num_rows
+            # A batch left with no rows made no Delta commit, unless it is a replay of one that did.
+            in_lake = rows > 0 or (replay and (tables.transaction_version(self.events_path, batch.app_id) or -1)
+                                   >= batch.batch_id)
         result.write_seconds += time.monotonic() - t1
         self._step("delta_committed", batch)
-        session.commit(batch)
+        session.commit(batch, in_lake=in_lake)
         self._step("offsets_committed", batch)
         result.rows += rows
         result.batches += 1
         result.batch_rows.append(rows)
         return rows
+
+    def _catch_up(self, session: OffsetSession, slices: list[int], horizon: int) -> int:
+        """The first run on these slices since a rebase: the restored events above the horizon, now.
+
+        Their transaction ids come from the old cluster and may lie far above this cluster's horizon,
+        which would hold them back until the new ids caught up. Every row this reads is committed, and
+        rows the lake holds are left out by key, so reading them early, or again later when the
+        horizon passes them, brings each once; the watermarks do not move for them. A crash before
+        `catchup_done` only means the next run reads them again.
+        """
+        below = session.rebased_below
+        rows = 0
+        if below is not None and horizon < below:
+            span = Batch(self.consumer, "rebase-catchup", tuple(slices), (horizon,) * len(slices), below, 0)
+            table = tables.without_events_in_lake(reader.read_batch_arrow(self.dsn, self.schema, span), self.events_path)
+            if table.num_rows:
+                tables.append_arrow(self._with_lake_columns(table, span), self.events_path)
+            rows = table.num_rows
+            self.progress(f"rebase: {rows:,} restored events above the horizon brought for {len(slices)} slices")
+        session.catchup_done(slices)
+        return rows
+
+    def _append(self, session: OffsetSession, table: Any, batch: Batch, replay: bool) -> None:
+        """Append as Delta transaction (app id, batch id); a replay that Delta holds already writes nothing."""
+        assert batch.batch_id is not None
+        if self.writer == "spark":
+            tables.append_idempotent(
+                self.spark.createDataFrame(table), self.events_path, app_id=batch.app_id, version=batch.batch_id
+            )
+            return
+        written = tables.append_arrow_idempotent(table, self.events_path, app_id=batch.app_id, version=batch.batch_id)
+        if not written and not replay:  # a new batch Delta says it has: never skip it and go on
+            session.forget_pending(batch)
+            raise LakeStoreDiverged(
+                batch.app_id, self.events_path, tables.transaction_version(self.events_path, batch.app_id), None
+            )
 
     @staticmethod
     def _with_lake_columns(table: Any, batch: Batch) -> Any:

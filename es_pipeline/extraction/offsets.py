@@ -72,6 +72,7 @@ class OffsetSession:
         self.locked: set[int] = set()
         self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
         self.cluster: str | None = None  # the source cluster's identity, once checked (check_source)
+        self.rebased_below: int | None = None  # set by `offsets rebase`: below it, batches leave out what the lake holds
 
     def close(self) -> None:
         try:
@@ -131,11 +132,12 @@ class OffsetSession:
         """
         with self.conn.transaction():
             self._bind(table_id, path, created_now)
-            if self.cluster is not None:
-                self.conn.execute(
-                    "UPDATE es_pipeline.sinks SET source_cluster = %s WHERE consumer = %s AND source_cluster IS NULL",
-                    (self.cluster, self.consumer),
-                )
+            row = self.conn.execute(
+                "UPDATE es_pipeline.sinks SET source_cluster = coalesce(source_cluster, %s) WHERE consumer = %s "
+                "RETURNING rebased_below::text::bigint",
+                (self.cluster, self.consumer),
+            ).fetchone()
+        self.rebased_below = None if row is None or row[0] is None else int(row[0])
         self.sink_id = table_id
 
     def _bind(self, table_id: str, path: str, created_now: bool) -> None:
@@ -177,7 +179,7 @@ class OffsetSession:
         a crash before its watermarks advanced). Anything else means PostgreSQL or the lake went back in
         time, and `LakeStoreDiverged` stops the run before it writes. Where nothing is recorded yet (a
         store migrated from a release without this record) the table's batch is adopted if PostgreSQL
-        has issued that batch id.
+        has issued that batch id; after `offsets rebase` (which forgets the record) it is adopted as is.
         """
         row = self.conn.execute(
             "SELECT (SELECT batch_id FROM es_pipeline.lake_commits WHERE app_id = %(a)s), "
@@ -189,7 +191,11 @@ class OffsetSession:
         recorded, pending, issued = row[0], set(row[1] or ()), int(row[2])
         if in_lake == recorded or in_lake in pending:
             return
-        if recorded is None and in_lake is not None and in_lake <= issued:
+        if recorded is None and in_lake is not None and (in_lake <= issued or self.rebased_below is not None):
+            # After a rebase the sequence may be behind the lake's batch ids: move it past them, so that
+            # no new batch can take an id Delta would skip as done.
+            self.conn.execute("SELECT setval('es_pipeline.pending_batches_batch_id_seq', greatest(%s, "
+                              "(SELECT last_value FROM es_pipeline.pending_batches_batch_id_seq)))", (in_lake,))
             self._record_lake_commit(app_id, in_lake)
             return
         raise LakeStoreDiverged(app_id, path, in_lake, recorded)
@@ -201,6 +207,16 @@ class OffsetSession:
             "WHERE c.batch_id < excluded.batch_id",
             (app_id, self.consumer, batch_id),
         )
+
+    def catchup_slices(self, slices: Sequence[int]) -> list[int]:
+        """The slices of these whose first run since a rebase is still to come (see extraction/rebase.py)."""
+        return [int(s) for (s,) in self.conn.execute(
+            "SELECT slice FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[]) "
+            "ORDER BY slice", (self.consumer, list(slices)))]
+
+    def catchup_done(self, slices: Sequence[int]) -> None:
+        self.conn.execute("DELETE FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[])",
+                          (self.consumer, list(slices)))
 
     def forget_pending(self, batch: Batch) -> None:
         """Drop a pending record whose batch must not be replayed (Delta refused it as already committed)."""
@@ -217,7 +233,7 @@ class OffsetSession:
     def watermarks(self, slices: Sequence[int]) -> dict[int, int]:
         return read_watermarks(self.conn, self.consumer, slices)
 
-    def commit(self, batch: Batch) -> None:
+    def commit(self, batch: Batch, *, in_lake: bool = True) -> None:
         """Advance the watermarks of the batch's slices to its upper bound and drop its pending record.
 
         If the run checked its sink, the binding must still hold (FOR SHARE keeps it until the commit):
@@ -240,7 +256,8 @@ class OffsetSession:
             )
             if batch.batch_id is not None:
                 self.conn.execute("DELETE FROM es_pipeline.pending_batches WHERE batch_id = %s", (batch.batch_id,))
-                self._record_lake_commit(batch.app_id, batch.batch_id)
+                if in_lake:  # a batch left with no rows (all in the lake already) made no Delta commit
+                    self._record_lake_commit(batch.app_id, batch.batch_id)
 
     # -- pending batches ---------------------------------------------------------------------------
 
@@ -302,6 +319,35 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     return {s: found.get(s, 0) for s in slices}
 
 
+def mark_rebased(conn: psycopg.Connection, schema: str, consumer: str) -> tuple[str, int, int]:
+    """The bookkeeping of `offsets rebase` (see `extraction.rebase`), in one transaction: forget the
+    watermarks, pending batches and lake commits of `consumer`; record the store's cluster and the mark
+    below which batches leave out what the lake holds: past every transaction id in the store and the
+    horizon. Returns (cluster, mark, watermarks forgotten)."""
+    with conn.transaction():
+        row = conn.execute(
+            sql.SQL(
+                "SELECT (SELECT system_identifier::text FROM pg_control_system()), greatest("
+                "pg_snapshot_xmin(pg_current_snapshot())::text::bigint, "
+                "(SELECT max(tx_id::text::bigint) + 1 FROM {}.events))"
+            ).format(sql.Identifier(schema))
+        ).fetchone()
+        assert row is not None
+        cluster, below = str(row[0]), int(row[1])
+        n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
+        conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
+        conn.execute("DELETE FROM es_pipeline.lake_commits WHERE consumer = %s", (consumer,))
+        conn.execute(
+            "UPDATE es_pipeline.sinks SET source_cluster = %s, rebased_below = %s::text::xid8 WHERE consumer = %s",
+            (cluster, str(below), consumer),
+        )
+        conn.execute(
+            "INSERT INTO es_pipeline.rebase_catchup (consumer, slice) SELECT %s, s FROM generate_series(0, %s) AS s "
+            "ON CONFLICT DO NOTHING", (consumer, NUM_SLICES - 1),
+        )
+    return cluster, below, n
+
+
 def reset_consumer(dsn: str, consumer: str, events_path: str, *, lake_removed: bool = False) -> int:
     """`es-pipeline offsets reset`: forget the watermarks, unless the table the next runs write to still
     holds rows (they would all be extracted again); refused too while a run is extracting."""
@@ -329,6 +375,7 @@ def reset(conn: psycopg.Connection, consumer: str) -> int:
         conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
         conn.execute("DELETE FROM es_pipeline.sinks WHERE consumer = %s", (consumer,))
         conn.execute("DELETE FROM es_pipeline.lake_commits WHERE consumer = %s", (consumer,))
+        conn.execute("DELETE FROM es_pipeline.rebase_catchup WHERE consumer = %s", (consumer,))
     return n
 
 
@@ -339,6 +386,13 @@ def pending_batch_ids(conn: psycopg.Connection, consumer: str) -> list[int]:
     """Batches written (or being written) whose watermarks have not advanced yet."""
     return [int(r[0]) for r in conn.execute(
         "SELECT batch_id FROM es_pipeline.pending_batches WHERE consumer = %s ORDER BY batch_id", (consumer,))]
+
+
+def rebased_below(conn: psycopg.Connection, consumer: str) -> int | None:
+    """The mark `offsets rebase` left for `consumer` (see extraction/rebase.py), if any."""
+    row = conn.execute("SELECT rebased_below::text::bigint FROM es_pipeline.sinks WHERE consumer = %s",
+                       (consumer,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
 
 
 def counts_below_watermarks(conn: psycopg.Connection, schema: str, consumer: str) -> dict[int, int]:

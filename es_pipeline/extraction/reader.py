@@ -96,12 +96,26 @@ def read_batch_arrow(dsn: str, schema: str, batch: Batch, *, parallel: int = 1) 
 
 
 def _read_arrow(dsn: str, query: str) -> pa.Table:
+    table = _fetch_arrow(dsn, query)
+    return table.cast(EVENTS_ARROW_SCHEMA) if table.num_rows else empty_events_arrow()
+
+
+def _fetch_arrow(dsn: str, query: str) -> pa.Table:
     import adbc_driver_postgresql.dbapi as adbc  # here, not at the top: it imports pandas (~1.4 s)
 
     with adbc.connect(adbc_dsn(dsn)) as conn, conn.cursor() as cur:
         cur.execute(query)
-        table = cur.fetch_arrow_table()
-    return table.cast(EVENTS_ARROW_SCHEMA) if table.num_rows else empty_events_arrow()
+        return cur.fetch_arrow_table()
+
+
+def event_keys(dsn: str, schema: str) -> pa.Table:
+    """(stream_id, version, recorded_at as UTC microseconds) of every event in the store (for a rebase)."""
+    table = sql.Identifier(schema, "events").as_string(None)
+    keys = _fetch_arrow(dsn, f"SELECT stream_id, version, recorded_at FROM {table}")
+    return pa.table({
+        "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
+        "recorded_at": keys["recorded_at"].cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()),
+    })
 
 
 EVENTS_ARROW_SCHEMA = pa.schema(

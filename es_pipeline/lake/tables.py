@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 EVENTS_DDL = (
@@ -172,6 +174,11 @@ def table_id(path: str) -> str:
     return str(DeltaTable(path).metadata().id)
 
 
+def append_arrow(table: Any, path: str) -> None:
+    """A plain append with delta-rs, for rows whose writer is idempotent by other means (a rebase's key check)."""
+    write_deltalake(path, table, mode="append")
+
+
 def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int) -> bool:
     """Append an Arrow table with delta-rs as Delta transaction (`app_id`, `version`); False if skipped.
 
@@ -190,3 +197,34 @@ def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int)
         commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
     )
     return True
+
+
+# -- events by key, for `offsets rebase` -------------------------------------------------------------
+
+KEY = ["stream_id", "version"]
+
+
+def event_keys(path: str) -> pa.Table:
+    """(stream_id, version, recorded_at as UTC microseconds) of every event in the `events` table at `path`."""
+    if not is_delta_table(path):
+        return pa.table({"stream_id": pa.array([], pa.string()), "version": pa.array([], pa.int32()),
+                         "recorded_at": pa.array([], pa.int64())})
+    keys = DeltaTable(path).to_pyarrow_dataset().to_table(columns=[*KEY, "recorded_at"])
+    return keys.set_column(2, "recorded_at", pc.cast(keys["recorded_at"], pa.timestamp("us", tz="UTC")).cast(pa.int64()))
+
+
+def anti_join_keys(left: pa.Table, right: pa.Table) -> pa.Table:
+    """The rows of `left` with no row of the same (stream_id, version, recorded_at) in `right`."""
+    return left.join(right, keys=[*KEY, "recorded_at"], join_type="left anti")
+
+
+def without_events_in_lake(batch: pa.Table, path: str) -> pa.Table:
+    """The events of `batch` whose (stream_id, version) the `events` table at `path` does not hold."""
+    if batch.num_rows == 0 or not is_delta_table(path):
+        return batch
+    held = DeltaTable(path).to_pyarrow_dataset().to_table(
+        columns=KEY, filter=pc.field("stream_id").isin(pc.unique(batch["stream_id"]))
+    )
+    if held.num_rows == 0:
+        return batch
+    return batch.join(held.cast(batch.select(KEY).schema), keys=KEY, join_type="left anti").select(batch.column_names)

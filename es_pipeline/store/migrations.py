@@ -169,6 +169,16 @@ CREATE TRIGGER events_append_only BEFORE UPDATE OR DELETE OR TRUNCATE ON {schema
 -- The PostgreSQL cluster (pg_control_system().system_identifier) whose transaction ids the watermarks
 -- count in. A store restored or replicated into another cluster has other ids: runs refuse there.
 ALTER TABLE es_pipeline.sinks ADD COLUMN IF NOT EXISTS source_cluster text;
+-- Set by `es-pipeline offsets rebase` after the store moved to another cluster: batches that start below it
+-- leave out the events the lake holds already (by key), since restored and new transaction ids interleave.
+ALTER TABLE es_pipeline.sinks ADD COLUMN IF NOT EXISTS rebased_below xid8;
+-- The slices whose first run after a rebase has still to bring the restored events that lie above the new
+-- cluster's horizon (their ids come from the old cluster; waiting for the horizon could take for ever).
+CREATE TABLE IF NOT EXISTS es_pipeline.rebase_catchup (
+    consumer text     NOT NULL,
+    slice    smallint NOT NULL,
+    PRIMARY KEY (consumer, slice)
+);
 
 -- Written in the transaction that advances the watermarks. At the start of a run it is compared with the
 -- Delta table's own record (its txn version for the app id): if they differ beyond a pending batch,

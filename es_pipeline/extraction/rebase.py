@@ -1,0 +1,51 @@
+"""`es-pipeline offsets rebase`: after the event store moved to another PostgreSQL cluster, exactly once again.
+
+A dump restored into a new cluster (or a cut-over to a logical replica) keeps the rows and their `tx_id`
+values, but the new cluster counts transaction ids from elsewhere: new events get ids below, between and
+above the restored ones, so no watermark can separate what the lake holds from what it lacks. Runs refuse
+such a store (`offsets.check_source`). A rebase makes it safe again:
+
+1. under every slice lock, check that each event of the lake is in the store, with the same key and
+   `recorded_at`; if not, the store is older than the lake and nothing is changed (`RebaseRefused`);
+2. forget the watermarks, pending batches and lake commits, record the new cluster, and set the mark
+   `rebased_below` past every transaction id in the store and the horizon (`offsets.mark_rebased`);
+3. the next runs read the store from the start; a batch that starts below the mark leaves out, by key,
+   the events the lake holds already (`Extractor`), and above the mark runs are as before.
+
+It costs one read of every key in the lake and in the store, and one pass over the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from es_pipeline.errors import RebaseRefused, SourceChanged, XidSpaceWentBack
+from es_pipeline.extraction import reader
+from es_pipeline.extraction.offsets import OffsetSession, check_source, mark_rebased
+from es_pipeline.extraction.slices import NUM_SLICES
+from es_pipeline.lake import tables
+
+
+@dataclass(frozen=True)
+class Rebase:
+    cluster: str
+    rebased_below: int  # batches starting below this transaction id leave out what the lake holds
+    lake_events: int  # events in the lake, every one found in the store
+    forgotten_slices: int
+
+
+def rebase(dsn: str, schema: str, consumer: str, events_path: str) -> Rebase | None:
+    """Rebase `consumer` onto the store's cluster; None if its offsets already count this cluster's ids."""
+    with OffsetSession(dsn, consumer, run_id="offsets-rebase", label="offsets rebase") as session:
+        session.lock(range(NUM_SLICES), "all slices")
+        try:
+            check_source(session.conn, consumer)
+            return None
+        except (SourceChanged, XidSpaceWentBack):
+            pass
+        lake_keys = tables.event_keys(events_path)
+        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, schema))
+        if missing.num_rows:
+            raise RebaseRefused(events_path, missing.num_rows, f"{missing['stream_id'][0]}@{missing['version'][0]}")
+        cluster, below, n = mark_rebased(session.conn, schema, consumer)
+        return Rebase(cluster, below, lake_keys.num_rows, n)
