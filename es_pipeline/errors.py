@@ -140,6 +140,18 @@ class LakeStoreDiverged(EsPipelineError):
         )
 
 
+class ReadOnlyStore(EsPipelineError):
+    """The DSN reaches a server or role that accepts no writes: es_pipeline's offsets cannot live there."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(
+            f"the event store at ES_PIPELINE_PG_DSN accepts no writes ({why}): es_pipeline keeps its offsets, locks "
+            "and pending batches in it. Nothing was created or written. Point ES_PIPELINE_PG_DSN at the primary, "
+            "with a role that may write to the es_pipeline schema."
+        )
+
+
 class SourceChanged(EsPipelineError):
     """The event store is another PostgreSQL cluster than the one the offsets were recorded on."""
 

@@ -156,15 +156,15 @@ class Extractor:
     def run(self, slice_range: SliceRange, *, run_id: str = "manual") -> ExtractResult:
         started = time.monotonic()
         result = ExtractResult(slice_range.key)
-        table_is_new = not tables.is_delta_table(self.events_path)
-        self.ensure_table()
         with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
+            # A standby, or a store whose transaction ids are not the ones the offsets count (restored
+            # elsewhere), is refused before anything is created: it would look caught up for ever.
+            session.check_source()
             session.lock(slice_range.slices, slice_range.key)
             self._step("locked", None)
-            # A store whose transaction ids are not the ones the offsets count (restored elsewhere) would
-            # look caught up for ever; a lost, moved or recreated lake must not be taken for the one
-            # the watermarks describe.
-            session.check_source()
+            table_is_new = not tables.is_delta_table(self.events_path)
+            self.ensure_table()
+            # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
             session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
             replays = session.pending_overlapping(slice_range.slices)
             app_id = app_id_for(self.consumer, slice_range.key)

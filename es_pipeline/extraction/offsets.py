@@ -23,6 +23,7 @@ from es_pipeline.errors import (
     LakeNotEmpty,
     LakeOffsetsMismatch,
     LakeStoreDiverged,
+    ReadOnlyStore,
     SinkChanged,
     SliceLocked,
     SourceChanged,
@@ -288,20 +289,23 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
        greatest((SELECT max(watermark::text::bigint) FROM es_pipeline.offsets WHERE consumer = %(c)s),
                 (SELECT max(upper_bound::text::bigint) FROM es_pipeline.pending_batches WHERE consumer = %(c)s)),
        (SELECT source_cluster FROM es_pipeline.sinks WHERE consumer = %(c)s),
-       (SELECT system_identifier::text FROM pg_control_system())
+       (SELECT system_identifier::text FROM pg_control_system()),
+       pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'
 """
 
 
 def check_source(conn: psycopg.Connection, consumer: str) -> str:
     """The store's cluster identity, after checking that the offsets of `consumer` count its transaction ids.
 
-    Raises `SourceChanged` when the offsets were recorded on another cluster (a dump restored elsewhere,
+    Raises `ReadOnlyStore` on a hot standby or a read-only role, `SourceChanged` when the offsets were recorded on another cluster (a dump restored elsewhere,
     a logical replica), and `XidSpaceWentBack` when a watermark or pending batch lies above the horizon
     (the transaction ids went back). Either way every new event would look extracted already: loss.
     """
     row = conn.execute(_SOURCE, {"c": consumer}).fetchone()
     assert row is not None
-    horizon, top, recorded, current = int(row[0]), row[1], row[2], str(row[3])
+    horizon, top, recorded, current, standby, read_only = int(row[0]), row[1], row[2], str(row[3]), row[4], row[5]
+    if standby or read_only:
+        raise ReadOnlyStore("a hot standby" if standby else "the role's transactions are read-only")
     if recorded is not None and recorded != current:
         raise SourceChanged(consumer, recorded, current)
     if top is not None and int(top) > horizon:

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
 from es_pipeline.cli import main
+from es_pipeline.definitions import build_definitions
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.errors import LakeStoreDiverged
+from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
+from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
 
@@ -106,3 +110,47 @@ def test_offset_sessions_commit_synchronously_whatever_the_role_says(dsn: str) -
     with OffsetSession(dsn, "events", run_id="t", label="t") as session:
         row = session.conn.execute("SHOW synchronous_commit").fetchone()
     assert row == ("on",)
+
+
+def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
+    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `pg_resetwal -x` or a logical replica does to the ids, and what a restore does to the identity,
+    simulated on the offsets: every path says so instead of reporting "caught up"."""
+    _append(dsn, 100, 1)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    defs = build_definitions(replace(Settings.from_env(), pg_dsn=dsn, warehouse=warehouse, slice_ranges=2))
+    sensor = defs.resolve_sensor_def("new_events_sensor")
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn)
+    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    cases = [
+        ("UPDATE es_pipeline.offsets SET watermark = (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + 5000)"
+         "::text::xid8 WHERE slice = 7", XidSpaceWentBack, "above the horizon"),
+        ("UPDATE es_pipeline.sinks SET source_cluster = '1234567890'", SourceChanged, "cluster 1234567890"),
+    ]
+    for statement, error, words in cases:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            saved = conn.execute("SELECT slice, watermark::text FROM es_pipeline.offsets").fetchall()
+            conn.execute(statement)
+        with pytest.raises(error, match=words):
+            Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+        with dg.instance_for_test() as instance:
+            tick = sensor(dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]}))
+        assert isinstance(tick, dg.SkipReason) and "no run was requested" in (tick.skip_message or "")
+        assert words in (tick.skip_message or "")
+        assert main(["status"]) == 2 and words in capsys.readouterr().err
+        with psycopg.connect(dsn, autocommit=True) as conn:  # put the offsets back for the next case
+            conn.execute("UPDATE es_pipeline.sinks SET source_cluster = (SELECT system_identifier::text FROM pg_control_system())")
+            for s, w in saved:
+                conn.execute("UPDATE es_pipeline.offsets SET watermark = %s::xid8 WHERE slice = %s", (w, s))
+
+
+def test_a_read_only_store_is_refused_before_anything_is_created(dsn: str, warehouse: Path) -> None:
+    _append(dsn, 20, 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = on', "
+                     "current_database()); END $$")
+    with pytest.raises(ReadOnlyStore, match="read-only") as err:
+        Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
+    assert "\n" not in str(err.value)
+    assert not (warehouse / "events").exists(), "no Delta table was created"

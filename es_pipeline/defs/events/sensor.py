@@ -6,7 +6,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 
 from es_pipeline.defs.events.asset import RANGE_TAG
 from es_pipeline.defs.resources import EventStoreResource
-from es_pipeline.errors import EsPipelineError, SourceChanged, XidSpaceWentBack
+from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.offsets import EVENTS_CONSUMER, check_source
 from es_pipeline.extraction.probe import decide, format_cursor, parse_cursor, probe
 from es_pipeline.extraction.slices import SliceRange
@@ -38,7 +38,7 @@ def build_new_events_sensor(
             with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
                 check_source(conn, EVENTS_CONSUMER)
                 found = probe(conn, event_store.schema_name, EVENTS_CONSUMER)
-        except (SourceChanged, XidSpaceWentBack) as exc:
+        except (ReadOnlyStore, SourceChanged, XidSpaceWentBack) as exc:
             return dg.SkipReason(f"no run was requested: {exc}")
         except (EsPipelineError, psycopg.Error) as exc:
             return dg.SkipReason(f"could not read the event store, so nothing was decided: {exc}")
