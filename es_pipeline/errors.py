@@ -79,6 +79,18 @@ class SliceLocked(EsPipelineError, Retryable):
         )
 
 
+class SliceLockLost(EsPipelineError, Retryable):
+    """A run's slice locks were gone when it went to record a batch or advance its watermarks."""
+
+    def __init__(self, label: str, holder_pid: int | None) -> None:
+        self.label, self.holder_pid = label, holder_pid
+        super().__init__(
+            f"{label}: the slice locks of this run are no longer held (their connection, backend pid {holder_pid}, "
+            "ended: a server restart, a terminated backend, a pooler that dropped it). Nothing more was committed; "
+            "a batch already written stays pending and the next run replays it."
+        )
+
+
 class ReducerError(EsPipelineError):
     def __init__(self, stream_id: str, version: int, event_type: str, reason: str) -> None:
         self.stream_id, self.version, self.event_type, self.reason = stream_id, version, event_type, reason

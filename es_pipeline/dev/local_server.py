@@ -62,7 +62,7 @@ def _as_postgres(args: list[str], **kw: object) -> subprocess.CompletedProcess[s
     return subprocess.run(args, text=True, capture_output=True, check=False, **kw)  # type: ignore[call-overload]
 
 
-def _owned_by_postgres(path: Path) -> None:
+def chown_to_postgres(path: Path) -> None:
     if os.geteuid() != 0:
         return
     pw = pwd.getpwnam("postgres")
@@ -83,13 +83,13 @@ def init(data: Path = PGDATA) -> bool:
     if (data / "PG_VERSION").exists():
         return False
     data.parent.mkdir(parents=True, exist_ok=True)
-    _owned_by_postgres(data.parent)
+    chown_to_postgres(data.parent)
     res = _as_postgres(
         [str(bindir() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
     )
     if res.returncode != 0:
         raise LocalServerError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
-    _owned_by_postgres(data.parent)
+    chown_to_postgres(data.parent)
     return True
 
 
@@ -101,7 +101,7 @@ def start(port: int, data: Path = PGDATA) -> str:
     created = init(data)
     if not is_running(data):
         log.touch(exist_ok=True)
-        _owned_by_postgres(log)
+        chown_to_postgres(log)
         res = _as_postgres(
             [str(bindir() / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data), "-l", str(log),
              "-o", " ".join(f"-c {k}={v.strip(chr(39))}" for k, v in {**SERVER_SETTINGS, "port": str(port)}.items())]

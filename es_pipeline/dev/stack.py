@@ -39,7 +39,7 @@ class Stack:
     processes: list[subprocess.Popen[bytes]]
 
 
-def _wait_port(port: int, timeout: float) -> None:
+def wait_port(port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -88,7 +88,7 @@ def dagster_stack(
                 [str(VENV_BIN / "es-pipeline"), "spark", "serve", "--port", str(port)], env=env,
                 stdout=open(logs / "connect.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
             ))
-            _wait_port(port, 120)
+            wait_port(port, 120)
         procs.append(subprocess.Popen(
             [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
             env=env, cwd=PROJECT_ROOT, stdout=open(logs / "daemon.log", "wb"), stderr=subprocess.STDOUT,

@@ -26,6 +26,7 @@ from es_pipeline.errors import (
     ReadOnlyStore,
     SinkChanged,
     SliceLocked,
+    SliceLockLost,
     SourceChanged,
     XidSpaceWentBack,
 )
@@ -60,27 +61,45 @@ class Batch:
 
 
 class OffsetSession:
-    """One autocommit connection that holds the slice locks of a run and commits its offsets."""
+    """The connections of one run: one that holds its slice locks, one that commits its offsets.
+
+    The locks are transaction-level advisory locks held by a transaction that stays open for the run
+    (`_lock_holder`): a transaction keeps its server connection even behind a transaction-pooling
+    PgBouncer, where session-level locks would sit on whatever backend ran the statement. It holds no
+    transaction id and no snapshot between statements, so it holds back neither the horizon nor vacuum.
+    Every statement that records a batch or advances watermarks first checks, in its own transaction,
+    that the holder still holds every slice's lock (`_verify_locks`).
+    """
 
     def __init__(self, dsn: str, consumer: str, *, run_id: str, label: str) -> None:
+        self.dsn = dsn
         self.consumer = consumer
         self.run_id = run_id
         self.label = label
         self.namespace = lock_namespace(consumer)
-        self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=f"es_pipeline {label} run {run_id}"[:63])
+        self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=self._name())
         # An offset commit must survive a crash of the server once it is acknowledged, whatever the role's default.
         self.conn.execute("SET synchronous_commit = on")
+        self._holder_conn: psycopg.Connection | None = None
+        self.holder_pid: int | None = None
         self.locked: set[int] = set()
         self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
         self.cluster: str | None = None  # the source cluster's identity, once checked (check_source)
         self.rebased_below: int | None = None  # set by `offsets rebase`: below it, batches leave out what the lake holds
 
+    def _name(self) -> str:
+        return f"es_pipeline {self.label} run {self.run_id}"[:63]
+
     def close(self) -> None:
         try:
-            if self.locked and not self.conn.closed:
-                self.conn.execute("SELECT pg_advisory_unlock_all()")
+            if self._holder_conn is not None and not self._holder_conn.closed:
+                self._holder_conn.rollback()  # ends the transaction: every slice lock is released
+        except psycopg.OperationalError:
+            pass  # the holder's connection is gone already, and with it its locks
         finally:
             self.locked.clear()
+            if self._holder_conn is not None:
+                self._holder_conn.close()
             self.conn.close()
 
     def __enter__(self) -> OffsetSession:
@@ -91,23 +110,44 @@ class OffsetSession:
 
     # -- locks -------------------------------------------------------------------------------------
 
+    def _lock_holder(self) -> psycopg.Connection:
+        if self._holder_conn is None:
+            holder = connect(self.dsn, autocommit=False, application_name=self._name())
+            # Open for the whole run and idle between lock requests: no role timeout may end it.
+            holder.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+            row = holder.execute("SELECT pg_backend_pid()").fetchone()
+            assert row is not None
+            self._holder_conn, self.holder_pid = holder, int(row[0])
+        return self._holder_conn
+
     def lock(self, slices: Sequence[int], range_key: str) -> None:
         """Take the advisory lock of every slice, or none of them and raise `SliceLocked`."""
         wanted = [s for s in slices if s not in self.locked]
         if not wanted:
             return
-        rows = self.conn.execute(
-            "SELECT s, pg_try_advisory_lock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, wanted)
+        holder = self._lock_holder()
+        holder.execute("SAVEPOINT es_pipeline_lock")  # rolling back to it releases the locks it took
+        rows = holder.execute(
+            "SELECT s, pg_try_advisory_xact_lock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, wanted)
         ).fetchall()
         got = [s for s, ok in rows if ok]
         missed = sorted(s for s, ok in rows if not ok)
         if missed:
-            if got:
-                self.conn.execute(
-                    "SELECT pg_advisory_unlock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, got)
-                )
+            holder.execute("ROLLBACK TO SAVEPOINT es_pipeline_lock")
             raise SliceLocked(range_key, missed, self._holder(missed[0]))
+        holder.execute("RELEASE SAVEPOINT es_pipeline_lock")
         self.locked.update(got)
+
+    def _verify_locks(self, slices: Sequence[int]) -> None:
+        """In the caller's transaction: raise `SliceLockLost` unless the holder still has every slice's lock."""
+        wanted = sorted(set(slices))
+        row = self.conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s AND classid = %s::oid "
+            "AND objid = ANY(%s::oid[]) AND objsubid = 2 AND granted",
+            (self.holder_pid or 0, self.namespace, wanted),
+        ).fetchone()
+        if self.holder_pid is None or row is None or int(row[0]) != len(wanted):
+            raise SliceLockLost(self.label, self.holder_pid)
 
     def _holder(self, slice_: int) -> str:
         row = self.conn.execute(
@@ -242,6 +282,7 @@ class OffsetSession:
         committed and the batch stays pending, to be replayed into the table now bound.
         """
         with self.conn.transaction():
+            self._verify_locks(batch.slices)
             if self.sink_id is not None and self.conn.execute(
                 "SELECT 1 FROM es_pipeline.sinks WHERE consumer = %s AND table_id = %s FOR SHARE",
                 (self.consumer, self.sink_id),
@@ -263,14 +304,19 @@ class OffsetSession:
     # -- pending batches ---------------------------------------------------------------------------
 
     def record_pending(self, batch: Batch) -> Batch:
-        row = self.conn.execute(
+        with self.conn.transaction():
+            self._verify_locks(batch.slices)
+            row = self._insert_pending(batch)
+        assert row is not None
+        return Batch(batch.consumer, batch.app_id, batch.slices, batch.from_watermarks, batch.upper, int(row[0]))
+
+    def _insert_pending(self, batch: Batch) -> tuple[int] | None:
+        return self.conn.execute(
             "INSERT INTO es_pipeline.pending_batches (consumer, app_id, slices, from_watermarks, upper_bound, run_id) "
             "VALUES (%s, %s, %s::smallint[], %s::text[]::xid8[], %s::text::xid8, %s) RETURNING batch_id",
             (batch.consumer, batch.app_id, list(batch.slices), [str(w) for w in batch.from_watermarks],
              str(batch.upper), self.run_id),
         ).fetchone()
-        assert row is not None
-        return Batch(batch.consumer, batch.app_id, batch.slices, batch.from_watermarks, batch.upper, int(row[0]))
 
     def pending_overlapping(self, slices: Sequence[int]) -> list[Batch]:
         rows = self.conn.execute(

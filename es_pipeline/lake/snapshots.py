@@ -69,6 +69,8 @@ def not_in_store(spark: Any, warehouse: Path, store: EventStore) -> Any:
     from pyspark.sql import functions as F
 
     snap_path = tables.table_path(warehouse, "snapshots")
+    if not tables.is_delta_table(snap_path):  # no snapshot taken yet: none to write back
+        return spark.createDataFrame([], "stream_id STRING, stream_type STRING, version INT, state STRING, revision INT")
     latest = (
         tables.read(spark, snap_path).groupBy("stream_id")
         .agg(F.max(F.struct("version", "revision", "stream_type", "state")).alias("s"))

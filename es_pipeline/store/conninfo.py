@@ -56,9 +56,14 @@ class Xid8Loader(Loader):
 
 
 def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_pipeline") -> psycopg.Connection:
-    """Open a psycopg connection, turning every way of failing to reach the server into one clear line."""
+    """Open a psycopg connection, turning every way of failing to reach the server into one clear line.
+
+    No server-side prepared statements (`prepare_threshold=None`): behind a transaction-pooling PgBouncer
+    a statement prepared on one server connection is not there on the next.
+    """
     try:
-        conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name, connect_timeout=5)
+        conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name, connect_timeout=5,
+                               prepare_threshold=None)
     except psycopg.OperationalError as exc:
         host, port, dbname = describe(dsn)
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
