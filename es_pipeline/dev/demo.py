@@ -38,9 +38,9 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         print(f"   {res.range_key:<10} {res.rows:>8,} {res.batches:>8} {res.horizon:>10} {res.events_behind:>9,} {res.total_seconds:>8.1f}")
 
     t0 = time.monotonic()
-    state = update_stream_state(spark, settings.warehouse)
-    update_stream_catalog(spark, settings.warehouse)
-    update_event_type_daily(spark, settings.warehouse)
+    state = update_stream_state(spark, settings.warehouse, store_dsn=settings.pg_dsn)
+    update_stream_catalog(spark, settings.warehouse, store_dsn=settings.pg_dsn)
+    update_event_type_daily(spark, settings.warehouse, store_dsn=settings.pg_dsn)
     print(f"   projections: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
           f"catalog and daily counts updated ({time.monotonic() - t0:.1f} s)")
 

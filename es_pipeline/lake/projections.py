@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
+from es_pipeline.lake.serial import one_at_a_time
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,30 +43,41 @@ class _Projection:
     def app_id(self) -> str:
         return f"es_pipeline.{self.name}"
 
-    def update(self, spark: Any, warehouse: Path) -> ProjectionResult:
+    def update(self, spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
+        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time."""
+        with one_at_a_time(store_dsn, self.name):
+            return self._update(spark, warehouse)
+
+    def _update(self, spark: Any, warehouse: Path) -> ProjectionResult:
         events_path = tables.table_path(warehouse, "events")
         path = tables.table_path(warehouse, self.name)
         now = tables.table_version(spark, events_path)
         prev = tables.transaction_version(path, self.app_id)
         if prev is not None and prev >= now:
             return ProjectionResult(_count(spark, path), now, prev, 0, 0)
-        if prev is None:  # first run (or a table of an older es_pipeline): build it whole
-            events = tables.read(spark, events_path, version=now)
-            agg = self.aggregate(events).cache()
+        if prev is not None:
+            agg = self.aggregate(tables.rows_added(spark, events_path, prev, now)).cache()
             try:
                 n, read = _figures(agg)
-                (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-                 .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
+                tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
+                return ProjectionResult(_count(spark, path), now, prev, read, n)
+            except tables.spark_errors() as exc:
+                if not tables.change_feed_gone(exc):
+                    raise
+                # The files of those commits were vacuumed (the projection lagged past the retention):
+                # the increment cannot be read, so the table is built whole, as on a first run.
+                log.warning("%s: the change feed after version %s is gone (vacuumed); rebuilding", self.name, prev)
             finally:
                 agg.unpersist()
-            return ProjectionResult(_count(spark, path), now, -1, read, n)
-        agg = self.aggregate(tables.rows_added(spark, events_path, prev, now)).cache()
+        # First run, a table of an older es_pipeline, or a change feed vacuumed away: build it whole.
+        agg = self.aggregate(tables.read(spark, events_path, version=now)).cache()
         try:
             n, read = _figures(agg)
-            tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
+            (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+             .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
         finally:
             agg.unpersist()
-        return ProjectionResult(_count(spark, path), now, prev, read, n)
+        return ProjectionResult(_count(spark, path), now, -1, read, n)
 
 
 def _count(spark: Any, path: str) -> int:
@@ -111,11 +126,11 @@ EVENT_TYPE_DAILY = _Projection(
 )
 
 
-def update_stream_catalog(spark: Any, warehouse: Path) -> ProjectionResult:
+def update_stream_catalog(spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
-    return STREAM_CATALOG.update(spark, warehouse)
+    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn)
 
 
-def update_event_type_daily(spark: Any, warehouse: Path) -> ProjectionResult:
+def update_event_type_daily(spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
     """Stream type x event type x day: count (incremental)."""
-    return EVENT_TYPE_DAILY.update(spark, warehouse)
+    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn)

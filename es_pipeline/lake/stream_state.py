@@ -27,6 +27,7 @@ from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
 from es_pipeline.lake.reducers import revisions as current_revisions
+from es_pipeline.lake.serial import one_at_a_time
 
 APP_ID = "es_pipeline.stream_state"
 
@@ -173,7 +174,23 @@ def _fold_out_arrow_schema() -> Any:
     ])
 
 
-def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = False) -> StateResult:
+def update_stream_state(
+    spark: Any, warehouse: Path, *, skip_unknown: bool = False, store_dsn: str | None = None
+) -> StateResult:
+    """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
+    with `store_dsn`, one update at a time."""
+    with one_at_a_time(store_dsn, "stream_state"):
+        try:
+            return _update_stream_state(spark, warehouse, skip_unknown)
+        except tables.spark_errors() as exc:
+            if not tables.change_feed_gone(exc):
+                raise
+            # The files of the commits since the last update were vacuumed (it lagged past the retention):
+            # fold every event instead; the fold skips versions a stream's state already has.
+            return _update_stream_state(spark, warehouse, skip_unknown, whole=True)
+
+
+def _update_stream_state(spark: Any, warehouse: Path, skip_unknown: bool, *, whole: bool = False) -> StateResult:
     from pyspark.sql import functions as F
 
     events_path = tables.table_path(warehouse, "events")
@@ -189,7 +206,7 @@ def update_stream_state(spark: Any, warehouse: Path, *, skip_unknown: bool = Fal
         if r["stream_type"] in revisions and revisions[r["stream_type"]] != r["revision"]
     ]
     cols = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
-    if prev < 0:
+    if prev < 0 or (whole and prev < now):
         new = tables.read(spark, events_path, version=now).select(*cols)
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)

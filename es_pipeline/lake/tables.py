@@ -123,6 +123,22 @@ def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
     )
 
 
+CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileNotFoundException")
+
+
+def change_feed_gone(exc: BaseException) -> bool:
+    """Whether a failed read of `rows_added` means the files of those commits were vacuumed away."""
+    return any(mark in str(exc) for mark in CHANGE_FEED_GONE)
+
+
+def spark_errors() -> tuple[type[BaseException], ...]:
+    """What a failed Spark action raises: PySpark's errors (classic and Connect) and py4j's for the JVM's."""
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    return (PySparkException, Py4JJavaError)
+
+
 def transaction_version(path: str, app_id: str) -> int | None:
     """The last `txnVersion` Delta committed for `app_id` (read from the log by delta-rs)."""
     if not is_delta_table(path):

@@ -11,6 +11,7 @@ import psycopg
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
 
@@ -96,3 +97,56 @@ def test_a_repeated_update_counts_nothing_twice(dsn: str, spark: Any, warehouse:
     assert update_stream_catalog(spark, warehouse).events_read == 100
     assert sum(lake_daily(spark, warehouse).values()) == 300
     assert sum(v[4] for v in lake_catalog(spark, warehouse).values()) == 300
+
+
+def test_overlapping_updates_count_nothing_twice(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Automation and a manual materialization at once: with the store's lock, one waits for the other."""
+    store = EventStore(dsn)
+    run_workload(store, streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
+    extract_all(dsn, spark, warehouse)
+    update_event_type_daily(spark, warehouse, store_dsn=dsn)
+    for seed in (2, 3):
+        run_workload(store, streams=30, events=150, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
+        extract_all(dsn, spark, warehouse)
+        errors: list[BaseException] = []
+
+        def update(errors: list[BaseException] = errors) -> None:
+            try:
+                update_event_type_daily(spark, warehouse, store_dsn=dsn)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        both = [threading.Thread(target=update) for _ in range(2)]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join()
+        assert not errors, errors
+        assert lake_daily(spark, warehouse) == source_daily(dsn)
+
+
+def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: str, spark: Any, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
+    extract_all(dsn, spark, warehouse)
+    update_stream_catalog(spark, warehouse)
+    update_event_type_daily(spark, warehouse)
+    update_stream_state(spark, warehouse)
+    for seed in (2, 3):  # commits the projections have not read yet
+        run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
+        extract_all(dsn, spark, warehouse)
+    events = str(warehouse / "events")
+    spark.sql(f"OPTIMIZE delta.`{events}`")
+    spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+    try:
+        spark.sql(f"VACUUM delta.`{events}` RETAIN 0 HOURS")  # the files those commits added are gone
+    finally:
+        spark.conf.unset("spark.databricks.delta.retentionDurationCheck.enabled")
+    catalog = update_stream_catalog(spark, warehouse)
+    daily = update_event_type_daily(spark, warehouse)
+    assert catalog.previous_events_version == -1 and daily.previous_events_version == -1, "rebuilt whole"
+    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    assert lake_daily(spark, warehouse) == source_daily(dsn)
+    update_stream_state(spark, warehouse)  # folds every event again; the fold skips what each state has
+    state = {r["stream_id"]: r["version"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
+    assert state == {k: v[3] for k, v in source_catalog(dsn).items()}

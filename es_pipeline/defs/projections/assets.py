@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
 
@@ -16,8 +16,10 @@ from es_pipeline.lake.stream_state import update_stream_state
     tags={"layer": "projection"},
     automation_condition=dg.AutomationCondition.eager(),
 )
-def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
-    return _projection_result(update_stream_catalog(spark.spark_session, warehouse.root))
+def stream_catalog(
+    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+) -> dg.MaterializeResult:
+    return _projection_result(update_stream_catalog(spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 @dg.asset(
@@ -28,8 +30,10 @@ def stream_catalog(spark: SparkResource, warehouse: WarehouseResource) -> dg.Mat
     tags={"layer": "projection"},
     automation_condition=dg.AutomationCondition.eager(),
 )
-def event_type_daily(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
-    return _projection_result(update_event_type_daily(spark.spark_session, warehouse.root))
+def event_type_daily(
+    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+) -> dg.MaterializeResult:
+    return _projection_result(update_event_type_daily(spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
@@ -49,8 +53,8 @@ def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
     "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
     "from their previous state; a reducer revision bump rebuilds that type alone.",
 )
-def stream_state(spark: SparkResource, warehouse: WarehouseResource) -> dg.MaterializeResult:
-    r = update_stream_state(spark.spark_session, warehouse.root)
+def stream_state(spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
+    r = update_stream_state(spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
     return dg.MaterializeResult(metadata={
         "events_folded": r.events_folded,
         "streams_updated": r.streams_updated,
