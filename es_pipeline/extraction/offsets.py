@@ -32,7 +32,7 @@ from es_pipeline.errors import (
 )
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
-from es_pipeline.store.conninfo import connect
+from es_pipeline.store.conninfo import NO_TIMEOUTS, connect
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
 EVENTS_CONSUMER = "events"
@@ -78,8 +78,10 @@ class OffsetSession:
         self.label = label
         self.namespace = lock_namespace(consumer)
         self.conn: psycopg.Connection = connect(dsn, autocommit=True, application_name=self._name())
-        # An offset commit must survive a crash of the server once it is acknowledged, whatever the role's default.
+        # An offset commit must survive a crash of the server once it is acknowledged, and no timeout meant for
+        # applications may cut a run's statements, whatever the role's defaults.
         self.conn.execute("SET synchronous_commit = on")
+        self.conn.execute(NO_TIMEOUTS)
         self._holder_conn: psycopg.Connection | None = None
         self.holder_pid: int | None = None
         self.locked: set[int] = set()
@@ -114,7 +116,7 @@ class OffsetSession:
         if self._holder_conn is None:
             holder = connect(self.dsn, autocommit=False, application_name=self._name())
             # Open for the whole run and idle between lock requests: no role timeout may end it.
-            holder.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+            holder.execute("SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL statement_timeout = 0")
             row = holder.execute("SELECT pg_backend_pid()").fetchone()
             assert row is not None
             self._holder_conn, self.holder_pid = holder, int(row[0])

@@ -24,6 +24,11 @@ from es_pipeline.errors import DatabaseUnreachable, PostgresTooOld, UnsupportedD
 MIN_SERVER_VERSION = 130000
 XID8_OID = 5069  # fixed in pg_type since PostgreSQL 13
 JDBC_DRIVER_CLASS = "org.postgresql.Driver"
+# A dead server or network is noticed within about a minute instead of hanging a run (unless the DSN says otherwise).
+KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3"}
+# es_pipeline's own statements are never cut by timeouts a role sets for applications: a batch killed by a
+# statement_timeout would be killed again on every replay.
+NO_TIMEOUTS = ("SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0")
 # libpq parameters that pgjdbc takes under the same name.
 _JDBC_SAME_NAME = ("sslmode", "sslrootcert", "sslcert", "sslkey")
 
@@ -62,8 +67,13 @@ def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_p
     a statement prepared on one server connection is not there on the next.
     """
     try:
-        conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name, connect_timeout=5,
-                               prepare_threshold=None)
+        conninfo = make_conninfo(dsn, **_keepalives(dsn))
+    except UnsupportedDsn:
+        host, port, dbname = describe(dsn)
+        raise DatabaseUnreachable(host, port, dbname, "the DSN is not a valid libpq connection string") from None
+    try:
+        conn = psycopg.connect(conninfo, autocommit=autocommit,
+                               application_name=application_name, connect_timeout=5, prepare_threshold=None)
     except psycopg.OperationalError as exc:
         host, port, dbname = describe(dsn)
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -90,7 +100,12 @@ def check_server_version(conn: psycopg.Connection) -> None:
 def adbc_dsn(dsn: str, *, application_name: str = "es_pipeline reader") -> str:
     """The DSN for ADBC's PostgreSQL driver, which hands it to libpq as it is (key=value form)."""
     parse(dsn)  # a clear error before the driver's, which would quote the string
-    return make_conninfo(dsn, application_name=application_name)
+    return make_conninfo(dsn, application_name=application_name, connect_timeout="10", **_keepalives(dsn))
+
+
+def _keepalives(dsn: str) -> dict[str, str]:
+    named = parse(dsn)
+    return {k: v for k, v in KEEPALIVES.items() if k not in named}
 
 
 def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:

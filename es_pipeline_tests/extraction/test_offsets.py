@@ -10,10 +10,11 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+from deltalake import DeltaTable
 
 from es_pipeline.cli import main
 from es_pipeline.definitions import build_definitions
-from es_pipeline.dev.workload import run_workload
+from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
@@ -154,3 +155,20 @@ def test_a_read_only_store_is_refused_before_anything_is_created(dsn: str, wareh
         Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
     assert "\n" not in str(err.value)
     assert not (warehouse / "events").exists(), "no Delta table was created"
+
+
+def test_a_roles_timeouts_cannot_cut_a_run(dsn: str, warehouse: Path) -> None:
+    """statement_timeout would kill the batch's read on every replay; idle_in_transaction_session_timeout the
+    transaction that holds the slice locks while the batch is read: es_pipeline's sessions turn both off."""
+    bulk_load(dsn, events=200_000, streams=2_000)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = ''100ms''', current_database()); "
+                     "EXECUTE format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = ''100ms''', "
+                     "current_database()); END $$")
+    with psycopg.connect(dsn) as conn, pytest.raises(psycopg.errors.QueryCanceled):
+        conn.execute("SELECT pg_sleep(0.3)")  # the timeout is real for the applications' sessions
+    result = Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
+    assert result.rows == 200_000 and result.read_seconds > 0.1
+    keys = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
+    assert keys.num_rows == 200_000 and len(set(zip(keys["stream_id"].to_pylist(), keys["version"].to_pylist(),
+                                                    strict=True))) == 200_000

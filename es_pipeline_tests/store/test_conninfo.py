@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from es_pipeline.errors import DatabaseUnreachable, UnsupportedDsn
-from es_pipeline.store.conninfo import adbc_dsn, connect, describe, jdbc_url, parse
+from es_pipeline.store.conninfo import KEEPALIVES, adbc_dsn, connect, describe, jdbc_url, parse
 
 SECRET = "s3cr%t/ab"
 
@@ -22,7 +22,9 @@ SECRET = "s3cr%t/ab"
 def test_adbc_gets_the_dsn_as_libpq_reads_it_with_no_host_or_port_filled_in(dsn: str) -> None:
     given, passed = parse(dsn), parse(adbc_dsn(dsn))
     assert passed.pop("application_name") == "es_pipeline reader"
+    added = {k: passed.pop(k) for k in ("connect_timeout", *KEEPALIVES)}
     assert passed == given
+    assert added == {"connect_timeout": "10", **KEEPALIVES}  # what is added: timeouts, never a host or port
 
 
 def test_jdbc_keeps_every_host_port_and_tls_setting() -> None:
