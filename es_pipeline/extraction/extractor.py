@@ -162,7 +162,9 @@ class Extractor:
             session.check_source()
             session.lock(slice_range.slices, slice_range.key)
             self._step("locked", None)
-            table_is_new = not tables.is_delta_table(self.events_path)
+            # A table with nothing but its creation counts as new too: a run refused after creating it
+            # must not make the next run take it for the lake the watermarks describe.
+            table_is_new = not tables.is_delta_table(self.events_path) or tables.never_written(self.events_path)
             self.ensure_table()
             # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
             session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)

@@ -73,6 +73,12 @@ def read(spark: Any, path: str, *, version: int | None = None) -> Any:
     return reader.load(path)
 
 
+def never_written(path: str) -> bool:
+    """Whether the Delta table at `path` has no commit but its creation (version 0), read from the log's files."""
+    log = Path(path) / "_delta_log"
+    return not (log / f"{1:020d}.json").exists() and not any(log.glob("*.checkpoint*.parquet"))
+
+
 def holds_rows(path: str) -> bool:
     """Whether the Delta table at `path` exists and has any data file (an empty table just created has none)."""
     if not is_delta_table(path):

@@ -189,6 +189,17 @@ def test_a_lost_lake_is_refused_for_offsets_older_than_the_sink_record(
         assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(warehouse / "events"),)
 
 
+def test_a_lost_lake_stays_refused_on_the_run_after_the_refusal(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+    """The refused run created the new (empty) table: the next run must not take it for the lake."""
+    run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("DELETE FROM es_pipeline.sinks")  # offsets older than the sink record
+    for _ in range(2):
+        with pytest.raises(LakeOffsetsMismatch):
+            Extractor(dsn, spark, tmp_path / "moved").run(SliceRange(0, 1023))
+
+
 def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, warehouse: Path) -> None:
     """The lake is lost after one range was extracted; another range (no watermarks yet) recreates the
     table. The first range must not then continue from its watermarks into the new table, which lacks
