@@ -32,7 +32,7 @@ from es_pipeline.errors import (
 )
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
-from es_pipeline.store.conninfo import NO_TIMEOUTS, connect
+from es_pipeline.store.conninfo import connect, no_timeouts_sql
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
 EVENTS_CONSUMER = "events"
@@ -81,7 +81,7 @@ class OffsetSession:
         # An offset commit must survive a crash of the server once it is acknowledged, and no timeout meant for
         # applications may cut a run's statements, whatever the role's defaults.
         self.conn.execute("SET synchronous_commit = on")
-        self.conn.execute(NO_TIMEOUTS)
+        self.conn.execute(no_timeouts_sql(local=False))
         self._holder_conn: psycopg.Connection | None = None
         self.holder_pid: int | None = None
         self.locked: set[int] = set()
@@ -115,8 +115,10 @@ class OffsetSession:
     def _lock_holder(self) -> psycopg.Connection:
         if self._holder_conn is None:
             holder = connect(self.dsn, autocommit=False, application_name=self._name())
+            # READ COMMITTED keeps no snapshot between statements, whatever the role's default isolation.
+            holder.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             # Open for the whole run and idle between lock requests: no role timeout may end it.
-            holder.execute("SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL statement_timeout = 0")
+            holder.execute(no_timeouts_sql(local=True))
             row = holder.execute("SELECT pg_backend_pid()").fetchone()
             assert row is not None
             self._holder_conn, self.holder_pid = holder, int(row[0])
@@ -284,6 +286,7 @@ class OffsetSession:
         committed and the batch stays pending, to be replayed into the table now bound.
         """
         with self.conn.transaction():
+            self.conn.execute("SET LOCAL synchronous_commit = on")  # per transaction: also behind a pooler
             self._verify_locks(batch.slices)
             if self.sink_id is not None and self.conn.execute(
                 "SELECT 1 FROM es_pipeline.sinks WHERE consumer = %s AND table_id = %s FOR SHARE",
@@ -307,6 +310,7 @@ class OffsetSession:
 
     def record_pending(self, batch: Batch) -> Batch:
         with self.conn.transaction():
+            self.conn.execute("SET LOCAL synchronous_commit = on")  # per transaction: also behind a pooler
             self._verify_locks(batch.slices)
             row = self._insert_pending(batch)
         assert row is not None

@@ -19,7 +19,7 @@ import pyarrow as pa
 from psycopg import sql
 
 from es_pipeline.extraction.offsets import Batch
-from es_pipeline.store.conninfo import NO_TIMEOUTS, adbc_dsn, jdbc_url
+from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql
 
 EVENT_COLUMNS = (
     "e.global_position, e.tx_id::text::bigint AS tx_id, e.stream_id, e.stream_type, e.version, "
@@ -104,8 +104,8 @@ def _fetch_arrow(dsn: str, query: str) -> pa.Table:
     import adbc_driver_postgresql.dbapi as adbc  # here, not at the top: it imports pandas (~1.4 s)
 
     with adbc.connect(adbc_dsn(dsn)) as conn, conn.cursor() as cur:
-        for setting in NO_TIMEOUTS.split(";"):  # in the read's own transaction: also behind a pooler
-            cur.execute(setting)
+        cur.execute(no_timeouts_sql(local=True))  # in the read's own transaction: holds behind a pooler too
+        cur.fetchall()
         cur.execute(query)
         return cur.fetch_arrow_table()
 

@@ -27,8 +27,17 @@ JDBC_DRIVER_CLASS = "org.postgresql.Driver"
 # A dead server or network is noticed within about a minute instead of hanging a run (unless the DSN says otherwise).
 KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3"}
 # es_pipeline's own statements are never cut by timeouts a role sets for applications: a batch killed by a
-# statement_timeout would be killed again on every replay.
-NO_TIMEOUTS = ("SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0")
+# statement_timeout would be killed again on every replay. Those the server knows are set to 0 (the later
+# ones exist from PostgreSQL 14 and 17), for the session or, with `true`, for the current transaction only.
+TIMEOUTS = ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout", "idle_session_timeout",
+            "transaction_timeout")
+
+
+def no_timeouts_sql(*, local: bool) -> str:
+    names = ", ".join(f"'{n}'" for n in TIMEOUTS)
+    return f"SELECT set_config(name, '0', {'true' if local else 'false'}) FROM pg_settings WHERE name IN ({names})"
+
+
 # libpq parameters that pgjdbc takes under the same name.
 _JDBC_SAME_NAME = ("sslmode", "sslrootcert", "sslcert", "sslkey")
 
@@ -67,13 +76,13 @@ def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_p
     a statement prepared on one server connection is not there on the next.
     """
     try:
-        conninfo = make_conninfo(dsn, **_keepalives(dsn))
+        conninfo = make_conninfo(dsn, **_unless_named(dsn, {**KEEPALIVES, "connect_timeout": "5"}))
     except UnsupportedDsn:
         host, port, dbname = describe(dsn)
         raise DatabaseUnreachable(host, port, dbname, "the DSN is not a valid libpq connection string") from None
     try:
-        conn = psycopg.connect(conninfo, autocommit=autocommit,
-                               application_name=application_name, connect_timeout=5, prepare_threshold=None)
+        conn = psycopg.connect(conninfo, autocommit=autocommit, application_name=application_name,
+                               prepare_threshold=None)
     except psycopg.OperationalError as exc:
         host, port, dbname = describe(dsn)
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -100,12 +109,14 @@ def check_server_version(conn: psycopg.Connection) -> None:
 def adbc_dsn(dsn: str, *, application_name: str = "es_pipeline reader") -> str:
     """The DSN for ADBC's PostgreSQL driver, which hands it to libpq as it is (key=value form)."""
     parse(dsn)  # a clear error before the driver's, which would quote the string
-    return make_conninfo(dsn, application_name=application_name, connect_timeout="10", **_keepalives(dsn))
+    return make_conninfo(dsn, application_name=application_name,
+                         **_unless_named(dsn, {**KEEPALIVES, "connect_timeout": "10"}))
 
 
-def _keepalives(dsn: str) -> dict[str, str]:
+def _unless_named(dsn: str, defaults: dict[str, str]) -> dict[str, str]:
+    """`defaults` for the parameters the DSN does not name itself."""
     named = parse(dsn)
-    return {k: v for k, v in KEEPALIVES.items() if k not in named}
+    return {k: v for k, v in defaults.items() if k not in named}
 
 
 def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
@@ -123,7 +134,8 @@ def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
         raise UnsupportedDsn("the JDBC read path", f"it names {len(hosts)} hosts but {len(ports)} ports")
     ports = ports * len(hosts) if len(ports) == 1 else ports
     netloc = ",".join(f"{h}:{p}" if p else h for h, p in zip(hosts, ports, strict=True))
-    props = {"driver": JDBC_DRIVER_CLASS}
+    props = {"driver": JDBC_DRIVER_CLASS, "tcpKeepAlive": "true", "connectTimeout": parts.get("connect_timeout", "10"),
+             "sessionInitStatement": no_timeouts_sql(local=False)}  # the last is Spark's, run as each session opens
     for key in ("user", "password", *_JDBC_SAME_NAME):
         if parts.get(key):
             props[key] = parts[key]

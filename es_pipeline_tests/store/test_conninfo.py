@@ -32,8 +32,10 @@ def test_jdbc_keeps_every_host_port_and_tls_setting() -> None:
         f"host=h1,h2 port=5432,5433 dbname=es user=reader password={SECRET} sslmode=verify-full sslrootcert=/ca.pem"
     )
     assert url == "jdbc:postgresql://h1:5432,h2:5433/es"
+    session_init = props.pop("sessionInitStatement")
     assert props == {"driver": "org.postgresql.Driver", "user": "reader", "password": SECRET,
-                     "sslmode": "verify-full", "sslrootcert": "/ca.pem"}
+                     "sslmode": "verify-full", "sslrootcert": "/ca.pem", "tcpKeepAlive": "true", "connectTimeout": "10"}
+    assert "statement_timeout" in session_init and "set_config" in session_init
 
 
 def test_jdbc_names_no_user_or_port_the_dsn_does_not_name() -> None:
