@@ -47,6 +47,7 @@ EVENTS_LAKE_ARROW_SCHEMA = reader.EVENTS_ARROW_SCHEMA.append(pa.field("event_dat
     pa.field("batch_id", pa.int64())
 )
 
+CATCHUP_SLICES = 16  # slices per chunk of the first run after a rebase (extraction/rebase.py)
 # Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
 STEPS = ("locked", "read", "delta_committed", "offsets_committed")
 
@@ -220,6 +221,8 @@ class Extractor:
                 session.commit(Batch(self.consumer, app_id, tuple(watermarks), tuple(watermarks.values()), horizon))
                 for s in watermarks:
                     watermarks[s] = horizon
+            if session.rebased_below is not None:
+                session.clear_rebase_mark_if_passed()
             result.min_watermark = min(watermarks.values())
             result.max_watermark = max(watermarks.values())
             lag = reader.lag(session.conn, self.schema, slice_range.slices, horizon)
@@ -307,21 +310,29 @@ class Extractor:
         """The first run on these slices since a rebase: the restored events above the horizon, now.
 
         Their transaction ids come from the old cluster and may lie far above this cluster's horizon,
-        which would hold them back until the new ids caught up. Every row this reads is committed, and
-        rows the lake holds are left out by key, so reading them early, or again later when the
-        horizon passes them, brings each once; the watermarks do not move for them. A crash before
-        `catchup_done` only means the next run reads them again.
+        which would hold them back until the new ids caught up. Every row read is committed, and rows
+        the lake holds are left out by key, so reading them early, or again later when the horizon
+        passes them, brings each once; the watermarks do not move for them. They go in chunks of
+        `CATCHUP_SLICES` slices, each a Delta transaction of its own (app id of its slices, version =
+        the rebase mark), with the locks checked just before: a chunk written twice lands once.
         """
         below = session.rebased_below
         rows = 0
-        if below is not None and horizon < below:
-            span = Batch(self.consumer, "rebase-catchup", tuple(slices), (horizon,) * len(slices), below, 0)
-            table = tables.without_events_in_lake(reader.read_batch_arrow(self.dsn, self.schema, span), self.events_path)
-            if table.num_rows:
-                tables.append_arrow(self._with_lake_columns(table, span), self.events_path)
-            rows = table.num_rows
+        for i in range(0, len(slices), CATCHUP_SLICES):
+            chunk = slices[i:i + CATCHUP_SLICES]
+            if below is not None and horizon < below:
+                app = f"es_pipeline.{self.consumer}.rebase.{chunk[0]:04d}-{chunk[-1]:04d}"
+                span = Batch(self.consumer, app, tuple(chunk), (horizon,) * len(chunk), below, 0)
+                table = tables.without_events_in_lake(reader.read_batch_arrow(self.dsn, self.schema, span),
+                                                      self.events_path)
+                if table.num_rows:
+                    session.verify_locks(chunk)
+                    tables.append_arrow_idempotent(self._with_lake_columns(table, span), self.events_path,
+                                                   app_id=app, version=below)
+                rows += table.num_rows
+            session.catchup_done(chunk)
+        if rows:
             self.progress(f"rebase: {rows:,} restored events above the horizon brought for {len(slices)} slices")
-        session.catchup_done(slices)
         return rows
 
     def _append(self, session: OffsetSession, table: Any, batch: Batch, replay: bool) -> None:

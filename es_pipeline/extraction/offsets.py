@@ -142,6 +142,21 @@ class OffsetSession:
         holder.execute("RELEASE SAVEPOINT es_pipeline_lock")
         self.locked.update(got)
 
+    def verify_locks(self, slices: Sequence[int]) -> None:
+        """`SliceLockLost` unless this run still holds every slice's lock (for work outside a commit)."""
+        with self.conn.transaction():
+            self._verify_locks(slices)
+
+    def clear_rebase_mark_if_passed(self) -> None:
+        """Forget the rebase mark once every slice's watermark has passed it and every first run is done."""
+        self.conn.execute(
+            "UPDATE es_pipeline.sinks s SET rebased_below = NULL WHERE consumer = %(c)s AND rebased_below IS NOT NULL "
+            "AND NOT EXISTS (SELECT 1 FROM es_pipeline.rebase_catchup WHERE consumer = %(c)s) "
+            "AND (SELECT count(*) FROM es_pipeline.offsets o WHERE o.consumer = %(c)s "
+            "     AND o.watermark >= s.rebased_below) = %(n)s",
+            {"c": self.consumer, "n": NUM_SLICES},
+        )
+
     def _verify_locks(self, slices: Sequence[int]) -> None:
         """In the caller's transaction: raise `SliceLockLost` unless the holder still has every slice's lock."""
         wanted = sorted(set(slices))
@@ -229,7 +244,8 @@ class OffsetSession:
         row = self.conn.execute(
             "SELECT (SELECT batch_id FROM es_pipeline.lake_commits WHERE app_id = %(a)s), "
             " (SELECT array_agg(batch_id) FROM es_pipeline.pending_batches WHERE app_id = %(a)s), "
-            " (SELECT last_value FROM es_pipeline.pending_batches_batch_id_seq)",
+            " (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END"
+            "  FROM es_pipeline.pending_batches_batch_id_seq)",
             {"a": app_id},
         ).fetchone()
         assert row is not None

@@ -244,8 +244,10 @@ def without_events_in_lake(batch: pa.Table, path: str) -> pa.Table:
     """The events of `batch` whose (stream_id, version) the `events` table at `path` does not hold."""
     if batch.num_rows == 0 or not is_delta_table(path):
         return batch
+    # The slice filter lets the scan skip the files of other slices (min/max statistics on `slice`).
     held = DeltaTable(path).to_pyarrow_dataset().to_table(
-        columns=KEY, filter=pc.field("stream_id").isin(pc.unique(batch["stream_id"]))
+        columns=KEY, filter=pc.field("slice").isin(pc.unique(batch["slice"]))
+        & pc.field("stream_id").isin(pc.unique(batch["stream_id"])),
     )
     if held.num_rows == 0:
         return batch
