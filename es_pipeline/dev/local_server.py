@@ -120,10 +120,11 @@ def start(port: int, data: Path = PGDATA) -> str:
     return "created and started" if created else "running"
 
 
-def stop(data: Path = PGDATA) -> bool:
+def stop(data: Path = PGDATA, *, mode: str = "fast") -> bool:
+    """Stop the server; `mode="immediate"` is a crash (no checkpoint; recovery at the next start)."""
     if not (data / "PG_VERSION").exists() or not is_running(data):
         return False
-    res = _as_postgres([str(bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(data)])
+    res = _as_postgres([str(bindir() / "pg_ctl"), "stop", "-w", "-m", mode, "-D", str(data)])
     if res.returncode != 0:
         raise LocalServerError(f"pg_ctl stop failed: {res.stderr.strip()}")
     return True

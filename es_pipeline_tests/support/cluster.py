@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -16,14 +17,33 @@ from es_pipeline.dev.stack import free_port
 from es_pipeline.settings import PROJECT_ROOT, local_pg_dsn
 
 
+@dataclass(frozen=True)
+class Cluster:
+    admin_dsn: str
+    port: int
+    data: Path
+
+    def crash_restart(self) -> None:
+        """What a power cut does: stop without a checkpoint, then start (crash recovery)."""
+        local_server.stop(self.data, mode="immediate")
+        local_server.start(self.port, self.data)
+
+
 @contextmanager
 def another_cluster(name: str) -> Iterator[str]:
     """A fresh cluster (its own initdb, so its own system identifier and transaction ids); its admin DSN."""
+    with cluster(name) as c:
+        yield c.admin_dsn
+
+
+@contextmanager
+def cluster(name: str) -> Iterator[Cluster]:
+    """A fresh cluster of this machine's PostgreSQL, in the project's .pgdata/, removed afterwards."""
     data = PROJECT_ROOT / ".pgdata" / f"drill-{os.getpid()}-{name}"
     port = free_port()
     local_server.start(port, data)
     try:
-        yield local_pg_dsn(port, "postgres")
+        yield Cluster(local_pg_dsn(port, "postgres"), port, data)
     finally:
         local_server.stop(data)
         shutil.rmtree(data, ignore_errors=True)
