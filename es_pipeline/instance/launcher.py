@@ -40,6 +40,9 @@ from dagster._utils.interrupts import capture_interrupts
 log = logging.getLogger(__name__)
 
 PID_TAG = "es_pipeline/run_pid"
+# The process's start time (/proc/<pid>/stat, field 22) beside its pid: a pid the kernel gave to another
+# process since is not taken for the run, neither by the health check nor by `terminate`.
+PID_START_TAG = "es_pipeline/run_pid_start"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # es_pipeline/: any edit there makes the worker stale
 WORKER_START_TIMEOUT_S = 180.0
 # What a run imports, imported once by the worker: Dagster's run machinery and its Postgres storage,
@@ -106,7 +109,7 @@ class WarmRunLauncher(DefaultRunLauncher):
             log.warning("warm launch of run %s failed (%s); launching it the default way", run.run_id, exc)
             super().launch_run(context)
             return
-        self._instance.add_run_tags(run.run_id, {PID_TAG: str(pid)})
+        self._instance.add_run_tags(run.run_id, {PID_TAG: str(pid), PID_START_TAG: process_start(pid) or ""})
 
     def _fork_run(self, run: DagsterRun) -> int:
         message = {"run_id": run.run_id, "instance_ref": serialize_value(self._instance.get_ref())}
@@ -126,9 +129,12 @@ class WarmRunLauncher(DefaultRunLauncher):
             return super().terminate(run_id)
         if run.is_finished:
             return False
+        pid = int(run.tags[PID_TAG])
+        if not is_same_process(pid, run.tags.get(PID_START_TAG)):
+            return False  # gone, and its pid perhaps another process's now: signal nothing
         self._instance.report_run_canceling(run)
         try:
-            os.kill(int(run.tags[PID_TAG]), signal.SIGINT)  # Dagster's interrupt handling ends the run
+            os.kill(pid, signal.SIGINT)  # Dagster's interrupt handling ends the run
         except ProcessLookupError:
             return False
         return True
@@ -141,7 +147,7 @@ class WarmRunLauncher(DefaultRunLauncher):
         pid = run.tags.get(PID_TAG)
         if pid is None:
             return CheckRunHealthResult(WorkerStatus.UNKNOWN, "launched the default way: no pid to check")
-        if _alive(int(pid)):
+        if is_same_process(int(pid), run.tags.get(PID_START_TAG)):
             return CheckRunHealthResult(WorkerStatus.RUNNING)
         return CheckRunHealthResult(WorkerStatus.FAILED, f"the run's process (pid {pid}) is gone")
 
@@ -149,6 +155,23 @@ class WarmRunLauncher(DefaultRunLauncher):
         if self._worker is not None:
             self._worker.stop()
         super().dispose()
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields[19] if len(fields) > 19 else None  # field 22; the list starts at field 3
+
+
+def is_same_process(pid: int, start: str | None) -> bool:
+    """Whether `pid` is alive and, where its start time was recorded, is still the process that started then."""
+    if not _alive(pid):
+        return False
+    return not start or process_start(pid) == start
 
 
 def _alive(pid: int) -> bool:
