@@ -196,11 +196,6 @@ def table_id(path: str) -> str:
     return str(DeltaTable(path).metadata().id)
 
 
-def append_arrow(table: Any, path: str) -> None:
-    """A plain append with delta-rs, for rows whose writer is idempotent by other means (a rebase's key check)."""
-    write_deltalake(path, table, mode="append")
-
-
 def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int) -> bool:
     """Append an Arrow table with delta-rs as Delta transaction (`app_id`, `version`); False if skipped.
 
