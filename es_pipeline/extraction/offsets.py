@@ -32,7 +32,7 @@ from es_pipeline.errors import (
 )
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
-from es_pipeline.store.conninfo import connect, no_timeouts_sql
+from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
 EVENTS_CONSUMER = "events"
@@ -114,11 +114,7 @@ class OffsetSession:
 
     def _lock_holder(self) -> psycopg.Connection:
         if self._holder_conn is None:
-            holder = connect(self.dsn, autocommit=False, application_name=self._name())
-            # READ COMMITTED keeps no snapshot between statements, whatever the role's default isolation.
-            holder.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-            # Open for the whole run and idle between lock requests: no role timeout may end it.
-            holder.execute(no_timeouts_sql(local=True))
+            holder = lock_transaction(self.dsn, application_name=self._name())
             row = holder.execute("SELECT pg_backend_pid()").fetchone()
             assert row is not None
             self._holder_conn, self.holder_pid = holder, int(row[0])

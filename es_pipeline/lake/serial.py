@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from es_pipeline.store.conninfo import connect, no_timeouts_sql
+from es_pipeline.store.conninfo import lock_transaction
 
 _NAMESPACE = zlib.crc32(b"es_pipeline:lake-tables") & 0x7FFFFFFF
 
@@ -24,8 +24,7 @@ def one_at_a_time(store_dsn: str | None, table: str) -> Iterator[None]:
     if store_dsn is None:
         yield
         return
-    with connect(store_dsn, application_name=f"es_pipeline update {table}"[:63]) as conn:
-        conn.execute(no_timeouts_sql(local=True))  # it waits for the lock, then idles in its transaction
+    with lock_transaction(store_dsn, application_name=f"es_pipeline update {table}"[:63]) as conn:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, zlib.crc32(table.encode()) & 0x7FFFFFFF))
         yield
         conn.rollback()  # releases the lock

@@ -95,6 +95,20 @@ def connect(dsn: str, *, autocommit: bool = False, application_name: str = "es_p
     return conn
 
 
+def lock_transaction(dsn: str, *, application_name: str) -> psycopg.Connection:
+    """A connection with a transaction open to hold transaction-level advisory locks for a while.
+
+    A transaction keeps its server connection even behind a transaction-pooling PgBouncer. In READ
+    COMMITTED (whatever the role's default) it keeps no snapshot between statements and takes no
+    transaction id, so it holds back neither the horizon nor vacuum; no role timeout may end it while
+    it waits for a lock or idles. Rolling it back, or closing it, releases its locks.
+    """
+    conn = connect(dsn, autocommit=False, application_name=application_name)
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    conn.execute(no_timeouts_sql(local=True))
+    return conn
+
+
 def register_types(conn: psycopg.Connection) -> None:
     check_server_version(conn)
     conn.adapters.register_loader(XID8_OID, Xid8Loader)
