@@ -21,8 +21,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from es_pipeline.errors import ConfigError, LakeStoreDiverged
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import EVENTS_CONSUMER, Batch, OffsetSession
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.lake import tables
+from es_pipeline.lake import arrow_append, tables
 from es_pipeline.settings import WRITERS, Settings
 
 log = logging.getLogger(__name__)
@@ -192,26 +192,12 @@ class Extractor:
                 batches.append((Batch(self.consumer, app_id, tuple(lower), tuple(lower.values()), upper), n))
                 lower = {s: max(w, upper) for s, w in lower.items()}
 
-            def prefetch(i: int) -> Future[Any] | None:
-                # While batch i is written to Delta, batch i+1 is read from Postgres as Arrow (its
-                # bounds are fixed in advance; ADBC releases the GIL). Its pending record still comes first.
-                if i >= len(batches) or self._uses_jdbc(batches[i][1], session):
-                    return None
-                return pool.submit(self._read, batches[i][0], batches[i][1])
-
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="es-read") as pool:
-                ahead = prefetch(0)
-                for i, (planned, n) in enumerate(batches):
-                    table = None
-                    if ahead is not None:
-                        table, seconds = ahead.result()
-                        result.read_seconds += seconds
-                    ahead = prefetch(i + 1)
-                    batch = session.record_pending(planned)
-                    rows = self._write_batch(session, batch, result, table, jdbc_rows=n if table is None else None)
-                    watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
-                    done += rows
-                    self._report_progress(done, result.backlog, started)
+            for planned, n in batches:
+                batch = session.record_pending(planned)
+                rows = self._write_batch(session, batch, result, counted=n)
+                watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
+                done += rows
+                self._report_progress(done, result.backlog, started)
             catchup = session.catchup_slices(slice_range.slices)
             if catchup:
                 result.rows += self._catch_up(session, catchup, horizon)
@@ -263,41 +249,51 @@ class Extractor:
             lo = hi
         return cuts
 
-    def _read(self, batch: Batch, rows: int | None = None) -> tuple[Any, float]:
-        """Read a batch as Arrow; `rows` (when counted) keeps small batches on one connection."""
-        t0 = time.monotonic()
-        small = rows is not None and rows < PARALLEL_READ_MIN_ROWS
-        table = reader.read_batch_arrow(self.dsn, self.schema, batch, parallel=1 if small else self.read_parallelism)
-        return table, time.monotonic() - t0
+    def _rows(self, batch: Batch, counted: int | None, timing: list[float]) -> Iterator[pa.RecordBatch]:
+        """The batch's rows as the lake stores them, streamed; `counted` keeps small batches on one connection.
+
+        `timing[0]` adds up the seconds spent waiting for Postgres (the rest of a write is Delta's).
+        """
+        small = counted is not None and counted < PARALLEL_READ_MIN_ROWS
+        rows = reader.stream_batch(self.dsn, self.schema, batch, parallel=1 if small else self.read_parallelism)
+        while True:
+            t0 = time.monotonic()
+            record_batch = next(rows, None)
+            timing[0] += time.monotonic() - t0
+            if record_batch is None:
+                break
+            yield self._with_lake_columns(record_batch, batch)
+        self._step("read", batch)
 
     def _write_batch(
-        self, session: OffsetSession, batch: Batch, result: ExtractResult, table: Any = None,
-        *, jdbc_rows: int | None = None, replay: bool = False,
+        self, session: OffsetSession, batch: Batch, result: ExtractResult,
+        *, counted: int | None = None, replay: bool = False,
     ) -> int:
+        """Read the batch and append it to Delta as transaction (app id, batch id), then commit its offsets."""
         assert batch.batch_id is not None
         t1 = time.monotonic()
-        if jdbc_rows is not None and self._uses_jdbc(jdbc_rows, session):
-            # Spark reads the batch itself (lazily, inside the write): `jdbc_rows` was counted
+        waited = [0.0]
+        if counted is not None and self._uses_jdbc(counted, session):
+            # Spark reads the batch itself (lazily, inside the write): `counted` was counted
             # exactly over the same deterministic bounds.
             self._step("read", batch)
             df = self._jdbc_to_spark(batch)
             tables.append_idempotent(df, self.events_path, app_id=batch.app_id, version=batch.batch_id)
-            rows, in_lake = jdbc_rows, True
+            rows, in_lake = counted, True
         else:
-            if table is None:  # a replay, or a small batch not prefetched, reads its own rows
-                table, seconds = self._read(batch)
-                result.read_seconds += seconds
-                t1 = time.monotonic()
-            self._step("read", batch)
+            stream = self._rows(batch, counted, waited)
             if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
-                table = tables.without_events_in_lake(table, self.events_path)  # see extraction/rebase.py
-            if table.num_rows:
-                self._append(session, self._with_lake_columns(table, batch), batch, replay)
-            rows = table.num_rows
-            # A batch left with no rows made no Delta commit, unless it is a replay of one that did.
-            in_lake = rows > 0 or (replay and (tables.transaction_version(self.events_path, batch.app_id) or -1)
-                                   >= batch.batch_id)
-        result.write_seconds += time.monotonic() - t1
+                stream = tables.without_events_in_lake(stream, self.events_path)  # see extraction/rebase.py
+            written = self._append(stream, batch)
+            if written is None and not replay:  # a new batch Delta says it has: never skip it and go on
+                session.forget_pending(batch)
+                raise LakeStoreDiverged(
+                    batch.app_id, self.events_path, tables.transaction_version(self.events_path, batch.app_id), None
+                )
+            # A replay Delta holds already wrote nothing now; a batch left with no rows made no commit.
+            rows, in_lake = written or 0, written is None or written > 0
+        result.read_seconds += waited[0]
+        result.write_seconds += time.monotonic() - t1 - waited[0]
         self._step("delta_committed", batch)
         session.commit(batch, in_lake=in_lake)
         self._step("offsets_committed", batch)
@@ -323,38 +319,43 @@ class Extractor:
             if below is not None and horizon < below:
                 app = f"es_pipeline.{self.consumer}.rebase.{chunk[0]:04d}-{chunk[-1]:04d}"
                 span = Batch(self.consumer, app, tuple(chunk), (horizon,) * len(chunk), below, 0)
-                table = tables.without_events_in_lake(reader.read_batch_arrow(self.dsn, self.schema, span),
-                                                      self.events_path)
-                if table.num_rows:
-                    session.verify_locks(chunk)
-                    tables.append_arrow_idempotent(self._with_lake_columns(table, span), self.events_path,
-                                                   app_id=app, version=below)
-                rows += table.num_rows
+                stream = tables.without_events_in_lake(self._rows(span, None, [0.0]), self.events_path)
+                rows += self._append(stream, span, before_commit=partial(session.verify_locks, chunk)) or 0
             session.catchup_done(chunk)
         if rows:
             self.progress(f"rebase: {rows:,} restored events above the horizon brought for {len(slices)} slices")
         return rows
 
-    def _append(self, session: OffsetSession, table: Any, batch: Batch, replay: bool) -> None:
-        """Append as Delta transaction (app id, batch id); a replay that Delta holds already writes nothing."""
+    def _append(
+        self, stream: Iterator[pa.RecordBatch], batch: Batch, *, before_commit: Callable[[], None] | None = None
+    ) -> int | None:
+        """Append as Delta transaction (app id, batch id): rows written, or None if Delta holds it already."""
         assert batch.batch_id is not None
-        if self.writer == "spark":
+        if self.writer == "spark":  # Spark takes a whole table: this writer holds the batch in memory
+            table = pa.Table.from_batches(list(stream), EVENTS_LAKE_ARROW_SCHEMA)
+            if table.num_rows == 0:
+                return 0
+            done = tables.transaction_version(self.events_path, batch.app_id)
+            if done is not None and done >= batch.batch_id:
+                return None
+            if before_commit is not None:
+                before_commit()
             tables.append_idempotent(
                 self.spark.createDataFrame(table), self.events_path, app_id=batch.app_id, version=batch.batch_id
             )
-            return
-        written = tables.append_arrow_idempotent(table, self.events_path, app_id=batch.app_id, version=batch.batch_id)
-        if not written and not replay:  # a new batch Delta says it has: never skip it and go on
-            session.forget_pending(batch)
-            raise LakeStoreDiverged(
-                batch.app_id, self.events_path, tables.transaction_version(self.events_path, batch.app_id), None
-            )
+            return table.num_rows
+        return arrow_append.append_batches(
+            stream, EVENTS_LAKE_ARROW_SCHEMA, self.events_path, app_id=batch.app_id, version=batch.batch_id,
+            before_commit=before_commit,
+        )
 
     @staticmethod
-    def _with_lake_columns(table: Any, batch: Batch) -> Any:
+    def _with_lake_columns(rows: pa.RecordBatch, batch: Batch) -> pa.RecordBatch:
         """The two columns the lake adds: the event's UTC day, and the batch that brought it."""
-        return table.append_column("event_date", pc.cast(table["recorded_at"], pa.date32())).append_column(
-            "batch_id", pa.repeat(pa.scalar(batch.batch_id, pa.int64()), table.num_rows)
+        return pa.RecordBatch.from_arrays(
+            [*rows.columns, pc.cast(rows["recorded_at"], pa.date32()),
+             pa.repeat(pa.scalar(batch.batch_id, pa.int64()), rows.num_rows)],
+            schema=EVENTS_LAKE_ARROW_SCHEMA,
         )
 
     def _jdbc_to_spark(self, batch: Batch) -> Any:

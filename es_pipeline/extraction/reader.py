@@ -1,6 +1,8 @@
 """Reading the event store below the horizon: batches into Arrow (or Spark over JDBC), counts, lag.
 
-Rows travel as Arrow straight from libpq's binary protocol (ADBC), never as Python objects.
+Rows travel as Arrow straight from libpq's binary protocol (ADBC), never as Python objects, and
+as a stream of record batches (`stream_batch`): a batch, even one transaction of gigabytes, is
+never held whole in memory.
 xid8 and jsonb arrive as opaque types in ADBC, so they are cast in SQL (`tx_id::text::bigint`,
 `payload::text`). Every query probes `(slice, tx_id)` once per slice: `unnest` of (slice, lower
 bound) pairs joined to the events, which the planner runs as a nested loop of index range scans.
@@ -8,8 +10,10 @@ bound) pairs joined to the events, which the planner runs as a nested loop of in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -67,45 +71,102 @@ def jdbc_frame(spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int) 
     slice subsets, each bounded by the same fixed upper bound H, so a cluster shares the read and
     the result is exactly the batch that the Arrow path would read."""
     url, props = jdbc_url(dsn)
-    pairs = batch.bounds
-    groups = [g for g in (pairs[i::splits] for i in range(max(1, splits))) if g]
     frames = [
-        spark.read.format("jdbc").option("url", url).option("query", batch_query(schema, g, batch.upper))
+        spark.read.format("jdbc").option("url", url).option("query", query)
         .option("fetchsize", "10000").options(**props).load()
-        for g in groups
+        for query in batch_queries(schema, batch, splits)
     ]
     return reduce(lambda a, b: a.unionByName(b), frames)
 
 
-def read_batch_arrow(dsn: str, schema: str, batch: Batch, *, parallel: int = 1) -> pa.Table:
-    """The rows of a batch as one Arrow table (empty table with the right schema if none).
+STREAM_QUEUE_DEPTH = 4  # record batches (ADBC makes them ~16 MB) waiting per batch read, at most
+_END = object()
 
-    With `parallel` > 1 the slices are dealt into that many groups, each read by its own
-    connection at once: every group is bounded by the same fixed H, so together they are exactly
-    the batch. Postgres's per-row work (jsonb to text, the filter) then runs on more than one core.
+
+def batch_queries(schema: str, batch: Batch, parallel: int) -> list[str]:
+    """The queries that together read exactly `batch`: its slices dealt into `parallel` groups.
+
+    Every group is bounded by the same fixed upper bound, so together they are exactly the batch,
+    and Postgres's per-row work (jsonb to text, the filter) runs on more than one core.
     """
     pairs = batch.bounds
-    if not pairs:
-        return empty_events_arrow()
     groups = [g for g in (pairs[i::max(1, parallel)] for i in range(max(1, parallel))) if g]
-    if len(groups) == 1:
-        return _read_arrow(dsn, batch_query(schema, pairs, batch.upper))
-    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="es-read-split") as pool:
-        parts = list(pool.map(lambda g: _read_arrow(dsn, batch_query(schema, g, batch.upper)), groups))
-    return pa.concat_tables(parts)
+    return [batch_query(schema, g, batch.upper) for g in groups]
 
 
-def _read_arrow(dsn: str, query: str) -> pa.Table:
-    table = _fetch_arrow(dsn, query)
-    return table.cast(EVENTS_ARROW_SCHEMA) if table.num_rows else empty_events_arrow()
+def stream_batch(dsn: str, schema: str, batch: Batch, *, parallel: int = 1) -> Iterator[pa.RecordBatch]:
+    """The rows of a batch as a stream of Arrow record batches (EVENTS_ARROW_SCHEMA), memory bounded.
+
+    Each query runs on its own connection in its own thread and hands record batches over a queue
+    of `STREAM_QUEUE_DEPTH`: reading goes on while the consumer writes, and stops when it stops.
+    """
+    queries = batch_queries(schema, batch, parallel)
+    if not queries:
+        return
+    handoff: queue.Queue[object] = queue.Queue(maxsize=STREAM_QUEUE_DEPTH)
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce(query: str) -> None:
+        try:
+            for record_batch in _fetch_batches(dsn, query):
+                if not put(record_batch.cast(EVENTS_ARROW_SCHEMA)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            put(exc)
+        finally:
+            put(_END)
+
+    threads = [threading.Thread(target=produce, args=(q,), name="es-read", daemon=True) for q in queries]
+    for t in threads:
+        t.start()
+    try:
+        ended = 0
+        while ended < len(threads):
+            item = handoff.get()
+            if item is _END:
+                ended += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        for t in threads:
+            while t.is_alive():
+                try:
+                    handoff.get(timeout=0.1)
+                except queue.Empty:
+                    pass
 
 
-def _fetch_arrow(dsn: str, query: str) -> pa.Table:
+@contextmanager
+def _cursor(dsn: str) -> Iterator[Any]:
+    """An ADBC cursor in a transaction with es_pipeline's session settings (no timeouts)."""
     import adbc_driver_postgresql.dbapi as adbc  # here, not at the top: it imports pandas (~1.4 s)
 
     with adbc.connect(adbc_dsn(dsn)) as conn, conn.cursor() as cur:
         cur.execute(no_timeouts_sql(local=True))  # in the read's own transaction: holds behind a pooler too
         cur.fetchall()
+        yield cur
+
+
+def _fetch_batches(dsn: str, query: str) -> Iterator[pa.RecordBatch]:
+    with _cursor(dsn) as cur:
+        cur.execute(query)
+        yield from cur.fetch_record_batch()
+
+
+def _fetch_arrow(dsn: str, query: str) -> pa.Table:
+    with _cursor(dsn) as cur:
         cur.execute(query)
         return cur.fetch_arrow_table()
 
@@ -134,10 +195,6 @@ EVENTS_ARROW_SCHEMA = pa.schema(
         ("recorded_at", pa.timestamp("us", tz="UTC")),
     ]
 )
-
-
-def empty_events_arrow() -> pa.Table:
-    return EVENTS_ARROW_SCHEMA.empty_table()
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ tables and what each holds: docs/architecture.md ("The lake").
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import DeltaTable
 
 EVENTS_DDL = (
     "global_position BIGINT, tx_id BIGINT, stream_id STRING, stream_type STRING, version INT, slice INT, "
@@ -196,26 +196,6 @@ def table_id(path: str) -> str:
     return str(DeltaTable(path).metadata().id)
 
 
-def append_arrow_idempotent(table: Any, path: str, *, app_id: str, version: int) -> bool:
-    """Append an Arrow table with delta-rs as Delta transaction (`app_id`, `version`); False if skipped.
-
-    The same guarantee as Spark's `txnAppId`/`txnVersion` options, and the same log entry (a `txn`
-    action), so either writer sees the other's commits: a version at or below the one Delta holds
-    for `app_id` is a replay and writes nothing. Callers serialize the writers of one `app_id` (the
-    slice locks), so reading the version and then committing cannot race. The log is read once,
-    for both.
-    """
-    dt = DeltaTable(path)
-    done = dt.transaction_version(app_id)
-    if done is not None and done >= version:
-        return False
-    write_deltalake(
-        dt, table, mode="append",
-        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
-    )
-    return True
-
-
 # -- events by key, for `offsets rebase` -------------------------------------------------------------
 
 KEY = ["stream_id", "version"]
@@ -235,15 +215,23 @@ def anti_join_keys(left: pa.Table, right: pa.Table) -> pa.Table:
     return left.join(right, keys=[*KEY, "recorded_at"], join_type="left anti")
 
 
-def without_events_in_lake(batch: pa.Table, path: str) -> pa.Table:
-    """The events of `batch` whose (stream_id, version) the `events` table at `path` does not hold."""
-    if batch.num_rows == 0 or not is_delta_table(path):
-        return batch
-    # The slice filter lets the scan skip the files of other slices (min/max statistics on `slice`).
-    held = DeltaTable(path).to_pyarrow_dataset().to_table(
-        columns=KEY, filter=pc.field("slice").isin(pc.unique(batch["slice"]))
-        & pc.field("stream_id").isin(pc.unique(batch["stream_id"])),
-    )
-    if held.num_rows == 0:
-        return batch
-    return batch.join(held.cast(batch.select(KEY).schema), keys=KEY, join_type="left anti").select(batch.column_names)
+def without_events_in_lake(batches: Iterable[pa.RecordBatch], path: str) -> Iterator[pa.RecordBatch]:
+    """The events of `batches` whose (stream_id, version) the `events` table at `path` does not hold, streamed."""
+    if not is_delta_table(path):
+        yield from batches
+        return
+    lake = DeltaTable(path).to_pyarrow_dataset()
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        # The slice filter lets the scan skip the files of other slices (min/max statistics on `slice`).
+        held = lake.to_table(
+            columns=KEY, filter=pc.field("slice").isin(pc.unique(batch["slice"]))
+            & pc.field("stream_id").isin(pc.unique(batch["stream_id"])),
+        )
+        if held.num_rows == 0:
+            yield batch
+            continue
+        rows = pa.Table.from_batches([batch])
+        kept = rows.join(held.cast(rows.select(KEY).schema), keys=KEY, join_type="left anti")
+        yield from kept.select(rows.column_names).to_batches()
