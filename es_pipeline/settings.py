@@ -26,6 +26,14 @@ DEFAULT_LOCAL_PG_PORT = 54329
 LOCAL_PG_DATABASE = "es_pipeline"
 LOCAL_DAGSTER_DATABASE = "dagster"
 
+# A batch (one Delta commit, the unit a crashed run replays) holds at most this many events, and
+# about this many bytes by the store's average row width. It streams through the run, so neither
+# bounds memory; a single transaction larger than both is still one batch (never split).
+DEFAULT_BATCH_EVENTS = 500_000
+DEFAULT_BATCH_BYTES = 512 << 20
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
 
 def local_pg_dsn(port: int, database: str = LOCAL_PG_DATABASE) -> str:
     """A database on the local development server."""
@@ -45,6 +53,8 @@ class Settings:
     sensor_interval_seconds: int = 5
     automation: bool = True
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT
+    batch_events: int = DEFAULT_BATCH_EVENTS
+    batch_bytes: int = DEFAULT_BATCH_BYTES
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -64,6 +74,9 @@ class Settings:
                                          "a whole number of seconds between 1 and 86400"),
             automation=_choice(env, "ES_PIPELINE_AUTOMATION", "on", ("on", "off")) == "on",
             local_pg_port=port,
+            batch_events=_int(env, "ES_PIPELINE_BATCH_EVENTS", DEFAULT_BATCH_EVENTS, 1, 100_000_000,
+                              "a whole number of events between 1 and 100000000"),
+            batch_bytes=_bytes(env, "ES_PIPELINE_BATCH_BYTES", DEFAULT_BATCH_BYTES),
         )
 
 
@@ -77,6 +90,22 @@ def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int, expe
         raise ConfigError(name, text, expected) from None
     if not lo <= value <= hi:
         raise ConfigError(name, text, expected)
+    return value
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    """A size: a whole number of bytes, or with a binary unit (`512MB`, `2GiB`, `64k`)."""
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    number = text.rstrip("bBkKmMgGiI ")
+    unit = text[len(number):].strip().lower()
+    try:
+        value = int(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(name, text, "a size in bytes, e.g. 536870912 or 512MB or 2GiB") from None
+    if value < 1 << 20:
+        raise ConfigError(name, text, "a size of at least 1MB")
     return value
 
 

@@ -34,6 +34,10 @@ def test_a_bad_value_names_the_setting_and_what_it_accepts(name: str, value: str
         ("ES_PIPELINE_AUTOMATION", "maybe", "on or off"),
         ("ES_PIPELINE_LOCAL_PG_PORT", "post", "TCP port"),
         ("ES_PIPELINE_SLICE_RANGES", "2048", "between 1 and 1024"),
+        ("ES_PIPELINE_BATCH_EVENTS", "0", "whole number of events"),
+        ("ES_PIPELINE_BATCH_BYTES", "lots", "size in bytes"),
+        ("ES_PIPELINE_BATCH_BYTES", "12TB", "size in bytes"),
+        ("ES_PIPELINE_BATCH_BYTES", "512", "at least 1MB"),
     ],
 )
 def test_every_setting_is_validated_when_read(name: str, value: str, expected: str) -> None:
@@ -47,3 +51,11 @@ def test_settings_read_the_values_given() -> None:
                            "ES_PIPELINE_LOCAL_PG_PORT": "6543", "ES_PIPELINE_EVENTS_WRITER": "spark"})
     assert (s.sensor_interval_seconds, s.automation, s.local_pg_port, s.events_writer) == (2, False, 6543, "spark")
     assert ":6543/" in s.pg_dsn  # the default store is the local server, on its port
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("536870912", 512 << 20), ("512MB", 512 << 20), ("2GiB", 2 << 30), ("64m", 64 << 20), ("1 G", 1 << 30)],
+)
+def test_batch_bytes_take_a_unit(text: str, size: int) -> None:
+    assert Settings.from_env({"ES_PIPELINE_BATCH_BYTES": text}).batch_bytes == size

@@ -7,6 +7,7 @@ as `make dev` runs them.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,16 +53,22 @@ def wait_port(port: int, timeout: float) -> None:
 @contextmanager
 def dagster_stack(
     *, admin_dsn: str, dsn: str, tmp: Path, slice_ranges: int = 2, sensor_interval: int = 2, connect: bool = True,
-    automation: bool = False,
+    automation: bool = False, max_runtime_seconds: int | None = None,
 ) -> Iterator[Stack]:
-    """Dagster daemon (sensor on, run queue with tag limits) with its storage in a fresh database."""
+    """Dagster daemon (sensor on, run queue with tag limits) with its storage in a fresh database.
+
+    `max_runtime_seconds` replaces dagster.yaml's run-monitoring limit (6 h) for this instance.
+    """
     storage_db = f"dagster_e2e_{os.getpid()}_{int(time.time())}"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{storage_db}"')
     base = admin_dsn.rsplit("/", 1)[0]
     home = tmp / "dagster_home"
     home.mkdir()
-    (home / "dagster.yaml").write_text((PROJECT_ROOT / "dagster.yaml").read_text())
+    instance_yaml = (PROJECT_ROOT / "dagster.yaml").read_text()
+    if max_runtime_seconds is not None:
+        instance_yaml = re.sub(r"max_runtime_seconds: \d+", f"max_runtime_seconds: {max_runtime_seconds}", instance_yaml)
+    (home / "dagster.yaml").write_text(instance_yaml)
     warehouse = tmp / "warehouse"
     env = dict(os.environ)
     env.update({

@@ -34,11 +34,10 @@ from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import EVENTS_CONSUMER, Batch, OffsetSession
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
-from es_pipeline.settings import WRITERS, Settings
+from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_EVENTS = 500_000
 DEFAULT_WRITER = "delta-rs"
 DEFAULT_READ_PARALLELISM = 2
 PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
@@ -114,6 +113,7 @@ class Extractor:
     schema: str = "es"
     consumer: str = EVENTS_CONSUMER
     batch_events: int = DEFAULT_BATCH_EVENTS
+    batch_bytes: int = DEFAULT_BATCH_BYTES  # by the backlog's average row width (reader.average_row_bytes)
     writer: str = DEFAULT_WRITER
     read_parallelism: int = DEFAULT_READ_PARALLELISM
     # Batches of at least this many rows are read by Spark's executors over JDBC, in `jdbc_splits`
@@ -221,27 +221,35 @@ class Extractor:
         # After a rebase the rows are checked against the lake in this process, so they come as Arrow.
         return self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows and session.rebased_below is None
 
+    def batch_target(self, row_bytes: int) -> int:
+        """Events per batch: `batch_events`, fewer where rows are wide enough to pass `batch_bytes`."""
+        return max(1, min(self.batch_events, self.batch_bytes // max(row_bytes, 1)))
+
     def _cuts(
         self, session: OffsetSession, pairs: list[tuple[int, int]], horizon: int, backlog: int
     ) -> list[tuple[int, int]]:
-        """(upper bound, rows) of consecutive xid intervals, each holding about `batch_events` rows.
+        """(upper bound, rows) of consecutive xid intervals, each holding about `batch_target` rows.
 
         The xid span is split evenly by the backlog's density, then an interval that still counts
         over 1.5x the target is halved (counting is an index-only scan, far cheaper than reading).
-        A cut lies between two xids, so one transaction's events always stay in one batch.
+        A cut lies between two xids, so one transaction's events always stay in one batch, however
+        large: it then streams through as one batch (extraction/reader.py, lake/arrow_append.py).
         """
-        if backlog <= self.batch_events:
-            return [(horizon, backlog)] if backlog else []
+        if not backlog:
+            return []
+        target = self.batch_target(reader.average_row_bytes(session.conn, self.schema, pairs, horizon))
+        if backlog <= target:
+            return [(horizon, backlog)]
         first = reader.first_tx_ids(session.conn, self.schema, pairs, horizon)
         if first is None:
             return []
-        step = max(1, math.ceil((horizon - first) * self.batch_events / backlog))
+        step = max(1, math.ceil((horizon - first) * target / backlog))
         cuts: list[tuple[int, int]] = []
         lo = first
         while lo < horizon:
             hi = min(horizon, lo + step)
             n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
-            while n > 1.5 * self.batch_events and hi - lo > 1:
+            while n > 1.5 * target and hi - lo > 1:
                 hi = lo + max(1, (hi - lo) // 2)
                 n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
             if n:
@@ -394,6 +402,8 @@ def build_extractor(
         warehouse=settings.warehouse,
         schema=settings.schema,
         writer=settings.events_writer,
+        batch_events=settings.batch_events,
+        batch_bytes=settings.batch_bytes,
         jdbc_min_rows=jdbc_min_rows,
         progress=progress,
         spark_seconds=seconds,

@@ -227,6 +227,27 @@ def first_tx_ids(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[in
     return int(row[0]) if row and row[0] is not None else None
 
 
+ROW_SAMPLE = 200  # backlog rows measured to estimate its width
+ROW_WIDTH = (
+    "octet_length(e.payload::text) + octet_length(e.metadata::text) + octet_length(e.stream_id) "
+    "+ octet_length(e.stream_type) + octet_length(e.event_type) + 40"
+)
+
+
+def average_row_bytes(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> int:
+    """The average width in bytes of a sample of the backlog's rows, as they travel (JSON as text).
+
+    What the table's statistics say (`pg_table_size / reltuples`, `pg_stats.avg_width`) is the
+    stored, compressed width, which can be far below what a batch reads. A guide for cutting
+    batches by bytes, never a bound: a batch streams through whatever its real size.
+    """
+    if not pairs:
+        return 1
+    sample = _select(schema, f"{ROW_WIDTH} AS width", pairs, upper)
+    row = conn.execute(f"SELECT avg(width) FROM ({sample} LIMIT {ROW_SAMPLE}) s").fetchone()  # type: ignore[arg-type]
+    return max(1, int(row[0])) if row and row[0] is not None else 1
+
+
 def oldest_open_transaction_seconds(conn: psycopg.Connection) -> float:
     """Age of the oldest transaction that holds an xid (open or prepared): what holds H back."""
     row = conn.execute(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +19,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
-from es_pipeline.extraction import offsets
+from es_pipeline.extraction import offsets, reader
 from es_pipeline.extraction.extractor import Extractor, build_extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.reader import batch_query
@@ -426,3 +430,79 @@ def test_build_extractor_starts_spark_only_for_the_spark_writer_or_a_cluster(
     assert (extractor.spark == "a session") is needs_spark and len(started) == int(needs_spark)
     assert (extractor.writer, extractor.dsn, extractor.warehouse) == (writer, settings.pg_dsn, tmp_path)
     assert extractor.jdbc_min_rows == (0 if master.startswith("local") else 500_000)
+
+
+def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: str, spark: Any, warehouse: Path) -> None:
+    """Events of ~4 KB under a 1 MiB cap: batches of a few hundred, not `batch_events`; still exactly once."""
+    with psycopg.connect(dsn) as conn:
+        for t in range(30):
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                    "SELECT 'wide-' || g, 'doc', %s, 'Written', jsonb_build_object('text', repeat(md5(g::text || %s), 128)) "
+                    "FROM generate_series(1, 100) g", (t + 1, t),
+                )
+    ex = Extractor(dsn, None, warehouse, batch_bytes=1 << 20)
+    with psycopg.connect(dsn) as conn:
+        target = ex.batch_target(reader.average_row_bytes(conn, "es", [(s, 0) for s in range(1024)], 2**62))
+    assert 100 <= target <= 400, f"~4 KB rows under 1 MiB: {target}"
+    result = ex.run(SliceRange(0, 1023))
+    assert result.batches >= 3000 // (2 * target)
+    assert max(result.batch_rows) <= 1.5 * target + 100, "a cut falls between transactions of 100 events"
+    assert assert_exactly_once(spark, warehouse, dsn) == 3000
+
+
+BIG_EVENTS = 400  # of 1 MiB each, in one transaction
+
+
+def _extract_in_child(dsn: str, warehouse: Path) -> tuple[int, str]:
+    """`es-pipeline extract` in a process of its own: (its peak RSS in MiB, its output)."""
+    code = (
+        "import resource, sys\n"
+        "from es_pipeline.cli import main\n"
+        "code = main(['extract'])\n"
+        "print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(code)\n"
+    )
+    env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn, "ES_PIPELINE_WAREHOUSE": str(warehouse),
+           "ES_PIPELINE_SLICE_RANGES": "1", "ES_PIPELINE_BATCH_BYTES": "64MB"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rss_kib = int(done.stdout.rsplit("maxrss_kib", 1)[1].split()[0])
+    return rss_kib // 1024, done.stdout
+
+
+def test_one_transaction_larger_than_the_batch_cap_streams_through_in_bounded_memory(
+    dsn: str, warehouse: Path
+) -> None:
+    """400 MiB of payload in one transaction, a 64 MB batch cap: it cannot be split, so it goes as one
+    batch, streamed. The run's peak memory stays far below the batch: before streaming, delta-rs alone
+    held about three times the batch (docs/decisions.md, "No poison batch")."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                     "VALUES ('small-1', 'doc', 1, 'Written', '{}')")
+        conn.commit()
+    baseline_mib, _ = _extract_in_child(dsn, warehouse)  # the same process with a one-event batch
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+            "SELECT 'big-' || g, 'blob', 1, 'Blob', jsonb_build_object('blob', repeat(md5(g::text), 32768)) "
+            "FROM generate_series(1, %s) g", (BIG_EVENTS,),
+        )
+        conn.commit()
+        payload_mib = conn.execute("SELECT sum(octet_length(payload::text)) FROM es.events").fetchone()[0] / 2**20
+        expected = dict(conn.execute("SELECT stream_id, md5(payload::text) FROM es.events").fetchall())
+    peak_mib, out = _extract_in_child(dsn, warehouse)
+    print(f"{payload_mib:.0f} MiB in one transaction: peak RSS {peak_mib} MiB; one small event: {baseline_mib} MiB")
+    assert "400 events in 1 batches" in out, out
+    assert payload_mib > 390
+    assert peak_mib - baseline_mib < payload_mib / 2, (
+        f"extracting {payload_mib:.0f} MiB took {peak_mib} MiB at peak, {baseline_mib} MiB for one small event"
+    )
+    lake = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_dataset()
+    seen: dict[str, str] = {}
+    for batch in lake.to_batches(columns=["stream_id", "payload"], batch_size=16):
+        for stream_id, payload in zip(batch["stream_id"].to_pylist(), batch["payload"].to_pylist(), strict=True):
+            assert stream_id not in seen, f"{stream_id} twice in the lake"
+            seen[stream_id] = hashlib.md5(payload.encode()).hexdigest()
+    assert seen == expected
