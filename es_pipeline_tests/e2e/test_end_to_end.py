@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psycopg
 import pytest
 
 from es_pipeline.dev.stack import alive, dagster_stack, run_pid
@@ -88,3 +89,57 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
         spans.sort()
         for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
             assert b0 >= a1 - 0.5, f"two runs of {key} overlapped: {a0}-{a1} and {b0}"
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
+    pg_server: str, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run blocked for ever (here, on a table lock that never comes) is interrupted by run monitoring
+    at `max_runtime_seconds`, marked failed, and the range's next run brings every event exactly once."""
+    store = EventStore(dsn)
+    with dagster_stack(admin_dsn=pg_server, dsn=dsn, tmp=tmp_path, slice_ranges=1, sensor_interval=1,
+                       connect=False, max_runtime_seconds=15) as stack:
+        for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
+            monkeypatch.setenv(key, stack.env[key])
+        instance = dg.DagsterInstance.get()
+        run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
+        _wait_for(lambda: _lake_keys(stack.warehouse) == set(source_events(dsn)), 180, "the first events in the lake")
+        _wait_for(lambda: not _runs(instance, dg.DagsterRunStatus.STARTED), 60, "the first runs to finish")
+        before = {r.run_id for r in _runs(instance, None)}
+        with psycopg.connect(dsn) as holder:
+            # Every run now waits to record its batch; a SHARE lock takes no transaction id, so the
+            # horizon, and the sensor, go on.
+            holder.execute("LOCK TABLE es_pipeline.pending_batches IN SHARE MODE")
+            run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
+            started = time.monotonic()
+            hung = _wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED) if r.run_id not in before],
+                             120, "a run that hangs")[0]
+            _wait_for(lambda: instance.get_run_by_id(hung.run_id).is_finished, 120, "the hung run to be stopped")
+            stopped_after = time.monotonic() - started
+            assert instance.get_run_by_id(hung.run_id).status == dg.DagsterRunStatus.FAILURE
+            pid = int(hung.tags[PID_TAG])
+            _wait_for(lambda: not alive(pid), 30, "the hung run's process to end")
+            holder.rollback()
+        expected = set(source_events(dsn))
+        _wait_for(lambda: _lake_keys(stack.warehouse) == expected, 180, "every event in the lake after the lock")
+        from deltalake import DeltaTable
+
+        assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected) == 40
+    assert 15 <= stopped_after <= 90, stopped_after
+
+
+def _runs(instance: Any, status: Any) -> list[Any]:
+    """The `events_job` runs in `status` (None: all)."""
+    runs = dg.RunsFilter(job_name="events_job", statuses=[status] if status else [])
+    return [r.dagster_run for r in instance.get_run_records(runs)]
+
+
+def _wait_for(probe: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"waited {seconds:.0f} s for {what}")
