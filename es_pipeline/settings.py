@@ -55,6 +55,7 @@ class Settings:
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT
     batch_events: int = DEFAULT_BATCH_EVENTS
     batch_bytes: int = DEFAULT_BATCH_BYTES
+    pg_bindir: Path | None = None  # server binaries for the local server (default: pg_config's, Debian's)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -77,6 +78,7 @@ class Settings:
             batch_events=_int(env, "ES_PIPELINE_BATCH_EVENTS", DEFAULT_BATCH_EVENTS, 1, 100_000_000,
                               "a whole number of events between 1 and 100000000"),
             batch_bytes=_bytes(env, "ES_PIPELINE_BATCH_BYTES", DEFAULT_BATCH_BYTES),
+            pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
         )
 
 

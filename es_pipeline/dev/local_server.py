@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from es_pipeline.errors import LocalServerError
-from es_pipeline.settings import LOCAL_DAGSTER_DATABASE, LOCAL_PG_DATABASE, PROJECT_ROOT
+from es_pipeline.settings import LOCAL_DAGSTER_DATABASE, LOCAL_PG_DATABASE, PROJECT_ROOT, Settings
 
 PGDATA = PROJECT_ROOT / ".pgdata" / "data"
 PGLOG = PROJECT_ROOT / ".pgdata" / "server.log"
@@ -37,22 +37,38 @@ SERVER_SETTINGS = {
 
 
 def bindir() -> Path:
-    """Where the server binaries are: pg_config's answer, else the newest Debian version."""
-    pg_config = shutil.which("pg_config")
-    candidates: list[Path] = []
-    if pg_config:
-        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
-        candidates.append(Path(out.stdout.strip()))
-    debian = Path("/usr/lib/postgresql")
-    if debian.is_dir():
-        candidates += sorted((p / "bin" for p in debian.iterdir()), key=lambda p: p.parent.name, reverse=True)
-    for c in candidates:
+    """Where the server binaries (initdb, postgres, pg_ctl) are: `ES_PIPELINE_PG_BINDIR`, else
+    pg_config's answer, else the newest Debian version."""
+    for c in _candidates():
         if (c / "postgres").exists() and (c / "initdb").exists():
             return c
     raise LocalServerError(
         "no PostgreSQL server binaries found (initdb, postgres). Install them with "
         "`apt-get update && apt-get install -y postgresql`, or set ES_PIPELINE_PG_DSN to an existing server."
     )
+
+
+def binary(name: str) -> Path:
+    """A PostgreSQL program: from the server's folder, else (a bundle of server binaries only) Debian's."""
+    for c in [bindir(), *_candidates()]:
+        if (c / name).exists():
+            return c / name
+    raise LocalServerError(f"no `{name}` found beside the PostgreSQL server binaries: install postgresql-client")
+
+
+def _candidates() -> list[Path]:
+    candidates: list[Path] = []
+    override = Settings.from_env().pg_bindir
+    if override is not None:
+        candidates.append(override)
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
+        candidates.append(Path(out.stdout.strip()))
+    debian = Path("/usr/lib/postgresql")
+    if debian.is_dir():
+        candidates += sorted((p / "bin" for p in debian.iterdir()), key=lambda p: p.parent.name, reverse=True)
+    return candidates
 
 
 def _as_postgres(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
@@ -132,7 +148,7 @@ def stop(data: Path = PGDATA, *, mode: str = "fast") -> bool:
 
 def _psql(sql: str, port: int, db: str = "postgres") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(bindir() / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-d", db,
+        [str(binary("psql")), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-d", db,
          "-tAc", sql],
         text=True, capture_output=True, check=False,
     )
