@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,11 @@ def test_a_run_whose_locks_are_lost_commits_nothing_and_its_batch_is_replayed(
     def lose_locks(name: str, batch: Batch | None) -> None:
         if name == "delta_committed":
             with psycopg.connect(dsn, autocommit=True) as conn:  # the lock holder's backend ends
-                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                             "AND objsubid = 2 AND granted")
+                held = "FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+                conn.execute(f"SELECT pg_terminate_backend(pid) {held}")
+                deadline = time.monotonic() + 10  # the signal is asynchronous: wait for the locks to go
+                while conn.execute(f"SELECT count(*) {held}").fetchone() != (0,) and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
     with pytest.raises(SliceLockLost, match="no longer held"):
         Extractor(dsn, None, warehouse, on_step=lose_locks).run(SliceRange(0, 1023))
