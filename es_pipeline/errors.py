@@ -91,6 +91,14 @@ class SliceLockLost(EsPipelineError, Retryable):
         )
 
 
+class UpdateOverlapped(EsPipelineError, Retryable):
+    """An update of a lake table found, just before its commit, that it no longer had the table to itself."""
+
+    def __init__(self, table: str, why: str) -> None:
+        self.table = table
+        super().__init__(f"{table}: {why}. Nothing was committed; the next update folds in what is left.")
+
+
 class ReducerError(EsPipelineError):
     def __init__(self, stream_id: str, version: int, event_type: str, reason: str) -> None:
         self.stream_id, self.version, self.event_type, self.reason = stream_id, version, event_type, reason

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
-from es_pipeline.lake.serial import one_at_a_time
+from es_pipeline.lake.serial import Turn, one_at_a_time
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,10 @@ class _Projection:
 
     def update(self, spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time."""
-        with one_at_a_time(store_dsn, self.name):
-            return self._update(spark, warehouse)
+        with one_at_a_time(store_dsn, self.name) as turn:
+            return self._update(spark, warehouse, turn)
 
-    def _update(self, spark: Any, warehouse: Path) -> ProjectionResult:
+    def _update(self, spark: Any, warehouse: Path, turn: Turn) -> ProjectionResult:
         events_path = tables.table_path(warehouse, "events")
         path = tables.table_path(warehouse, self.name)
         now = tables.table_version(spark, events_path)
@@ -59,6 +59,7 @@ class _Projection:
             agg = self.aggregate(tables.rows_added(spark, events_path, prev, now)).cache()
             try:
                 n, read = _figures(agg)
+                turn.confirm(path, self.app_id, prev)
                 tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
                 return ProjectionResult(_count(spark, path), now, prev, read, n)
             except tables.spark_errors() as exc:
@@ -73,6 +74,7 @@ class _Projection:
         agg = self.aggregate(tables.read(spark, events_path, version=now)).cache()
         try:
             n, read = _figures(agg)
+            turn.confirm(path, self.app_id, prev)
             (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
              .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
         finally:

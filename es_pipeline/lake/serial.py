@@ -12,19 +12,52 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import psycopg
+
+from es_pipeline.errors import UpdateOverlapped
+from es_pipeline.lake import tables
 from es_pipeline.store.conninfo import lock_transaction
 
 _NAMESPACE = zlib.crc32(b"es_pipeline:lake-tables") & 0x7FFFFFFF
 
 
+@dataclass
+class Turn:
+    """One update's turn at a table: `confirm` it just before the commit."""
+
+    table: str
+    conn: psycopg.Connection | None = None  # the lock's transaction; None without a store
+    key: int = 0
+
+    def confirm(self, path: str, app_id: str, read: int | None) -> None:
+        """`UpdateOverlapped` unless the lock is still held and the table's txn version of `app_id` is
+        still `read`, the one this update started from (another writer's commit would be counted twice)."""
+        if self.conn is not None:
+            try:
+                row = self.conn.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() "
+                    "AND classid = %s::oid AND objid = %s::oid AND objsubid = 2 AND granted", (_NAMESPACE, self.key),
+                ).fetchone()
+            except psycopg.Error:
+                row = None
+            if row != (1,):
+                raise UpdateOverlapped(self.table, "its lock in the event store is no longer held (its connection ended)")
+        now = tables.transaction_version(path, app_id)
+        if now != read:
+            raise UpdateOverlapped(self.table, f"another update committed meanwhile (version {now}, this one read {read})")
+
+
 @contextmanager
-def one_at_a_time(store_dsn: str | None, table: str) -> Iterator[None]:
+def one_at_a_time(store_dsn: str | None, table: str) -> Iterator[Turn]:
     """Run the block while holding the lock of `table` in the store at `store_dsn` (none when it is None)."""
     if store_dsn is None:
-        yield
+        yield Turn(table)
         return
+    key = zlib.crc32(table.encode()) & 0x7FFFFFFF
     with lock_transaction(store_dsn, application_name=f"es_pipeline update {table}"[:63]) as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, zlib.crc32(table.encode()) & 0x7FFFFFFF))
-        yield
-        conn.rollback()  # releases the lock
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, key))
+        yield Turn(table, conn, key)
+        if not conn.closed:  # a connection that ended took its lock with it
+            conn.rollback()  # releases the lock

@@ -27,7 +27,7 @@ from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
 from es_pipeline.lake.reducers import revisions as current_revisions
-from es_pipeline.lake.serial import one_at_a_time
+from es_pipeline.lake.serial import Turn, one_at_a_time
 
 APP_ID = "es_pipeline.stream_state"
 
@@ -61,11 +61,6 @@ _REVISION_SLOTS = 1000
 
 def _txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
     return events_version * _REVISION_SLOTS + min(_REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
-
-
-def _processed_version(path: str) -> int:
-    v = tables.transaction_version(path, APP_ID)
-    return -1 if v is None else v // _REVISION_SLOTS
 
 
 class _StreamFold:
@@ -179,25 +174,28 @@ def update_stream_state(
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time."""
-    with one_at_a_time(store_dsn, "stream_state"):
+    with one_at_a_time(store_dsn, "stream_state") as turn:
         try:
-            return _update_stream_state(spark, warehouse, skip_unknown)
+            return _update_stream_state(spark, warehouse, skip_unknown, turn)
         except tables.spark_errors() as exc:
             if not tables.change_feed_gone(exc):
                 raise
             # The files of the commits since the last update were vacuumed (it lagged past the retention):
             # fold every event instead; the fold skips versions a stream's state already has.
-            return _update_stream_state(spark, warehouse, skip_unknown, whole=True)
+            return _update_stream_state(spark, warehouse, skip_unknown, turn, whole=True)
 
 
-def _update_stream_state(spark: Any, warehouse: Path, skip_unknown: bool, *, whole: bool = False) -> StateResult:
+def _update_stream_state(
+    spark: Any, warehouse: Path, skip_unknown: bool, turn: Turn, *, whole: bool = False
+) -> StateResult:
     from pyspark.sql import functions as F
 
     events_path = tables.table_path(warehouse, "events")
     state_path = tables.table_path(warehouse, "stream_state")
     tables.ensure_table(spark, state_path, STATE_DDL, comment="es_pipeline: current state per stream")
     now = tables.table_version(spark, events_path)
-    prev = _processed_version(state_path)
+    read = tables.transaction_version(state_path, APP_ID)
+    prev = -1 if read is None else read // _REVISION_SLOTS
     revisions = current_revisions()
     state = tables.read(spark, state_path)
 
@@ -253,6 +251,7 @@ def _update_stream_state(spark: Any, warehouse: Path, skip_unknown: bool, *, who
             raise ReducerError(stream_id, version, event_type, reason)
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
+        turn.confirm(state_path, APP_ID, read)
         tables.merge_by_key(spark, state_path, updates, "stream_id", app_id=APP_ID, version=_txn_version(now, REGISTRY))
     finally:
         folded.unpersist()
