@@ -185,11 +185,11 @@ def run(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any]:
             Goal("es_pipeline backfill / dlt (measured in this run)", backfill.rate / dlt.rate, ">=", 10.0),
         ],
         "notes": [
-            "Ceiling: `COPY (SELECT <es_pipeline.source.EVENT_COLUMNS> FROM es.events e) TO STDOUT (FORMAT binary)`, "
+            "Ceiling: `COPY (SELECT <es_pipeline.extraction.reader.EVENT_COLUMNS> FROM es.events e) TO STDOUT (FORMAT binary)`, "
             "all bytes read by psycopg and discarded; the faster of the runs before and after is the baseline.",
             "Backfill: `Extractor.run(SliceRange(0, 1023))` on a fresh lake, wall time including every Delta commit "
-            "and offset commit; batches of up to 500,000 events, each read on two Postgres connections while the "
-            "previous one is written. The Spark-writer row is the same run with `writer=\"spark\"`. Spark JDBC: `spark.read.jdbc` (one partition, fetchsize "
+            "and offset commit; batches of up to 500,000 events, each streamed from two Postgres connections into "
+            "Parquet files as it is read and committed once. The Spark-writer row is the same run with `writer=\"spark\"`. Spark JDBC: `spark.read.jdbc` (one partition, fetchsize "
             f"{JDBC_FETCH_SIZE:,}) of the same query, appended to its own Delta table. dlt: `bench/dlt_load.py` (dlt's defaults; "
             f"the issue quotes {DLT_QUOTED_EVENTS_PER_SECOND:,} events/s for it on its own machine). One Spark session, "
             f"warmed up beforehand: {WARM_UP_ROUNDS} rounds of {WARM_UP_EVENTS:,} events through both paths.",
