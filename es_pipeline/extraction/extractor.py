@@ -337,25 +337,33 @@ class Extractor:
     def _append(
         self, stream: Iterator[pa.RecordBatch], batch: Batch, *, before_commit: Callable[[], None] | None = None
     ) -> int | None:
-        """Append as Delta transaction (app id, batch id): rows written, or None if Delta holds it already."""
+        """Append as Delta transaction (app id, batch id): rows written, or None if Delta holds it already.
+
+        The stream is closed however this ends, so that its reading threads and connections stop at once.
+        """
         assert batch.batch_id is not None
-        if self.writer == "spark":  # Spark takes a whole table: this writer holds the batch in memory
-            table = pa.Table.from_batches(list(stream), EVENTS_LAKE_ARROW_SCHEMA)
-            if table.num_rows == 0:
-                return 0
+        try:
+            if self.writer != "spark":
+                return arrow_append.append_batches(
+                    stream, EVENTS_LAKE_ARROW_SCHEMA, self.events_path, app_id=batch.app_id, version=batch.batch_id,
+                    before_commit=before_commit,
+                )
             done = tables.transaction_version(self.events_path, batch.app_id)
             if done is not None and done >= batch.batch_id:
                 return None
+            table = pa.Table.from_batches(list(stream), EVENTS_LAKE_ARROW_SCHEMA)  # Spark takes a whole table
+            if table.num_rows == 0:
+                return 0
             if before_commit is not None:
                 before_commit()
             tables.append_idempotent(
                 self.spark.createDataFrame(table), self.events_path, app_id=batch.app_id, version=batch.batch_id
             )
             return table.num_rows
-        return arrow_append.append_batches(
-            stream, EVENTS_LAKE_ARROW_SCHEMA, self.events_path, app_id=batch.app_id, version=batch.batch_id,
-            before_commit=before_commit,
-        )
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
 
     @staticmethod
     def _with_lake_columns(rows: pa.RecordBatch, batch: Batch) -> pa.RecordBatch:
