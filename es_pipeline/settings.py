@@ -56,6 +56,7 @@ class Settings:
     batch_events: int = DEFAULT_BATCH_EVENTS
     batch_bytes: int = DEFAULT_BATCH_BYTES
     pg_bindir: Path | None = None  # server binaries for the local server (default: pg_config's, Debian's)
+    pg_dsn_from_env: bool = False  # ES_PIPELINE_PG_DSN set: Dagster gets it as an EnvVar, never its value
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -79,6 +80,7 @@ class Settings:
                               "a whole number of events between 1 and 100000000"),
             batch_bytes=_bytes(env, "ES_PIPELINE_BATCH_BYTES", DEFAULT_BATCH_BYTES),
             pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
+            pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
         )
 
 

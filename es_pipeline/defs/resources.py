@@ -44,8 +44,12 @@ class SparkResource(LazyPySparkResource):
 
 
 def build_resources(settings: Settings) -> dict[str, Any]:
+    """The resources `settings` describe. The store's DSN, which may hold a password, enters Dagster as
+    `dg.EnvVar("ES_PIPELINE_PG_DSN")`: the UI and Dagster's storage keep the variable's name, not its value.
+    Only the local development server's DSN (no password) is given as a value."""
+    dsn: Any = dg.EnvVar("ES_PIPELINE_PG_DSN") if settings.pg_dsn_from_env else settings.pg_dsn
     return {
-        "event_store": EventStoreResource(dsn=settings.pg_dsn, schema_name=settings.schema),
+        "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema),
         "warehouse": WarehouseResource(path=str(settings.warehouse)),
         "spark": SparkResource(
             spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)
