@@ -206,7 +206,8 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 
 
 def applied_versions(conn: psycopg.Connection, schema: str) -> set[int]:
-    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.schema_migrations",)).fetchone()
+    name = sql.Identifier(schema, "schema_migrations").as_string(conn)  # quoted: any schema name is one name
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
     if not exists or not exists[0]:
         return set()
     rows = conn.execute(
@@ -246,17 +247,17 @@ def migrate(dsn: str, schema: str = "es") -> list[Migration]:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             done = applied_versions(conn, schema)
-            if not done:
-                _check_existing_tables(conn, schema)
             ident = sql.Identifier(schema)
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
-                    " version integer PRIMARY KEY, name text NOT NULL,"
-                    " applied_at timestamptz NOT NULL DEFAULT now())"
-                ).format(ident)
-            )
+            if not done:  # a store already migrated needs no CREATE on the database (no CREATE SCHEMA at all)
+                _check_existing_tables(conn, schema)
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+                conn.execute(
+                    sql.SQL(
+                        "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
+                        " version integer PRIMARY KEY, name text NOT NULL,"
+                        " applied_at timestamptz NOT NULL DEFAULT now())"
+                    ).format(ident)
+                )
             for m in MIGRATIONS:
                 if m.version in done:
                     continue

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import psycopg
 import pytest
+from deltalake import DeltaTable
+from psycopg.conninfo import make_conninfo
 
 from es_pipeline.errors import DatabaseUnreachable, IncompatibleSchema, PostgresTooOld
+from es_pipeline.extraction import offsets
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.probe import probe
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.extraction.status import status_report
+from es_pipeline.settings import Settings
 from es_pipeline.store import migrations
 from es_pipeline.store.conninfo import check_server_version, connect
+from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import MIGRATIONS, migrate
 
 
@@ -71,3 +83,46 @@ class _OldServer:
 def test_postgres_older_than_13_is_refused() -> None:
     with pytest.raises(PostgresTooOld, match="12 .* needs 13 or newer"):
         check_server_version(_OldServer())  # type: ignore[arg-type]
+
+
+def test_an_already_migrated_store_needs_no_create_on_the_database(dsn: str) -> None:
+    """A role a DBA would give the extractor has no CREATE on the database: `migrate` of a store that is up
+    to date must then be a no-op, not `permission denied` (CREATE SCHEMA IF NOT EXISTS checks it first)."""
+    role = f"es_no_create_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP ROLE IF EXISTS {role}")
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA es TO {role}")
+        conn.execute(f"GRANT SELECT ON es.schema_migrations TO {role}")
+    try:
+        with psycopg.connect(make_conninfo(dsn, user=role)) as conn:
+            assert conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone() == (False,)
+        assert migrate(make_conninfo(dsn, user=role)) == []
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("schema", ["My Store", "es-prod", 'it"s'])
+def test_a_schema_of_any_name_is_migrated_appended_extracted_and_reported(
+    empty_dsn: str, tmp_path: Path, schema: str
+) -> None:
+    migrate(empty_dsn, schema)
+    assert migrate(empty_dsn, schema) == []
+    store = EventStore(empty_dsn, schema)
+    for i in range(5):
+        store.append(f"s-{i}", "account", [NewEvent("Opened", {"i": i}), NewEvent("Deposited", {"n": 1})], 0)
+    warehouse = tmp_path / "warehouse"
+    result = Extractor(empty_dsn, None, warehouse, schema=schema).run(SliceRange(0, 1023))
+    assert result.rows == 10
+    lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
+    assert sorted(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True)) == [
+        (f"s-{i}", v) for i in range(5) for v in (1, 2)
+    ]
+    settings = Settings.from_env({"ES_PIPELINE_PG_DSN": empty_dsn, "ES_PIPELINE_SCHEMA": schema,
+                                  "ES_PIPELINE_SLICE_RANGES": "1"})
+    assert "0000-1023" in status_report(settings)
+    with psycopg.connect(empty_dsn) as conn:
+        assert sum(offsets.counts_below_watermarks(conn, schema, offsets.EVENTS_CONSUMER).values()) == 10
+        assert probe(conn, schema, offsets.EVENTS_CONSUMER) is not None
