@@ -36,9 +36,11 @@ venv: $(VENV)/.synced
 jars: venv
 	@$(CLI) spark jars >/dev/null && echo "Delta jars ready in .cache/jars"
 
+# The project's own server and store only: an exported ES_PIPELINE_PG_DSN of another database is not
+# migrated by a make target (`es-pipeline db migrate` does that, when asked).
 db: venv
 	@$(CLI) db start
-	@$(CLI) db migrate
+	@ES_PIPELINE_PG_DSN= $(CLI) db migrate
 
 dagster-home:
 	@mkdir -p $(DAGSTER_HOME)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from es_pipeline.dev import local_server
-from es_pipeline.dev.demo import run_demo_pass
+from es_pipeline.dev.demo import ensure_local_target, run_demo_pass
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked
 from es_pipeline.extraction import offsets
@@ -45,6 +45,10 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
+    ensure_local_target(settings)
+    if args.check:
+        print(f"demo target: the local server's database ({settings.pg_dsn.rsplit('/', 1)[-1]})")
+        return 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     store = EventStore(settings.pg_dsn, settings.schema)
@@ -153,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=42)
     load.add_argument("--forever", action="store_true", help="keep writing until stopped, at --rate")
     load.add_argument("--rate", type=float, default=50.0, help="events/s with --forever (default 50)")
+    load.add_argument("--check", action="store_true", help="only check that the store is the local server's")
     load.set_defaults(func=_demo_load)
     run = dsub.add_parser("run", help="one headless end-to-end pass: load, extract, project, query")
     run.add_argument("--events", type=int, default=50_000)

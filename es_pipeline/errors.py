@@ -228,5 +228,17 @@ class SparkSetupError(EsPipelineError):
     """Spark or its Delta jars cannot be set up (no `java`, Maven Central unreachable, jars missing)."""
 
 
+class ForeignDemoTarget(EsPipelineError):
+    """A demo command was pointed at a database other than the project's local development server."""
+
+    def __init__(self, where: str, local: str) -> None:
+        super().__init__(
+            f"the demo writes made-up events, and only into the project's own local server ({local}); "
+            f"ES_PIPELINE_PG_DSN points at {where}. Nothing was written. Unset it for the demo "
+            "(`env -u ES_PIPELINE_PG_DSN make demo`); to extract from that store, run Dagster or "
+            "`es-pipeline extract` instead."
+        )
+
+
 class LocalServerError(EsPipelineError):
     """The local development PostgreSQL server cannot be found, started or stopped."""

@@ -21,6 +21,10 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
+# The demo writers write made-up events: only into the project's own local server, never into an
+# exported ES_PIPELINE_PG_DSN of another database (this refuses in one line before anything starts).
+.venv/bin/es-pipeline demo load --check
+
 port="${ES_PIPELINE_CONNECT_PORT:-15002}"
 export ES_PIPELINE_SPARK_REMOTE="${ES_PIPELINE_SPARK_REMOTE:-sc://127.0.0.1:$port}"
 mkdir -p .dagster_home/logs

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake.catalog import register_tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
+from es_pipeline.store.conninfo import describe
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
 
@@ -21,7 +23,20 @@ ORDER BY day, stream_type, events DESC
 """
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def ensure_local_target(settings: Settings) -> None:
+    """`ForeignDemoTarget` unless the store is a database of the project's local server: demo events
+    (and `make dev`'s writers) never go into a database somebody exported for real work."""
+    host, port, dbname = describe(settings.pg_dsn)
+    if host in LOCAL_HOSTS and port == str(settings.local_pg_port):
+        return
+    raise ForeignDemoTarget(f"{host}:{port}/{dbname}", f"127.0.0.1:{settings.local_pg_port}")
+
+
 def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8) -> None:
+    ensure_local_target(settings)
     migrate(settings.pg_dsn, settings.schema)
     store = EventStore(settings.pg_dsn, settings.schema)
     print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)")
