@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from es_pipeline.dev import local_server
 from es_pipeline.dev.demo import ensure_local_target, run_demo_pass
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.errors import EsPipelineError, SliceLocked
+from es_pipeline.errors import EsPipelineError, SliceLocked, explain
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.extraction.rebase import rebase
@@ -205,6 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ValueError as exc:
         print(f"es-pipeline: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a database, Delta or filesystem failure: one line if we know what it means
+        known = explain(exc)
+        if known is None:
+            raise
+        print(f"es-pipeline: {known}", file=sys.stderr)
         return 2
 
 

@@ -242,3 +242,55 @@ class ForeignDemoTarget(EsPipelineError):
 
 class LocalServerError(EsPipelineError):
     """The local development PostgreSQL server cannot be found, started or stopped."""
+
+
+class StoreNotMigrated(EsPipelineError):
+    """The event store lacks a table or function es_pipeline's migrations make."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the event store is not migrated for es_pipeline ({detail}): run `es-pipeline db migrate` "
+            "as a role that may create schemas, then retry. Nothing was written."
+        )
+
+
+class PrivilegeMissing(EsPipelineError):
+    """The role in ES_PIPELINE_PG_DSN lacks a privilege es_pipeline needs."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the database role lacks a privilege ({detail}): grant it, or use the role the DBA made for "
+            "es_pipeline. Nothing was committed."
+        )
+
+
+class WarehouseUnwritable(EsPipelineError):
+    """The warehouse folder cannot be created or written."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the warehouse cannot be written ({detail}): point ES_PIPELINE_WAREHOUSE at a folder this user "
+            "may create and write. Nothing was committed."
+        )
+
+
+def explain(exc: BaseException) -> EsPipelineError | None:
+    """The one-line error for a database, Delta or filesystem failure met at a boundary (the command
+    line, an asset), or None when it is not one of those: then the traceback is the useful answer."""
+    import psycopg  # here: `errors` is a leaf that settings import, and most of them never need the driver
+
+    if isinstance(exc, EsPipelineError):
+        return exc
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
+                  | psycopg.errors.InvalidSchemaName):
+        return StoreNotMigrated(first)
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return PrivilegeMissing(first)
+    if isinstance(exc, PermissionError | NotADirectoryError | FileNotFoundError | IsADirectoryError):
+        return WarehouseUnwritable(first)
+    from deltalake.exceptions import DeltaError
+
+    if isinstance(exc, DeltaError) and any(w in first for w in ("directory", "ermission", "ead-only file system")):
+        return WarehouseUnwritable(first)
+    return None

@@ -72,3 +72,18 @@ def test_materializing_every_partition_puts_each_event_in_the_lake_once(
             assert isinstance(meta["dagster/row_count"].value, int)
             assert meta["events_behind_horizon"].value == 0
     assert assert_exactly_once(spark, warehouse, settings.pg_dsn) == 600
+
+
+def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, warehouse: Path) -> None:
+    settings = Settings.from_env({"ES_PIPELINE_PG_DSN": empty_dsn, "ES_PIPELINE_WAREHOUSE": str(warehouse),
+                                  "ES_PIPELINE_SLICE_RANGES": "1"})
+    settings = replace(settings, pg_dsn_from_env=False)  # the DSN as a value: no environment needed
+    events = build_events_asset(slice_ranges_partitions(1), settings)
+    with dg.instance_for_test() as instance:
+        res = dg.materialize([events], partition_key="0000-1023", resources=build_definitions(settings).resources,
+                             instance=instance, raise_on_error=False)
+    assert not res.success
+    failure = res.get_step_failure_events()[0].step_failure_data
+    assert "not migrated" in (failure.user_failure_data.description or "")
+    assert "es-pipeline db migrate" in (failure.user_failure_data.description or "")
+    assert not warehouse.joinpath("events").exists()

@@ -6,6 +6,7 @@ import dagster as dg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import build_extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.settings import Settings
@@ -39,7 +40,13 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         here = replace(settings, pg_dsn=event_store.dsn, schema=event_store.schema_name, warehouse=warehouse.root)
         # The default (Arrow into Delta with delta-rs) starts no JVM: Spark is asked for only if needed.
         extractor = build_extractor(here, lambda: spark.spark_session, progress=context.log.info)
-        result = extractor.run(slice_range, run_id=context.run.run_id)
+        try:
+            result = extractor.run(slice_range, run_id=context.run.run_id)
+        except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
+            known = explain(exc)
+            if known is None:
+                raise
+            raise dg.Failure(description=str(known), allow_retries=isinstance(known, Retryable)) from None
         context.log.info(
             f"{slice_range.key}: {result.rows} events in {result.batches} batches below horizon {result.horizon}; "
             f"{result.events_behind} committed events wait behind it"

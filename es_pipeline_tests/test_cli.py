@@ -1,0 +1,53 @@
+"""Bad input at the command line: one line that says what is wrong and what to do, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+CLI = str(Path(sys.executable).parent / "es-pipeline")
+
+
+def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def _one_line(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    for w in words:
+        assert w in done.stderr, done.stderr
+
+
+def test_an_unwritable_warehouse(dsn: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    done = _cli(["extract"], ES_PIPELINE_PG_DSN=dsn, ES_PIPELINE_WAREHOUSE=str(blocker / "warehouse"))
+    _one_line(done, "warehouse cannot be written", "ES_PIPELINE_WAREHOUSE")
+
+
+@pytest.mark.parametrize("command", [["extract"], ["status"]])
+def test_a_store_never_migrated(empty_dsn: str, tmp_path: Path, command: list[str]) -> None:
+    done = _cli(command, ES_PIPELINE_PG_DSN=empty_dsn, ES_PIPELINE_WAREHOUSE=str(tmp_path / "w"))
+    _one_line(done, "not migrated", "es-pipeline db migrate")
+    assert not (tmp_path / "w").exists(), "nothing was created"
+
+
+def test_a_role_without_grants(dsn: str, tmp_path: Path) -> None:
+    role = f"es_no_grants_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP ROLE IF EXISTS {role}")
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        done = _cli(["status"], ES_PIPELINE_PG_DSN=make_conninfo(dsn, user=role))
+        _one_line(done, "lacks a privilege", "permission denied")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE {role}")
