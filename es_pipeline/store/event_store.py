@@ -6,6 +6,7 @@ Knows nothing of Dagster or Spark. Every identifier goes through `sql.Identifier
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -59,13 +60,19 @@ _EVENT_COLUMNS = (
 )
 
 
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")  # an escaped NUL, not an escaped backslash before "u0000"
+
+
 def _encode(stream_id: str, what: str, value: Mapping[str, Any]) -> str:
     if not isinstance(value, Mapping):
         raise InvalidAppend(stream_id, f"the {what} must be a JSON object (a dict), got {type(value).__name__}")
     try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidAppend(stream_id, f"the {what} is not JSON-serialisable ({exc})") from None
+    if _JSON_NUL.search(text):
+        raise InvalidAppend(stream_id, f"the {what} holds a NUL character (\\u0000), which jsonb cannot store")
+    return text
 
 
 def _validate(stream_id: str, stream_type: str, events: Sequence[NewEvent], expected_version: int) -> None:
@@ -77,6 +84,10 @@ def _validate(stream_id: str, stream_type: str, events: Sequence[NewEvent], expe
         )
     if not stream_type:
         raise InvalidAppend(stream_id, "the stream type must be a non-empty string")
+    names = [("stream id", stream_id), ("stream type", stream_type), *(("event type", e.event_type) for e in events)]
+    for name, text in names:
+        if "\x00" in text:
+            raise InvalidAppend(stream_id.replace("\x00", "\\x00"), f"the {name} holds a NUL character, which text cannot store")
     if not events:
         raise InvalidAppend(stream_id, "the list of events is empty; append at least one event")
     if expected_version < 0:

@@ -81,6 +81,9 @@ def test_wrong_expected_version_raises_and_writes_nothing(dsn: str) -> None:
         ("s-1", [NewEvent("X", {"v": float("nan")})], "not JSON-serialisable"),
         ("x" * 201, [NewEvent("X", {})], "at most 200 allowed"),
         ("", [NewEvent("X", {})], "non-empty string"),
+        ("s-\x00-1", [NewEvent("X", {})], "stream id holds a NUL character"),
+        ("s-1", [NewEvent("X\x00", {})], "event type holds a NUL character"),
+        ("s-1", [NewEvent("X", {"note": "a\x00b"})], "payload holds a NUL character"),
     ],
 )
 def test_bad_appends_are_refused_with_a_clear_error_and_write_nothing(
@@ -91,6 +94,11 @@ def test_bad_appends_are_refused_with_a_clear_error_and_write_nothing(
         store.append(stream_id, "cart", events, 0)
     assert _count(dsn) == 0
     assert _count(dsn, "es.streams") == 0
+
+
+def test_a_backslash_before_u0000_is_text_not_a_nul(dsn: str) -> None:
+    EventStore(dsn).append("s-1", "cart", [NewEvent("X", {"path": "C:\\u0000"})], 0)
+    assert _count(dsn) == 1
 
 
 def test_slice_is_stable_in_range_and_spreads_streams_evenly(dsn: str) -> None:
