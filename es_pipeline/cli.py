@@ -24,6 +24,7 @@ from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import sql_over_lake
 from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
 from es_pipeline.settings import Settings
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
 
@@ -34,6 +35,9 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
         print(f"local PostgreSQL {state} on 127.0.0.1:{settings.local_pg_port} (data in {local_server.PGDATA})")
     elif args.action == "stop":
         print("local PostgreSQL stopped" if local_server.stop() else "local PostgreSQL was not running")
+    elif args.action == "roles":
+        n = roles.apply(settings.pg_dsn, settings.schema)
+        print(f"-- {n} statements applied: roles {', '.join(roles.ROLES)} (docs/security.md)")
     elif args.action == "migrate":
         applied = migrate(settings.pg_dsn, settings.schema)
         if applied:
@@ -142,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     db = sub.add_parser("db", help="the local PostgreSQL server and the event-store migrations")
-    db.add_argument("action", choices=["start", "stop", "migrate"])
+    db.add_argument("action", choices=["start", "stop", "migrate", "roles"],
+                    help="roles: create es_pipeline's group roles and their grants (idempotent; prints the SQL)")
     db.set_defaults(func=_db)
 
     demo = sub.add_parser("demo", help="demo workloads")

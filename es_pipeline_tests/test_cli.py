@@ -51,3 +51,11 @@ def test_a_role_without_grants(dsn: str, tmp_path: Path) -> None:
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"DROP ROLE {role}")
+
+
+def test_db_roles_prints_what_it_grants_and_can_run_again(dsn: str) -> None:
+    first = _cli(["db", "roles"], ES_PIPELINE_PG_DSN=dsn)
+    again = _cli(["db", "roles"], ES_PIPELINE_PG_DSN=dsn)
+    assert first.returncode == again.returncode == 0, first.stderr
+    assert 'GRANT pg_read_all_stats TO "es_pipeline_extractor";' in first.stdout
+    assert first.stdout == again.stdout

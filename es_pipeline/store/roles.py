@@ -1,0 +1,76 @@
+"""The role model: what each part of a deployment may do in the event store, as SQL a DBA can read.
+
+Four group roles (NOLOGIN); a DBA grants one to each login role (`GRANT es_pipeline_extractor TO etl`):
+
+- `es_pipeline_owner`: owns the schemas and runs `es-pipeline db migrate`.
+- `es_pipeline_writer`: the applications. Appends events (INSERT on every column but `tx_id`, which
+  the store fills with the writing transaction's id), reads and versions streams, loads snapshots.
+  No UPDATE or DELETE of events (the append-only trigger refuses them anyway).
+- `es_pipeline_extractor`: es_pipeline's runs, sensor, checks and `status`. Reads the store; writes
+  only es_pipeline's own tables (offsets, pending batches, sinks, lake commits); `pg_read_all_stats`,
+  so that the age of other roles' open transactions (what holds the horizon back) is seen, not 0.
+- `es_pipeline_snapshots`: the snapshot write-back. Writes `snapshots` and nothing else.
+
+`es-pipeline db roles` applies it (idempotent) as a role that may create roles and grant on the
+schemas (the owner or a superuser), and prints every statement. docs/security.md has the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from psycopg import sql
+
+from es_pipeline.store.conninfo import connect
+
+OWNER = "es_pipeline_owner"
+WRITER = "es_pipeline_writer"
+EXTRACTOR = "es_pipeline_extractor"
+SNAPSHOTS = "es_pipeline_snapshots"
+ROLES = (OWNER, WRITER, EXTRACTOR, SNAPSHOTS)
+OWN_SCHEMA = "es_pipeline"  # es_pipeline's own tables (offsets, pending batches, sinks, lake commits)
+# The columns a writer may set; tx_id, global_position, slice and recorded_at are the store's.
+WRITER_EVENT_COLUMNS = ("stream_id", "stream_type", "version", "event_type", "payload", "metadata")
+
+
+def statements(schema: str) -> list[sql.Composed]:
+    """Every statement of the role model for the store in `schema`, in order; each is safe to repeat."""
+    s, own = sql.Identifier(schema), sql.Identifier(OWN_SCHEMA)
+    owner, writer, extractor, snapshots = (sql.Identifier(r) for r in ROLES)
+    table = lambda name: sql.Identifier(schema, name)  # noqa: E731 - a one-line helper for the list below
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in WRITER_EVENT_COLUMNS)
+    out: list[sql.Composed] = [
+        sql.SQL(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {name}) "
+            "THEN CREATE ROLE {role} NOLOGIN; END IF; END $$"
+        ).format(name=sql.Literal(r), role=sql.Identifier(r))
+        for r in ROLES
+    ]
+    out += [
+        sql.SQL("GRANT USAGE ON SCHEMA {} TO {}, {}, {}").format(s, writer, extractor, snapshots),
+        sql.SQL("GRANT ALL ON SCHEMA {}, {} TO {}").format(s, own, owner),
+        # writer: append, version streams, read streams and snapshots
+        sql.SQL("GRANT SELECT ON {}, {}, {} TO {}").format(table("events"), table("streams"), table("snapshots"),
+                                                           writer),
+        sql.SQL("GRANT INSERT ({}) ON {} TO {}").format(columns, table("events"), writer),
+        sql.SQL("GRANT INSERT, UPDATE ON {} TO {}").format(table("streams"), writer),
+        # extractor: read the store, write es_pipeline's own tables only
+        sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, extractor),
+        sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(own, extractor),
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}").format(own, extractor),
+        sql.SQL("GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
+        sql.SQL("GRANT pg_read_all_stats TO {}").format(extractor),
+        # snapshot write-back: the snapshots table, nothing else
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(table("snapshots"), snapshots),
+    ]
+    return out
+
+
+def apply(dsn: str, schema: str, *, echo: Callable[[str], None] = print) -> int:
+    """Apply the role model to the store at `dsn` in one transaction; echo each statement. Returns their count."""
+    todo = statements(schema)
+    with connect(dsn) as conn, conn.transaction():
+        for statement in todo:
+            echo(statement.as_string(conn) + ";")
+            conn.execute(statement)
+    return len(todo)

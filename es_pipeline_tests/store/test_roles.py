@@ -1,0 +1,105 @@
+"""The role model (`es-pipeline db roles`): each role can do its part and nothing more, and the whole
+extraction path — runs, status, the sensor's probe, the checks — works as the extractor role."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from es_pipeline.extraction import offsets, reader
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.probe import probe
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.extraction.status import status_report
+from es_pipeline.settings import Settings
+from es_pipeline.store import roles
+from es_pipeline.store.event_store import EventStore, NewEvent, Snapshot
+from es_pipeline.store.migrations import migrate
+from es_pipeline_tests.support.lakecheck import source_events
+
+
+@pytest.fixture
+def logins(dsn: str) -> Iterator[dict[str, str]]:
+    """A login role per group role, on a store with the role model applied: {group role: its DSN}."""
+    printed: list[str] = []
+    roles.apply(dsn, "es", echo=printed.append)
+    assert roles.apply(dsn, "es", echo=lambda _: None) == len(printed), "applying again is the same, and works"
+    assert any("GRANT INSERT (" in p for p in printed)
+    made = {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for group in (roles.WRITER, roles.EXTRACTOR, roles.SNAPSHOTS):
+            login = f"t_{group}_{os.getpid()}"
+            conn.execute(f"DROP ROLE IF EXISTS {login}")
+            conn.execute(f"CREATE ROLE {login} LOGIN IN ROLE {group}")
+            made[group] = login
+    yield {group: make_conninfo(dsn, user=login) for group, login in made.items()}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for login in made.values():
+            conn.execute(f"DROP ROLE {login}")
+
+
+def _denied(dsn: str, statement: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        try:
+            conn.execute(statement)
+        except psycopg.errors.InsufficientPrivilege:
+            return True
+    return False
+
+
+def test_each_role_does_its_part_and_no_more(dsn: str, logins: dict[str, str], tmp_path: Path) -> None:
+    writer, extractor, snapshots = logins[roles.WRITER], logins[roles.EXTRACTOR], logins[roles.SNAPSHOTS]
+    store = EventStore(writer)
+    for i in range(20):
+        store.append(f"acct-{i}", "account", [NewEvent("Opened", {"i": i}), NewEvent("Deposited", {"n": i})], 0)
+    assert _denied(writer, "INSERT INTO es.events (tx_id, stream_id, stream_type, version, event_type, payload) "
+                           "VALUES (pg_current_xact_id(), 'x', 't', 1, 'E', '{}')"), "a writer cannot set tx_id"
+    assert _denied(writer, "DELETE FROM es.events"), "a writer cannot delete events"
+    assert _denied(writer, "SELECT * FROM es_pipeline.offsets"), "a writer cannot touch es_pipeline's tables"
+
+    # Extraction, status, the probe and the checks' queries, all as the extractor.
+    assert migrate(extractor) == [], "an up-to-date store needs no CREATE from the extractor"
+    warehouse = tmp_path / "warehouse"
+    assert Extractor(extractor, None, warehouse).run(SliceRange(0, 1023)).rows == 40
+    settings = Settings.from_env({"ES_PIPELINE_PG_DSN": extractor, "ES_PIPELINE_SLICE_RANGES": "2"})
+    assert "0512-1023" in status_report(settings)
+    with psycopg.connect(extractor) as conn:
+        assert probe(conn, "es", offsets.EVENTS_CONSUMER) is not None
+        assert sum(offsets.counts_below_watermarks(conn, "es", offsets.EVENTS_CONSUMER).values()) == 40
+    assert len(source_events(extractor)) == 40
+    assert _denied(extractor, "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                              "VALUES ('x', 't', 1, 'E', '{}')"), "the extractor cannot write the store"
+    assert _denied(extractor, "INSERT INTO es.snapshots (stream_id, stream_type, version, state, revision) "
+                              "VALUES ('x', 't', 1, '{}', 1)")
+
+    # The lag figure sees a writer's open transaction (pg_read_all_stats), as a superuser would.
+    opened, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(writer) as conn:
+            conn.execute("SELECT pg_current_xact_id()")
+            opened.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        opened.wait(10)
+        time.sleep(1.2)
+        with psycopg.connect(extractor) as conn:
+            assert reader.oldest_open_transaction_seconds(conn) >= 1.0
+    finally:
+        release.set()
+        holder.join()
+
+    # The snapshot write-back: snapshots, and nothing else.
+    EventStore(snapshots).write_snapshots([Snapshot("acct-1", "account", 2, {"balance": 1}, 1)])
+    assert _denied(snapshots, "SELECT count(*) FROM es.events")
+    assert _denied(snapshots, "SELECT count(*) FROM es_pipeline.offsets")
