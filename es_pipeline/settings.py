@@ -57,6 +57,7 @@ class Settings:
     batch_bytes: int = DEFAULT_BATCH_BYTES
     pg_bindir: Path | None = None  # server binaries for the local server (default: pg_config's, Debian's)
     pg_dsn_from_env: bool = False  # ES_PIPELINE_PG_DSN set: Dagster gets it as an EnvVar, never its value
+    snapshot_dsn: str | None = None  # the snapshot write-back's own role (default: pg_dsn's)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -81,6 +82,7 @@ class Settings:
             batch_bytes=_bytes(env, "ES_PIPELINE_BATCH_BYTES", DEFAULT_BATCH_BYTES),
             pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
             pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
+            snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
         )
 
 

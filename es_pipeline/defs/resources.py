@@ -18,9 +18,15 @@ class EventStoreResource(dg.ConfigurableResource):
 
     dsn: str
     schema_name: str = "es"
+    # The snapshot write-back's own login (role es_pipeline_snapshots, docs/security.md); None: `dsn`.
+    snapshot_dsn: str | None = None
 
     def store(self) -> EventStore:
         return EventStore(self.dsn, self.schema_name)
+
+    def snapshot_store(self) -> EventStore:
+        """The store as the snapshot write-back reaches it."""
+        return EventStore(self.snapshot_dsn or self.dsn, self.schema_name)
 
 
 class WarehouseResource(dg.ConfigurableResource):
@@ -48,8 +54,9 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     `dg.EnvVar("ES_PIPELINE_PG_DSN")`: the UI and Dagster's storage keep the variable's name, not its value.
     Only the local development server's DSN (no password) is given as a value."""
     dsn: Any = dg.EnvVar("ES_PIPELINE_PG_DSN") if settings.pg_dsn_from_env else settings.pg_dsn
+    snapshot_dsn: Any = dg.EnvVar("ES_PIPELINE_SNAPSHOT_DSN") if settings.snapshot_dsn else None
     return {
-        "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema),
+        "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn),
         "warehouse": WarehouseResource(path=str(settings.warehouse)),
         "spark": SparkResource(
             spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)

@@ -43,7 +43,8 @@ def test_a_canary_password_appears_in_no_output_and_nowhere_in_dagsters_storage(
     env = {**os.environ, "DAGSTER_HOME": str(home), "ES_PIPELINE_WAREHOUSE": str(tmp_path / "warehouse"),
            "ES_PIPELINE_SLICE_RANGES": "1", "ES_PIPELINE_AUTOMATION": "off",
            # the local server trusts its clients: the password is carried everywhere, and checked nowhere
-           "ES_PIPELINE_PG_DSN": make_conninfo(dsn, password=canary)}
+           "ES_PIPELINE_PG_DSN": make_conninfo(dsn, password=canary),
+           "ES_PIPELINE_SNAPSHOT_DSN": make_conninfo(dsn, password=canary)}
     materialize = [str(BIN / "dagster"), "asset", "materialize", "-m", "es_pipeline.definitions",
                    "--select", "events", "--partition", "0000-1023"]
     ok = _run(materialize, env)
@@ -55,6 +56,7 @@ def test_a_canary_password_appears_in_no_output_and_nowhere_in_dagsters_storage(
     answer = next(ln for ln in resources_page.stdout.splitlines() if ln.startswith('{"data"'))
     configured = json.loads(answer)["data"]["topLevelResourceDetailsOrError"]
     assert {"key": "dsn", "type": "ENV_VAR", "value": "ES_PIPELINE_PG_DSN"} in configured["configuredValues"]
+    assert {"key": "snapshot_dsn", "type": "ENV_VAR", "value": "ES_PIPELINE_SNAPSHOT_DSN"} in configured["configuredValues"]
 
     unreachable = {**env, "ES_PIPELINE_PG_DSN": f"postgresql://postgres:{canary}@127.0.0.1:{free_port()}/es"}
     failed = _run(materialize, unreachable)

@@ -1,4 +1,5 @@
-"""Snapshots reach the store: materialized through Dagster, the store's table equals the lake's latest, row by row."""
+"""Snapshots reach the store: materialized through Dagster (as the extractor's and the snapshot writer's
+logins), the store's table equals the lake's latest, row by row."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import psycopg
 
 from es_pipeline.definitions import build_definitions
 from es_pipeline.defs.projections.assets import stream_state
+from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.checks import snapshots_match_store
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import tables
 from es_pipeline.settings import Settings
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import login_roles
 
 
 def _lake_latest(spark: Any, warehouse: Path) -> dict[str, tuple[int, int, Any]]:
@@ -43,7 +47,10 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
     assets = [stream_state, snapshots]
     resources = dict(defs.resources)
     config = {"ops": {"snapshots": {"config": {"threshold": 5}}}}
-    with dg.instance_for_test() as instance:
+    with login_roles(settings.pg_dsn) as logins, dg.instance_for_test() as instance:
+        # Least privilege: the extractor's login reads the store (it may not write snapshots), the
+        # snapshot writer's own login (ES_PIPELINE_SNAPSHOT_DSN) does the write-back.
+        resources["event_store"] = EventStoreResource(dsn=logins[roles.EXTRACTOR], snapshot_dsn=logins[roles.SNAPSHOTS])
         res = dg.materialize(assets, resources=resources, run_config=config, instance=instance)
         assert res.success
         meta = res.asset_materializations_for_node("snapshots")[0].metadata

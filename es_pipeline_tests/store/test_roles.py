@@ -3,7 +3,6 @@ extraction path — runs, status, the sensor's probe, the checks — works as th
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from es_pipeline.extraction import offsets, reader
 from es_pipeline.extraction.extractor import Extractor
@@ -23,6 +21,7 @@ from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore, NewEvent, Snapshot
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.lakecheck import source_events
+from es_pipeline_tests.support.roles import login_roles
 
 
 @pytest.fixture
@@ -32,17 +31,8 @@ def logins(dsn: str) -> Iterator[dict[str, str]]:
     roles.apply(dsn, "es", echo=printed.append)
     assert roles.apply(dsn, "es", echo=lambda _: None) == len(printed), "applying again is the same, and works"
     assert any("GRANT INSERT (" in p for p in printed)
-    made = {}
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for group in (roles.WRITER, roles.EXTRACTOR, roles.SNAPSHOTS):
-            login = f"t_{group}_{os.getpid()}"
-            conn.execute(f"DROP ROLE IF EXISTS {login}")
-            conn.execute(f"CREATE ROLE {login} LOGIN IN ROLE {group}")
-            made[group] = login
-    yield {group: make_conninfo(dsn, user=login) for group, login in made.items()}
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for login in made.values():
-            conn.execute(f"DROP ROLE {login}")
+    with login_roles(dsn) as made:
+        yield made
 
 
 def _denied(dsn: str, statement: str) -> bool:
