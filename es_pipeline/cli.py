@@ -90,6 +90,7 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     events_path = tables.table_path(settings.warehouse, "events")
+    args.consumer = args.consumer or offsets.events_consumer(settings.schema)
     if args.action == "rebase":
         done = rebase(settings.pg_dsn, settings.schema, args.consumer, events_path)
         if done is None:
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("action", choices=["reset", "rebase"],
                      help="reset: forget them (to rebuild a lost lake from scratch); rebase: after the store moved "
                      "to another cluster (a restore, a cut-over), bring every event the lake lacks into it exactly once")
-    off.add_argument("--consumer", default="events")
+    off.add_argument("--consumer", help="default: the store's own (`events`, or `events:<schema>` for another schema)")
     off.add_argument("--lake-removed", action="store_true",
                      help="the lake's events table is gone, though it cannot be checked from here")
     off.set_defaults(func=_offsets)

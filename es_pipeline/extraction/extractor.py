@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from es_pipeline.errors import ConfigError, LakeStoreDiverged
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import EVENTS_CONSUMER, Batch, OffsetSession
+from es_pipeline.extraction.offsets import Batch, OffsetSession, events_consumer
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
@@ -111,7 +111,7 @@ class Extractor:
     spark: Any  # may be None with the delta-rs writer and no JDBC reads: then no JVM is started
     warehouse: Path
     schema: str = "es"
-    consumer: str = EVENTS_CONSUMER
+    consumer: str = ""  # default: the store's own (offsets.events_consumer of `schema`)
     batch_events: int = DEFAULT_BATCH_EVENTS
     batch_bytes: int = DEFAULT_BATCH_BYTES  # by the backlog's average row width (reader.average_row_bytes)
     writer: str = DEFAULT_WRITER
@@ -126,6 +126,7 @@ class Extractor:
     spark_seconds: float = 0.0  # what starting (or attaching to) Spark cost `build_extractor`
 
     def __post_init__(self) -> None:
+        self.consumer = self.consumer or events_consumer(self.schema)
         if self.writer not in WRITERS:
             raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
         if self.spark is None and self.needs_spark:

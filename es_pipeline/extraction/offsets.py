@@ -35,7 +35,13 @@ from es_pipeline.lake import tables
 from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
-EVENTS_CONSUMER = "events"
+EVENTS_CONSUMER = "events"  # the `events` table's consumer for the default store schema, `es`
+
+
+def events_consumer(schema: str) -> str:
+    """The consumer that extracts the store in `schema`: its offsets, sinks, batches and lock keys are its
+    own, so two stores in one database (two schemas) never share them. `es` keeps the plain name."""
+    return EVENTS_CONSUMER if schema == "es" else f"{EVENTS_CONSUMER}:{schema}"
 
 
 def lock_namespace(consumer: str) -> int:

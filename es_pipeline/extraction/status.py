@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import psycopg
 
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import EVENTS_CONSUMER, OffsetSession, read_watermarks
+from es_pipeline.extraction.offsets import OffsetSession, events_consumer, read_watermarks
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.settings import Settings
 
@@ -57,8 +57,9 @@ def format_table(rows: list[RangeStatus], oldest_open_tx: float) -> str:
 
 def status_report(settings: Settings) -> str:
     """The status table of every range of `settings`, at one horizon."""
-    with OffsetSession(settings.pg_dsn, EVENTS_CONSUMER, run_id="status", label="status") as s:
+    consumer = events_consumer(settings.schema)
+    with OffsetSession(settings.pg_dsn, consumer, run_id="status", label="status") as s:
         s.check_source()  # a moved store would show nothing to do: say so instead
         horizon = s.horizon()
-        rows = [range_status(s.conn, settings.schema, EVENTS_CONSUMER, r, horizon) for r in split(settings.slice_ranges)]
+        rows = [range_status(s.conn, settings.schema, consumer, r, horizon) for r in split(settings.slice_ranges)]
         return format_table(rows, reader.oldest_open_transaction_seconds(s.conn))

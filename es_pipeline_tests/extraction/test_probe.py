@@ -9,7 +9,7 @@ import pytest
 from psycopg import sql
 
 from es_pipeline.dev.workload import bulk_load
-from es_pipeline.extraction.extractor import EVENTS_CONSUMER
+from es_pipeline.extraction.offsets import EVENTS_CONSUMER
 from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe, probe_statement
 from es_pipeline.extraction.slices import split
 from es_pipeline.store.conninfo import connect

@@ -21,6 +21,7 @@ from es_pipeline.store import migrations
 from es_pipeline.store.conninfo import check_server_version, connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import MIGRATIONS, migrate
+from es_pipeline_tests.support.lakecheck import source_events
 
 
 def test_migrating_twice_is_a_no_op(empty_dsn: str) -> None:
@@ -126,3 +127,25 @@ def test_a_schema_of_any_name_is_migrated_appended_extracted_and_reported(
     with psycopg.connect(empty_dsn) as conn:
         assert sum(offsets.counts_below_watermarks(conn, schema, offsets.EVENTS_CONSUMER).values()) == 10
         assert probe(conn, schema, offsets.EVENTS_CONSUMER) is not None
+
+
+def test_two_stores_in_one_database_keep_their_own_offsets_and_lakes(empty_dsn: str, tmp_path: Path) -> None:
+    """Two schemas, two stores, two lakes: each store's consumer (`events`, `events:shop`) has its own offsets,
+    sink, batches and locks, so extracting them by turns brings each event once into its own lake."""
+    lakes = {"es": tmp_path / "es", "shop": tmp_path / "shop"}
+    for schema in lakes:
+        migrate(empty_dsn, schema)
+    for round_ in range(3):
+        for n, schema in enumerate(lakes):
+            store = EventStore(empty_dsn, schema)
+            for i in range(4 + n):
+                store.append(f"{schema}-{round_}-{i}", "doc", [NewEvent("Written", {"r": round_})], 0)
+            Extractor(empty_dsn, None, lakes[schema], schema=schema).run(SliceRange(0, 1023))
+    for schema, lake in lakes.items():
+        rows = DeltaTable(str(lake / "events")).to_pyarrow_table(columns=["stream_id", "version"])
+        keys = list(zip(rows["stream_id"].to_pylist(), rows["version"].to_pylist(), strict=True))
+        assert len(keys) == len(set(keys)) == len(source_events(empty_dsn, schema)) == 3 * (4 + list(lakes).index(schema))
+        assert set(keys) == set(source_events(empty_dsn, schema))
+    with psycopg.connect(empty_dsn) as conn:
+        consumers = {r[0] for r in conn.execute("SELECT consumer FROM es_pipeline.sinks").fetchall()}
+    assert consumers == {"events", "events:shop"}

@@ -4,7 +4,7 @@ import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
-from es_pipeline.extraction.offsets import EVENTS_CONSUMER
+from es_pipeline.extraction.offsets import events_consumer
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
 from es_pipeline.store.conninfo import connect
@@ -34,8 +34,9 @@ def events_versions_contiguous(
     if not gaps:
         return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0})
     ids = [r["stream_id"] for r in gaps]
+    consumer = events_consumer(event_store.schema_name)
     with connect(event_store.dsn) as conn:
-        due = offsets.events_below_watermarks(conn, event_store.schema_name, EVENTS_CONSUMER, ids)
+        due = offsets.events_below_watermarks(conn, event_store.schema_name, consumer, ids)
     have = {(r["stream_id"], r["version"]) for r in df.where(df.stream_id.isin(ids)).select("stream_id", "version").collect()}
     missing = sorted(set(due) - have)
     return dg.AssetCheckResult(
@@ -53,11 +54,12 @@ def events_versions_contiguous(
 def events_reconcile_with_source(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.AssetCheckResult:
+    consumer = events_consumer(event_store.schema_name)
     with connect(event_store.dsn) as conn:
-        pending = offsets.pending_batch_ids(conn, EVENTS_CONSUMER)
-        source = offsets.counts_below_watermarks(conn, event_store.schema_name, EVENTS_CONSUMER)
-        marks = offsets.read_watermarks(conn, EVENTS_CONSUMER, range(NUM_SLICES))
-        rebased = offsets.rebased_below(conn, EVENTS_CONSUMER)
+        pending = offsets.pending_batch_ids(conn, consumer)
+        source = offsets.counts_below_watermarks(conn, event_store.schema_name, consumer)
+        marks = offsets.read_watermarks(conn, consumer, range(NUM_SLICES))
+        rebased = offsets.rebased_below(conn, consumer)
     session = spark.spark_session
     df = tables.read(session, tables.table_path(warehouse.root, "events"))
     if pending:  # rows of a batch whose offsets did not commit yet (a crash): not counted on either side

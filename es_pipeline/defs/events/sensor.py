@@ -7,7 +7,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from es_pipeline.defs.events.asset import RANGE_TAG
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
-from es_pipeline.extraction.offsets import EVENTS_CONSUMER, check_source
+from es_pipeline.extraction.offsets import check_source, events_consumer
 from es_pipeline.extraction.probe import decide, format_cursor, parse_cursor, probe
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.store.conninfo import connect
@@ -36,8 +36,9 @@ def build_new_events_sensor(
     ) -> dg.SensorResult | dg.SkipReason:
         try:
             with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
-                check_source(conn, EVENTS_CONSUMER)
-                found = probe(conn, event_store.schema_name, EVENTS_CONSUMER)
+                consumer = events_consumer(event_store.schema_name)
+                check_source(conn, consumer)
+                found = probe(conn, event_store.schema_name, consumer)
         except (ReadOnlyStore, SourceChanged, XidSpaceWentBack) as exc:
             return dg.SkipReason(f"no run was requested: {exc}")
         except (EsPipelineError, psycopg.Error) as exc:
