@@ -125,8 +125,9 @@ def test_a_schema_of_any_name_is_migrated_appended_extracted_and_reported(
                                   "ES_PIPELINE_SLICE_RANGES": "1"})
     assert "0000-1023" in status_report(settings)
     with psycopg.connect(empty_dsn) as conn:
-        assert sum(offsets.counts_below_watermarks(conn, schema, offsets.EVENTS_CONSUMER).values()) == 10
-        assert probe(conn, schema, offsets.EVENTS_CONSUMER) is not None
+        consumer = offsets.events_consumer(schema)  # this store's own offsets
+        assert sum(offsets.counts_below_watermarks(conn, schema, consumer).values()) == 10
+        assert probe(conn, schema, consumer) is not None
 
 
 def test_two_stores_in_one_database_keep_their_own_offsets_and_lakes(empty_dsn: str, tmp_path: Path) -> None:
