@@ -60,6 +60,7 @@ def tls_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
         admin = make_conninfo(c.admin_dsn, host="localhost", sslmode="verify-full", sslrootcert=str(ca))
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute("CREATE DATABASE es_tls")
+            conn.execute("SET password_encryption = 'scram-sha-256'")  # 13's default is md5
             conn.execute(f"CREATE ROLE {SECRET_ROLE} LOGIN SUPERUSER PASSWORD '{SECRET}'")
         dsn = make_conninfo(admin, dbname="es_tls")
         migrate(dsn)
