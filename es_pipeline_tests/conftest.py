@@ -14,7 +14,9 @@ import pytest
 from es_pipeline.dev import local_server
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings, local_pg_dsn
+from es_pipeline.store import roles
 from es_pipeline.store.migrations import migrate
+from es_pipeline_tests.support.roles import StoreDsn, login_roles
 
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
@@ -35,23 +37,33 @@ def pg_server() -> str:
 
 @pytest.fixture(scope="session")
 def template_db(pg_server: str) -> Iterator[str]:
-    """A migrated database that every test's database is cloned from (CREATE DATABASE … TEMPLATE)."""
+    """A migrated database with the role model applied, that every test's database is cloned from
+    (CREATE DATABASE … TEMPLATE keeps the grants)."""
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}"')
         conn.execute(f'CREATE DATABASE "{TEMPLATE_DB}"')
     migrate(_dsn(TEMPLATE_DB))
+    roles.apply(_dsn(TEMPLATE_DB), "es", echo=lambda _: None)
     yield TEMPLATE_DB
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def logins(pg_server: str, template_db: str) -> Iterator[dict[str, str]]:
+    """The session's login roles, one per group role: {group role: login role}."""
+    with login_roles(pg_server) as made:
+        yield made
+
+
 @pytest.fixture
-def dsn(pg_server: str, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database for one test."""
+def dsn(pg_server: str, template_db: str, logins: dict[str, str]) -> Iterator[StoreDsn]:
+    """A fresh, migrated database for one test: a superuser's DSN, with `.extractor` (what es_pipeline
+    runs as), `.writer` and `.snapshots`."""
     name = f"es_test_{os.getpid()}_{next(_counter)}"
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield _dsn(name)
+    yield StoreDsn.of(_dsn(name), logins)
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -89,8 +101,9 @@ def warehouse(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def settings(dsn: str, warehouse: Path) -> Settings:
-    return replace(Settings.from_env(), pg_dsn=dsn, warehouse=warehouse, spark_master="local[2]")
+def settings(dsn: StoreDsn, warehouse: Path) -> Settings:
+    """es_pipeline's settings for one test: it logs in as the extractor role."""
+    return replace(Settings.from_env(), pg_dsn=dsn.extractor, warehouse=warehouse, spark_master="local[2]")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

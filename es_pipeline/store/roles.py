@@ -58,7 +58,8 @@ def statements(schema: str) -> list[sql.Composed]:
         sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, extractor),
         sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}").format(own, extractor),
-        sql.SQL("GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
+        # UPDATE: setval, when a lake adopted after a restore carries batch ids above the sequence
+        sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT pg_read_all_stats TO {}").format(extractor),
         # snapshot write-back: the snapshots table, nothing else
         sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(table("snapshots"), snapshots),

@@ -19,6 +19,7 @@ from es_pipeline.lake.spark import spark_conf
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _resources(s: Settings) -> dict[str, Any]:
@@ -34,8 +35,10 @@ def _run(check: Any, r: dict[str, Any]) -> dg.AssetCheckResult:
     return check(**{k: v for k, v in r.items() if k in names})
 
 
-def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(settings: Settings, spark: Any, warehouse: Path) -> None:
-    run_workload(EventStore(settings.pg_dsn), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
+def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    run_workload(EventStore(dsn.writer), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(settings.pg_dsn, spark, warehouse).run(SliceRange(0, 1023))
     update_stream_state(spark, warehouse)
     r = _resources(settings)

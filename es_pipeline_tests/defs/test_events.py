@@ -15,6 +15,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _defs(settings: Settings, spark: Any) -> dg.Definitions:
@@ -23,7 +24,7 @@ def _defs(settings: Settings, spark: Any) -> dg.Definitions:
 
 
 def test_sensor_requests_one_run_per_range_with_new_events_and_skips_when_none(
-    settings: Settings, spark: Any, warehouse: Path
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
     defs = _defs(settings, spark)
     sensor = defs.resolve_sensor_def("new_events_sensor")
@@ -31,7 +32,7 @@ def test_sensor_requests_one_run_per_range_with_new_events_and_skips_when_none(
         ctx = dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]})
         result = sensor(ctx)
         assert isinstance(result, dg.SensorResult) and not result.run_requests
-        run_workload(EventStore(settings.pg_dsn), streams=200, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
+        run_workload(EventStore(dsn.writer), streams=200, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
         ctx = dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]})
         result = sensor(ctx)
         assert isinstance(result, dg.SensorResult)
@@ -57,9 +58,9 @@ def test_sensor_read_failure_is_a_skip_with_the_reason(settings: Settings, spark
 
 
 def test_materializing_every_partition_puts_each_event_in_the_lake_once(
-    settings: Settings, spark: Any, warehouse: Path
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
-    run_workload(EventStore(settings.pg_dsn), streams=100, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01)
+    run_workload(EventStore(dsn.writer), streams=100, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01)
     defs = _defs(settings, spark)
     events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2))
     # The Spark resource's getOrCreate() returns the test session's one session: no second JVM.
@@ -71,7 +72,7 @@ def test_materializing_every_partition_puts_each_event_in_the_lake_once(
             meta = res.asset_materializations_for_node("events")[0].metadata
             assert isinstance(meta["dagster/row_count"].value, int)
             assert meta["events_behind_horizon"].value == 0
-    assert assert_exactly_once(spark, warehouse, settings.pg_dsn) == 600
+    assert assert_exactly_once(spark, warehouse, dsn) == 600
 
 
 def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, warehouse: Path) -> None:

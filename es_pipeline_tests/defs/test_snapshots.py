@@ -18,10 +18,9 @@ from es_pipeline.defs.snapshots.checks import snapshots_match_store
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import tables
 from es_pipeline.settings import Settings
-from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
-from es_pipeline_tests.support.roles import login_roles
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _lake_latest(spark: Any, warehouse: Path) -> dict[str, tuple[int, int, Any]]:
@@ -39,18 +38,18 @@ def _store(dsn: str) -> dict[str, tuple[int, int, Any]]:
 
 
 def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_redone(
-    settings: Settings, spark: Any, warehouse: Path
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
-    run_workload(EventStore(settings.pg_dsn), streams=60, events=900, writers=2, rollback_rate=0, max_commit_delay=0)
+    run_workload(EventStore(dsn.writer), streams=60, events=900, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(settings.pg_dsn, spark, warehouse)
     defs = build_definitions(settings)
     assets = [stream_state, snapshots]
     resources = dict(defs.resources)
     config = {"ops": {"snapshots": {"config": {"threshold": 5}}}}
-    with login_roles(settings.pg_dsn) as logins, dg.instance_for_test() as instance:
+    with dg.instance_for_test() as instance:
         # Least privilege: the extractor's login reads the store (it may not write snapshots), the
         # snapshot writer's own login (ES_PIPELINE_SNAPSHOT_DSN) does the write-back.
-        resources["event_store"] = EventStoreResource(dsn=logins[roles.EXTRACTOR], snapshot_dsn=logins[roles.SNAPSHOTS])
+        resources["event_store"] = EventStoreResource(dsn=dsn.extractor, snapshot_dsn=dsn.snapshots)
         res = dg.materialize(assets, resources=resources, run_config=config, instance=instance)
         assert res.success
         meta = res.asset_materializations_for_node("snapshots")[0].metadata
@@ -60,7 +59,7 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
 
         lake = _lake_latest(spark, warehouse)
         assert len(lake) == taken
-        assert _store(settings.pg_dsn) == lake  # row by row: version, revision and state
+        assert _store(dsn) == lake  # row by row: version, revision and state
 
         def check() -> dg.AssetCheckResult:
             return snapshots_match_store(  # type: ignore[call-arg]
@@ -69,7 +68,7 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
 
         assert check().passed
         # A write-back lost (a run that died after its Delta commit): the check fails, the next run redoes it.
-        with psycopg.connect(settings.pg_dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
             gone = conn.execute("DELETE FROM es.snapshots WHERE stream_id IN "
                                 "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount
         assert gone == 3
@@ -78,5 +77,5 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
         again = dg.materialize([assets[1]], resources=resources, run_config=config, instance=instance)
         meta = again.asset_materializations_for_node("snapshots")[0].metadata
         assert meta["dagster/row_count"].value == 0 and meta["written_back"].value == 3
-        assert _store(settings.pg_dsn) == lake
+        assert _store(dsn) == lake
         assert check().passed

@@ -10,19 +10,23 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError
 from es_pipeline.extraction.slices import split
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.cluster import cluster
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
+from es_pipeline_tests.support.roles import StoreDsn, login_roles
 
 CLI = str(Path(sys.executable).parent / "es-pipeline")
 
@@ -48,16 +52,19 @@ def _extract(env: dict[str, str], key: str) -> subprocess.Popen[bytes]:
 def test_crash_restarts_and_killed_extractions_lose_and_repeat_nothing(spark: Any, tmp_path: Path) -> None:
     rng = random.Random(7)
     warehouse = tmp_path / "warehouse"
-    with cluster("crash") as c:
+    with cluster("crash") as c, ExitStack() as stack:
         with psycopg.connect(c.admin_dsn, autocommit=True) as conn:
             conn.execute('CREATE DATABASE "drill"')
-        dsn = c.admin_dsn.rsplit("/", 1)[0] + "/drill"
-        migrate(dsn)
-        env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn, "ES_PIPELINE_WAREHOUSE": str(warehouse),
+        admin = make_conninfo(c.admin_dsn, dbname="drill")
+        migrate(admin)
+        roles.apply(admin, "es", echo=lambda _: None)
+        logins = stack.enter_context(login_roles(c.admin_dsn))
+        dsn = StoreDsn.of(admin, logins)
+        env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse),
                "ES_PIPELINE_SLICE_RANGES": "4"}
         keys = [r.key for r in split(4)]
         stop = threading.Event()
-        writing = threading.Thread(target=_writers, args=(dsn, stop))
+        writing = threading.Thread(target=_writers, args=(dsn.writer, stop))
         writing.start()
         killed = crashes = 0
         try:

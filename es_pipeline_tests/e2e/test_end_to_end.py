@@ -20,6 +20,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.instance.launcher import PID_TAG
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, source_events
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _lake_keys(warehouse: Path) -> set[tuple[str, int]]:
@@ -38,14 +39,14 @@ def _lake_keys(warehouse: Path) -> set[tuple[str, int]]:
 
 @pytest.mark.timeout(900)
 def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_killed_run(
-    pg_server: str, dsn: str, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_server: str, dsn: StoreDsn, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with dagster_stack(admin_dsn=pg_server, dsn=dsn, tmp=tmp_path) as stack:
+    with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path) as stack:
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
             monkeypatch.setenv(key, stack.env[key])
         instance = dg.DagsterInstance.get()
         stop = threading.Event()
-        writer = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
+        writer = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
             streams=100, events=None, writers=4, rollback_rate=0.1, max_commit_delay=0.2, rate=25.0, stop=stop))
         writer.start()
         killed = None
@@ -93,12 +94,12 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
 
 @pytest.mark.timeout(600)
 def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
-    pg_server: str, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_server: str, dsn: StoreDsn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run blocked for ever (here, on a table lock that never comes) is interrupted by run monitoring
     at `max_runtime_seconds`, marked failed, and the range's next run brings every event exactly once."""
     store = EventStore(dsn)
-    with dagster_stack(admin_dsn=pg_server, dsn=dsn, tmp=tmp_path, slice_ranges=1, sensor_interval=1,
+    with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path, slice_ranges=1, sensor_interval=1,
                        connect=False, max_runtime_seconds=15) as stack:
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
             monkeypatch.setenv(key, stack.env[key])

@@ -28,6 +28,7 @@ from es_pipeline.lake import tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 class Crash(Exception):
@@ -46,7 +47,7 @@ def crash_at(step: str, nth: int = 1):  # type: ignore[no-untyped-def]
     return hook
 
 
-def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
+def naive_poll(dsn: StoreDsn, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
     """The broken extractor that reads by sequence, `global_position > last`, polled while writers write."""
     last = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -65,7 +66,7 @@ def naive_poll(dsn: str, stop: threading.Event, seen: set[tuple[str, int]]) -> N
 
 @pytest.mark.parametrize("writer", ["delta-rs", "spark"])
 def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events(
-    dsn: str, spark: Any, warehouse: Path, writer: str
+    dsn: StoreDsn, spark: Any, warehouse: Path, writer: str
 ) -> None:
     """8 writers, random commit delays, ~10% rollbacks, extraction running all along (both Delta writers)."""
     stop = threading.Event()
@@ -77,7 +78,7 @@ def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_event
             EventStore(dsn), streams=300, events=8000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=4
         ))
     )
-    ex = Extractor(dsn, spark, warehouse, writer=writer)
+    ex = Extractor(dsn.extractor, spark, warehouse, writer=writer)
     EventStore(dsn).append("warm-up", "cart", [NewEvent("ItemAdded", {})], 0)
     ex.run(SliceRange(0, 1023))  # warm up: the table exists, Spark has written once
     naive.start()
@@ -101,7 +102,7 @@ def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_event
     assert lost, "the naive `global_position > last` extractor should have lost events"
 
 
-def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_rollbacks_and_position_gaps_are_invisible(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     store = EventStore(dsn)
     store.append("a", "cart", [NewEvent("ItemAdded", {"n": 1})], 0)
     with store.connect() as conn, conn.transaction():
@@ -111,7 +112,7 @@ def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehou
     with psycopg.connect(dsn) as conn:
         positions = [r[0] for r in conn.execute("SELECT global_position FROM es.events ORDER BY 1")]
     assert positions[1] - positions[0] > 1, "the rollback left a gap in global_position"
-    assert extract_all(dsn, spark, warehouse, 8) == 2
+    assert extract_all(dsn.extractor, spark, warehouse, 8) == 2
     assert assert_exactly_once(spark, warehouse, dsn) == 2
 
 
@@ -125,123 +126,123 @@ def test_rollbacks_and_position_gaps_are_invisible(dsn: str, spark: Any, warehou
     ],
 )
 def test_crash_at_a_step_then_rerun_is_exactly_once(
-    dsn: str, spark: Any, warehouse: Path, step: str, crashed_writer: str, rerun_writer: str
+    dsn: StoreDsn, spark: Any, warehouse: Path, step: str, crashed_writer: str, rerun_writer: str
 ) -> None:
     run_workload(EventStore(dsn), streams=50, events=800, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=1)
     r = SliceRange(0, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, writer=crashed_writer, on_step=crash_at(step)).run(r)
+        Extractor(dsn.extractor, spark, warehouse, writer=crashed_writer, on_step=crash_at(step)).run(r)
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
-    result = Extractor(dsn, spark, warehouse, writer=rerun_writer).run(r)
+    result = Extractor(dsn.extractor, spark, warehouse, writer=rerun_writer).run(r)
     assert result.replayed_batches == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 800
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (0,)
 
 
-def test_crash_midway_through_a_multi_interval_backfill(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_crash_midway_through_a_multi_interval_backfill(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     bulk_load(dsn, events=5000, streams=100, events_per_tx=250)
     r = SliceRange(0, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, batch_events=1000, on_step=crash_at("delta_committed", nth=3)).run(r)
-    result = Extractor(dsn, spark, warehouse, batch_events=1000).run(r)
+        Extractor(dsn.extractor, spark, warehouse, batch_events=1000, on_step=crash_at("delta_committed", nth=3)).run(r)
+    result = Extractor(dsn.extractor, spark, warehouse, batch_events=1000).run(r)
     assert result.replayed_batches == 1
     assert result.batches >= 2
     assert max(result.batch_rows) <= 1500, "intervals stay near the target size"
     assert assert_exactly_once(spark, warehouse, dsn) == 5000
 
 
-def test_the_jdbc_read_path_is_exactly_once_too(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_the_jdbc_read_path_is_exactly_once_too(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """Large batches can be read by Spark's executors over JDBC, bounded by the same fixed H."""
     bulk_load(dsn, events=3000, streams=100, events_per_tx=500)
     r = SliceRange(0, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1,
+        Extractor(dsn.extractor, spark, warehouse, batch_events=1000, jdbc_min_rows=1,
                   on_step=crash_at("delta_committed", nth=2)).run(r)
-    result = Extractor(dsn, spark, warehouse, batch_events=1000, jdbc_min_rows=1).run(r)
+    result = Extractor(dsn.extractor, spark, warehouse, batch_events=1000, jdbc_min_rows=1).run(r)
     assert result.replayed_batches == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 3000
 
 
-def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     new_lake = tmp_path / "moved"
     with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
-        Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, spark, new_lake).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         offsets.reset(conn, "events")
-    Extractor(dsn, spark, new_lake).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, new_lake).run(SliceRange(0, 1023))
     assert assert_exactly_once(spark, new_lake, dsn) == 100
 
 
 def test_a_lost_lake_is_refused_for_offsets_older_than_the_sink_record(
-    dsn: str, spark: Any, warehouse: Path, tmp_path: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path
 ) -> None:
     """Offsets written before es_pipeline.sinks existed (no record): a run that creates the table refuses."""
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         conn.execute("DELETE FROM es_pipeline.sinks")
     with pytest.raises(LakeOffsetsMismatch, match="was just created"):
-        Extractor(dsn, spark, tmp_path / "moved").run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, spark, tmp_path / "moved").run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.sinks").fetchone() == (0,), "nothing recorded"
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # the old lake is recorded on its next run
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))  # the old lake is recorded on its next run
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(warehouse / "events"),)
 
 
-def test_a_lost_lake_stays_refused_on_the_run_after_the_refusal(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+def test_a_lost_lake_stays_refused_on_the_run_after_the_refusal(dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path) -> None:
     """The refused run created the new (empty) table: the next run must not take it for the lake."""
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         conn.execute("DELETE FROM es_pipeline.sinks")  # offsets older than the sink record
     for _ in range(2):
         with pytest.raises(LakeOffsetsMismatch):
-            Extractor(dsn, spark, tmp_path / "moved").run(SliceRange(0, 1023))
+            Extractor(dsn.extractor, spark, tmp_path / "moved").run(SliceRange(0, 1023))
 
 
-def test_a_lake_recreated_by_another_range_is_refused(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_lake_recreated_by_another_range_is_refused(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """The lake is lost after one range was extracted; another range (no watermarks yet) recreates the
     table. The first range must not then continue from its watermarks into the new table, which lacks
     its earlier events: the recorded table id tells the two tables apart."""
     run_workload(EventStore(dsn), streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
     low, high = SliceRange(0, 511), SliceRange(512, 1023)
-    Extractor(dsn, spark, warehouse).run(low)
+    Extractor(dsn.extractor, spark, warehouse).run(low)
 
     first_id = tables.table_id(str(warehouse / "events"))
     assert first_id == DeltaTable(str(warehouse / "events")).metadata().id  # read from the first commit alone
     shutil.rmtree(warehouse / "events")
     with pytest.raises(LakeOffsetsMismatch, match="not the one es_pipeline.offsets describes"):
-        Extractor(dsn, spark, warehouse).run(high)  # creates the new table, then refuses
+        Extractor(dsn.extractor, spark, warehouse).run(high)  # creates the new table, then refuses
     with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
-        Extractor(dsn, spark, warehouse).run(low)  # the table exists now: refused all the same
+        Extractor(dsn.extractor, spark, warehouse).run(low)  # the table exists now: refused all the same
     with psycopg.connect(dsn) as conn:
         offsets.reset(conn, "events")
-    Extractor(dsn, spark, warehouse).run(low)
-    Extractor(dsn, spark, warehouse).run(high)
+    Extractor(dsn.extractor, spark, warehouse).run(low)
+    Extractor(dsn.extractor, spark, warehouse).run(high)
     assert assert_exactly_once(spark, warehouse, dsn) == 200
     assert tables.table_id(str(warehouse / "events")) != first_id
 
 
-def test_a_moved_lake_is_the_same_lake(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+def test_a_moved_lake_is_the_same_lake(dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path) -> None:
     """Moving the warehouse keeps the table id: the run goes on from the watermarks, and the new path is recorded."""
     store = EventStore(dsn)
     run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     moved = tmp_path / "moved"
     shutil.move(str(warehouse), str(moved))
     run_workload(store, streams=20, events=50, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
-    assert Extractor(dsn, spark, moved).run(SliceRange(0, 1023)).rows == 50
+    assert Extractor(dsn.extractor, spark, moved).run(SliceRange(0, 1023)).rows == 50
     assert assert_exactly_once(spark, moved, dsn) == 150
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT path FROM es_pipeline.sinks").fetchone() == (str(moved / "events"),)
 
 
-def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """Another run binds the consumer to another table while this one writes: no watermark moves, the
     batch stays pending, and the next run replays it into the table bound then, exactly once."""
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
@@ -252,16 +253,16 @@ def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: s
                 conn.execute("UPDATE es_pipeline.sinks SET table_id = 'another-table'")
 
     with pytest.raises(SinkChanged, match="replays it"):
-        Extractor(dsn, spark, warehouse, on_step=rebind).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, spark, warehouse, on_step=rebind).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.offsets").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
-    result = Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # no watermark yet: it rebinds
+    result = Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))  # no watermark yet: it rebinds
     assert result.replayed_batches == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 100
 
 
-def test_offsets_reset_waits_for_running_extractions(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_offsets_reset_waits_for_running_extractions(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
     holding, release = threading.Event(), threading.Event()
 
@@ -270,7 +271,7 @@ def test_offsets_reset_waits_for_running_extractions(dsn: str, spark: Any, wareh
             holding.set()
             release.wait(60)
 
-    running = threading.Thread(target=lambda: Extractor(dsn, spark, warehouse, on_step=hold).run(split(8)[3]))
+    running = threading.Thread(target=lambda: Extractor(dsn.extractor, spark, warehouse, on_step=hold).run(split(8)[3]))
     running.start()
     assert holding.wait(60)
     try:
@@ -282,26 +283,26 @@ def test_offsets_reset_waits_for_running_extractions(dsn: str, spark: Any, wareh
     assert offsets.reset_when_idle(dsn, "events") == 128  # the run's slices, now forgotten
 
 
-def test_replaying_a_committed_batch_writes_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_replaying_a_committed_batch_writes_nothing(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """Delta's txnAppId/txnVersion: the same batch appended twice lands once."""
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, on_step=crash_at("delta_committed")).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, spark, warehouse, on_step=crash_at("delta_committed")).run(SliceRange(0, 1023))
     version_before = SparkDeltaTable.forPath(spark, str(warehouse / "events")).history(1).first()["version"]
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     version_after = SparkDeltaTable.forPath(spark, str(warehouse / "events")).history(1).first()["version"]
     assert version_after == version_before, "the replay was skipped by Delta, no new commit"
     assert assert_exactly_once(spark, warehouse, dsn) == 200
 
 
-def test_long_open_transaction_holds_the_horizon_and_loses_nothing(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_long_open_transaction_holds_the_horizon_and_loses_nothing(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     store = EventStore(dsn)
     long_tx = store.connect()
     long_tx.execute("BEGIN")
     store.append("slow", "cart", [NewEvent("ItemAdded", {"sku": "slow"})], 0, conn=long_tx)
     run_workload(store, streams=20, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     time.sleep(0.2)
-    ex = Extractor(dsn, spark, warehouse)
+    ex = Extractor(dsn.extractor, spark, warehouse)
     first = ex.run(SliceRange(0, 1023))
     assert first.rows == 0, "everything after the open transaction waits behind the horizon"
     assert first.events_behind == 300
@@ -313,7 +314,7 @@ def test_long_open_transaction_holds_the_horizon_and_loses_nothing(dsn: str, spa
     assert assert_exactly_once(spark, warehouse, dsn) == 301
 
 
-def test_prepared_transaction_holds_the_horizon_too(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_prepared_transaction_holds_the_horizon_too(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """A prepared (two-phase) transaction keeps its xid open: H stays below it until COMMIT PREPARED.
 
     It writes a snapshot row, not events: a transaction that executed NOTIFY (every append does)
@@ -328,39 +329,39 @@ def test_prepared_transaction_holds_the_horizon_too(dsn: str, spark: Any, wareho
     try:
         store.append("later", "cart", [NewEvent("ItemAdded", {})], 0)
         time.sleep(0.2)
-        result = Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+        result = Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
         assert result.rows == 0 and result.events_behind == 1 and result.oldest_open_tx_seconds > 0.1
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("COMMIT PREPARED 'es_test_prepared'")
-    assert Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023)).rows == 1
+    assert Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023)).rows == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 1
 
 
-def test_reslicing_8_16_4_reads_every_slice_once(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_reslicing_8_16_4_reads_every_slice_once(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     store = EventStore(dsn)
     read = 0
     for i, n in enumerate((8, 16, 4)):
         run_workload(store, streams=100, events=700, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=i)
-        read += extract_all(dsn, spark, warehouse, n)
+        read += extract_all(dsn.extractor, spark, warehouse, n)
     total = assert_exactly_once(spark, warehouse, dsn)
     assert total == 2100
     assert read == total, "rows read across the splits add up to the total: no slice was read twice"
 
 
-def test_a_batch_left_pending_by_one_split_is_replayed_by_another(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_batch_left_pending_by_one_split_is_replayed_by_another(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=100, events=600, writers=2, rollback_rate=0, max_commit_delay=0)
     with pytest.raises(Crash):
-        Extractor(dsn, spark, warehouse, on_step=crash_at("delta_committed")).run(split(16)[1])
-    result = Extractor(dsn, spark, warehouse).run(split(4)[0])  # 0000-0255 covers 0064-0127
+        Extractor(dsn.extractor, spark, warehouse, on_step=crash_at("delta_committed")).run(split(16)[1])
+    result = Extractor(dsn.extractor, spark, warehouse).run(split(4)[0])  # 0000-0255 covers 0064-0127
     assert result.replayed_batches == 1
-    extract_all(dsn, spark, warehouse, 4)
+    extract_all(dsn.extractor, spark, warehouse, 4)
     assert assert_exactly_once(spark, warehouse, dsn) == 600
 
 
 def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     run_workload(EventStore(dsn), streams=50, events=500, writers=2, rollback_rate=0, max_commit_delay=0)
     holding = threading.Event()
@@ -371,13 +372,13 @@ def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
             holding.set()
             release.wait(60)
 
-    first = threading.Thread(target=lambda: Extractor(dsn, spark, warehouse, on_step=hold).run(split(8)[0], run_id="run-A"))
+    first = threading.Thread(target=lambda: Extractor(dsn.extractor, spark, warehouse, on_step=hold).run(split(8)[0], run_id="run-A"))
     first.start()
     assert holding.wait(60)
     try:
         started = time.monotonic()
         with pytest.raises(SliceLocked) as info:
-            Extractor(dsn, spark, warehouse).run(SliceRange(100, 200), run_id="run-B")
+            Extractor(dsn.extractor, spark, warehouse).run(SliceRange(100, 200), run_id="run-B")
         assert time.monotonic() - started < 5
         message = str(info.value)
         assert "0100-0200" in message and "run-A" in message
@@ -387,12 +388,12 @@ def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
     finally:
         release.set()
         first.join()
-    extract_all(dsn, spark, warehouse, 8)
+    extract_all(dsn.extractor, spark, warehouse, 8)
     assert assert_exactly_once(spark, warehouse, dsn) == 500
 
 
 @pytest.mark.parametrize("uniform", [True, False], ids=["one-watermark", "per-slice-watermarks"])
-def test_incremental_read_probes_the_slice_index(dsn: str, uniform: bool) -> None:
+def test_incremental_read_probes_the_slice_index(dsn: StoreDsn, uniform: bool) -> None:
     """On a table large enough for the planner to care, an incremental batch is index probes, not a scan."""
     bulk_load(dsn, events=200_000, streams=2000, events_per_tx=50_000)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -432,7 +433,7 @@ def test_build_extractor_starts_spark_only_for_the_spark_writer_or_a_cluster(
     assert extractor.jdbc_min_rows == (0 if master.startswith("local") else 500_000)
 
 
-def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """Events of ~4 KB under a 1 MiB cap: batches of a few hundred, not `batch_events`; still exactly once."""
     with psycopg.connect(dsn) as conn:
         for t in range(30):
@@ -442,7 +443,7 @@ def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: str, spark: Any, ware
                     "SELECT 'wide-' || g, 'doc', %s, 'Written', jsonb_build_object('text', repeat(md5(g::text || %s), 128)) "
                     "FROM generate_series(1, 100) g", (t + 1, t),
                 )
-    ex = Extractor(dsn, None, warehouse, batch_bytes=1 << 20)
+    ex = Extractor(dsn.extractor, None, warehouse, batch_bytes=1 << 20)
     with psycopg.connect(dsn) as conn:
         target = ex.batch_target(reader.average_row_bytes(conn, "es", [(s, 0) for s in range(1024)], 2**62))
     assert 100 <= target <= 400, f"~4 KB rows under 1 MiB: {target}"
@@ -473,7 +474,7 @@ def _extract_in_child(dsn: str, warehouse: Path) -> tuple[int, str]:
 
 
 def test_one_transaction_larger_than_the_batch_cap_streams_through_in_bounded_memory(
-    dsn: str, warehouse: Path
+    dsn: StoreDsn, warehouse: Path
 ) -> None:
     """400 MiB of payload in one transaction, a 64 MB batch cap: it cannot be split, so it goes as one
     batch, streamed. The run's peak memory stays far below the batch: before streaming, delta-rs alone
@@ -482,7 +483,7 @@ def test_one_transaction_larger_than_the_batch_cap_streams_through_in_bounded_me
         conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
                      "VALUES ('small-1', 'doc', 1, 'Written', '{}')")
         conn.commit()
-    baseline_mib, _ = _extract_in_child(dsn, warehouse)  # the same process with a one-event batch
+    baseline_mib, _ = _extract_in_child(dsn.extractor, warehouse)  # the same process with a one-event batch
     with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
@@ -492,7 +493,7 @@ def test_one_transaction_larger_than_the_batch_cap_streams_through_in_bounded_me
         conn.commit()
         payload_mib = conn.execute("SELECT sum(octet_length(payload::text)) FROM es.events").fetchone()[0] / 2**20
         expected = dict(conn.execute("SELECT stream_id, md5(payload::text) FROM es.events").fetchall())
-    peak_mib, out = _extract_in_child(dsn, warehouse)
+    peak_mib, out = _extract_in_child(dsn.extractor, warehouse)
     print(f"{payload_mib:.0f} MiB in one transaction: peak RSS {peak_mib} MiB; one small event: {baseline_mib} MiB")
     assert "400 events in 1 batches" in out, out
     assert payload_mib > 390

@@ -11,6 +11,7 @@ import dagster as dg
 import psycopg
 import pytest
 from deltalake import DeltaTable
+from psycopg.conninfo import conninfo_to_dict
 
 from es_pipeline.cli import main
 from es_pipeline.definitions import build_definitions
@@ -23,6 +24,7 @@ from es_pipeline.lake import tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _watermarks(dsn: str) -> int:
@@ -32,11 +34,11 @@ def _watermarks(dsn: str) -> int:
 
 
 def test_reset_over_a_lake_that_holds_events_is_refused_until_it_is_removed(
-    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_workload(EventStore(dsn), streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
-    extract_all(dsn, spark, warehouse)
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn)
+    extract_all(dsn.extractor, spark, warehouse)
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
 
     assert main(["offsets", "reset"]) == 2
@@ -47,16 +49,16 @@ def test_reset_over_a_lake_that_holds_events_is_refused_until_it_is_removed(
     shutil.rmtree(warehouse / "events")
     assert main(["offsets", "reset"]) == 0
     assert _watermarks(dsn) == 0
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     assert assert_exactly_once(spark, warehouse, dsn) == 200
 
 
-def _copy_database(admin_dsn: str, dsn: str, name: str) -> str:
+def _copy_database(admin_dsn: str, dsn: str, name: str) -> StoreDsn:
     """A copy of the test database as it is now: PostgreSQL as a point-in-time restore would bring it back."""
-    source = dsn.rsplit("/", 1)[1]
+    source = conninfo_to_dict(dsn)["dbname"]
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
-    return dsn.rsplit("/", 1)[0] + "/" + name
+    return dsn.of_database(name)
 
 
 def _append(dsn: str, events: int, seed: int) -> None:
@@ -64,65 +66,65 @@ def _append(dsn: str, events: int, seed: int) -> None:
 
 
 def test_postgres_restored_behind_the_lake_is_refused_not_skipped_or_repeated(
-    dsn: str, pg_server: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, pg_server: str, spark: Any, warehouse: Path
 ) -> None:
     _append(dsn, 100, 1)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
-    behind = _copy_database(pg_server, dsn, dsn.rsplit("/", 1)[1] + "_pitr")
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
+    behind = _copy_database(pg_server, dsn, conninfo_to_dict(dsn)["dbname"] + "_pitr")
     try:
         _append(dsn, 100, 2)
-        Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))  # the lake moves on; the copy does not know
+        Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))  # the lake moves on; the copy does not know
         before = tables.table_version(spark, str(warehouse / "events"))
         with pytest.raises(LakeStoreDiverged, match="PostgreSQL is behind the lake"):
-            Extractor(behind, spark, warehouse).run(SliceRange(0, 1023))
+            Extractor(behind.extractor, spark, warehouse).run(SliceRange(0, 1023))
         assert tables.table_version(spark, str(warehouse / "events")) == before, "nothing was written"
         assert assert_exactly_once(spark, warehouse, dsn) == 200
     finally:
         with psycopg.connect(pg_server, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{behind.rsplit("/", 1)[1]}" WITH (FORCE)')
+            conn.execute(f'DROP DATABASE IF EXISTS "{conninfo_to_dict(behind)["dbname"]}" WITH (FORCE)')
 
 
-def test_a_lake_restored_from_an_older_copy_is_refused(dsn: str, spark: Any, warehouse: Path, tmp_path: Path) -> None:
+def test_a_lake_restored_from_an_older_copy_is_refused(dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path) -> None:
     _append(dsn, 100, 1)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     old = tmp_path / "old_copy"
     shutil.copytree(warehouse, old)  # same Delta table id: the sink binding alone cannot tell
     _append(dsn, 100, 2)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     with pytest.raises(LakeStoreDiverged, match="the lake is behind PostgreSQL"):
-        Extractor(dsn, spark, old).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, spark, old).run(SliceRange(0, 1023))
 
 
-def test_a_store_upgraded_from_before_the_record_adopts_the_lake_once(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_store_upgraded_from_before_the_record_adopts_the_lake_once(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     _append(dsn, 100, 1)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DELETE FROM es_pipeline.lake_commits")  # as an older release left it
     _append(dsn, 100, 2)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     assert assert_exactly_once(spark, warehouse, dsn) == 200
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.lake_commits").fetchone() == (1,)
 
 
-def test_offset_sessions_commit_synchronously_whatever_the_role_says(dsn: str) -> None:
+def test_offset_sessions_commit_synchronously_whatever_the_role_says(dsn: StoreDsn) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET synchronous_commit = off', current_database()); END $$")
-    with OffsetSession(dsn, "events", run_id="t", label="t") as session:
+    with OffsetSession(dsn.extractor, "events", run_id="t", label="t") as session:
         row = session.conn.execute("SHOW synchronous_commit").fetchone()
     assert row == ("on",)
 
 
 def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
-    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What `pg_resetwal -x` or a logical replica does to the ids, and what a restore does to the identity,
     simulated on the offsets: every path says so instead of reporting "caught up"."""
     _append(dsn, 100, 1)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
-    defs = build_definitions(replace(Settings.from_env(), pg_dsn=dsn, warehouse=warehouse, slice_ranges=2))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
+    defs = build_definitions(replace(Settings.from_env(), pg_dsn=dsn.extractor, warehouse=warehouse, slice_ranges=2))
     sensor = defs.resolve_sensor_def("new_events_sensor")
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn)
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
     cases = [
         ("UPDATE es_pipeline.offsets SET watermark = (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + 5000)"
@@ -134,7 +136,7 @@ def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
             saved = conn.execute("SELECT slice, watermark::text FROM es_pipeline.offsets").fetchall()
             conn.execute(statement)
         with pytest.raises(error, match=words):
-            Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+            Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
         with dg.instance_for_test() as instance:
             tick = sensor(dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]}))
         assert isinstance(tick, dg.SkipReason) and "no run was requested" in (tick.skip_message or "")
@@ -146,18 +148,18 @@ def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
                 conn.execute("UPDATE es_pipeline.offsets SET watermark = %s::xid8 WHERE slice = %s", (w, s))
 
 
-def test_a_read_only_store_is_refused_before_anything_is_created(dsn: str, warehouse: Path) -> None:
+def test_a_read_only_store_is_refused_before_anything_is_created(dsn: StoreDsn, warehouse: Path) -> None:
     _append(dsn, 20, 1)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = on', "
                      "current_database()); END $$")
     with pytest.raises(ReadOnlyStore, match="read-only") as err:
-        Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, None, warehouse).run(SliceRange(0, 1023))
     assert "\n" not in str(err.value)
     assert not (warehouse / "events").exists(), "no Delta table was created"
 
 
-def test_a_roles_timeouts_cannot_cut_a_run(dsn: str, warehouse: Path) -> None:
+def test_a_roles_timeouts_cannot_cut_a_run(dsn: StoreDsn, warehouse: Path) -> None:
     """statement_timeout would kill the batch's read on every replay; idle_in_transaction_session_timeout the
     transaction that holds the slice locks while the batch is read: es_pipeline's sessions turn both off."""
     bulk_load(dsn, events=200_000, streams=2_000)
@@ -167,7 +169,7 @@ def test_a_roles_timeouts_cannot_cut_a_run(dsn: str, warehouse: Path) -> None:
                      "current_database()); END $$")
     with psycopg.connect(dsn) as conn, pytest.raises(psycopg.errors.QueryCanceled):
         conn.execute("SELECT pg_sleep(0.3)")  # the timeout is real for the applications' sessions
-    result = Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
+    result = Extractor(dsn.extractor, None, warehouse).run(SliceRange(0, 1023))
     assert result.rows == 200_000 and result.read_seconds > 0.1
     keys = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
     assert keys.num_rows == 200_000 and len(set(zip(keys["stream_id"].to_pylist(), keys["version"].to_pylist(),

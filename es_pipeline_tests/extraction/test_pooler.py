@@ -19,6 +19,7 @@ from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
 from es_pipeline_tests.support.pooler import pgbouncer
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _via(dsn: str, port: int) -> str:
@@ -31,12 +32,13 @@ def _append(dsn: str, events: int, seed: int) -> None:
 
 
 def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exactly_once(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     server_port = int(conninfo_to_dict(dsn)["port"])
-    with pgbouncer(server_port, pool_mode="transaction") as port:
-        pooled = _via(dsn, port)
-        _append(pooled, 300, 1)  # writers through the pooler too
+    users = [conninfo_to_dict(d)["user"] for d in (dsn.writer, dsn.extractor)]
+    with pgbouncer(server_port, pool_mode="transaction", users=users) as port:
+        pooled = _via(dsn.extractor, port)
+        _append(_via(dsn.writer, port), 300, 1)  # writers through the pooler too
         holding, release = threading.Event(), threading.Event()
 
         def hold(name: str, batch: Batch | None) -> None:
@@ -55,7 +57,7 @@ def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exac
         finally:
             release.set()
             first.join(60)
-        writing = threading.Thread(target=_append, args=(pooled, 400, 2))
+        writing = threading.Thread(target=_append, args=(_via(dsn.writer, port), 400, 2))
         writing.start()
         for r in split(4):
             Extractor(pooled, None, warehouse).run(r)
@@ -66,7 +68,7 @@ def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exac
 
 
 def test_a_run_whose_locks_are_lost_commits_nothing_and_its_batch_is_replayed(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     _append(dsn, 200, 3)
 
@@ -80,10 +82,10 @@ def test_a_run_whose_locks_are_lost_commits_nothing_and_its_batch_is_replayed(
                     time.sleep(0.05)
 
     with pytest.raises(SliceLockLost, match="no longer held"):
-        Extractor(dsn, None, warehouse, on_step=lose_locks).run(SliceRange(0, 1023))
+        Extractor(dsn.extractor, None, warehouse, on_step=lose_locks).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.offsets WHERE watermark > '0'").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
-    result = Extractor(dsn, None, warehouse).run(SliceRange(0, 1023))
+    result = Extractor(dsn.extractor, None, warehouse).run(SliceRange(0, 1023))
     assert result.replayed_batches == 1
     assert assert_exactly_once(spark, warehouse, dsn) == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from es_pipeline.lake import tables
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
+from es_pipeline_tests.support.roles import StoreDsn, login_roles
 
 
 def _append(dsn: str, events: int, seed: int, writers: int = 2) -> None:
@@ -38,32 +40,35 @@ def _offsets(dsn: str) -> int:
 
 
 def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_once(
-    dsn: str, spark: Any, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     _append(dsn, 150, 1)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     old_dump = dump(dsn, tmp_path / "old.dump")  # older than what the lake will hold
     _append(dsn, 150, 2)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     _append(dsn, 100, 3)  # committed, not extracted yet: the restore must bring these too
     new_dump = dump(dsn, tmp_path / "new.dump")
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
 
-    with another_cluster("restore") as admin:
+    with ExitStack() as stack:
+        admin = stack.enter_context(another_cluster("restore"))
         # A restore of a state older than the lake: nothing can be exact, so nothing is changed.
-        old = restore(old_dump, admin, "es_old")
-        monkeypatch.setenv("ES_PIPELINE_PG_DSN", old)
+        old_db = restore(old_dump, admin, "es_old")
+        made = stack.enter_context(login_roles(admin))  # es_pipeline's login on the new cluster
+        old = StoreDsn.of(old_db, made)
+        monkeypatch.setenv("ES_PIPELINE_PG_DSN", old.extractor)
         assert main(["offsets", "rebase"]) == 2
         assert "holds 150 event(s) that the event store does not" in capsys.readouterr().err
         assert _offsets(old) == 1024
 
-        restored = restore(new_dump, admin, "es_restored")
+        restored = StoreDsn.of(restore(new_dump, admin, "es_restored"), made)
         _append(restored, 200, 4)  # the applications carry on on the new cluster
         before = tables.table_version(spark, str(warehouse / "events"))
         with pytest.raises(SourceChanged, match="another cluster|dump restored into a new cluster"):
-            Extractor(restored, spark, warehouse).run(SliceRange(0, 1023))
-        monkeypatch.setenv("ES_PIPELINE_PG_DSN", restored)
+            Extractor(restored.extractor, spark, warehouse).run(SliceRange(0, 1023))
+        monkeypatch.setenv("ES_PIPELINE_PG_DSN", restored.extractor)
         assert main(["status"]) == 2
         assert "dump restored into a new cluster" in capsys.readouterr().err
         assert tables.table_version(spark, str(warehouse / "events")) == before, "nothing was written"
@@ -76,13 +81,13 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
         # Writers keep appending while the ranges are extracted again from the start.
         writing = threading.Thread(target=_append, args=(restored, 300, 5, 4))
         writing.start()
-        extract_all(restored, spark, warehouse)
+        extract_all(restored.extractor, spark, warehouse)
         writing.join()
-        extract_all(restored, spark, warehouse)
+        extract_all(restored.extractor, spark, warehouse)
         assert assert_exactly_once(spark, warehouse, restored) == 300 + 100 + 200 + 300
         # The lake's checks hold too, though restored ids still lie above the new cluster's watermarks.
         resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=str(warehouse)),
-                     "event_store": EventStoreResource(dsn=restored)}
+                     "event_store": EventStoreResource(dsn=restored.extractor)}
         for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
             result = check(**{k: v for k, v in resources.items() if k in check.required_resource_keys})  # type: ignore[operator]
             assert result.passed, (check.check_key.name, result.metadata)

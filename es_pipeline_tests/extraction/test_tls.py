@@ -17,6 +17,7 @@ from psycopg.conninfo import make_conninfo
 from es_pipeline.errors import DatabaseUnreachable
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.cluster import cluster
@@ -60,10 +61,12 @@ def tls_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
         admin = make_conninfo(c.admin_dsn, host="localhost", sslmode="verify-full", sslrootcert=str(ca))
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute("CREATE DATABASE es_tls")
-            conn.execute("SET password_encryption = 'scram-sha-256'")  # 13's default is md5
-            conn.execute(f"CREATE ROLE {SECRET_ROLE} LOGIN SUPERUSER PASSWORD '{SECRET}'")
         dsn = make_conninfo(admin, dbname="es_tls")
         migrate(dsn)
+        roles.apply(dsn, "es", echo=lambda _: None)
+        with psycopg.connect(admin, autocommit=True) as conn:  # es_pipeline's login: the extractor role, scram
+            conn.execute("SET password_encryption = 'scram-sha-256'")  # 13's default is md5
+            conn.execute(f"CREATE ROLE {SECRET_ROLE} LOGIN PASSWORD '{SECRET}' IN ROLE {roles.EXTRACTOR}")
         store = EventStore(dsn)
         for i in range(100):
             store.append(f"tls-{i}", "doc", [NewEvent("Written", {"i": i, "n": n}) for n in range(3)], 0)
@@ -87,12 +90,13 @@ def test_psycopg_adbc_and_jdbc_all_extract_over_verify_full(
     tls_store: tuple[str, Path], spark: Any, tmp_path: Path
 ) -> None:
     dsn, _ = tls_store
+    extractor = make_conninfo(dsn, user=SECRET_ROLE, password=SECRET)
     arrow_lake, jdbc_lake = tmp_path / "arrow", tmp_path / "jdbc"
-    assert Extractor(dsn, None, arrow_lake).run(SliceRange(0, 1023)).rows == 300  # psycopg + ADBC
+    assert Extractor(extractor, None, arrow_lake).run(SliceRange(0, 1023)).rows == 300  # psycopg + ADBC
     assert assert_exactly_once(spark, arrow_lake, dsn) == 300
     with psycopg.connect(dsn, autocommit=True) as conn:  # a second lake: start its offsets again
         conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; DELETE FROM es_pipeline.lake_commits")
-    assert Extractor(dsn, spark, jdbc_lake, jdbc_min_rows=1).run(SliceRange(0, 1023)).rows == 300  # Spark over JDBC
+    assert Extractor(extractor, spark, jdbc_lake, jdbc_min_rows=1).run(SliceRange(0, 1023)).rows == 300  # Spark over JDBC
     assert assert_exactly_once(spark, jdbc_lake, dsn) == 300
 
 

@@ -16,14 +16,15 @@ from es_pipeline.lake.projections import update_event_type_daily, update_stream_
 from es_pipeline.lake.snapshots import take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 def test_every_table_is_queryable_by_name_with_time_travel_and_readable_by_delta_rs(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=30, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
-    ex = Extractor(dsn, spark, warehouse)
+    ex = Extractor(dsn.extractor, spark, warehouse)
     ex.run(SliceRange(0, 1023))
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     ex.run(SliceRange(0, 1023))

@@ -14,9 +14,10 @@ from es_pipeline.lake.projections import update_event_type_daily, update_stream_
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import StoreDsn
 
 
-def source_catalog(dsn: str) -> dict[str, tuple[Any, ...]]:
+def source_catalog(dsn: StoreDsn) -> dict[str, tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "SELECT stream_id, min(stream_type), min(recorded_at), max(recorded_at), max(version), count(*) "
@@ -33,7 +34,7 @@ def lake_catalog(spark: Any, warehouse: Path) -> dict[str, tuple[Any, ...]]:
     }
 
 
-def source_daily(dsn: str) -> dict[tuple[str, str, Any], int]:
+def source_daily(dsn: StoreDsn) -> dict[tuple[str, str, Any], int]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "SELECT stream_type, event_type, (recorded_at AT TIME ZONE 'UTC')::date, count(*) FROM es.events GROUP BY 1, 2, 3"
@@ -57,10 +58,10 @@ def _same_instants(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]])
 
 
 def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_writers(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=20)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     first = update_stream_catalog(spark, warehouse)
     assert first.previous_events_version == -1 and first.events_read == 100
     update_event_type_daily(spark, warehouse)
@@ -69,12 +70,12 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     writers.start()
     increments = 0
     while writers.is_alive():
-        extract_all(dsn, spark, warehouse)
+        extract_all(dsn.extractor, spark, warehouse)
         catalog = update_stream_catalog(spark, warehouse)
         daily = update_event_type_daily(spark, warehouse)
         increments += 1
     writers.join()
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     catalog = update_stream_catalog(spark, warehouse)
     daily = update_event_type_daily(spark, warehouse)
     assert increments >= 2
@@ -84,13 +85,13 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     assert lake_daily(spark, warehouse) == source_daily(dsn)
 
 
-def test_a_repeated_update_counts_nothing_twice(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_repeated_update_counts_nothing_twice(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=22)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     update_stream_catalog(spark, warehouse)
     update_event_type_daily(spark, warehouse)
     run_workload(EventStore(dsn), streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=23)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     assert update_event_type_daily(spark, warehouse).events_read == 100
     again = update_event_type_daily(spark, warehouse)
     assert again.events_read == 0 and again.keys_updated == 0
@@ -99,20 +100,20 @@ def test_a_repeated_update_counts_nothing_twice(dsn: str, spark: Any, warehouse:
     assert sum(v[4] for v in lake_catalog(spark, warehouse).values()) == 300
 
 
-def test_overlapping_updates_count_nothing_twice(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_overlapping_updates_count_nothing_twice(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     """Automation and a manual materialization at once: with the store's lock, one waits for the other."""
     store = EventStore(dsn)
     run_workload(store, streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
-    extract_all(dsn, spark, warehouse)
-    update_event_type_daily(spark, warehouse, store_dsn=dsn)
+    extract_all(dsn.extractor, spark, warehouse)
+    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
     for seed in (2, 3):
         run_workload(store, streams=30, events=150, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
-        extract_all(dsn, spark, warehouse)
+        extract_all(dsn.extractor, spark, warehouse)
         errors: list[BaseException] = []
 
         def update(errors: list[BaseException] = errors) -> None:
             try:
-                update_event_type_daily(spark, warehouse, store_dsn=dsn)
+                update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -125,16 +126,16 @@ def test_overlapping_updates_count_nothing_twice(dsn: str, spark: Any, warehouse
         assert lake_daily(spark, warehouse) == source_daily(dsn)
 
 
-def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     update_stream_catalog(spark, warehouse)
     update_event_type_daily(spark, warehouse)
     update_stream_state(spark, warehouse)
     for seed in (2, 3):  # commits the projections have not read yet
         run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
-        extract_all(dsn, spark, warehouse)
+        extract_all(dsn.extractor, spark, warehouse)
     events = str(warehouse / "events")
     spark.sql(f"OPTIMIZE delta.`{events}`")
     spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")

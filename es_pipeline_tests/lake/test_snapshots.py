@@ -18,6 +18,7 @@ from es_pipeline.lake.reducers import REGISTRY, Event
 from es_pipeline.lake.snapshots import take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, RecordedEvent
+from es_pipeline_tests.support.roles import StoreDsn
 
 _examples = itertools.count()
 
@@ -30,7 +31,7 @@ _examples = itertools.count()
     split_at=st.floats(0.2, 0.9),
 )
 def test_load_from_snapshot_plus_later_events_equals_full_replay(
-    dsn: str, spark: Any, warehouse: Path, seed: int, lengths: list[int], threshold: int, split_at: float
+    dsn: StoreDsn, spark: Any, warehouse: Path, seed: int, lengths: list[int], threshold: int, split_at: float
 ) -> None:
     rng = random.Random(seed)
     store = EventStore(dsn)
@@ -45,7 +46,7 @@ def test_load_from_snapshot_plus_later_events_equals_full_replay(
     for s, events in zip(streams, plans, strict=True):  # the first part, then extract, fold, snapshot
         k = max(1, int(len(events) * split_at))
         s.version = store.append(s.stream_id, s.stream_type, events[:k], 0)
-    Extractor(dsn, spark, warehouse).run(SliceRange(0, 1023))
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     update_stream_state(spark, warehouse)
     take_snapshots(spark, warehouse, store, threshold=threshold)
     for s, events in zip(streams, plans, strict=True):  # the rest arrives after the snapshot

@@ -17,9 +17,10 @@ from es_pipeline.lake.reducers import REGISTRY, Event, Reducer
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import StoreDsn
 
 
-def full_replay(dsn: str) -> dict[str, tuple[int, dict[str, Any]]]:
+def full_replay(dsn: StoreDsn) -> dict[str, tuple[int, dict[str, Any]]]:
     """State of every stream by folding all its events from Postgres, in version order."""
     out: dict[str, tuple[int, dict[str, Any]]] = {}
     with psycopg.connect(dsn) as conn:
@@ -38,21 +39,21 @@ def lake_state(spark: Any, warehouse: Path) -> dict[str, tuple[int, dict[str, An
 
 
 def test_incremental_state_equals_full_replay_after_many_increments_with_concurrent_writers(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=10)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     update_stream_state(spark, warehouse)  # warm: the Python workers and the table exist
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
         streams=200, events=3000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
     writers.start()
     increments = 0
     while writers.is_alive():
-        extract_all(dsn, spark, warehouse)
+        extract_all(dsn.extractor, spark, warehouse)
         update_stream_state(spark, warehouse)
         increments += 1
     writers.join()
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     last = update_stream_state(spark, warehouse)
     assert increments >= 2 and last.previous_events_version > 0, "the state was built incrementally"
     expected = full_replay(dsn)
@@ -63,9 +64,9 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
         assert got[stream_id][1] == json.loads(json.dumps(state)), stream_id
 
 
-def test_a_retried_update_folds_nothing_twice(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_retried_update_folds_nothing_twice(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=50, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     first = update_stream_state(spark, warehouse)
     again = update_stream_state(spark, warehouse)
     assert first.events_folded == 300 and again.events_folded == 0
@@ -73,10 +74,10 @@ def test_a_retried_update_folds_nothing_twice(dsn: str, spark: Any, warehouse: P
 
 
 def test_a_revision_bump_rebuilds_that_stream_type_alone(
-    dsn: str, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_workload(EventStore(dsn), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     update_stream_state(spark, warehouse)
     before = {r["stream_id"]: r["updated_at"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
 
@@ -98,12 +99,12 @@ def test_a_revision_bump_rebuilds_that_stream_type_alone(
 
 
 def test_an_unknown_event_type_fails_naming_stream_version_and_type_and_commits_nothing(
-    dsn: str, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     store = EventStore(dsn)
     store.append("cart-ok", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 1})], 0)
     store.append("cart-bad", "cart", [NewEvent("ItemAdded", {"sku": "a"}), NewEvent("Teleported", {})], 0)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     with pytest.raises(ReducerError, match=r"'cart-bad' version 2 \(Teleported\)"):
         update_stream_state(spark, warehouse)
     assert tables.read(spark, str(warehouse / "stream_state")).count() == 0
@@ -111,10 +112,10 @@ def test_an_unknown_event_type_fails_naming_stream_version_and_type_and_commits_
     assert result.skipped_unknown == 1 and result.streams_updated == 2
 
 
-def test_a_payload_missing_a_field_fails_naming_the_field(dsn: str, spark: Any, warehouse: Path) -> None:
+def test_a_payload_missing_a_field_fails_naming_the_field(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     EventStore(dsn).append("acc-x", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"}),
                                                  NewEvent("Deposited", {"amt": 5})], 0)
-    extract_all(dsn, spark, warehouse)
+    extract_all(dsn.extractor, spark, warehouse)
     with pytest.raises(ReducerError, match=r"'acc-x' version 2 \(Deposited\).*no field 'amount'"):
         update_stream_state(spark, warehouse)
 

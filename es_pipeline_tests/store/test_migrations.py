@@ -17,7 +17,7 @@ from es_pipeline.extraction.probe import probe
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.status import status_report
 from es_pipeline.settings import Settings
-from es_pipeline.store import migrations
+from es_pipeline.store import migrations, roles
 from es_pipeline.store.conninfo import check_server_version, connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import MIGRATIONS, migrate
@@ -107,41 +107,47 @@ def test_an_already_migrated_store_needs_no_create_on_the_database(dsn: str) -> 
 
 @pytest.mark.parametrize("schema", ["My Store", "es-prod", 'it"s'])
 def test_a_schema_of_any_name_is_migrated_appended_extracted_and_reported(
-    empty_dsn: str, tmp_path: Path, schema: str
+    empty_dsn: str, logins: dict[str, str], tmp_path: Path, schema: str
 ) -> None:
     migrate(empty_dsn, schema)
     assert migrate(empty_dsn, schema) == []
+    roles.apply(empty_dsn, schema, echo=lambda _: None)
+    extractor = make_conninfo(empty_dsn, user=logins[roles.EXTRACTOR])
     store = EventStore(empty_dsn, schema)
     for i in range(5):
         store.append(f"s-{i}", "account", [NewEvent("Opened", {"i": i}), NewEvent("Deposited", {"n": 1})], 0)
     warehouse = tmp_path / "warehouse"
-    result = Extractor(empty_dsn, None, warehouse, schema=schema).run(SliceRange(0, 1023))
+    result = Extractor(extractor, None, warehouse, schema=schema).run(SliceRange(0, 1023))
     assert result.rows == 10
     lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
     assert sorted(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True)) == [
         (f"s-{i}", v) for i in range(5) for v in (1, 2)
     ]
-    settings = Settings.from_env({"ES_PIPELINE_PG_DSN": empty_dsn, "ES_PIPELINE_SCHEMA": schema,
+    settings = Settings.from_env({"ES_PIPELINE_PG_DSN": extractor, "ES_PIPELINE_SCHEMA": schema,
                                   "ES_PIPELINE_SLICE_RANGES": "1"})
     assert "0000-1023" in status_report(settings)
-    with psycopg.connect(empty_dsn) as conn:
+    with psycopg.connect(extractor) as conn:
         consumer = offsets.events_consumer(schema)  # this store's own offsets
         assert sum(offsets.counts_below_watermarks(conn, schema, consumer).values()) == 10
         assert probe(conn, schema, consumer) is not None
 
 
-def test_two_stores_in_one_database_keep_their_own_offsets_and_lakes(empty_dsn: str, tmp_path: Path) -> None:
+def test_two_stores_in_one_database_keep_their_own_offsets_and_lakes(
+    empty_dsn: str, logins: dict[str, str], tmp_path: Path
+) -> None:
     """Two schemas, two stores, two lakes: each store's consumer (`events`, `events:shop`) has its own offsets,
     sink, batches and locks, so extracting them by turns brings each event once into its own lake."""
     lakes = {"es": tmp_path / "es", "shop": tmp_path / "shop"}
     for schema in lakes:
         migrate(empty_dsn, schema)
+        roles.apply(empty_dsn, schema, echo=lambda _: None)
+    extractor = make_conninfo(empty_dsn, user=logins[roles.EXTRACTOR])
     for round_ in range(3):
         for n, schema in enumerate(lakes):
             store = EventStore(empty_dsn, schema)
             for i in range(4 + n):
                 store.append(f"{schema}-{round_}-{i}", "doc", [NewEvent("Written", {"r": round_})], 0)
-            Extractor(empty_dsn, None, lakes[schema], schema=schema).run(SliceRange(0, 1023))
+            Extractor(extractor, None, lakes[schema], schema=schema).run(SliceRange(0, 1023))
     for schema, lake in lakes.items():
         rows = DeltaTable(str(lake / "events")).to_pyarrow_table(columns=["stream_id", "version"])
         keys = list(zip(rows["stream_id"].to_pylist(), rows["version"].to_pylist(), strict=True))

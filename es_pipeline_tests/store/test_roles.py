@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -21,18 +20,17 @@ from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore, NewEvent, Snapshot
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.lakecheck import source_events
-from es_pipeline_tests.support.roles import login_roles
+from es_pipeline_tests.support.roles import StoreDsn
 
 
 @pytest.fixture
-def logins(dsn: str) -> Iterator[dict[str, str]]:
-    """A login role per group role, on a store with the role model applied: {group role: its DSN}."""
+def role_dsns(dsn: StoreDsn) -> dict[str, str]:
+    """The role model applied once more (every test database has it), and a DSN per group role's login."""
     printed: list[str] = []
     roles.apply(dsn, "es", echo=printed.append)
     assert roles.apply(dsn, "es", echo=lambda _: None) == len(printed), "applying again is the same, and works"
     assert any("GRANT INSERT (" in p for p in printed)
-    with login_roles(dsn) as made:
-        yield made
+    return {roles.WRITER: dsn.writer, roles.EXTRACTOR: dsn.extractor, roles.SNAPSHOTS: dsn.snapshots}
 
 
 def _denied(dsn: str, statement: str) -> bool:
@@ -44,8 +42,8 @@ def _denied(dsn: str, statement: str) -> bool:
     return False
 
 
-def test_each_role_does_its_part_and_no_more(dsn: str, logins: dict[str, str], tmp_path: Path) -> None:
-    writer, extractor, snapshots = logins[roles.WRITER], logins[roles.EXTRACTOR], logins[roles.SNAPSHOTS]
+def test_each_role_does_its_part_and_no_more(dsn: str, role_dsns: dict[str, str], tmp_path: Path) -> None:
+    writer, extractor, snapshots = role_dsns[roles.WRITER], role_dsns[roles.EXTRACTOR], role_dsns[roles.SNAPSHOTS]
     store = EventStore(writer)
     for i in range(20):
         store.append(f"acct-{i}", "account", [NewEvent("Opened", {"i": i}), NewEvent("Deposited", {"n": i})], 0)

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from es_pipeline.dev import local_server
 from es_pipeline.dev.stack import free_port
 from es_pipeline.settings import PROJECT_ROOT, local_pg_dsn
+from es_pipeline.store import roles
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,12 @@ def dump(dsn: str, path: Path) -> Path:
 
 
 def restore(dump_file: Path, admin_dsn: str, database: str) -> str:
-    """A new database restored from `dump_file` in the cluster of `admin_dsn`; its DSN."""
+    """A new database restored from `dump_file` in the cluster of `admin_dsn`, its grants made again by the
+    role model (`es-pipeline db roles`: the new cluster has none of the old one's roles); its DSN."""
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{database}"')
-    dsn = admin_dsn.rsplit("/", 1)[0] + "/" + database
-    subprocess.run([str(local_server.binary("pg_restore")), "--no-owner", "--exit-on-error", "-d", dsn,
+    dsn = make_conninfo(admin_dsn, dbname=database)
+    subprocess.run([str(local_server.binary("pg_restore")), "--no-owner", "--no-acl", "--exit-on-error", "-d", dsn,
                     str(dump_file)], check=True)
+    roles.apply(dsn, "es", echo=lambda _: None)
     return dsn

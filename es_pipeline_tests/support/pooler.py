@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from es_pipeline.dev import local_server
@@ -21,12 +21,13 @@ def pgbouncer_binary() -> str:
 
 
 @contextmanager
-def pgbouncer(server_port: int, *, pool_mode: str = "transaction") -> Iterator[int]:
-    """PgBouncer listening on a free port of 127.0.0.1, pooling every database of the server; its port."""
+def pgbouncer(server_port: int, *, pool_mode: str = "transaction", users: Iterable[str] = ("postgres",)) -> Iterator[int]:
+    """PgBouncer listening on a free port of 127.0.0.1, pooling every database of the server for `users`;
+    its port."""
     home = PROJECT_ROOT / ".pgdata" / f"pgbouncer-{os.getpid()}"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    (home / "users.txt").write_text('"postgres" ""\n')
+    (home / "users.txt").write_text("".join(f'"{user}" ""\n' for user in users))
     (home / "pgbouncer.ini").write_text(
         f"[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"

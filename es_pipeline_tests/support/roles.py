@@ -1,4 +1,5 @@
-"""Login roles of es_pipeline's group roles (`es-pipeline db roles`), for tests that run as them."""
+"""The role model in the tests: every test database carries it (`es-pipeline db roles`), and one login role
+per group role serves the whole test session, so that es_pipeline runs as the extractor, not a superuser."""
 
 from __future__ import annotations
 
@@ -7,26 +8,51 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from es_pipeline.store import roles
 
+LOGIN_GROUPS = (roles.WRITER, roles.EXTRACTOR, roles.SNAPSHOTS)
+
+
+class StoreDsn(str):
+    """A test database's DSN as a superuser (set-up, appends, faults), carrying the DSNs of its login roles:
+    es_pipeline runs as `.extractor`; `.writer` appends as an application would; `.snapshots` writes back."""
+
+    extractor: str
+    writer: str
+    snapshots: str
+    logins: dict[str, str]
+
+    @classmethod
+    def of(cls, dsn: str, logins: dict[str, str]) -> StoreDsn:
+        made = cls(dsn)
+        made.extractor = make_conninfo(dsn, user=logins[roles.EXTRACTOR])
+        made.writer = make_conninfo(dsn, user=logins[roles.WRITER])
+        made.snapshots = make_conninfo(dsn, user=logins[roles.SNAPSHOTS])
+        made.logins = dict(logins)
+        return made
+
+    def of_database(self, name: str) -> StoreDsn:
+        """The same DSNs for another database of the same server (a copy of this one, say)."""
+        return StoreDsn.of(make_conninfo(self, dbname=name), self.logins)
+
 
 @contextmanager
-def login_roles(dsn: str) -> Iterator[dict[str, str]]:
-    """The role model applied to the store at `dsn` (a superuser's), and a login role in each group
-    but the owner's: {group role: a DSN that logs in as its login role}. The login roles are dropped after."""
-    roles.apply(dsn, "es", echo=lambda _: None)
-    made: dict[str, str] = {}
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for group in (roles.WRITER, roles.EXTRACTOR, roles.SNAPSHOTS):
-            login = f"t_{group}_{os.getpid()}"
-            conn.execute(f"DROP ROLE IF EXISTS {login}")
-            conn.execute(f"CREATE ROLE {login} LOGIN IN ROLE {group}")
-            made[group] = login
+def login_roles(admin_dsn: str) -> Iterator[dict[str, str]]:
+    """A login role in each group role but the owner's, for this test session: {group role: login role}.
+
+    The group roles must exist (`roles.apply` on any database of the server makes them); roles are
+    cluster-wide, the grants are per database (a database cloned from a template keeps them)."""
+    made = {group: f"t_{group}_{os.getpid()}" for group in LOGIN_GROUPS}
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        for group, login in made.items():
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(sql.Identifier(login), sql.Identifier(group)))
     try:
-        yield {group: make_conninfo(dsn, user=login) for group, login in made.items()}
+        yield made
     finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
             for login in made.values():
-                conn.execute(f"DROP ROLE IF EXISTS {login}")
+                conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
