@@ -23,7 +23,7 @@ import pyarrow as pa
 from psycopg import sql
 
 from es_pipeline.extraction.offsets import Batch
-from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql
+from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql, resolved
 
 EVENT_COLUMNS = (
     "e.global_position, e.tx_id::text::bigint AS tx_id, e.stream_id, e.stream_type, e.version, "
@@ -70,7 +70,7 @@ def jdbc_frame(spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int) 
     """The rows of a batch read by Spark's executors over JDBC: `splits` queries over interleaved
     slice subsets, each bounded by the same fixed upper bound H, so a cluster shares the read and
     the result is exactly the batch that the Arrow path would read."""
-    url, props = jdbc_url(dsn)
+    url, props = jdbc_url(resolved(dsn))
     frames = [
         spark.read.format("jdbc").option("url", url).option("query", query)
         .option("fetchsize", "10000").options(**props).load()

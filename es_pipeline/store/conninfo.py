@@ -6,9 +6,11 @@ clients, and each gets it from here:
 - psycopg (`connect`): the offsets, the probe, the event store's writers;
 - ADBC (`adbc_dsn`): the Arrow reads of the extractor. libpq parses the string itself, so
   `service=`, socket directories, multi-host lists and `PG*` variables mean the same as for psycopg;
-- JDBC (`jdbc_url`): Spark's executors on a cluster. pgjdbc has its own syntax: what it cannot
-  express (a service file, a socket directory, a DSN without a host) is refused with one line,
-  never replaced by a default such as localhost:5432.
+- JDBC (`jdbc_url` of `resolved`): Spark's executors on a cluster. pgjdbc has its own syntax and
+  reads neither libpq's service files nor its passfiles, so the driver connects once with libpq and
+  hands pgjdbc what libpq used: the service file's host and TLS settings, the password from
+  PGPASSWORD or a passfile. What pgjdbc cannot express (a socket directory, a count of ports that does
+  not match the hosts) is refused with one line, never replaced by a default such as localhost:5432.
 
 No function here puts the DSN's text into an error message: it may hold a password.
 """
@@ -133,11 +135,24 @@ def _unless_named(dsn: str, defaults: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in defaults.items() if k not in named}
 
 
-def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
-    """The DSN as pgjdbc's URL and connection properties (for Spark's JDBC reads on executors)."""
-    parts = parse(dsn)
+def resolved(dsn: str) -> dict[str, str]:
+    """The parameters libpq connected with: the DSN's, the service file's, the PG* variables', and the
+    password wherever libpq found it (the DSN, PGPASSWORD, a passfile). One connection, closed at once."""
+    with connect(dsn, autocommit=True, application_name="es_pipeline jdbc") as conn:
+        params = {o.keyword.decode(): o.val.decode() for o in conn.pgconn.info if o.val}
+        password = conn.pgconn.password
+    for used in ("service", "passfile", "password"):  # already applied by libpq; the password comes from PQpass
+        params.pop(used, None)
+    if password:
+        params["password"] = password.decode()
+    return params
+
+
+def jdbc_url(parts: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Connection parameters (`resolved(dsn)`) as pgjdbc's URL and connection properties, for Spark's
+    JDBC reads on executors."""
     if "service" in parts:
-        raise UnsupportedDsn("the JDBC read path", "pgjdbc does not read service files; name host, port and dbname")
+        raise UnsupportedDsn("the JDBC read path", "pgjdbc does not read service files; pass resolved(dsn)")
     hosts = [h for h in parts.get("host", "").split(",") if h]
     if not hosts:
         raise UnsupportedDsn("the JDBC read path", "it names no host, and pgjdbc cannot use libpq's default; add host=")

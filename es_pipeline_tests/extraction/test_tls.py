@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from es_pipeline.errors import DatabaseUnreachable
 from es_pipeline.extraction.extractor import Extractor
@@ -24,6 +24,7 @@ from es_pipeline_tests.support.cluster import cluster
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
 
 SECRET_ROLE, SECRET = "es_secret", "pw-from-libpq-9f3a"
+CERT_ROLE = "es_cert"  # logs in with a client certificate (CN=es_cert) and no password
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -52,12 +53,15 @@ def tls_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
             os.chown(c.data / name, pg.pw_uid, pg.pw_gid)
         hba = c.data / "pg_hba.conf"
         hba.write_text("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n"
-                       f"hostssl all {SECRET_ROLE} 0.0.0.0/0 scram-sha-256\n" + hba.read_text())
+                       f"hostssl all {SECRET_ROLE} 0.0.0.0/0 scram-sha-256\nhostssl all {CERT_ROLE} 0.0.0.0/0 cert\n"
+                       + hba.read_text())
         with psycopg.connect(c.admin_dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET ssl = on")
+            conn.execute("ALTER SYSTEM SET ssl_ca_file = 'ca.crt'")  # client certificates signed by the test CA
             conn.execute("SELECT pg_reload_conf()")
         ca = tmp_path_factory.mktemp("tls") / "ca.crt"
         ca.write_bytes((c.data / "ca.crt").read_bytes())
+        (ca.parent / "ca.key").write_bytes((c.data / "ca.key").read_bytes())  # to sign a client certificate
         admin = make_conninfo(c.admin_dsn, host="localhost", sslmode="verify-full", sslrootcert=str(ca))
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute("CREATE DATABASE es_tls")
@@ -67,6 +71,7 @@ def tls_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
         with psycopg.connect(admin, autocommit=True) as conn:  # es_pipeline's login: the extractor role, scram
             conn.execute("SET password_encryption = 'scram-sha-256'")  # 13's default is md5
             conn.execute(f"CREATE ROLE {SECRET_ROLE} LOGIN PASSWORD '{SECRET}' IN ROLE {roles.EXTRACTOR}")
+            conn.execute(f"CREATE ROLE {CERT_ROLE} LOGIN IN ROLE {roles.EXTRACTOR}")
         store = EventStore(dsn)
         for i in range(100):
             store.append(f"tls-{i}", "doc", [NewEvent("Written", {"i": i, "n": n}) for n in range(3)], 0)
@@ -119,3 +124,48 @@ def test_the_password_may_come_from_libpqs_own_sources(
     with psycopg.connect(dsn, autocommit=True) as conn:  # a lake of its own: start its offsets again
         conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; DELETE FROM es_pipeline.lake_commits")
     assert Extractor(no_password, None, tmp_path / "lake").run(SliceRange(0, 1023)).rows == 300
+
+
+def test_a_service_file_and_a_passfile_reach_every_read_path(
+    tls_store: tuple[str, Path], spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`service=` alone: libpq reads host, TLS settings and user from the service file and the password from
+    the passfile; the JDBC path gets what libpq used (pgjdbc reads neither file on an executor)."""
+    dsn, ca = tls_store
+    parts = conninfo_to_dict(dsn)
+    services = tmp_path / "pg_service.conf"
+    services.write_text(f"[lake]\nhost=localhost\nport={parts['port']}\ndbname={parts['dbname']}\n"
+                        f"user={SECRET_ROLE}\nsslmode=verify-full\nsslrootcert={ca}\n")
+    passfile = tmp_path / "pgpass"
+    passfile.write_text(f"localhost:{parts['port']}:*:{SECRET_ROLE}:{SECRET}\n")
+    passfile.chmod(0o600)
+    monkeypatch.setenv("PGSERVICEFILE", str(services))
+    monkeypatch.setenv("PGPASSFILE", str(passfile))
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a lake of its own: start its offsets again
+        conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; DELETE FROM es_pipeline.lake_commits")
+    lake = tmp_path / "lake"
+    assert Extractor("service=lake", spark, lake, jdbc_min_rows=1).run(SliceRange(0, 1023)).rows == 300
+    assert assert_exactly_once(spark, lake, dsn) == 300
+
+
+def test_a_client_certificate_reaches_every_read_path(
+    tls_store: tuple[str, Path], spark: Any, tmp_path: Path
+) -> None:
+    """sslcert and sslkey (the `cert` method: no password at all) reach psycopg, ADBC and pgjdbc alike."""
+    dsn, ca = tls_store
+    ca_key = ca.parent / "ca.key"
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={CERT_ROLE}", "-keyout", "client.key",
+             "-out", "client.csr", cwd=tmp_path)
+    _openssl("x509", "-req", "-in", "client.csr", "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+             "-days", "2", "-out", "client.crt", cwd=tmp_path)
+    (tmp_path / "client.key").chmod(0o600)
+    parts = conninfo_to_dict(dsn)
+    parts.pop("passfile", None)
+    with_cert = make_conninfo(**{**parts, "user": CERT_ROLE, "sslcert": str(tmp_path / "client.crt"),
+                                 "sslkey": str(tmp_path / "client.key")})
+    for lake, kw in ((tmp_path / "arrow", {}), (tmp_path / "jdbc", {"jdbc_min_rows": 1})):
+        with psycopg.connect(dsn, autocommit=True) as conn:  # a lake of its own: start its offsets again
+            conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; "
+                         "DELETE FROM es_pipeline.lake_commits")
+        assert Extractor(with_cert, spark, lake, **kw).run(SliceRange(0, 1023)).rows == 300  # type: ignore[arg-type]
+        assert assert_exactly_once(spark, lake, dsn) == 300

@@ -28,9 +28,9 @@ def test_adbc_gets_the_dsn_as_libpq_reads_it_with_no_host_or_port_filled_in(dsn:
 
 
 def test_jdbc_keeps_every_host_port_and_tls_setting() -> None:
-    url, props = jdbc_url(
+    url, props = jdbc_url(parse(
         f"host=h1,h2 port=5432,5433 dbname=es user=reader password={SECRET} sslmode=verify-full sslrootcert=/ca.pem"
-    )
+    ))
     assert url == "jdbc:postgresql://h1:5432,h2:5433/es"
     session_init = props.pop("sessionInitStatement")
     assert props == {"driver": "org.postgresql.Driver", "user": "reader", "password": SECRET,
@@ -39,7 +39,7 @@ def test_jdbc_keeps_every_host_port_and_tls_setting() -> None:
 
 
 def test_jdbc_names_no_user_or_port_the_dsn_does_not_name() -> None:
-    url, props = jdbc_url("postgresql://db.example/es")
+    url, props = jdbc_url(parse("postgresql://db.example/es"))
     assert url == "jdbc:postgresql://db.example/es"
     assert "user" not in props and "password" not in props
 
@@ -55,7 +55,7 @@ def test_jdbc_names_no_user_or_port_the_dsn_does_not_name() -> None:
 )
 def test_what_jdbc_cannot_express_is_refused_in_one_line_without_the_password(dsn: str, why: str) -> None:
     with pytest.raises(UnsupportedDsn) as err:
-        jdbc_url(dsn)
+        jdbc_url(parse(dsn))
     message = str(err.value)
     assert why in message and "JDBC" in message and "\n" not in message
     assert SECRET not in message and "s3cr" not in message
