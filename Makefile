@@ -10,7 +10,7 @@ UV          := $(shell command -v uv 2>/dev/null || echo $(UV_HOME)/bin/uv)
 
 export DAGSTER_HOME          ?= $(CURDIR)/.dagster_home
 export ES_PIPELINE_LOCAL_PG_PORT ?= 54329
-export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PIPELINE_LOCAL_PG_PORT)/dagster
+export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PIPELINE_LOCAL_PG_PORT)/dagster?passfile=$(CURDIR)/.secrets/pgpass
 export ES_PIPELINE_WAREHOUSE ?= $(CURDIR)/warehouse
 export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 

@@ -31,6 +31,7 @@ def dlt_delta(dsn: str, work: Path) -> Timing:
         conn.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{VIEW} AS SELECT {EVENT_COLUMNS} FROM {SCHEMA}.events e")
     p = parse(dsn)  # the benchmark's own database: host, port, user and dbname, no password
     url = f"postgresql+psycopg2://{p['user']}@{p['host']}:{p['port']}/{p['dbname']}"
+    url += f"?passfile={p['passfile']}" if p.get("passfile") else ""  # the local server's password file
     table = sql_table(
         credentials=ConnectionStringCredentials(url), schema=SCHEMA, table=VIEW,
         incremental=dlt.sources.incremental("global_position"),

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from es_pipeline.dev import local_server
+from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
 from es_pipeline.dev.demo import ensure_local_target, run_demo_pass
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
@@ -23,7 +24,7 @@ from es_pipeline.extraction.status import status_report
 from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import sql_over_lake
 from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
-from es_pipeline.settings import Settings
+from es_pipeline.settings import PROJECT_ROOT, Settings
 from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
@@ -132,7 +133,11 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     cmd = connect_server_command(settings, port=args.port)
     prepare_local_start()
-    print(f"Spark Connect server with Delta on sc://127.0.0.1:{args.port} (master {settings.spark_master})", flush=True)
+    # The server requires this token of every client (Spark reads it from the environment, not the command line).
+    source = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else str(TOKEN_FILE.relative_to(PROJECT_ROOT))
+    os.environ.setdefault(TOKEN_ENV, local_token())
+    print(f"Spark Connect server with Delta on {local_remote(args.port)} (master {settings.spark_master}); "
+          f"clients need the token in {TOKEN_ENV} (this server's: {source})", flush=True)
     os.execvp(cmd[0], cmd)  # replaces this process: Ctrl-C and SIGTERM reach the server directly
     return 0
 

@@ -26,7 +26,9 @@ trap cleanup INT TERM EXIT
 .venv/bin/es-pipeline demo load --check
 
 port="${ES_PIPELINE_CONNECT_PORT:-15002}"
-export ES_PIPELINE_SPARK_REMOTE="${ES_PIPELINE_SPARK_REMOTE:-sc://127.0.0.1:$port}"
+export ES_PIPELINE_SPARK_REMOTE="${ES_PIPELINE_SPARK_REMOTE:-sc://localhost:$port}"
+# The server requires a token of every client (docs/security.md): the project's own unless one is exported.
+export SPARK_CONNECT_AUTHENTICATE_TOKEN="${SPARK_CONNECT_AUTHENTICATE_TOKEN:-$(.venv/bin/python -c 'from es_pipeline.dev.connect_token import local_token; print(local_token())')}"
 mkdir -p .dagster_home/logs
 .venv/bin/es-pipeline spark serve --port "$port" > .dagster_home/logs/spark-connect.log 2>&1 &
 pids+=($!)

@@ -1,7 +1,9 @@
 """The project's own local PostgreSQL server: Debian's binaries, run as the `postgres` user.
 
 Data lives in `.pgdata/` (git-ignored), the server listens on 127.0.0.1, port `ES_PIPELINE_LOCAL_PG_PORT`
-(default 54329), with trust auth.
+(default 54329). Every connection needs a password (scram-sha-256): one generated secret for the
+development server and the test clusters, kept in `.secrets/pgpass` (git-ignored, 0600, libpq's passfile
+format), which the local DSNs name. A cluster made by an older release (trust) gets it at its next start.
 It is a development server only; point ES_PIPELINE_PG_DSN elsewhere for anything real.
 """
 
@@ -9,13 +11,24 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
+import psycopg
+from psycopg import sql
+
 from es_pipeline.errors import LocalServerError
-from es_pipeline.settings import LOCAL_DAGSTER_DATABASE, LOCAL_PG_DATABASE, PROJECT_ROOT, Settings
+from es_pipeline.settings import (
+    LOCAL_DAGSTER_DATABASE,
+    LOCAL_PG_DATABASE,
+    LOCAL_PG_PASSFILE,
+    PROJECT_ROOT,
+    Settings,
+    local_pg_dsn,
+)
 
 PGDATA = PROJECT_ROOT / ".pgdata" / "data"
 PGLOG = PROJECT_ROOT / ".pgdata" / "server.log"
@@ -33,7 +46,28 @@ SERVER_SETTINGS = {
     "log_min_messages": "warning",
     # Lets tests and `status` see the real commit order (it differs from tx_id order).
     "track_commit_timestamp": "on",
+    "password_encryption": "scram-sha-256",  # 13's default is md5
 }
+# Who may connect: anyone with the password, over the socket or 127.0.0.1 only.
+HBA = """# es_pipeline's local server (es_pipeline/dev/local_server.py): a password for every connection.
+local   all          all                 scram-sha-256
+host    all          all  127.0.0.1/32   scram-sha-256
+host    all          all  ::1/128        scram-sha-256
+local   replication  all                 scram-sha-256
+host    replication  all  127.0.0.1/32   scram-sha-256
+"""
+
+
+def password() -> str:
+    """The local servers' password: generated once into LOCAL_PG_PASSFILE (0600, its folder 0700)."""
+    if LOCAL_PG_PASSFILE.exists():
+        return LOCAL_PG_PASSFILE.read_text().splitlines()[0].rsplit(":", 1)[1]
+    secret = secrets.token_hex(24)  # hex: nothing that a passfile or a conninfo string must escape
+    LOCAL_PG_PASSFILE.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(LOCAL_PG_PASSFILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{host}:*:*:*:{secret}\n" for host in ("127.0.0.1", "localhost")))
+    return secret
 
 
 def bindir() -> Path:
@@ -100,13 +134,34 @@ def init(data: Path = PGDATA) -> bool:
         return False
     data.parent.mkdir(parents=True, exist_ok=True)
     chown_to_postgres(data.parent)
-    res = _as_postgres(
-        [str(bindir() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
-    )
+    pwfile = data.parent / f".{data.name}.pw"  # initdb reads the superuser's password from a file; gone after
+    pwfile.write_text(password() + "\n")
+    pwfile.chmod(0o600)
+    chown_to_postgres(pwfile)
+    try:
+        res = _as_postgres([str(bindir() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
+                            f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8"])
+    finally:
+        pwfile.unlink(missing_ok=True)
     if res.returncode != 0:
         raise LocalServerError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
+    (data / "pg_hba.conf").write_text(HBA)
     chown_to_postgres(data.parent)
     return True
+
+
+def _require_passwords(data: Path, port: int) -> None:
+    """A cluster from before passwords (trust): set the superuser's password, then require it."""
+    hba = data / "pg_hba.conf"
+    rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not any(rule[-1] == "trust" for rule in rules):
+        return
+    with psycopg.connect(local_pg_dsn(port, "postgres"), autocommit=True) as conn:  # trust, one last time
+        conn.execute("SET password_encryption = 'scram-sha-256'")
+        conn.execute(sql.SQL("ALTER ROLE postgres PASSWORD {}").format(sql.Literal(password())))
+    hba.write_text(HBA)
+    chown_to_postgres(hba)
+    _as_postgres([str(bindir() / "pg_ctl"), "reload", "-D", str(data)])
 
 
 def start(port: int, data: Path = PGDATA) -> str:
@@ -131,6 +186,7 @@ def start(port: int, data: Path = PGDATA) -> str:
                 + f"\nIs port {port} taken by another server? See {log}."
             )
     _wait_ready(port)
+    _require_passwords(data, port)
     for db in (LOCAL_PG_DATABASE, LOCAL_DAGSTER_DATABASE):
         _create_database(db, port)
     return "created and started" if created else "running"
@@ -150,7 +206,7 @@ def _psql(sql: str, port: int, db: str = "postgres") -> subprocess.CompletedProc
     return subprocess.run(
         [str(binary("psql")), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-d", db,
          "-tAc", sql],
-        text=True, capture_output=True, check=False,
+        text=True, capture_output=True, check=False, env={**os.environ, "PGPASSFILE": str(LOCAL_PG_PASSFILE)},
     )
 
 

@@ -18,9 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
+from es_pipeline.dev.connect_token import TOKEN_ENV, local_remote, local_token
 from es_pipeline.settings import PROJECT_ROOT
 
 VENV_BIN = Path(sys.executable).parent
@@ -62,7 +65,8 @@ def dagster_stack(
     storage_db = f"dagster_e2e_{os.getpid()}_{int(time.time())}"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{storage_db}"')
-    base = admin_dsn.rsplit("/", 1)[0]
+    admin = conninfo_to_dict(admin_dsn)
+    passfile = f"?passfile={quote(str(admin['passfile']))}" if admin.get("passfile") else ""
     home = tmp / "dagster_home"
     home.mkdir()
     instance_yaml = (PROJECT_ROOT / "dagster.yaml").read_text()
@@ -75,7 +79,7 @@ def dagster_stack(
         "DAGSTER_HOME": str(home),
         # SQLAlchemy 2.1 maps postgresql:// to psycopg 3, whose server-side binding breaks
         # dagster-postgres's `NOTIFY run_events, %s`: name psycopg2 explicitly.
-        "DAGSTER_PG_URL": f"{base.replace('postgresql://', 'postgresql+psycopg2://')}/{storage_db}",
+        "DAGSTER_PG_URL": f"postgresql+psycopg2://{admin['user']}@{admin['host']}:{admin['port']}/{storage_db}{passfile}",
         "ES_PIPELINE_PG_DSN": dsn,
         "ES_PIPELINE_WAREHOUSE": str(warehouse),
         "ES_PIPELINE_SLICE_RANGES": str(slice_ranges),
@@ -90,7 +94,8 @@ def dagster_stack(
     try:
         if connect:
             port = free_port()
-            env["ES_PIPELINE_SPARK_REMOTE"] = f"sc://127.0.0.1:{port}"
+            env["ES_PIPELINE_SPARK_REMOTE"] = local_remote(port)
+            env[TOKEN_ENV] = local_token()
             procs.append(subprocess.Popen(
                 [str(VENV_BIN / "es-pipeline"), "spark", "serve", "--port", str(port)], env=env,
                 stdout=open(logs / "connect.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,

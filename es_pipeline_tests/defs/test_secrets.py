@@ -9,14 +9,20 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
+import pytest
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from es_pipeline.dev.stack import free_port
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.settings import PROJECT_ROOT
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.roles import StoreDsn
 
 BIN = Path(sys.executable).parent
 # What the UI's resources page shows of the event store's configuration.
@@ -35,16 +41,35 @@ def _files_holding(root: Path, needle: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
-def test_a_canary_password_appears_in_no_output_and_nowhere_in_dagsters_storage(dsn: str, tmp_path: Path) -> None:
+@pytest.fixture
+def canary_logins(dsn: StoreDsn) -> Iterator[tuple[str, dict[str, str]]]:
+    """A canary password, and {group role: a DSN holding it} for an extractor and a snapshot writer login
+    whose password it really is (the server checks it)."""
     canary = f"canary-{secrets.token_hex(8)}"
-    run_workload(EventStore(dsn), streams=5, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
+    made = {roles.EXTRACTOR: f"canary_x_{os.getpid()}", roles.SNAPSHOTS: f"canary_s_{os.getpid()}"}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET password_encryption = 'scram-sha-256'")
+        for group, login in made.items():
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+                sql.Identifier(login), sql.Literal(canary), sql.Identifier(group)))
+    try:
+        yield canary, {group: make_conninfo(dsn, user=login, password=canary) for group, login in made.items()}
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for login in made.values():
+                conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
+
+
+def test_a_canary_password_appears_in_no_output_and_nowhere_in_dagsters_storage(
+    dsn: StoreDsn, canary_logins: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    canary, logins = canary_logins
+    run_workload(EventStore(dsn.writer), streams=5, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
     home = tmp_path / "dagster_home"
     home.mkdir()
     env = {**os.environ, "DAGSTER_HOME": str(home), "ES_PIPELINE_WAREHOUSE": str(tmp_path / "warehouse"),
            "ES_PIPELINE_SLICE_RANGES": "1", "ES_PIPELINE_AUTOMATION": "off",
-           # the local server trusts its clients: the password is carried everywhere, and checked nowhere
-           "ES_PIPELINE_PG_DSN": make_conninfo(dsn, password=canary),
-           "ES_PIPELINE_SNAPSHOT_DSN": make_conninfo(dsn, password=canary)}
+           "ES_PIPELINE_PG_DSN": logins[roles.EXTRACTOR], "ES_PIPELINE_SNAPSHOT_DSN": logins[roles.SNAPSHOTS]}
     materialize = [str(BIN / "dagster"), "asset", "materialize", "-m", "es_pipeline.definitions",
                    "--select", "events", "--partition", "0000-1023"]
     ok = _run(materialize, env)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ import dagster as dg
 import psycopg
 import pytest
 
+from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.stack import alive, dagster_stack, run_pid
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.instance.launcher import PID_TAG
@@ -37,6 +40,13 @@ def _lake_keys(warehouse: Path) -> set[tuple[str, int]]:
     return set(zip(t.column("stream_id").to_pylist(), t.column("version").to_pylist(), strict=True))
 
 
+def _spark_connect_without_token(remote: str) -> subprocess.CompletedProcess[str]:
+    """A Spark Connect client that does not hold the server's token: the server must refuse it."""
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    code = f"from pyspark.sql import SparkSession; SparkSession.builder.remote({remote!r}).getOrCreate().range(1).count()"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
 @pytest.mark.timeout(900)
 def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_killed_run(
     pg_server: str, dsn: StoreDsn, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -44,6 +54,8 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
     with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path) as stack:
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
             monkeypatch.setenv(key, stack.env[key])
+        refused = _spark_connect_without_token(stack.env["ES_PIPELINE_SPARK_REMOTE"])
+        assert refused.returncode != 0 and "authentication token" in refused.stderr, refused.stderr[-2000:]
         instance = dg.DagsterInstance.get()
         stop = threading.Event()
         writer = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(

@@ -111,7 +111,9 @@ def test_the_password_may_come_from_libpqs_own_sources(
 ) -> None:
     """A DSN without the password, over verify-full, with scram: psycopg and ADBC find it where libpq looks."""
     dsn, _ = tls_store
-    no_password = make_conninfo(dsn, user=SECRET_ROLE)
+    parts = conninfo_to_dict(dsn)
+    parts.pop("passfile", None)  # the local servers' passfile: libpq would look there, not in PGPASSFILE
+    no_password = make_conninfo(**{**parts, "user": SECRET_ROLE})
     with pytest.raises(DatabaseUnreachable, match="password"):
         Extractor(no_password, None, tmp_path / "refused").run(SliceRange(0, 1023))
     if source == "PGPASSWORD":

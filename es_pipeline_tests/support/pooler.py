@@ -27,7 +27,10 @@ def pgbouncer(server_port: int, *, pool_mode: str = "transaction", users: Iterab
     home = PROJECT_ROOT / ".pgdata" / f"pgbouncer-{os.getpid()}"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    (home / "users.txt").write_text("".join(f'"{user}" ""\n' for user in users))
+    # Clients are trusted; PgBouncer logs in to the server with the local servers' password.
+    secret = local_server.password()
+    (home / "users.txt").write_text("".join(f'"{user}" "{secret}"\n' for user in users))
+    (home / "users.txt").chmod(0o600)
     (home / "pgbouncer.ini").write_text(
         f"[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from es_pipeline.dev import local_server
 from es_pipeline.store import roles
 
 LOGIN_GROUPS = (roles.WRITER, roles.EXTRACTOR, roles.SNAPSHOTS)
@@ -47,9 +48,12 @@ def login_roles(admin_dsn: str) -> Iterator[dict[str, str]]:
     cluster-wide, the grants are per database (a database cloned from a template keeps them)."""
     made = {group: f"t_{group}_{os.getpid()}" for group in LOGIN_GROUPS}
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute("SET password_encryption = 'scram-sha-256'")
         for group, login in made.items():
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
-            conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(sql.Identifier(login), sql.Identifier(group)))
+            # The local servers' password (in the passfile every local DSN names) serves the logins too.
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+                sql.Identifier(login), sql.Literal(local_server.password()), sql.Identifier(group)))
     try:
         yield made
     finally:
