@@ -11,6 +11,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from es_pipeline_tests.support.roles import create_login
+
 CLI = str(Path(sys.executable).parent / "es-pipeline")
 
 
@@ -43,8 +45,7 @@ def test_a_store_never_migrated(empty_dsn: str, tmp_path: Path, command: list[st
 def test_a_role_without_grants(dsn: str, tmp_path: Path) -> None:
     role = f"es_no_grants_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP ROLE IF EXISTS {role}")
-        conn.execute(f"CREATE ROLE {role} LOGIN")
+        create_login(conn, role)
     try:
         done = _cli(["status"], ES_PIPELINE_PG_DSN=make_conninfo(dsn, user=role))
         _one_line(done, "lacks a privilege", "permission denied")

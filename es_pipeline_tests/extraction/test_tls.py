@@ -116,6 +116,8 @@ def test_the_password_may_come_from_libpqs_own_sources(
     no_password = make_conninfo(**{**parts, "user": SECRET_ROLE})
     with pytest.raises(DatabaseUnreachable, match="password"):
         Extractor(no_password, None, tmp_path / "refused").run(SliceRange(0, 1023))
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a lake of its own: start its offsets again
+        conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; DELETE FROM es_pipeline.lake_commits")
     if source == "PGPASSWORD":
         monkeypatch.setenv("PGPASSWORD", SECRET)
     else:
@@ -123,8 +125,6 @@ def test_the_password_may_come_from_libpqs_own_sources(
         passfile.write_text(f"*:*:*:{SECRET_ROLE}:{SECRET}\n")
         passfile.chmod(0o600)
         monkeypatch.setenv("PGPASSFILE", str(passfile))
-    with psycopg.connect(dsn, autocommit=True) as conn:  # a lake of its own: start its offsets again
-        conn.execute("DELETE FROM es_pipeline.sinks; DELETE FROM es_pipeline.offsets; DELETE FROM es_pipeline.lake_commits")
     assert Extractor(no_password, None, tmp_path / "lake").run(SliceRange(0, 1023)).rows == 300
 
 

@@ -22,6 +22,7 @@ from es_pipeline.store.conninfo import check_server_version, connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import MIGRATIONS, migrate
 from es_pipeline_tests.support.lakecheck import source_events
+from es_pipeline_tests.support.roles import create_login
 
 
 def test_migrating_twice_is_a_no_op(empty_dsn: str) -> None:
@@ -91,8 +92,7 @@ def test_an_already_migrated_store_needs_no_create_on_the_database(dsn: str) -> 
     to date must then be a no-op, not `permission denied` (CREATE SCHEMA IF NOT EXISTS checks it first)."""
     role = f"es_no_create_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP ROLE IF EXISTS {role}")
-        conn.execute(f"CREATE ROLE {role} LOGIN")
+        create_login(conn, role)
         conn.execute(f"GRANT USAGE ON SCHEMA es TO {role}")
         conn.execute(f"GRANT SELECT ON es.schema_migrations TO {role}")
     try:

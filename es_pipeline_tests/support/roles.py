@@ -40,6 +40,17 @@ class StoreDsn(str):
         return StoreDsn.of(make_conninfo(self, dbname=name), self.logins)
 
 
+def create_login(conn: psycopg.Connection, login: str, *groups: str) -> None:
+    """A login role (dropped first if it exists) in `groups`, with the local servers' password: the passfile
+    that every local DSN names then logs it in."""
+    conn.execute("SET password_encryption = 'scram-sha-256'")
+    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+        sql.Identifier(login), sql.Literal(local_server.password())))
+    for group in groups:
+        conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(group), sql.Identifier(login)))
+
+
 @contextmanager
 def login_roles(admin_dsn: str) -> Iterator[dict[str, str]]:
     """A login role in each group role but the owner's, for this test session: {group role: login role}.
@@ -48,12 +59,8 @@ def login_roles(admin_dsn: str) -> Iterator[dict[str, str]]:
     cluster-wide, the grants are per database (a database cloned from a template keeps them)."""
     made = {group: f"t_{group}_{os.getpid()}" for group in LOGIN_GROUPS}
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute("SET password_encryption = 'scram-sha-256'")
         for group, login in made.items():
-            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
-            # The local servers' password (in the passfile every local DSN names) serves the logins too.
-            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
-                sql.Identifier(login), sql.Literal(local_server.password()), sql.Identifier(group)))
+            create_login(conn, login, group)
     try:
         yield made
     finally:
