@@ -274,6 +274,17 @@ class WarehouseUnwritable(EsPipelineError):
         )
 
 
+class SparkConnectRefused(EsPipelineError):
+    """The Spark Connect server wants a token this process does not send, or another one."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the Spark Connect server refused this client ({detail}): set SPARK_CONNECT_AUTHENTICATE_TOKEN to the "
+            "server's token (the local one, `es-pipeline spark serve`'s, is in .secrets/spark-connect-token), "
+            "and reach a local server as sc://localhost:<port>. Nothing was written."
+        )
+
+
 def explain(exc: BaseException) -> EsPipelineError | None:
     """The one-line error for a database, Delta or filesystem failure met at a boundary (the command
     line, an asset), or None when it is not one of those: then the traceback is the useful answer."""
@@ -289,6 +300,8 @@ def explain(exc: BaseException) -> EsPipelineError | None:
         return PrivilegeMissing(first)
     if isinstance(exc, PermissionError | NotADirectoryError | FileNotFoundError | IsADirectoryError):
         return WarehouseUnwritable(first)
+    if type(exc).__name__ == "SparkConnectGrpcException" and "authentication token" in first:
+        return SparkConnectRefused(first)
     from deltalake.exceptions import DeltaError
 
     if isinstance(exc, DeltaError) and any(w in first for w in ("directory", "ermission", "ead-only file system")):

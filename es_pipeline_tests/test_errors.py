@@ -18,3 +18,12 @@ def test_every_error_has_a_row_in_the_errors_table() -> None:
     for name in named:
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
         assert row.rstrip(" |").endswith("yes" if name in retryable else "no"), row
+
+
+def test_a_spark_connect_refusal_for_want_of_a_token_is_explained_in_one_line() -> None:
+    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
+
+    refused = SparkConnectGrpcException("[UNAUTHENTICATED] No authentication token provided")
+    explained = errors.explain(refused)
+    assert isinstance(explained, errors.SparkConnectRefused)
+    assert "SPARK_CONNECT_AUTHENTICATE_TOKEN" in str(explained) and "\n" not in str(explained)
