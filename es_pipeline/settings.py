@@ -48,7 +48,7 @@ def local_pg_dsn(port: int, database: str = LOCAL_PG_DATABASE) -> str:
 @dataclass(frozen=True)
 class Settings:
     pg_dsn: str
-    warehouse: Path
+    warehouse: Path | str  # a local folder (Path), or an s3:// URI (str)
     slice_ranges: int = 8
     spark_master: str = "local[*]"
     spark_remote: str | None = None
@@ -70,7 +70,7 @@ class Settings:
         port = _int(env, "ES_PIPELINE_LOCAL_PG_PORT", DEFAULT_LOCAL_PG_PORT, 1, 65535, "a TCP port (1-65535)")
         return cls(
             pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
-            warehouse=Path(env.get("ES_PIPELINE_WAREHOUSE") or PROJECT_ROOT / "warehouse"),
+            warehouse=_warehouse(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / "warehouse")),
             slice_ranges=_int(env, "ES_PIPELINE_SLICE_RANGES", 8, 1, MAX_SLICE_RANGES,
                               f"a whole number of ranges between 1 and {MAX_SLICE_RANGES}"),
             spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
@@ -125,3 +125,16 @@ def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str,
     if value not in allowed:
         raise ConfigError(name, value, " or ".join(allowed))
     return value
+
+
+WAREHOUSE_SCHEMES = ("s3://",)
+
+
+def _warehouse(value: str) -> Path | str:
+    """A local folder, or an object-storage URI (`s3://bucket/prefix`, endpoint and keys from AWS_*)."""
+    if "://" not in value:
+        return Path(value)
+    if not value.startswith(WAREHOUSE_SCHEMES) or len(value.split("://", 1)[1].strip("/")) == 0:
+        raise ConfigError("ES_PIPELINE_WAREHOUSE", value, "a local folder, or s3://bucket/prefix (an S3 or S3-compatible "
+                          "store, reached with AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    return value.rstrip("/")

@@ -30,13 +30,13 @@ class EventStoreResource(dg.ConfigurableResource):
 
 
 class WarehouseResource(dg.ConfigurableResource):
-    """The root folder of the Delta tables (`ES_PIPELINE_WAREHOUSE`)."""
+    """Where the Delta tables are (`ES_PIPELINE_WAREHOUSE`): a local folder, or an s3:// URI."""
 
     path: str
 
     @property
-    def root(self) -> Path:
-        return Path(self.path)
+    def root(self) -> Path | str:
+        return self.path if "://" in self.path else Path(self.path)
 
 
 class SparkResource(LazyPySparkResource):

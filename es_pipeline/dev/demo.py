@@ -7,6 +7,7 @@ import time
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
+from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import register_tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.spark import get_spark
@@ -44,7 +45,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
                           rollback_rate=0.1, max_commit_delay=0.02)
     print("   " + report.summary())
 
-    print(f"2. extracting {settings.slice_ranges} slice ranges into {settings.warehouse / 'events'}")
+    print(f"2. extracting {settings.slice_ranges} slice ranges into {tables.table_path(settings.warehouse, 'events')}")
     t0 = time.monotonic()
     spark = get_spark(settings)
     print(f"   Spark up in {time.monotonic() - t0:.1f} s")

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +33,7 @@ from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import Batch, OffsetSession, events_consumer
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
+from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Extractor:
 
     dsn: str
     spark: Any  # may be None with the delta-rs writer and no JDBC reads: then no JVM is started
-    warehouse: Path
+    warehouse: Location
     schema: str = "es"
     consumer: str = ""  # default: the store's own (offsets.events_consumer of `schema`)
     batch_events: int = DEFAULT_BATCH_EVENTS

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
 from es_pipeline.lake.spark import get_spark
+from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 
 
-def register_tables(spark: Any, warehouse: Path) -> list[str]:
+def register_tables(spark: Any, warehouse: Location) -> list[str]:
     """Register each Delta table under the warehouse as a table of its name (time travel works)."""
     names = []
     for name in tables.TABLES:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
+from es_pipeline.lake.tables import Location
 
 
-def maintain(spark: Any, warehouse: Path, *, retain_hours: int = 168) -> dict[str, dict[str, int]]:
+def maintain(spark: Any, warehouse: Location, *, retain_hours: int = 168) -> dict[str, dict[str, int]]:
     """Compact the small files of frequent commits, then vacuum files older than `retain_hours`.
 
     168 hours (Delta's default) keeps a week of time travel and protects readers and writers that

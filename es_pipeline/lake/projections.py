@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
 from es_pipeline.lake.serial import Turn, one_at_a_time
+from es_pipeline.lake.tables import Location
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,12 @@ class _Projection:
     def app_id(self) -> str:
         return f"es_pipeline.{self.name}"
 
-    def update(self, spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
+    def update(self, spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time."""
         with one_at_a_time(store_dsn, self.name) as turn:
             return self._update(spark, warehouse, turn)
 
-    def _update(self, spark: Any, warehouse: Path, turn: Turn) -> ProjectionResult:
+    def _update(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
         events_path = tables.table_path(warehouse, "events")
         path = tables.table_path(warehouse, self.name)
         now = tables.table_version(spark, events_path)
@@ -128,11 +128,11 @@ EVENT_TYPE_DAILY = _Projection(
 )
 
 
-def update_stream_catalog(spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
+def update_stream_catalog(spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
     return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn)
 
 
-def update_event_type_daily(spark: Any, warehouse: Path, *, store_dsn: str | None = None) -> ProjectionResult:
+def update_event_type_daily(spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
     """Stream type x event type x day: count (incremental)."""
     return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from es_pipeline.lake import tables
+from es_pipeline.lake.tables import Location
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 APP_ID = "es_pipeline.snapshots"
@@ -25,7 +25,7 @@ class SnapshotResult:
     state_version: int
 
 
-def take_snapshots(spark: Any, warehouse: Path, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD) -> SnapshotResult:
+def take_snapshots(spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD) -> SnapshotResult:
     """Append the snapshots now due to the Delta table, then write back to the store every latest
     snapshot of the lake that the store does not hold (these, and any a failed run left behind)."""
     from pyspark.sql import functions as F
@@ -64,7 +64,7 @@ def take_snapshots(spark: Any, warehouse: Path, store: EventStore, *, threshold:
     return SnapshotResult(taken, write_back(spark, warehouse, store), state_version)
 
 
-def not_in_store(spark: Any, warehouse: Path, store: EventStore) -> Any:
+def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
     """The latest snapshot of each stream in the lake, where the store holds another (or none): a DataFrame."""
     from pyspark.sql import functions as F
 
@@ -83,7 +83,7 @@ def not_in_store(spark: Any, warehouse: Path, store: EventStore) -> Any:
     ).drop("held_version", "held_revision")
 
 
-def write_back(spark: Any, warehouse: Path, store: EventStore) -> int:
+def write_back(spark: Any, warehouse: Location, store: EventStore) -> int:
     """Upsert into the store's snapshot table every latest snapshot of the lake it does not hold; the count."""
     missing = not_in_store(spark, warehouse, store)
     return store.write_snapshots(

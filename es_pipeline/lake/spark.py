@@ -119,7 +119,9 @@ def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, An
         "spark.driver.memory": "4g",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
-        "spark.sql.warehouse.dir": str(settings.warehouse / "_spark_sql"),
+        # Spark's own catalog folder (es_pipeline names its tables by path): beside the lake when it is local.
+        "spark.sql.warehouse.dir": str(JAR_CACHE / "spark_sql" if isinstance(settings.warehouse, str)
+                                       else settings.warehouse / "_spark_sql"),
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.databricks.delta.autoCompact.enabled": "false",
         "spark.databricks.delta.optimizeWrite.enabled": "false",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -28,6 +27,7 @@ from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
 from es_pipeline.lake.reducers import revisions as current_revisions
 from es_pipeline.lake.serial import Turn, one_at_a_time
+from es_pipeline.lake.tables import Location
 
 APP_ID = "es_pipeline.stream_state"
 
@@ -170,7 +170,7 @@ def _fold_out_arrow_schema() -> Any:
 
 
 def update_stream_state(
-    spark: Any, warehouse: Path, *, skip_unknown: bool = False, store_dsn: str | None = None
+    spark: Any, warehouse: Location, *, skip_unknown: bool = False, store_dsn: str | None = None
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time."""
@@ -186,7 +186,7 @@ def update_stream_state(
 
 
 def _update_stream_state(
-    spark: Any, warehouse: Path, skip_unknown: bool, turn: Turn, *, whole: bool = False
+    spark: Any, warehouse: Location, skip_unknown: bool, turn: Turn, *, whole: bool = False
 ) -> StateResult:
     from pyspark.sql import functions as F
 

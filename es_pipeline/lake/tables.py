@@ -2,6 +2,10 @@
 
 Every Delta read and write of es_pipeline goes through here, with Spark or with delta-rs. The
 tables and what each holds: docs/architecture.md ("The lake").
+
+The warehouse is a local folder or a URI (`s3://bucket/prefix`): what this module reads of a table's
+files (its log) goes through a pyarrow filesystem, which takes an S3 endpoint and keys from the
+standard AWS variables, as delta-rs does.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
+import pyarrow.fs as pafs
+from deltalake import CommitProperties, DeltaTable
 
 EVENTS_DDL = (
     "global_position BIGINT, tx_id BIGINT, stream_id STRING, stream_type STRING, version INT, slice INT, "
@@ -23,14 +28,35 @@ EVENTS_DDL = (
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
-def table_path(warehouse: Path | str, name: str) -> str:
-    return str(Path(warehouse) / name)
+Location = Path | str  # a local folder, or a URI such as s3://bucket/prefix
+
+
+def is_uri(location: Location) -> bool:
+    return "://" in str(location)
+
+
+def table_path(warehouse: Location, name: str) -> str:
+    w = str(warehouse)
+    return f"{w.rstrip('/')}/{name}" if is_uri(w) else str(Path(w) / name)
+
+
+def filesystem(location: Location) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem of a location, and the location's path in it."""
+    if is_uri(location):
+        return pafs.FileSystem.from_uri(str(location))
+    return pafs.LocalFileSystem(), str(location)
+
+
+def _log_names(path: str) -> list[str]:
+    """The file names in the table's `_delta_log` (none when it does not exist)."""
+    fs, root = filesystem(path)
+    listed = fs.get_file_info(pafs.FileSelector(f"{root}/_delta_log", allow_not_found=True))
+    return [info.base_name for info in listed if info.type == pafs.FileType.File]
 
 
 def is_delta_table(path: str) -> bool:
     """A Delta table exists once its first commit file does (a killed creator can leave an empty log)."""
-    log = Path(path) / "_delta_log"
-    return log.is_dir() and any(log.glob("*.json"))
+    return any(name.endswith(".json") for name in _log_names(path))
 
 
 # Delta computes min/max statistics per file for the columns named here only: the ones queries
@@ -75,8 +101,8 @@ def read(spark: Any, path: str, *, version: int | None = None) -> Any:
 
 def never_written(path: str) -> bool:
     """Whether the Delta table at `path` has no commit but its creation (version 0), read from the log's files."""
-    log = Path(path) / "_delta_log"
-    return not (log / f"{1:020d}.json").exists() and not any(log.glob("*.checkpoint*.parquet"))
+    names = _log_names(path)
+    return f"{1:020d}.json" not in names and not any(".checkpoint" in n and n.endswith(".parquet") for n in names)
 
 
 def holds_rows(path: str) -> bool:
@@ -172,7 +198,11 @@ def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties:
     if is_delta_table(path):
         return
     try:
-        DeltaTable.create(path, schema, mode="ignore", description=comment or None, configuration=properties)
+        # No retry: a creator that loses the race for version 0 would otherwise be committed as version 1,
+        # a second CREATE with a new table id (seen with concurrent first runs on S3), which the offsets'
+        # binding to the table (the sink) would then take for another table.
+        DeltaTable.create(path, schema, mode="ignore", description=comment or None, configuration=properties,
+                          commit_properties=CommitProperties(max_commit_retries=0))
     except Exception:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
         if not is_delta_table(path):
             raise
@@ -184,10 +214,10 @@ def table_id(path: str) -> str:
     Read from the first commit, whose size does not grow with the table; only once log cleanup has
     removed that file is the whole log loaded (the id never changes over a table's life).
     """
-    first = Path(path) / "_delta_log" / f"{0:020d}.json"
+    fs, root = filesystem(path)
     try:
-        with first.open(encoding="utf-8") as log:
-            for line in log:
+        with fs.open_input_stream(f"{root}/_delta_log/{0:020d}.json") as log:
+            for line in log.read().decode("utf-8").splitlines():
                 action = json.loads(line) if line.strip() else {}
                 if "metaData" in action:
                     return str(action["metaData"]["id"])
