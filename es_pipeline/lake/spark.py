@@ -79,13 +79,14 @@ def _resolve_into(target: Path) -> None:
     (target / ".complete").write_text(_CACHE_KEY + "\n")
 
 
-def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: str, target: Path) -> None:
+def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: str, target: Path,
+                  *, keep: tuple[str, ...] = KEEP_JAR_PREFIXES, transitive: bool = False) -> None:
     with tempfile.TemporaryDirectory(dir=JAR_CACHE) as tmp:
         cmd = [
             java, *trust_options(java), "-jar", str(ivy_jar),
             "-dependency", org, artifact, version,
             "-confs", "default",
-            "-notransitive",  # each jar is named explicitly; Spark ships the rest
+            *([] if transitive else ["-notransitive"]),  # named jars only, unless asked; Spark ships the rest
             "-cache", str(JAR_CACHE / "ivy"),
             "-retrieve", f"{tmp}/[organisation]-[artifact]-[revision].[ext]",
         ]
@@ -95,19 +96,75 @@ def _ivy_retrieve(java: str, ivy_jar: Path, org: str, artifact: str, version: st
                 f"resolving {org}:{artifact}:{version} from Maven Central failed:\n"
                 + "\n".join(res.stdout.splitlines()[-15:])
             )
-        kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(KEEP_JAR_PREFIXES)]
+        kept = [p for p in Path(tmp).glob("*.jar") if p.name.startswith(keep)]
         if not kept:
             raise SparkSetupError(f"Ivy resolved no jar of {org}:{artifact}:{version}")
         for jar in kept:
             shutil.copy2(jar, target / jar.name)
 
 
+# S3A for a lake on S3: hadoop-aws of the Hadoop that pyspark bundles, and the AWS SDK v2 modules it needs
+# (about 9 MB) instead of the SDK's 640 MB bundle jar. Netty, httpclient, commons and slf4j come with Spark.
+S3A_SDK_FOR_HADOOP = {"3.4.2": "2.29.52"}  # hadoop-project's aws-java-sdk-v2.version
+S3A_KEEP = ("org.apache.hadoop-hadoop-aws", "software.amazon.", "org.reactivestreams-")
+
+
+def hadoop_version() -> str:
+    import pyspark
+
+    api = next((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    return api.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+
+
+def s3a_jars() -> list[Path]:
+    """The S3A jars, resolved from Maven Central the first time (half a minute), cached like the Delta jars."""
+    import pyspark
+
+    hadoop = hadoop_version()
+    sdk = S3A_SDK_FOR_HADOOP.get(hadoop)
+    if sdk is None:
+        raise SparkSetupError(f"no known AWS SDK for Hadoop {hadoop} (pyspark {pyspark.__version__}): add it to "
+                              "S3A_SDK_FOR_HADOOP in lake/spark.py, from hadoop-project's pom")
+    target = JAR_CACHE / "jars" / f"s3a-{hadoop}-{sdk}"
+    done = target / ".complete"
+    if not done.exists():
+        ivy_jar = next((Path(pyspark.__file__).parent / "jars").glob("ivy-*.jar"))
+        java = java_binary()
+        if java is None:
+            raise SparkSetupError("cannot resolve the S3A jars: need Java (17 or 21)")
+        target.mkdir(parents=True, exist_ok=True)
+        _ivy_retrieve(java, ivy_jar, "org.apache.hadoop", "hadoop-aws", hadoop, target, keep=S3A_KEEP)
+        _ivy_retrieve(java, ivy_jar, "software.amazon.awssdk", "s3-transfer-manager", sdk, target, keep=S3A_KEEP,
+                      transitive=True)
+        done.write_text(f"hadoop-aws {hadoop} sdk {sdk}\n")
+    return sorted(target.glob("*.jar"))
+
+
+def s3a_conf(env: dict[str, str]) -> dict[str, str]:
+    """Spark's S3A settings for the lake's store, from the same AWS_* variables delta-rs reads. The keys stay
+    in the environment (the SDK's environment provider reads them): no secret in Spark's configuration."""
+    conf = {
+        "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",  # s3:// URIs, as delta-rs names them
+        "spark.hadoop.fs.s3a.aws.credentials.provider":
+            "software.amazon.awssdk.auth.credentials.EnvironmentVariableCredentialsProvider",
+        "spark.hadoop.fs.s3a.endpoint.region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+        "spark.hadoop.fs.s3a.cross.region.access.enabled": "false",
+    }
+    endpoint = env.get("AWS_ENDPOINT_URL")
+    if endpoint:  # an S3-compatible store: path-style requests, as delta-rs makes them
+        conf |= {"spark.hadoop.fs.s3a.endpoint": endpoint, "spark.hadoop.fs.s3a.path.style.access": "true",
+                 "spark.hadoop.fs.s3a.connection.ssl.enabled": str(endpoint.startswith("https")).lower()}
+    return conf
+
+
 def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, Any]:
     """The Spark configuration every es_pipeline session uses (resource, CLI, tests, benchmarks)."""
+    on_s3 = isinstance(settings.warehouse, str)
     return {
+        **(s3a_conf(dict(os.environ)) if on_s3 else {}),
         "spark.master": master or settings.spark_master,
         "spark.app.name": "es_pipeline",
-        "spark.jars": ",".join(str(p) for p in expected_jars()),
+        "spark.jars": ",".join(str(p) for p in [*expected_jars(), *(s3a_jars() if on_s3 else [])]),
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         # One machine: a few shuffle partitions, not 200.
