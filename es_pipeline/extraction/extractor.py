@@ -131,6 +131,11 @@ class Extractor:
             raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
         if self.spark is None and self.needs_spark:
             raise ValueError("the spark writer and JDBC reads need a Spark session: pass one, or use delta-rs")
+        if tables.is_uri(self.warehouse) and self.needs_spark:
+            # On object storage only delta-rs commits to `events` (put-if-absent): delta-spark's S3 log store
+            # checks, then writes, which a concurrent delta-rs commit can slip between (docs/decisions.md).
+            raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer,
+                              "delta-rs on an s3:// warehouse (Spark does not commit to `events` there)")
 
     @property
     def needs_spark(self) -> bool:
@@ -399,7 +404,8 @@ def build_extractor(
     `spark` is called only when the writer or the read path needs a session (the Spark writer, or a
     cluster master, whose executors read large batches over JDBC): with the defaults no JVM starts.
     """
-    jdbc_min_rows = default_jdbc_min_rows(settings.spark_master)
+    # On object storage the batches go through the driver as Arrow into delta-rs, the one committer to `events`.
+    jdbc_min_rows = 0 if tables.is_uri(settings.warehouse) else default_jdbc_min_rows(settings.spark_master)
     session, seconds = None, 0.0
     if needs_spark(settings.events_writer, jdbc_min_rows):
         t0 = time.monotonic()

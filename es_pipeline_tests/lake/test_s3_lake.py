@@ -19,10 +19,12 @@ from deltalake import DeltaTable
 
 from es_pipeline.dev.s3proxy import S3Server, s3proxy
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import ConfigError
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import split
 from es_pipeline.lake import tables
 from es_pipeline.lake.arrow_append import append_batches
+from es_pipeline.lake.maintenance import maintain
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import source_events
@@ -139,3 +141,49 @@ def test_creators_racing_for_a_new_table_make_one_table(s3: S3Server, tmp_path: 
     history = DeltaTable(uri).history()
     assert [h["operation"] for h in history] == ["CREATE TABLE"]
     assert tables.table_id(uri) == DeltaTable(uri).metadata().id
+
+
+def test_compaction_during_extraction_on_s3_loses_no_commit(dsn: StoreDsn, s3: S3Server) -> None:
+    """`lake_maintenance` (delta-rs compaction and vacuum of `events` on S3) while ranges are extracted and
+    writers append: every commit is a version of its own, and the lake equals the store, event by event."""
+    warehouse = f"{s3.bucket('lake')}/maintained-{os.getpid()}"
+    path = tables.table_path(warehouse, "events")
+    stop = threading.Event()
+    writing = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
+        streams=40, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.02, rate=300.0, stop=stop))
+    committed: list[int] = []  # rows of each batch the runs committed
+
+    def extract_for_a_while() -> None:
+        for ranges in (4, 2, 4, 8, 4):
+            for r in split(ranges):
+                committed.extend(n for n in Extractor(dsn.extractor, None, warehouse).run(r).batch_rows if n > 0)
+
+    writing.start()
+    extracting = threading.Thread(target=extract_for_a_while)
+    extracting.start()
+    compactions = 0
+    while extracting.is_alive():
+        if tables.is_delta_table(path):
+            compactions += maintain(None, warehouse)["events"]["files_added"] > 0
+        extracting.join(1.5)
+    stop.set()
+    writing.join(60)
+    for r in split(1):
+        committed.extend(n for n in Extractor(dsn.extractor, None, warehouse).run(r).batch_rows if n > 0)
+    during = compactions
+    compactions += maintain(None, warehouse)["events"]["files_added"] > 0
+    table = DeltaTable(path)
+    history = table.history()
+    assert sorted(h["version"] for h in history) == list(range(table.version() + 1)), "no version lost or reused"
+    operations = Counter(h["operation"] for h in history)
+    assert operations["WRITE"] == len(committed) and operations["OPTIMIZE"] == compactions
+    assert during >= 2, f"compactions while runs committed: {during}"
+    lake = table.to_pyarrow_table(columns=["stream_id", "version", "payload"])
+    keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
+    assert len(keys) == len(set(keys)) == sum(committed)
+    assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == source_events(dsn)
+
+
+def test_spark_may_not_commit_to_events_on_s3(dsn: StoreDsn, s3: S3Server) -> None:
+    with pytest.raises(ConfigError, match="delta-rs on an s3:// warehouse"):
+        Extractor(dsn.extractor, object(), f"{s3.bucket('lake')}/w", writer="spark")
