@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from es_pipeline.dev import local_server
+from es_pipeline.dev.s3proxy import S3Server, s3proxy
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings, local_pg_dsn
 from es_pipeline.store import roles
@@ -80,14 +81,27 @@ def empty_dsn(pg_server: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def spark_warehouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("spark")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real S3 server (s3proxy) for the test session. Its AWS_* variables are in this process's
+    environment for the session: delta-rs, pyarrow and the Spark session's S3A all read them there."""
+    with s3proxy(tmp_path_factory.mktemp("s3proxy") / "objects") as server:
+        saved = {k: os.environ.get(k) for k in server.client_env()}
+        os.environ.update(server.client_env())
+        try:
+            yield server
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
-def spark(spark_warehouse: Path):  # type: ignore[no-untyped-def]
-    """One Spark session for the whole test session, at local[2]."""
-    settings = replace(Settings.from_env(), warehouse=spark_warehouse, spark_master="local[2]")
+def spark(s3: S3Server):  # type: ignore[no-untyped-def]
+    """One Spark session for the whole test session, at local[2], that reaches local lakes and the S3 server's
+    (started with S3A, as a session for an s3:// warehouse is)."""
+    settings = replace(Settings.from_env(), warehouse=s3.bucket("spark"), spark_master="local[2]")
     session = get_spark(settings)
     yield session
     session.stop()

@@ -2,7 +2,9 @@
 
 On object storage only delta-rs commits to `events` (put-if-absent; delta-spark's S3 log store only
 excludes writers inside one JVM, docs/decisions.md), so `events` is compacted and vacuumed with delta-rs
-there; the Spark tables are left until their upkeep takes the projections' lock.
+there. The Spark tables are compacted in their update's turn (`serial.one_at_a_time`, the lock their
+updates take), so no other Spark driver commits to one meanwhile; on S3 without a store to hold that
+lock in, they are left alone.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from typing import Any
 from deltalake import DeltaTable
 
 from es_pipeline.lake import tables
+from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.lake.tables import Location
 
 
-def maintain(spark: Any, warehouse: Location, *, retain_hours: int = 168) -> dict[str, dict[str, int]]:
+def maintain(
+    spark: Any, warehouse: Location, *, retain_hours: int = 168, store_dsn: str | None = None
+) -> dict[str, dict[str, int]]:
     """Compact the small files of frequent commits, then vacuum files older than `retain_hours`.
 
     168 hours (Delta's default) keeps a week of time travel and protects readers and writers that
@@ -26,12 +31,14 @@ def maintain(spark: Any, warehouse: Location, *, retain_hours: int = 168) -> dic
         path = tables.table_path(warehouse, name)
         if not tables.is_delta_table(path):
             continue
-        if tables.is_uri(warehouse):
-            if name == "events":
-                out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
+        if tables.is_uri(warehouse) and name == "events":
+            out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
             continue
-        metrics = spark.sql(f"OPTIMIZE delta.`{path}`").first()["metrics"]
-        spark.sql(f"VACUUM delta.`{path}` RETAIN {int(retain_hours)} HOURS")
+        if tables.is_uri(warehouse) and store_dsn is None:
+            continue
+        with one_at_a_time(None if name == "events" else store_dsn, name):
+            metrics = spark.sql(f"OPTIMIZE delta.`{path}`").first()["metrics"]
+            spark.sql(f"VACUUM delta.`{path}` RETAIN {int(retain_hours)} HOURS")
         out[name] = {
             "files_removed": int(metrics["numFilesRemoved"]),
             "files_added": int(metrics["numFilesAdded"]),

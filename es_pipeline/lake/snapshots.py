@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from es_pipeline.lake import tables
+from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.lake.tables import Location
 from es_pipeline.store.event_store import EventStore, Snapshot
 
@@ -55,8 +56,9 @@ def take_snapshots(spark: Any, warehouse: Location, store: EventStore, *, thresh
     try:
         taken = due.count()
         if taken:
-            (due.write.format("delta").mode("append")
-             .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
+            with one_at_a_time(store.dsn, "snapshots"):  # one Spark driver commits to it at a time (S3)
+                (due.write.format("delta").mode("append")
+                 .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
     finally:
         due.unpersist()
     # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed

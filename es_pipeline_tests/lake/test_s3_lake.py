@@ -10,14 +10,20 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from es_pipeline.dev.s3proxy import S3Server, s3proxy
+from es_pipeline.defs.events.checks import (
+    events_no_duplicates,
+    events_reconcile_with_source,
+    events_versions_contiguous,
+)
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import ConfigError
 from es_pipeline.extraction.extractor import Extractor
@@ -25,29 +31,15 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.lake import tables
 from es_pipeline.lake.arrow_append import append_batches
 from es_pipeline.lake.maintenance import maintain
+from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
-from es_pipeline_tests.support.lakecheck import source_events
+from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn
 
 PROCESSES, COMMITS_EACH, ROWS_EACH = 8, 6, 50
 SCHEMA = pa.schema([("writer", pa.int32()), ("commit", pa.int32()), ("row", pa.int32())])
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """s3proxy for this module, its variables in this process's environment (delta-rs and pyarrow read them)."""
-    with s3proxy(tmp_path_factory.mktemp("s3proxy") / "objects") as server:
-        saved = {k: os.environ.get(k) for k in server.client_env()}
-        os.environ.update(server.client_env())
-        try:
-            yield server
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _append_commits(uri: str, writer: int, start: multiprocessing.synchronize.Event) -> None:
@@ -187,3 +179,27 @@ def test_compaction_during_extraction_on_s3_loses_no_commit(dsn: StoreDsn, s3: S
 def test_spark_may_not_commit_to_events_on_s3(dsn: StoreDsn, s3: S3Server) -> None:
     with pytest.raises(ConfigError, match="delta-rs on an s3:// warehouse"):
         Extractor(dsn.extractor, object(), f"{s3.bucket('lake')}/w", writer="spark")
+
+
+def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, spark: Any, s3: S3Server) -> None:
+    """Spark's side on S3 (S3A): the exactly-once check reads `events`, the projections fold it, the checks
+    pass, and maintenance compacts every table (`events` with delta-rs, the rest in their update's turn)."""
+    warehouse = f"{s3.bucket('lake')}/projected-{os.getpid()}"
+    run_workload(EventStore(dsn.writer), streams=50, events=800, writers=2, rollback_rate=0.1, max_commit_delay=0)
+    extract_all(dsn.extractor, None, warehouse)
+    assert assert_exactly_once(spark, warehouse, dsn) == 800
+    update_stream_state(spark, warehouse, store_dsn=dsn.extractor)
+    update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor)
+    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
+    streams = {s for s, _ in source_events(dsn)}
+    assert tables.read(spark, tables.table_path(warehouse, "stream_state")).count() == len(streams)
+    daily = tables.read(spark, tables.table_path(warehouse, "event_type_daily")).groupBy().sum("events").first()
+    assert daily is not None and daily[0] == 800
+    resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=warehouse),
+                 "event_store": EventStoreResource(dsn=dsn.extractor)}
+    for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
+        result = check(**{k: v for k, v in resources.items() if k in check.required_resource_keys})  # type: ignore[operator]
+        assert result.passed, (check.check_key.name, result.metadata)
+    maintained = maintain(spark, warehouse, store_dsn=dsn.extractor)
+    assert {"events", "stream_state", "stream_catalog", "event_type_daily"} <= maintained.keys()
+    assert assert_exactly_once(spark, warehouse, dsn) == 800, "the same events after compaction"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -14,7 +13,7 @@ from es_pipeline.lake import tables
 Key = tuple[str, int]
 
 
-def extract_all(dsn: str, spark: Any, warehouse: Path, n_ranges: int = 4, **kw: Any) -> int:
+def extract_all(dsn: str, spark: Any, warehouse: tables.Location, n_ranges: int = 4, **kw: Any) -> int:
     """Extract every range once (ranges of `n_ranges`); returns the events moved."""
     from es_pipeline.extraction.slices import split
 
@@ -29,13 +28,13 @@ def source_events(dsn: str, schema: str = "es") -> dict[Key, str]:
     return {(s, v): p for s, v, p in rows}
 
 
-def lake_events(spark: Any, warehouse: Path) -> list[tuple[str, int, str]]:
-    path = str(warehouse / "events")
+def lake_events(spark: Any, warehouse: tables.Location) -> list[tuple[str, int, str]]:
+    path = tables.table_path(warehouse, "events")
     rows = tables.read(spark, path).select("stream_id", "version", "payload").collect()
     return [(r["stream_id"], r["version"], r["payload"]) for r in rows]
 
 
-def assert_exactly_once(spark: Any, warehouse: Path, dsn: str) -> int:
+def assert_exactly_once(spark: Any, warehouse: tables.Location, dsn: str) -> int:
     """The lake holds each committed event once, with the same payload; returns the count."""
     expected = source_events(dsn)
     rows = lake_events(spark, warehouse)
