@@ -14,10 +14,11 @@ export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PI
 export ES_PIPELINE_WAREHOUSE ?= $(CURDIR)/warehouse
 export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 
-.PHONY: help setup venv jars db dagster-home dev demo check test test-pg-versions lint typecheck pytest pytest-fast bench clean
+.PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions lint typecheck pytest pytest-fast bench clean
 
 help:
 	@echo "make dev    - set up everything, then Dagster UI + daemon + demo writers (Ctrl-C stops all)"
+	@echo "make dev-cluster - the same loop with the lake on S3 (s3proxy) and Spark on a standalone cluster"
 	@echo "make demo   - set up, then one headless end-to-end pass printing what an analyst sees"
 	@echo "make check  - lint, types, layer contracts and the tests that need no Spark or daemon (< 3 min)"
 	@echo "make test   - set up, then lint, type checks, layer contracts and the whole test suite (what CI runs)"
@@ -57,6 +58,11 @@ setup: venv jars db dagster-home
 dev: setup
 	@bash scripts/dev.sh
 
+# The same loop on the distributed parts, all on this machine: the lake on a real S3 server (s3proxy),
+# Spark work on a standalone master and worker through a Spark Connect server on them.
+dev-cluster: setup
+	@$(PY) -m es_pipeline.dev.cluster_stack
+
 demo: setup
 	$(CLI) demo run
 
@@ -87,6 +93,7 @@ bench: setup
 	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline
 	$(PY) -m bench.run
 	$(PY) -m bench.latency
+	$(PY) -m bench.s3_lake
 
 clean:
 	-$(CLI) db stop
