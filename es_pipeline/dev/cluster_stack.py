@@ -7,15 +7,20 @@ the sensor on. Ctrl-C stops everything; the lake's objects stay in `.s3data/` fo
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from contextlib import ExitStack
+from urllib.parse import quote
 
+from es_pipeline.dev import local_server
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.dev.spark_cluster import standalone
-from es_pipeline.settings import PROJECT_ROOT
+from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, Settings, local_pg_dsn
+from es_pipeline.store.migrations import migrate
 
 S3_PORT = int(os.environ.get("ES_PIPELINE_S3_PORT", "9010"))
+CLUSTER_STORE, CLUSTER_DAGSTER = "es_pipeline_cluster", "dagster_cluster"
 
 
 def main() -> int:
@@ -26,12 +31,35 @@ def main() -> int:
         os.environ.update(s3.client_env())  # the cluster's executors inherit them from the worker
         cluster = stack.enter_context(standalone(PROJECT_ROOT / ".spark-cluster", cores=2, memory="4g"))
         print(f"Spark standalone master {cluster.master_url} (UI {cluster.web_ui}), one worker", flush=True)
-        env = {**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": cluster.master_url}
-        try:
-            # `make dev`'s loop: a Spark Connect server (here a driver on the cluster), writers, Dagster.
-            return subprocess.run(["bash", str(PROJECT_ROOT / "scripts" / "dev.sh")], env=env, check=False).returncode
-        except KeyboardInterrupt:
-            return 130
+        env = {**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": cluster.master_url,
+               # A store and a Dagster storage of its own: the offsets of `make dev`'s local lake are bound to
+               # that lake, and a run pointed at another one refuses (rightly) instead of extracting.
+               "ES_PIPELINE_PG_DSN": _own_database(CLUSTER_STORE), "DAGSTER_PG_URL": _dagster_url(CLUSTER_DAGSTER)}
+        # `make dev`'s loop: a Spark Connect server (here a driver on the cluster), writers, Dagster. Ctrl-C
+        # reaches dev.sh as well, which stops its children: wait for it, then stop the cluster and s3proxy.
+        loop = subprocess.Popen(["bash", str(PROJECT_ROOT / "scripts" / "dev.sh")], env=env)
+        signal.signal(signal.SIGTERM, lambda *_: loop.send_signal(signal.SIGTERM))  # `kill`: the same, politely
+        while True:
+            try:
+                return loop.wait()
+            except KeyboardInterrupt:
+                continue
+
+
+def _own_database(name: str) -> str:
+    """A database of the local server, created and migrated if missing; its DSN."""
+    settings = Settings.from_env()
+    local_server.create_database(name, settings.local_pg_port)
+    dsn = local_pg_dsn(settings.local_pg_port, name)
+    migrate(dsn, settings.schema)
+    return dsn
+
+
+def _dagster_url(name: str) -> str:
+    """Dagster's storage in a database of the local server of its own."""
+    port = Settings.from_env().local_pg_port
+    local_server.create_database(name, port)
+    return f"postgresql+psycopg2://postgres@127.0.0.1:{port}/{name}?passfile={quote(str(LOCAL_PG_PASSFILE))}"
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ def start(port: int, data: Path = PGDATA) -> str:
     _wait_ready(port)
     _require_passwords(data, port)
     for db in (LOCAL_PG_DATABASE, LOCAL_DAGSTER_DATABASE):
-        _create_database(db, port)
+        create_database(db, port)
     return "created and started" if created else "running"
 
 
@@ -244,7 +244,7 @@ def _wait_ready(port: int, timeout: float = 30.0) -> None:
     raise LocalServerError(f"the local server did not accept connections within {timeout:.0f} s; see {PGLOG}")
 
 
-def _create_database(name: str, port: int) -> None:
+def create_database(name: str, port: int) -> None:
     exists = _psql(f"select 1 from pg_database where datname = '{name}'", port).stdout.strip() == "1"
     if not exists:
         res = _psql(f'create database "{name}"', port)
