@@ -121,12 +121,14 @@ def settings(dsn: StoreDsn, warehouse: Path) -> Settings:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tiers: a test that takes the `spark` fixture is marked `spark`, one under e2e/ `e2e`.
-
-    `make check` runs the rest (`-m "not spark and not e2e"`): the pure tests and those against Postgres.
+    """Tiers: a test that takes the `spark` fixture is marked `spark`, one that takes `s3` `s3`, one under
+    e2e/ `e2e`. `make check` runs the rest (`-m "not spark and not s3 and not e2e"`): the pure tests and
+    those against Postgres.
     """
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.spark)
+        if "s3" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.e2e)
