@@ -131,11 +131,6 @@ class Extractor:
             raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
         if self.spark is None and self.needs_spark:
             raise ValueError("the spark writer and JDBC reads need a Spark session: pass one, or use delta-rs")
-        if tables.is_uri(self.warehouse) and self.needs_spark:
-            # On object storage only delta-rs commits to `events` (put-if-absent): delta-spark's S3 log store
-            # checks, then writes, which a concurrent delta-rs commit can slip between (docs/decisions.md).
-            raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer,
-                              "delta-rs on an s3:// warehouse (Spark does not commit to `events` there)")
 
     @property
     def needs_spark(self) -> bool:
@@ -146,15 +141,8 @@ class Extractor:
         return tables.table_path(self.warehouse, "events")
 
     def ensure_table(self) -> None:
-        comment = "es_pipeline: one row per event"
-        if self.writer == "delta-rs":
-            tables.ensure_table_arrow(
-                self.events_path, EVENTS_LAKE_ARROW_SCHEMA, comment=comment, properties=tables.EVENTS_PROPERTIES
-            )
-        else:
-            tables.ensure_table(
-                self.spark, self.events_path, tables.EVENTS_DDL, comment=comment, properties=tables.EVENTS_PROPERTIES
-            )
+        tables.ensure_table_arrow(self.events_path, EVENTS_LAKE_ARROW_SCHEMA, comment="es_pipeline: one row per event",
+                                  properties=tables.EVENTS_PROPERTIES)
 
     def _step(self, name: str, batch: Batch | None) -> None:
         if self.on_step is not None:
@@ -291,9 +279,13 @@ class Extractor:
             # Spark reads the batch itself (lazily, inside the write): `counted` was counted
             # exactly over the same deterministic bounds.
             self._step("read", batch)
-            df = self._jdbc_to_spark(batch)
-            tables.append_idempotent(df, self.events_path, app_id=batch.app_id, version=batch.batch_id)
-            rows, in_lake = counted, True
+            written = self._spark_append(self._jdbc_to_spark(batch), batch, expect_rows=counted)
+            if written is None:  # a new batch Delta says it has: never skip it and go on
+                session.forget_pending(batch)
+                raise LakeStoreDiverged(
+                    batch.app_id, self.events_path, tables.transaction_version(self.events_path, batch.app_id), None
+                )
+            rows, in_lake = written, written > 0
         else:
             stream = self._rows(batch, counted, waited)
             if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
@@ -360,16 +352,33 @@ class Extractor:
             table = pa.Table.from_batches(list(stream), EVENTS_LAKE_ARROW_SCHEMA)  # Spark takes a whole table
             if table.num_rows == 0:
                 return 0
-            if before_commit is not None:
-                before_commit()
-            tables.append_idempotent(
-                self.spark.createDataFrame(table), self.events_path, app_id=batch.app_id, version=batch.batch_id
-            )
-            return table.num_rows
+            return self._spark_append(self.spark.createDataFrame(table), batch, expect_rows=table.num_rows,
+                                      before_commit=before_commit)
         finally:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
+
+    def _spark_append(
+        self, df: Any, batch: Batch, *, expect_rows: int, before_commit: Callable[[], None] | None = None
+    ) -> int | None:
+        """Spark writes the batch's Parquet files (on a cluster, its executors), delta-rs commits them as
+        transaction (app id, batch id): rows committed, or None if Delta holds the batch already.
+
+        Spark never commits to `events` itself: its S3 log store checks, then writes, which another
+        process's commit can slip between (docs/decisions.md, "One committer engine per table")."""
+        assert batch.batch_id is not None
+        done = tables.transaction_version(self.events_path, batch.app_id)
+        if done is not None and done >= batch.batch_id:
+            return None
+        folder = arrow_append.new_folder(f"spark-batch-{batch.batch_id}")
+        self.spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
+        (df.select(*EVENTS_LAKE_ARROW_SCHEMA.names).write.mode("errorifexists").option("compression", "snappy")
+         .parquet(f"{self.events_path}/{folder}"))
+        return arrow_append.commit_parquet_folder(
+            self.events_path, EVENTS_LAKE_ARROW_SCHEMA, folder, app_id=batch.app_id, version=batch.batch_id,
+            expect_rows=expect_rows, before_commit=before_commit,
+        )
 
     @staticmethod
     def _with_lake_columns(rows: pa.RecordBatch, batch: Batch) -> pa.RecordBatch:
@@ -404,8 +413,7 @@ def build_extractor(
     `spark` is called only when the writer or the read path needs a session (the Spark writer, or a
     cluster master, whose executors read large batches over JDBC): with the defaults no JVM starts.
     """
-    # On object storage the batches go through the driver as Arrow into delta-rs, the one committer to `events`.
-    jdbc_min_rows = 0 if tables.is_uri(settings.warehouse) else default_jdbc_min_rows(settings.spark_master)
+    jdbc_min_rows = default_jdbc_min_rows(settings.spark_master)
     session, seconds = None, 0.0
     if needs_spark(settings.events_writer, jdbc_min_rows):
         t0 = time.monotonic()

@@ -7,6 +7,11 @@ every `ROW_GROUP_BYTES` of Arrow data), per-file statistics are gathered on the 
 are committed together with delta-rs's `create_write_transaction`, carrying the same `txn` action
 (app id, version) as before. Memory holds one row group, not the batch.
 
+Spark, where it does the work (the executors' JDBC reads on a cluster, the Spark writer), writes the
+Parquet files only, into a folder of the table, and `commit_parquet_folder` commits them the same way,
+with statistics from the files' footers: delta-rs is the one engine that commits to `events`, with
+put-if-absent on object storage, so no commit of one writer can overwrite another's (docs/decisions.md).
+
 A run killed before the commit leaves Parquet files that no commit names: readers never see them,
 and `VACUUM` (the `lake_maintenance` job) deletes them once older than the retention.
 """
@@ -27,6 +32,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.transaction import AddAction, RemoveAction
+
+from es_pipeline.lake.tables import filesystem
 
 TARGET_FILE_BYTES = 128 << 20  # Parquet bytes per file before the next file starts
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes gathered before they are written as one row group
@@ -60,6 +67,37 @@ class _Stats:
             self.mins[name] = lo if name not in self.mins else min(self.mins[name], lo)
             self.maxs[name] = hi if name not in self.maxs else max(self.maxs[name], hi)
 
+    def add_footer(self, metadata: pq.FileMetaData) -> None:
+        """The statistics of a Parquet file written elsewhere (Spark), from its row groups' statistics.
+
+        A column with values but no min/max in some row group gets no bounds at all (a reader must not
+        skip on bounds that do not cover every value)."""
+        names = metadata.schema.to_arrow_schema().names
+        unbounded: set[str] = set()
+        for g in range(metadata.num_row_groups):
+            group = metadata.row_group(g)
+            self.rows += group.num_rows
+            for name in self.columns:
+                if name not in names:
+                    continue
+                stats = group.column(names.index(name)).statistics
+                if stats is None or not stats.has_null_count:
+                    unbounded.add(name)
+                    continue
+                self.nulls[name] = self.nulls.get(name, 0) + stats.null_count
+                if stats.null_count == group.num_rows:
+                    continue
+                if not stats.has_min_max:
+                    unbounded.add(name)
+                    continue
+                lo, hi = stats.min, stats.max
+                self.mins[name] = lo if name not in self.mins else min(self.mins[name], lo)
+                self.maxs[name] = hi if name not in self.maxs else max(self.maxs[name], hi)
+        for name in unbounded:
+            self.mins.pop(name, None)
+            self.maxs.pop(name, None)
+            self.nulls.pop(name, None)
+
     def to_json(self) -> str:
         return json.dumps({
             "numRecords": self.rows,
@@ -73,6 +111,7 @@ def _stat_values(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in values.items():
         if isinstance(value, dt.datetime):
+            value = value if value.tzinfo else value.replace(tzinfo=dt.UTC)  # Parquet's UTC-adjusted timestamps
             out[name] = value.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         elif isinstance(value, dt.date):
             out[name] = value.isoformat()
@@ -99,7 +138,7 @@ class _FileWriter:
     def __init__(self, path: str, schema: pa.Schema, stats: list[str]) -> None:
         self.fs: pafs.FileSystem
         self.root: str
-        self.fs, self.root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+        self.fs, self.root = filesystem(path)
         self.schema = schema
         self.stats_names = stats
         self.actions: list[AddAction | RemoveAction] = []
@@ -167,9 +206,69 @@ def append_batches(
         return 0
     if before_commit is not None:
         before_commit()
+    _commit(table, files.actions, schema, app_id, version)
+    return rows
+
+
+def _commit(
+    table: DeltaTable, actions: list[AddAction | RemoveAction], schema: pa.Schema, app_id: str, version: int
+) -> None:
     table.create_write_transaction(
-        files.actions, mode="append", schema=schema,
+        actions, mode="append", schema=schema,
         commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)],
                                            max_commit_retries=COMMIT_RETRIES),
     )
+
+
+def new_folder(prefix: str) -> str:
+    """A folder of the table for files Spark writes: not hidden (no `_` or `.`), so that VACUUM deletes
+    what a killed run left uncommitted, and new every time, so that a replay never meets a half-written one."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def commit_parquet_folder(
+    path: str, schema: pa.Schema, folder: str, *, app_id: str, version: int, expect_rows: int | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> int | None:
+    """Commit the Parquet files that Spark wrote into `folder` of the table at `path` as Delta transaction
+    (`app_id`, `version`): the rows committed, or None if Delta holds that version already (nothing is
+    committed; the files are left to VACUUM).
+
+    Every file must have exactly the table's columns and types (`schema`), and together `expect_rows`
+    rows when given: anything else is refused before the commit, so a wrong read never reaches the lake.
+    """
+    table = DeltaTable(path)
+    done = table.transaction_version(app_id)
+    if done is not None and done >= version:
+        return None
+    fs, root = filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", recursive=True))
+    names = sorted(i.path for i in infos if i.is_file and i.base_name.endswith(".parquet")
+                   and not i.base_name.startswith(("_", ".")))
+    stats_names = stats_columns(table, schema)
+    actions: list[AddAction | RemoveAction] = []
+    rows = 0
+    for name in names:
+        with fs.open_input_file(name) as source:
+            metadata = pq.ParquetFile(source).metadata
+        found = metadata.schema.to_arrow_schema()
+        if [(f.name, f.type) for f in found] != [(f.name, f.type) for f in schema]:
+            raise ValueError(f"{name} does not have the table's columns and types: {found} instead of {schema}")
+        stats = _Stats(stats_names)
+        stats.add_footer(metadata)
+        rows += stats.rows
+        if stats.rows == 0:
+            continue
+        info = fs.get_file_info(name)
+        actions.append(AddAction(
+            path=name[len(root) + 1:], size=int(info.size), partition_values={},
+            modification_time=int(time.time() * 1000), data_change=True, stats=stats.to_json(),
+        ))
+    if expect_rows is not None and rows != expect_rows:
+        raise ValueError(f"Spark wrote {rows:,} rows into {path}/{folder}, {expect_rows:,} were counted: not committed")
+    if not actions:
+        return 0
+    if before_commit is not None:
+        before_commit()
+    _commit(table, actions, schema, app_id, version)
     return rows

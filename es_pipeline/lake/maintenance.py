@@ -1,8 +1,8 @@
 """Delta table upkeep: compaction and vacuum of every table under the warehouse.
 
-On object storage only delta-rs commits to `events` (put-if-absent; delta-spark's S3 log store only
-excludes writers inside one JVM, docs/decisions.md), so `events` is compacted and vacuumed with delta-rs
-there. The Spark tables are compacted in their update's turn (`serial.one_at_a_time`, the lock their
+Only delta-rs commits to `events` (put-if-absent on object storage, a hard link on a local disk;
+delta-spark's log stores exclude only writers inside one JVM, docs/decisions.md), so `events` is
+compacted and vacuumed with delta-rs, while extractions append to it. The Spark tables are compacted in their update's turn (`serial.one_at_a_time`, the lock their
 updates take), so no other Spark driver commits to one meanwhile; on S3 without a store to hold that
 lock in, they are left alone.
 """
@@ -31,12 +31,12 @@ def maintain(
         path = tables.table_path(warehouse, name)
         if not tables.is_delta_table(path):
             continue
-        if tables.is_uri(warehouse) and name == "events":
+        if name == "events":
             out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
             continue
         if tables.is_uri(warehouse) and store_dsn is None:
             continue
-        with one_at_a_time(None if name == "events" else store_dsn, name):
+        with one_at_a_time(store_dsn, name):
             metrics = spark.sql(f"OPTIMIZE delta.`{path}`").first()["metrics"]
             spark.sql(f"VACUUM delta.`{path}` RETAIN {int(retain_hours)} HOURS")
         out[name] = {

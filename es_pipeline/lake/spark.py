@@ -171,6 +171,10 @@ def spark_conf(settings: Settings, *, master: str | None = None) -> dict[str, An
         "spark.sql.shuffle.partitions": "4",
         "spark.default.parallelism": "4",
         "spark.sql.session.timeZone": "UTC",
+        # Parquet files Spark writes for delta-rs to commit (extraction): timestamps as delta-rs writes them,
+        # and no `_SUCCESS` marker left in the table's folder.
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+        "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "100000",
         "spark.driver.memory": "4g",

@@ -179,17 +179,6 @@ def transaction_version(path: str, app_id: str) -> int | None:
     return None if v is None else int(v)
 
 
-def append_idempotent(df: Any, path: str, *, app_id: str, version: int) -> None:
-    """Append unless Delta already holds a commit of (`app_id`, `version`) or later: replay-safe."""
-    (
-        df.write.format("delta")
-        .mode("append")
-        .option("txnAppId", app_id)
-        .option("txnVersion", str(version))
-        .save(path)
-    )
-
-
 def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties: dict[str, str] | None = None) -> None:
     """Create an empty Delta table of Arrow `schema` with delta-rs, if none is there (race-safe).
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 from deltalake import DeltaTable
 
@@ -25,7 +26,6 @@ from es_pipeline.defs.events.checks import (
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.errors import ConfigError
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import split
 from es_pipeline.lake import tables
@@ -176,9 +176,58 @@ def test_compaction_during_extraction_on_s3_loses_no_commit(dsn: StoreDsn, s3: S
     assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == source_events(dsn)
 
 
-def test_spark_may_not_commit_to_events_on_s3(dsn: StoreDsn, s3: S3Server) -> None:
-    with pytest.raises(ConfigError, match="delta-rs on an s3:// warehouse"):
-        Extractor(dsn.extractor, object(), f"{s3.bucket('lake')}/w", writer="spark")
+def test_spark_written_batches_race_delta_rs_commits_on_s3_and_lose_none(
+    dsn: StoreDsn, spark: Any, s3: S3Server
+) -> None:
+    """Where Spark does the work (the executors' JDBC reads, the Spark writer) it only writes Parquet files;
+    delta-rs commits them. So Spark-read ranges, delta-rs-read ranges and compaction commit to `events` on S3
+    at once, writers appending meanwhile, and every commit is a version of its own, every event once."""
+    warehouse = f"{s3.bucket('lake')}/spark-files-{os.getpid()}"
+    path = tables.table_path(warehouse, "events")
+    stop = threading.Event()
+    writing = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
+        streams=40, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.02, rate=200.0, stop=stop))
+    committed: list[int] = []
+    errors: list[BaseException] = []
+    ranges = split(4)
+
+    def extract(r: Any, session: Any = None, **kw: Any) -> None:
+        try:
+            for _ in range(4):
+                result = Extractor(dsn.extractor, session, warehouse, **kw).run(r)
+                committed.extend(n for n in result.batch_rows if n > 0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    writing.start()
+    runs = [threading.Thread(target=extract, args=(ranges[0],), kwargs={"session": spark, "jdbc_min_rows": 1}),
+            threading.Thread(target=extract, args=(ranges[1],), kwargs={"session": spark, "writer": "spark"}),
+            threading.Thread(target=extract, args=(ranges[2],)), threading.Thread(target=extract, args=(ranges[3],))]
+    for t in runs:
+        t.start()
+    compactions = 0
+    while any(t.is_alive() for t in runs):
+        if tables.is_delta_table(path):
+            compactions += maintain(None, warehouse)["events"]["files_added"] > 0
+        runs[0].join(1.0)
+    stop.set()
+    writing.join(60)
+    assert not errors, errors
+    for r in split(1):
+        committed.extend(n for n in Extractor(dsn.extractor, spark, warehouse, jdbc_min_rows=1).run(r).batch_rows if n)
+    table = DeltaTable(path)
+    history = table.history()
+    assert sorted(h["version"] for h in history) == list(range(table.version() + 1)), "no version lost or reused"
+    assert all("delta-rs" in str(h.get("clientVersion", "")) for h in history), "delta-rs made every commit"
+    assert Counter(h["operation"] for h in history)["WRITE"] == len(committed)
+    lake = table.to_pyarrow_table(columns=["stream_id", "version", "payload"])
+    keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
+    assert len(keys) == len(set(keys)) == sum(committed)
+    assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == source_events(dsn)
+    assert assert_exactly_once(spark, warehouse, dsn) == len(keys), "Spark reads the same lake"
+    fs, root = tables.filesystem(path)
+    spark_folders = [i for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name.startswith("spark-batch-")]
+    assert len(spark_folders) >= 5, "Spark wrote the files of the JDBC and Spark-writer batches"
 
 
 def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, spark: Any, s3: S3Server) -> None:
