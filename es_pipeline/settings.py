@@ -63,6 +63,9 @@ class Settings:
     pg_bindir: Path | None = None  # server binaries for the local server (default: pg_config's, Debian's)
     pg_dsn_from_env: bool = False  # ES_PIPELINE_PG_DSN set: Dagster gets it as an EnvVar, never its value
     snapshot_dsn: str | None = None  # the snapshot write-back's own role (default: pg_dsn's)
+    # Batches of at least this many events are read by Spark's executors over JDBC (0: never); None: by the
+    # master, 500,000 on a cluster and never on a local one (extraction.extractor.default_jdbc_min_rows).
+    jdbc_min_rows: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +91,9 @@ class Settings:
             pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
             pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
             snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
+            jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
+                                "a whole number of events (0: never read over JDBC)")
+                           if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
         )
 
 

@@ -38,6 +38,7 @@ def test_a_bad_value_names_the_setting_and_what_it_accepts(name: str, value: str
         ("ES_PIPELINE_BATCH_BYTES", "lots", "size in bytes"),
         ("ES_PIPELINE_BATCH_BYTES", "12TB", "size in bytes"),
         ("ES_PIPELINE_BATCH_BYTES", "512", "at least 1MB"),
+        ("ES_PIPELINE_JDBC_MIN_ROWS", "-1", "0: never read over JDBC"),
     ],
 )
 def test_every_setting_is_validated_when_read(name: str, value: str, expected: str) -> None:
@@ -51,6 +52,7 @@ def test_settings_read_the_values_given() -> None:
                            "ES_PIPELINE_LOCAL_PG_PORT": "6543", "ES_PIPELINE_EVENTS_WRITER": "spark"})
     assert (s.sensor_interval_seconds, s.automation, s.local_pg_port, s.events_writer) == (2, False, 6543, "spark")
     assert ":6543/" in s.pg_dsn  # the default store is the local server, on its port
+    assert (s.jdbc_min_rows, Settings.from_env({"ES_PIPELINE_JDBC_MIN_ROWS": "0"}).jdbc_min_rows) == (None, 0)
 
 
 @pytest.mark.parametrize(

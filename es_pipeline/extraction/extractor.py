@@ -413,7 +413,8 @@ def build_extractor(
     `spark` is called only when the writer or the read path needs a session (the Spark writer, or a
     cluster master, whose executors read large batches over JDBC): with the defaults no JVM starts.
     """
-    jdbc_min_rows = default_jdbc_min_rows(settings.spark_master)
+    jdbc_min_rows = (default_jdbc_min_rows(settings.spark_master) if settings.jdbc_min_rows is None
+                     else settings.jdbc_min_rows)
     session, seconds = None, 0.0
     if needs_spark(settings.events_writer, jdbc_min_rows):
         t0 = time.monotonic()

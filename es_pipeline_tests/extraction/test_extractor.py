@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,8 @@ def test_build_extractor_starts_spark_only_for_the_spark_writer_or_a_cluster(
     assert (extractor.spark == "a session") is needs_spark and len(started) == int(needs_spark)
     assert (extractor.writer, extractor.dsn, extractor.warehouse) == (writer, settings.pg_dsn, tmp_path)
     assert extractor.jdbc_min_rows == (0 if master.startswith("local") else 500_000)
+    chosen = build_extractor(replace(settings, jdbc_min_rows=1000), lambda: "a session")
+    assert (chosen.jdbc_min_rows, chosen.spark) == (1000, "a session"), "ES_PIPELINE_JDBC_MIN_ROWS wins over the master"
 
 
 def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
