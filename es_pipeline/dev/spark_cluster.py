@@ -79,3 +79,28 @@ def standalone(folder: Path, *, cores: int = 2, memory: str = "4g") -> Iterator[
                 _daemon(env, "stop", cls, "1")
             except LocalServerError:
                 pass
+
+
+@contextmanager
+def connect_server(env: dict[str, str], log: Path, *, timeout: float = 180) -> Iterator[str]:
+    """`es-pipeline spark serve` with `env` (its ES_PIPELINE_SPARK_MASTER names the cluster, its
+    SPARK_CONNECT_AUTHENTICATE_TOKEN the token) for as long as the context lasts: the remote to attach to."""
+    port = free_port()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cli = str(Path(sys.executable).parent / "es-pipeline")
+    with log.open("wb") as out:
+        server = subprocess.Popen([cli, "spark", "serve", "--port", str(port)], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_port(port, timeout)
+        except TimeoutError:
+            raise LocalServerError(f"the Spark Connect server did not listen within {timeout:.0f} s; see {log}") from None
+        yield f"sc://localhost:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -373,7 +373,7 @@ class Extractor:
             return None
         folder = arrow_append.new_folder(f"spark-batch-{batch.batch_id}")
         self.spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
-        (df.select(*EVENTS_LAKE_ARROW_SCHEMA.names).write.mode("errorifexists").option("compression", "snappy")
+        (df.select(*EVENTS_LAKE_ARROW_SCHEMA.names).write.mode("error").option("compression", "snappy")
          .parquet(f"{self.events_path}/{folder}"))
         return arrow_append.commit_parquet_folder(
             self.events_path, EVENTS_LAKE_ARROW_SCHEMA, folder, app_id=batch.app_id, version=batch.batch_id,

@@ -1,5 +1,6 @@
 """Spark on a real standalone cluster (a master and a worker from the pyspark package), over the lake on
-S3: the driver in its own process, the work on the worker's executors."""
+S3: the driver in its own process (an analyst's `es-pipeline sql`, or a Spark Connect server on the
+cluster that Dagster's runs attach to), the work on the worker's executors. One cluster for the module."""
 
 from __future__ import annotations
 
@@ -8,35 +9,107 @@ import os
 import subprocess
 import sys
 import urllib.request
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pyarrow.fs as pafs
 import pytest
+from deltalake import DeltaTable
 
+from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import S3Server
-from es_pipeline.dev.spark_cluster import standalone
-from es_pipeline.dev.workload import run_workload
+from es_pipeline.dev.spark_cluster import SparkCluster, connect_server, standalone
+from es_pipeline.dev.workload import bulk_load, run_workload
+from es_pipeline.lake import tables
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn
 
-CLI = str(Path(sys.executable).parent / "es-pipeline")
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
+    """The module's cluster; its worker (and so every executor) has the S3 server's AWS_* variables."""
+    with standalone(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+def _applications(cluster: SparkCluster) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{cluster.web_ui}/json/", timeout=5) as answer:  # noqa: S310 - the local master
+        master = json.load(answer)
+    return list(master.get("completedapps", [])) + list(master.get("activeapps", []))
 
 
 @pytest.mark.timeout(600)
-def test_an_analysts_query_runs_on_the_cluster_over_the_s3_lake(dsn: StoreDsn, s3: S3Server, tmp_path: Path) -> None:
+def test_an_analysts_query_runs_on_the_cluster_over_the_s3_lake(
+    dsn: StoreDsn, s3: S3Server, cluster: SparkCluster
+) -> None:
     warehouse = f"{s3.bucket('lake')}/cluster-{os.getpid()}"
     run_workload(EventStore(dsn.writer), streams=40, events=400, writers=2, rollback_rate=0.1, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
     expected = source_events(dsn)
-    with standalone(tmp_path / "cluster") as cluster:
-        query = "SELECT count(*) AS n, count(DISTINCT stream_id, version) AS k FROM events"
-        done = subprocess.run([CLI, "sql", query], capture_output=True, text=True, timeout=480, check=False,
-                              env={**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse,
-                                   "ES_PIPELINE_SPARK_MASTER": cluster.master_url})
-        assert done.returncode == 0, done.stderr[-3000:]
-        header, row = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("|")]
-        assert [int(c) for c in row] == [len(expected), len(expected)]
-        with urllib.request.urlopen(f"{cluster.web_ui}/json/", timeout=5) as answer:
-            master = json.load(answer)
-        apps = master.get("completedapps", []) + master.get("activeapps", [])
-        assert [a["name"] for a in apps] == ["es_pipeline"], "the query ran as an application of the cluster"
+    query = "SELECT count(*) AS n, count(DISTINCT stream_id, version) AS k FROM events"
+    done = subprocess.run([str(BIN / "es-pipeline"), "sql", query], capture_output=True, text=True, timeout=480,
+                          check=False, env={**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse,
+                                            "ES_PIPELINE_SPARK_MASTER": cluster.master_url})
+    assert done.returncode == 0, done.stderr[-3000:]
+    header, row = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("|")]
+    assert [int(c) for c in row] == [len(expected), len(expected)]
+    assert "es_pipeline" in [a["name"] for a in _applications(cluster)], "the query ran as an application of the cluster"
+
+
+def _dagster(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(BIN / "dagster"), *args, "-m", "es_pipeline.definitions"], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"dagster {' '.join(args)}:\n{done.stderr[-4000:]}"
+    return done
+
+
+@pytest.mark.timeout(900)
+def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_lake(
+    dsn: StoreDsn, s3: S3Server, cluster: SparkCluster, tmp_path: Path
+) -> None:
+    """Dagster's runs attach to a Spark Connect server whose driver runs on the cluster: the executors read
+    the backfill over JDBC and write its Parquet files to S3 (delta-rs commits them), then the projections,
+    the checks and the maintenance job run on the cluster too. The lake equals the store, event by event."""
+    bulk_load(dsn, events=6000, streams=60, events_per_tx=500)
+    run_workload(EventStore(dsn.writer), streams=30, events=600, writers=2, rollback_rate=0.1, max_commit_delay=0)
+    warehouse = f"{s3.bucket('lake')}/dagster-cluster-{os.getpid()}"
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    token = os.urandom(16).hex()
+    env = {**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": cluster.master_url,
+           TOKEN_ENV: token, "DAGSTER_HOME": str(home), "ES_PIPELINE_SLICE_RANGES": "1",
+           "ES_PIPELINE_AUTOMATION": "off", "ES_PIPELINE_PG_DSN": dsn.extractor,
+           "ES_PIPELINE_JDBC_MIN_ROWS": "1000", "ES_PIPELINE_BATCH_EVENTS": "2000"}
+    with connect_server(env, tmp_path / "connect.log") as remote:
+        env["ES_PIPELINE_SPARK_REMOTE"] = remote
+        extracted = _dagster(["asset", "materialize", "--select", "events", "--partition", "0000-1023"], env)
+        _dagster(["asset", "materialize", "--select", "stream_state,stream_catalog,event_type_daily"], env)
+        _dagster(["job", "execute", "-j", "delta_maintenance_job"], env)
+        connect_apps = [a for a in _applications(cluster) if a["name"] == "es_pipeline-connect"]
+    assert connect_apps and connect_apps[0]["cores"] > 0, "the Connect server's driver had executors on the cluster"
+    said = extracted.stdout + extracted.stderr
+    assert "on 'events' passed." in said and "did not pass" not in said, "the events checks ran, on the cluster, and passed"
+
+    events = tables.table_path(warehouse, "events")
+    table = DeltaTable(events)
+    history = table.history()
+    assert all("delta-rs" in str(h.get("clientVersion", "")) for h in history), "delta-rs made every commit to events"
+    assert Counter(h["operation"] for h in history)["OPTIMIZE"] == 1, "the maintenance job compacted events"
+    fs, root = tables.filesystem(events)
+    spark_folders = [i for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name.startswith("spark-batch-")]
+    assert len(spark_folders) >= 3, "the executors wrote the large batches' files"
+    lake = table.to_pyarrow_table(columns=["stream_id", "version", "payload"])
+    keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
+    expected = source_events(dsn)
+    assert len(keys) == len(set(keys)) == len(expected) == 6600
+    assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == expected
+
+    state = DeltaTable(tables.table_path(warehouse, "stream_state")).to_pyarrow_table(columns=["stream_id"])
+    assert state.num_rows == len({s for s, _ in expected})
+    daily = DeltaTable(tables.table_path(warehouse, "event_type_daily")).to_pyarrow_table(columns=["events"])
+    assert sum(daily["events"].to_pylist()) == 6600
