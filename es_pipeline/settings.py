@@ -45,6 +45,16 @@ def local_pg_dsn(port: int, database: str = LOCAL_PG_DATABASE) -> str:
     return f"postgresql://postgres@127.0.0.1:{port}/{database}?passfile={quote(str(LOCAL_PG_PASSFILE))}"
 
 
+def dagster_storage_url(user: str, host: str, port: int | str, database: str, passfile: str | None = None) -> str:
+    """Dagster's PostgreSQL storage (`DAGSTER_PG_URL`, a SQLAlchemy URL); the password stays in `passfile`.
+
+    SQLAlchemy 2.1 maps postgresql:// to psycopg 3, whose server-side binding breaks dagster-postgres's
+    `NOTIFY run_events, %s`: the URL names psycopg2.
+    """
+    tail = f"?passfile={quote(str(passfile))}" if passfile else ""
+    return f"postgresql+psycopg2://{user}@{host}:{port}/{database}{tail}"
+
+
 @dataclass(frozen=True)
 class Settings:
     pg_dsn: str

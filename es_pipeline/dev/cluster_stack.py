@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 from contextlib import ExitStack
-from urllib.parse import quote
 
 from es_pipeline.dev import local_server
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.dev.spark_cluster import standalone
-from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, Settings, local_pg_dsn
+from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, Settings, dagster_storage_url, local_pg_dsn
 from es_pipeline.store.migrations import migrate
 
 S3_PORT = int(os.environ.get("ES_PIPELINE_S3_PORT", "9010"))
@@ -59,7 +58,7 @@ def _dagster_url(name: str) -> str:
     """Dagster's storage in a database of the local server of its own."""
     port = Settings.from_env().local_pg_port
     local_server.create_database(name, port)
-    return f"postgresql+psycopg2://postgres@127.0.0.1:{port}/{name}?passfile={quote(str(LOCAL_PG_PASSFILE))}"
+    return dagster_storage_url("postgres", "127.0.0.1", port, name, str(LOCAL_PG_PASSFILE))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from es_pipeline.dev.connect_token import TOKEN_ENV, local_remote, local_token
-from es_pipeline.settings import PROJECT_ROOT
+from es_pipeline.settings import PROJECT_ROOT, dagster_storage_url
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -66,7 +65,6 @@ def dagster_stack(
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{storage_db}"')
     admin = conninfo_to_dict(admin_dsn)
-    passfile = f"?passfile={quote(str(admin['passfile']))}" if admin.get("passfile") else ""
     home = tmp / "dagster_home"
     home.mkdir()
     instance_yaml = (PROJECT_ROOT / "dagster.yaml").read_text()
@@ -77,9 +75,8 @@ def dagster_stack(
     env = dict(os.environ)
     env.update({
         "DAGSTER_HOME": str(home),
-        # SQLAlchemy 2.1 maps postgresql:// to psycopg 3, whose server-side binding breaks
-        # dagster-postgres's `NOTIFY run_events, %s`: name psycopg2 explicitly.
-        "DAGSTER_PG_URL": f"postgresql+psycopg2://{admin['user']}@{admin['host']}:{admin['port']}/{storage_db}{passfile}",
+        "DAGSTER_PG_URL": dagster_storage_url(str(admin["user"]), str(admin["host"]), str(admin["port"]), storage_db,
+                                              str(admin["passfile"]) if admin.get("passfile") else None),
         "ES_PIPELINE_PG_DSN": dsn,
         "ES_PIPELINE_WAREHOUSE": str(warehouse),
         "ES_PIPELINE_SLICE_RANGES": str(slice_ranges),
