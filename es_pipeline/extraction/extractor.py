@@ -35,6 +35,7 @@ from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
+from es_pipeline.store.conninfo import resolved
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class Extractor:
     on_step: Callable[[str, Batch | None], None] | None = None
     progress: Callable[[str], None] = log.info
     spark_seconds: float = 0.0  # what starting (or attaching to) Spark cost `build_extractor`
+    _jdbc_params: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or events_consumer(self.schema)
@@ -392,7 +394,10 @@ class Extractor:
     def _jdbc_to_spark(self, batch: Batch) -> Any:
         from pyspark.sql import functions as F
 
-        df = reader.jdbc_frame(self.spark, self.dsn, self.schema, batch, splits=self.jdbc_splits)
+        if self._jdbc_params is None:  # what libpq connected with, once per extractor (a connection each time)
+            self._jdbc_params = resolved(self.dsn)
+        df = reader.jdbc_frame(self.spark, self.dsn, self.schema, batch, splits=self.jdbc_splits,
+                               params=self._jdbc_params)
         return df.withColumn("event_date", F.to_date("recorded_at")).withColumn(
             "batch_id", F.lit(batch.batch_id).cast("bigint")
         )

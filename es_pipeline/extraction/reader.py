@@ -66,11 +66,14 @@ def batch_query(schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> st
     return _select(schema, EVENT_COLUMNS, pairs, upper)
 
 
-def jdbc_frame(spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int) -> Any:
+def jdbc_frame(
+    spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int, params: dict[str, str] | None = None
+) -> Any:
     """The rows of a batch read by Spark's executors over JDBC: `splits` queries over interleaved
     slice subsets, each bounded by the same fixed upper bound H, so a cluster shares the read and
-    the result is exactly the batch that the Arrow path would read."""
-    url, props = jdbc_url(resolved(dsn))
+    the result is exactly the batch that the Arrow path would read. `params`: `resolved(dsn)`, if the
+    caller has it already (a run resolves once, not per batch)."""
+    url, props = jdbc_url(params if params is not None else resolved(dsn))
     frames = [
         spark.read.format("jdbc").option("url", url).option("query", query)
         .option("fetchsize", "10000").options(**props).load()
