@@ -94,6 +94,7 @@ bench: setup
 	$(PY) -m bench.run
 	$(PY) -m bench.latency
 	$(PY) -m bench.s3_lake
+	$(PY) -m bench.cluster
 
 clean:
 	-$(CLI) db stop
