@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from deltalake import DeltaTable
 
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables
@@ -57,6 +58,16 @@ class StateResult:
 # sum of the reducer revisions, so that a revision bump with no new events still commits (Delta
 # skips a txn version it has seen) while a replay of the same work does not.
 _REVISION_SLOTS = 1000
+
+
+def folded_version(state_path: str) -> tuple[int, int] | None:
+    """(stream_state's Delta version, the `events` version it has folded up to), read from one version of
+    its log; None before its first update."""
+    if not tables.is_delta_table(state_path):
+        return None
+    table = DeltaTable(state_path)
+    read = table.transaction_version(APP_ID)
+    return None if read is None else (int(table.version()), int(read) // _REVISION_SLOTS)
 
 
 def _txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
