@@ -469,14 +469,18 @@ def rebased_below(conn: psycopg.Connection, consumer: str) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
-def counts_below_watermarks(conn: psycopg.Connection, schema: str, consumer: str) -> dict[int, int]:
-    """Per slice with an offset row: how many events of the store lie below its watermark."""
+def counts_below_watermarks(
+    conn: psycopg.Connection, schema: str, consumer: str, slices: Sequence[int] | None = None
+) -> dict[int, int]:
+    """Per slice with an offset row (of `slices`, default all): how many events of the store lie below its
+    watermark."""
     rows = conn.execute(
         sql.SQL(
             "SELECT o.slice, count(e.*) FROM es_pipeline.offsets o LEFT JOIN {}.events e "
-            "ON e.slice = o.slice AND e.tx_id < o.watermark WHERE o.consumer = %s GROUP BY o.slice"
+            "ON e.slice = o.slice AND e.tx_id < o.watermark WHERE o.consumer = %s "
+            "AND (%s::smallint[] IS NULL OR o.slice = ANY(%s::smallint[])) GROUP BY o.slice"
         ).format(sql.Identifier(schema)),
-        (consumer,),
+        (consumer, None if slices is None else list(slices), None if slices is None else list(slices)),
     ).fetchall()
     return {int(s): int(n) for s, n in rows}
 

@@ -32,7 +32,14 @@ def _resources(s: Settings) -> dict[str, Any]:
 
 def _run(check: Any, r: dict[str, Any]) -> dg.AssetCheckResult:
     names = check.node_def.required_resource_keys if hasattr(check, "node_def") else set()
-    return check(**{k: v for k, v in r.items() if k in names})
+    args = [dg.build_asset_check_context()] if _takes_context(check) else []
+    return check(*args, **{k: v for k, v in r.items() if k in names})
+
+
+def _takes_context(check: Any) -> bool:
+    import inspect
+
+    return "context" in inspect.signature(check.node_def.compute_fn.decorated_fn).parameters
 
 
 def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
@@ -59,4 +66,86 @@ def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
     assert not _run(events_checks.events_reconcile_with_source, r).passed
     # A stream_state row behind its events.
     spark.sql(f"UPDATE delta.`{warehouse / 'stream_state'}` SET version = version - 1 WHERE stream_id = '{victim['stream_id']}'")
+    assert not _run(projections_checks.stream_state_version_matches_events, r).passed
+
+
+def test_checks_beside_a_partitions_materialization_check_that_partition_only(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    """A hand materialization of one range runs the events checks over that range's slices (what it costs is
+    the range's, not the table's); on their schedule, with no partition, they check every slice."""
+    from dataclasses import replace
+
+    from es_pipeline.defs.events.asset import build_events_asset
+    from es_pipeline.defs.events.partitions import slice_ranges_partitions
+
+    run_workload(EventStore(dsn.writer), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
+    two = replace(settings, slice_ranges=2)
+    events = build_events_asset(slice_ranges_partitions(2), two)
+    checks = list(events_checks.CHECKS)
+    instance = dg.DagsterInstance.ephemeral()
+    first = dg.materialize([events, *checks], partition_key="0000-0511", resources=_resources(two), instance=instance)
+    evaluations = first.get_asset_check_evaluations()
+    assert sorted(e.check_name for e in evaluations) == sorted(c.check_key.name for c in checks)
+    assert all(e.passed and e.metadata["scope"].value == "slices 0000-0511" for e in evaluations)
+    reconcile = next(e for e in evaluations if e.check_name == "events_reconcile_with_source")
+    lower = tables.read(spark, str(warehouse / "events")).where("slice <= 511").count()
+    assert reconcile.metadata["lake_events"].value == lower > 0
+
+    # A row of the other range duplicated: that range's check and the table-wide one see it, this range's not.
+    events_path = str(warehouse / "events")
+    dg.materialize([events], partition_key="0512-1023", resources=_resources(two), instance=instance)
+    tables.read(spark, events_path).where("slice >= 512").limit(1).write.format("delta").mode("append").save(events_path)
+    again = dg.materialize([events, *checks], partition_key="0000-0511", resources=_resources(two), instance=instance)
+    assert all(e.passed for e in again.get_asset_check_evaluations())
+    other = dg.materialize([events, *checks], partition_key="0512-1023", resources=_resources(two), instance=instance,
+                           raise_on_error=False)
+    failed = {e.check_name for e in other.get_asset_check_evaluations() if not e.passed}
+    assert failed == {"events_no_duplicates", "events_reconcile_with_source"}
+    assert not _run(events_checks.events_no_duplicates, _resources(two)).passed, "table-wide, it is seen too"
+
+
+def test_reconcile_holds_while_runs_commit_between_its_reads(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    """Runs that commit while the check reads (after its first look at the store, and after it fixes the lake's
+    version) are no failure; a row above the watermarks outside any batch still is."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=30, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
+    extractor = Extractor(settings.pg_dsn, spark, warehouse)
+    extractor.run(SliceRange(0, 1023))
+    moved: list[int] = []
+
+    def runs_commit(moment: str) -> None:
+        run_workload(store, streams=30, events=50, writers=1, rollback_rate=0, max_commit_delay=0)
+        moved.append(extractor.run(SliceRange(0, 1023)).rows)
+
+    result = events_checks.reconcile(spark, warehouse, settings.pg_dsn, "es", None, between=runs_commit)
+    assert moved == [50, 50] and result.passed, result.metadata
+    assert result.metadata["lake_events"].value == 200, "counted below the watermarks of its first look"
+
+    events = str(warehouse / "events")
+    stray = tables.read(spark, events).orderBy("tx_id", ascending=False).limit(1).selectExpr(
+        *[c if c != "tx_id" else "tx_id + 1000000 AS tx_id" for c in tables.read(spark, events).columns])
+    stray.write.format("delta").mode("append").save(events)
+    broken = events_checks.reconcile(spark, warehouse, settings.pg_dsn, "es", None)
+    assert not broken.passed and broken.metadata["above_watermark"].value == 1
+
+
+def test_stream_state_is_checked_against_the_events_it_has_folded(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    """Events extracted after the last update wait for the next one: no failure; a state behind what it
+    folded is one."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
+    extractor = Extractor(settings.pg_dsn, spark, warehouse)
+    extractor.run(SliceRange(0, 1023))
+    update_stream_state(spark, warehouse)
+    run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
+    assert extractor.run(SliceRange(0, 1023)).rows == 100
+    r = _resources(settings)
+    result = _run(projections_checks.stream_state_version_matches_events, r)
+    assert result.passed, result.metadata
+    spark.sql(f"UPDATE delta.`{warehouse / 'stream_state'}` SET version = version - 1")
     assert not _run(projections_checks.stream_state_version_matches_events, r).passed

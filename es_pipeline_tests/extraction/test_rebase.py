@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
@@ -89,5 +90,6 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
         resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=str(warehouse)),
                      "event_store": EventStoreResource(dsn=restored.extractor)}
         for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
-            result = check(**{k: v for k, v in resources.items() if k in check.required_resource_keys})  # type: ignore[operator]
+            result = check(dg.build_asset_check_context(),  # type: ignore[operator]
+                           **{k: v for k, v in resources.items() if k in check.required_resource_keys})
             assert result.passed, (check.check_key.name, result.metadata)

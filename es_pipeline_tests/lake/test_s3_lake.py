@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
@@ -247,7 +248,8 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=warehouse),
                  "event_store": EventStoreResource(dsn=dsn.extractor)}
     for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
-        result = check(**{k: v for k, v in resources.items() if k in check.required_resource_keys})  # type: ignore[operator]
+        result = check(dg.build_asset_check_context(),  # type: ignore[operator]
+                       **{k: v for k, v in resources.items() if k in check.required_resource_keys})
         assert result.passed, (check.check_key.name, result.metadata)
     maintained = maintain(spark, warehouse, store_dsn=dsn.extractor)
     assert {"events", "stream_state", "stream_catalog", "event_type_daily"} <= maintained.keys()

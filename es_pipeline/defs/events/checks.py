@@ -1,22 +1,62 @@
-"""Table-wide checks of `events`: no duplicates, contiguous versions, counts reconcile with the store."""
+"""Checks of `events`: no duplicates, contiguous versions, counts reconcile with the store.
+
+Table-wide on their schedule (`lake_checks_job`, hourly). Run beside the materialization of one
+partition (a hand materialization from the UI or `dagster asset materialize --partition`), they check
+that partition's slices only, so that materializing a range costs what the range costs, not what the
+table does: a stream lives in one slice, so every invariant holds per slice and a range's check is
+exact for its streams. The result's `scope` says which it was.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
+import psycopg
+from dagster._core.errors import DagsterInvalidPropertyError
+from deltalake import DeltaTable
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.offsets import events_consumer
-from es_pipeline.extraction.slices import NUM_SLICES
+from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake import tables
 from es_pipeline.store.conninfo import connect
 
+PARTITION_TAG = "dagster/partition"
+
+
+def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None:
+    """The slice range of the partition this check runs beside, or None (the whole table)."""
+    try:
+        key = context.run.tags.get(PARTITION_TAG) if context is not None else None
+    except DagsterInvalidPropertyError:  # invoked directly, outside a run: the whole table
+        key = None
+    return SliceRange.from_key(key) if key else None
+
+
+def _lake(spark: SparkResource, warehouse: WarehouseResource, scope: SliceRange | None) -> Any:
+    """The `events` table, or the rows of the scope's slices (the files of other ranges are skipped by their
+    slice statistics: a batch holds one range's slices)."""
+    df = tables.read(spark.spark_session, tables.table_path(warehouse.root, "events"))
+    return df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
+
+
+def _scope_label(scope: SliceRange | None) -> str:
+    return "every slice" if scope is None else f"slices {scope.key}"
+
 
 @dg.asset_check(asset="events", blocking=True, description="No (stream_id, version) appears twice in the lake.")
-def events_no_duplicates(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-    df = tables.read(spark.spark_session, tables.table_path(warehouse.root, "events"))
+def events_no_duplicates(
+    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
+) -> dg.AssetCheckResult:
+    scope = scope_of(context)
+    df = _lake(spark, warehouse, scope)
     dups = df.groupBy("stream_id", "version").count().where("count > 1")
     n = int(dups.count())
     sample = [f"{r['stream_id']}@{r['version']}" for r in dups.limit(5).collect()]
-    return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample)})
+    return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample),
+                                                         "scope": _scope_label(scope)})
 
 
 @dg.asset_check(
@@ -25,14 +65,16 @@ def events_no_duplicates(spark: SparkResource, warehouse: WarehouseResource) -> 
     "is still above its slice's watermark in Postgres (committed out of xid order, on its way).",
 )
 def events_versions_contiguous(
-    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+    event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
-    df = tables.read(spark.spark_session, tables.table_path(warehouse.root, "events"))
+    scope = scope_of(context)
+    df = _lake(spark, warehouse, scope)
     gaps = df.groupBy("stream_id").agg({"version": "max", "stream_id": "count"}).where(
         "`max(version)` <> `count(stream_id)`"
     ).limit(10_000).collect()
     if not gaps:
-        return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0})
+        return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope)})
     ids = [r["stream_id"] for r in gaps]
     consumer = events_consumer(event_store.schema_name)
     with connect(event_store.dsn) as conn:
@@ -42,7 +84,7 @@ def events_versions_contiguous(
     return dg.AssetCheckResult(
         passed=not missing,
         metadata={"streams_with_gaps": len(ids), "missing_below_watermark": len(missing),
-                  "examples": ", ".join(f"{s}@{v}" for s, v in missing[:5])},
+                  "examples": ", ".join(f"{s}@{v}" for s, v in missing[:5]), "scope": _scope_label(scope)},
     )
 
 
@@ -52,31 +94,82 @@ def events_versions_contiguous(
     "and none above it but a pending batch's (or, after a rebase, restored ones).",
 )
 def events_reconcile_with_source(
-    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+    event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
-    consumer = events_consumer(event_store.schema_name)
-    with connect(event_store.dsn) as conn:
-        pending = offsets.pending_batch_ids(conn, consumer)
-        source = offsets.counts_below_watermarks(conn, event_store.schema_name, consumer)
-        marks = offsets.read_watermarks(conn, consumer, range(NUM_SLICES))
-        rebased = offsets.rebased_below(conn, consumer)
-    session = spark.spark_session
-    df = tables.read(session, tables.table_path(warehouse.root, "events"))
-    if pending:  # rows of a batch whose offsets did not commit yet (a crash): not counted on either side
-        df = df.where(~df.batch_id.isin(pending))
-    df = df.join(session.createDataFrame(list(marks.items()), "slice INT, watermark BIGINT"), "slice")
-    lake_counts = {int(r["slice"]): int(r["count"]) for r in df.where("tx_id < watermark").groupBy("slice").count().collect()}
+    scope = scope_of(context)
+    return reconcile(spark.spark_session, warehouse.root, event_store.dsn, event_store.schema_name, scope)
+
+
+@dataclass(frozen=True)
+class _StoreView:
+    """The offsets as of one snapshot of the store."""
+
+    pending: list[int]
+    marks: dict[int, int]
+    counts: dict[int, int]  # events of the store below each slice's watermark
+    rebased: int | None
+
+
+def _store_view(dsn: str, schema: str, consumer: str, slices: list[int] | None) -> _StoreView:
+    with connect(dsn) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ  # every read below sees one snapshot
+        with conn.transaction():
+            return _StoreView(
+                pending=offsets.pending_batch_ids(conn, consumer),
+                marks=offsets.read_watermarks(conn, consumer, range(NUM_SLICES) if slices is None else slices),
+                counts=offsets.counts_below_watermarks(conn, schema, consumer, slices),
+                rebased=offsets.rebased_below(conn, consumer),
+            )
+
+
+def reconcile(
+    spark: Any, warehouse: tables.Location, dsn: str, schema: str, scope: SliceRange | None, *,
+    between: Callable[[str], None] | None = None,
+) -> dg.AssetCheckResult:
+    """The lake against the store, while runs go on extracting.
+
+    The store is read twice, before (S1) and after (S2) the lake's version is fixed: every batch whose
+    watermarks had advanced at S1 is in that version (a batch is committed to Delta before its offsets), so
+    the counts below S1's watermarks must be equal; and every batch in that version is, at S2, either below
+    S2's watermarks or still pending, so a row above S2's watermarks outside a pending batch is a stray.
+    `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed).
+    """
+    consumer = events_consumer(schema)
+    path = tables.table_path(warehouse, "events")
+    slices = None if scope is None else scope.slices
+    before = _store_view(dsn, schema, consumer, slices)
+    if between is not None:
+        between("lake")
+    version = DeltaTable(path).version()
+    if between is not None:
+        between("after")
+    after = _store_view(dsn, schema, consumer, slices)
+    df = tables.read(spark, path, version=version)
+    if scope is not None:
+        df = df.where(df.slice.between(scope.lo, scope.hi))
+
+    def beside(view: _StoreView) -> Any:
+        rows = df.where(~df.batch_id.isin(view.pending)) if view.pending else df  # not counted on either side
+        return rows.join(spark.createDataFrame(list(view.marks.items()), "slice INT, watermark BIGINT"), "slice")
+
+    below = beside(before).where("tx_id < watermark").groupBy("slice").count().collect()
+    lake_counts = {int(r["slice"]): int(r["count"]) for r in below}
     # Above a watermark the lake holds nothing, but restored events a rebase brought early (batch 0), and,
     # until the new cluster's ids pass them, the events extracted before it (ids of the old cluster).
-    stray = df.where("tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else ""))
-    n_stray = int(stray.count())
+    rebased = after.rebased
+    n_stray = int(beside(after).where(
+        "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")).count())
+    source = before.counts
     off = {s: (source.get(s, 0), lake_counts.get(s, 0)) for s in set(source) | set(lake_counts)
            if source.get(s, 0) != lake_counts.get(s, 0)}
     return dg.AssetCheckResult(
         passed=not off and n_stray == 0,
         metadata={"slices_checked": len(source), "slices_off": len(off), "above_watermark": n_stray,
                   "source_events": int(sum(source.values())), "lake_events": int(sum(lake_counts.values())),
-                  "examples": ", ".join(f"slice {s}: source {a}, lake {b}" for s, (a, b) in sorted(off.items())[:5])},
+                  "lake_version": int(version),
+                  "examples": ", ".join(f"slice {s}: source {a}, lake {b}" for s, (a, b) in sorted(off.items())[:5]),
+                  "scope": _scope_label(scope)},
     )
 
 
