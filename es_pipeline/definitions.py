@@ -34,6 +34,9 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation)],
         schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
+        # Every job's steps in the run's own process unless it says otherwise: a hand materialization of a
+        # range with its checks, or the projections' automation run, starts one Spark session, not one per step.
+        executor=dg.in_process_executor,
     )
 
 
