@@ -76,6 +76,8 @@ class Settings:
     # Batches of at least this many events are read by Spark's executors over JDBC (0: never); None: by the
     # master, 500,000 on a cluster and never on a local one (extraction.extractor.default_jdbc_min_rows).
     jdbc_min_rows: int | None = None
+    # A sensor-started `events` run stays this long, extracting its range as commits arrive (0: one pass).
+    tail_seconds: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -101,6 +103,8 @@ class Settings:
             pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
             pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
             snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
+            tail_seconds=_int(env, "ES_PIPELINE_TAIL_SECONDS", 0, 0, 86_400,
+                              "a whole number of seconds between 0 (one pass per run) and 86400"),
             jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),

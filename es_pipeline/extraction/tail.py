@@ -1,0 +1,96 @@
+"""A tailing run: one range extracted again and again as commits arrive, for a bounded time. No Dagster here.
+
+A run per batch pays its launch (seconds) and leaves a run record for a few dozen events. A tailing run
+stays: after its first pass it waits for the store's `es_events` notifications (every append notifies
+at commit) or, at the latest, `poll_seconds` (a NOTIFY can be missed behind a transaction pooler, and a
+commit below a still-open transaction becomes extractable only when that one ends); then it asks the
+sensor's probe whether any slice of its range has something below the horizon, and only then runs a
+pass. Each pass is an ordinary `Extractor.run`: locks, pending batch, Delta txn, offsets; the guarantee
+and its tests are those of any run. It ends at its deadline; the sensor then starts the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+
+from es_pipeline.extraction.extractor import Extractor, ExtractResult
+from es_pipeline.extraction.probe import probe
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.store.conninfo import connect
+
+CHANNEL = "es_events"
+POLL_SECONDS = 2.0  # at most this long between probes, notifications or not
+MIN_PASS_GAP = 0.5  # commits arriving within this of one another are taken in one pass
+
+
+@dataclass
+class TailResult:
+    passes: int = 0
+    rows: int = 0
+    probes: int = 0
+    last: ExtractResult | None = None
+
+
+@contextmanager
+def _listener(dsn: str) -> Iterator[psycopg.Connection | None]:
+    """A connection LISTENing on the store's channel; None where LISTEN is refused (a transaction pooler)."""
+    conn = connect(dsn, autocommit=True, application_name="es_pipeline tail")
+    try:
+        try:
+            conn.execute(f"LISTEN {CHANNEL}")
+        except psycopg.Error:
+            yield None
+            return
+        yield conn
+    finally:
+        conn.close()
+
+
+def _wait(listener: psycopg.Connection | None, seconds: float) -> None:
+    """Until a notification arrives or `seconds` pass; then a short gap that gathers the commits around it."""
+    if seconds <= 0:
+        return
+    if listener is None:
+        time.sleep(seconds)
+        return
+    for _ in listener.notifies(timeout=seconds, stop_after=1):
+        break
+    else:
+        return
+    time.sleep(min(MIN_PASS_GAP, seconds))
+    for _ in listener.notifies(timeout=0.001):  # drain what arrived meanwhile
+        pass
+
+
+def tail(
+    extractor: Extractor, slice_range: SliceRange, *, run_id: str, seconds: float,
+    on_pass: Callable[[ExtractResult], None], poll_seconds: float = POLL_SECONDS,
+    clock: Callable[[], float] = time.monotonic,
+) -> TailResult:
+    """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events."""
+    deadline = clock() + seconds
+    out = TailResult()
+    with _listener(extractor.dsn) as listener, connect(
+        extractor.dsn, autocommit=True, application_name="es_pipeline tail probe"
+    ) as probe_conn:
+        while True:
+            left = deadline - clock()
+            if left <= 0:
+                break
+            _wait(listener, min(poll_seconds, left))
+            out.probes += 1
+            found = probe(probe_conn, extractor.schema, extractor.consumer)
+            if not any(s in found.ready_slices for s in slice_range.slices):
+                continue
+            result = extractor.run(slice_range, run_id=run_id)
+            out.passes += 1
+            out.rows += result.rows
+            out.last = result
+            if result.rows:
+                on_pass(result)
+    return out
