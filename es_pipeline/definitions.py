@@ -25,7 +25,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     events = build_events_asset(slice_ranges_partitions(settings.slice_ranges), settings)
     events_job = build_events_job(events)
     new_events_sensor = build_new_events_sensor(
-        events_job, split(settings.slice_ranges), interval_seconds=settings.sensor_interval_seconds
+        events_job, split(settings.slice_ranges), interval_seconds=settings.sensor_interval_seconds,
+        tail_seconds=settings.tail_seconds,
     )
     return dg.Definitions(
         assets=[events, *PROJECTIONS, snapshots],

@@ -55,7 +55,7 @@ def wait_port(port: int, timeout: float) -> None:
 @contextmanager
 def dagster_stack(
     *, admin_dsn: str, dsn: str, tmp: Path, slice_ranges: int = 2, sensor_interval: int = 2, connect: bool = True,
-    automation: bool = False, max_runtime_seconds: int | None = None,
+    automation: bool = False, max_runtime_seconds: int | None = None, extra_env: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
     """Dagster daemon (sensor on, run queue with tag limits) with its storage in a fresh database.
 
@@ -85,6 +85,7 @@ def dagster_stack(
         "ES_PIPELINE_AUTOMATION": "on" if automation else "off",
         "PYSPARK_PYTHON": sys.executable,
     })
+    env.update(extra_env or {})
     procs: list[subprocess.Popen[bytes]] = []
     logs = tmp / "logs"
     logs.mkdir()

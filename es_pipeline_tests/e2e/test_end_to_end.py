@@ -156,3 +156,63 @@ def _wait_for(probe: Any, seconds: float, what: str) -> Any:
             return found
         time.sleep(0.5)
     raise AssertionError(f"waited {seconds:.0f} s for {what}")
+
+
+@pytest.mark.timeout(600)
+def test_tailing_runs_report_each_pass_and_a_run_killed_mid_batch_loses_and_repeats_nothing(
+    pg_server: str, dsn: StoreDsn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ES_PIPELINE_TAIL_SECONDS: a sensor-started run stays, extracting its range as commits arrive, each pass
+    a materialization of its partition. One is killed between its Delta commit and its offsets (held there
+    by a lock on the offsets); the next run replays that batch, and the lake equals the store."""
+    tail = 30
+    with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path, slice_ranges=2, sensor_interval=1,
+                       connect=False, extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
+        for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
+            monkeypatch.setenv(key, stack.env[key])
+        instance = dg.DagsterInstance.get()
+        stop = threading.Event()
+        writer = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
+            streams=60, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.1, rate=20.0, stop=stop))
+        writer.start()
+        try:
+            def passes_of(run_id: str) -> int:
+                return sum(1 for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION))
+
+            tailing = _wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED)
+                                         if passes_of(r.run_id) >= 3], 120, "a run with three passes")[0]
+            with psycopg.connect(dsn) as holder:
+                holder.execute("LOCK TABLE es_pipeline.offsets IN SHARE MODE")  # the next offsets commit waits
+                _wait_for(lambda: _in_delta_not_in_offsets(dsn, stack.warehouse, tailing.run_id), 60,
+                          "a batch of the tailing run in Delta, its offsets waiting")
+                os.kill(int(tailing.tags[PID_TAG]), signal.SIGKILL)
+                holder.rollback()
+            _wait_for(lambda: instance.get_run_by_id(tailing.run_id).status == dg.DagsterRunStatus.FAILURE, 90,
+                      "the killed run to be marked failed")
+            time.sleep(10)
+        finally:
+            stop.set()
+            writer.join()
+        expected = set(source_events(dsn))
+        _wait_for(lambda: _lake_keys(stack.warehouse) == expected, 240, "every event in the lake")
+        from deltalake import DeltaTable
+
+        assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected)
+        records = instance.get_run_records(dg.RunsFilter(job_name="events_job"))
+        assert all(r.dagster_run.tags.get("es_pipeline/tail_seconds") == str(tail) for r in records)
+        assert len(records) <= 8, f"{len(records)} runs: tailing runs stay instead of one run per commit"
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (0,)
+
+
+def _in_delta_not_in_offsets(dsn: str, warehouse: Path, run_id: str) -> bool:
+    """A batch of `run_id` that Delta holds while it is still pending: its offsets wait on the lock."""
+    from deltalake import DeltaTable
+
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT app_id, batch_id FROM es_pipeline.pending_batches WHERE run_id = %s",
+                            (run_id,)).fetchall()
+    if not rows:
+        return False
+    table = DeltaTable(str(warehouse / "events"))
+    return any((table.transaction_version(app) or -1) >= batch for app, batch in rows)

@@ -7,11 +7,15 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.errors import Retryable, explain
-from es_pipeline.extraction.extractor import build_extractor
+from es_pipeline.extraction.extractor import ExtractResult, build_extractor
 from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.extraction.tail import tail
 from es_pipeline.settings import Settings
 
 RANGE_TAG = "es_pipeline/slice_range"
+# On a run the sensor starts when ES_PIPELINE_TAIL_SECONDS > 0: how long the run tails its range. A hand
+# materialization carries no such tag and makes one pass.
+TAIL_TAG = "es_pipeline/tail_seconds"
 
 
 def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) -> dg.AssetsDefinition:
@@ -40,8 +44,22 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         here = replace(settings, pg_dsn=event_store.dsn, schema=event_store.schema_name, warehouse=warehouse.root)
         # The default (Arrow into Delta with delta-rs) starts no JVM: Spark is asked for only if needed.
         extractor = build_extractor(here, lambda: spark.spark_session, progress=context.log.info)
+        tail_seconds = float(context.run.tags.get(TAIL_TAG) or 0)
+
+        def reported(pass_result: ExtractResult) -> None:  # each pass of a tailing run: a materialization
+            context.log_event(dg.AssetMaterialization(
+                asset_key=context.asset_key, partition=context.partition_key, metadata=pass_result.metadata()))
+
         try:
             result = extractor.run(slice_range, run_id=context.run.run_id)
+            if tail_seconds > 0:
+                if result.rows:
+                    reported(result)
+                tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds,
+                              on_pass=reported)
+                context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {tailed.rows} events in "
+                                 f"{tailed.passes} passes after {tailed.probes} probes")
+                result = tailed.last or result
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
             if known is None:

@@ -4,7 +4,7 @@ import dagster as dg
 import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from es_pipeline.defs.events.asset import RANGE_TAG
+from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.offsets import check_source, events_consumer
@@ -16,7 +16,7 @@ WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
 
 
 def build_new_events_sensor(
-    job: UnresolvedAssetJobDefinition, ranges: list[SliceRange], *, interval_seconds: int
+    job: UnresolvedAssetJobDefinition, ranges: list[SliceRange], *, interval_seconds: int, tail_seconds: int = 0
 ) -> dg.SensorDefinition:
     @dg.sensor(
         name="new_events_sensor",
@@ -49,13 +49,23 @@ def build_new_events_sensor(
                 filters=dg.RunsFilter(job_name=job.name, statuses=WAITING), limit=len(ranges) * 4
             )
         }
+        # A tailing run in progress will take its range's new commits itself.
+        queued |= {
+            run.tags.get(RANGE_TAG, "")
+            for run in context.instance.get_runs(
+                filters=dg.RunsFilter(job_name=job.name, statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING],
+                                      tags={TAIL_TAG: str(tail_seconds)}), limit=len(ranges) * 4
+            )
+        } if tail_seconds > 0 else set()
         decision = decide(ranges, found, parse_cursor(context.cursor), queued)
         cursor = format_cursor(decision.cursor)
         if not decision.requests:
             return dg.SensorResult(skip_reason=dg.SkipReason(decision.skip_reason()), cursor=cursor)
         return dg.SensorResult(
             run_requests=[
-                dg.RunRequest(partition_key=key, run_key=run_key, tags={RANGE_TAG: key, "es_pipeline/horizon": str(found.horizon)})
+                dg.RunRequest(partition_key=key, run_key=run_key, tags={
+                    RANGE_TAG: key, "es_pipeline/horizon": str(found.horizon),
+                    **({TAIL_TAG: str(tail_seconds)} if tail_seconds > 0 else {})})
                 for key, run_key in decision.requests
             ],
             cursor=cursor,
