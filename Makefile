@@ -95,6 +95,7 @@ bench: setup
 	$(PY) -m bench.latency
 	$(PY) -m bench.s3_lake
 	$(PY) -m bench.cluster
+	$(PY) -m bench.steady_state
 
 clean:
 	-$(CLI) db stop

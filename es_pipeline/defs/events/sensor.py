@@ -28,7 +28,9 @@ def build_new_events_sensor(
             "index (its cost does not grow with the table), which slice ranges have committed "
             "events at or above their watermark and below the horizon, and requests one run per such range "
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
-            "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5)."
+            "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5). With "
+            "ES_PIPELINE_TAIL_SECONDS > 0 its runs tail their range for that long (woken by NOTIFY es_events), "
+            "and a range whose tailing run is in progress gets no request."
         ),
     )
     def new_events_sensor(

@@ -1,0 +1,162 @@
+"""steady_state: what es_pipeline costs the machine under make dev's trickle, with and without tailing runs.
+
+`python -m bench.steady_state [--quick] [--rate 20]`: three phases of BENCH_STEADY_SECONDS each (default
+600, `--quick` 120), each on a fresh store, with the demo writers at `--rate` events/s:
+- writers alone (the baseline: their own CPU and the Postgres work of appending);
+- the make-dev loop with one pass per run (`ES_PIPELINE_TAIL_SECONDS=0`);
+- the same loop with tailing runs (`ES_PIPELINE_TAIL_SECONDS`, default 300).
+The loop is a real Dagster daemon on Postgres storage (8 ranges, sensor every 5 s, the warm run launcher,
+automation on, a Spark Connect server), as `make dev` runs it. Measured: the machine's busy time from
+/proc/stat over the phase (so Postgres's work for es_pipeline counts), minus the baseline's, in cores;
+Dagster runs created per hour (events runs and the projections'); and whether every event reached the lake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from bench.common import admin_dsn, drop_database, fresh_database, log
+from bench.results import Goal, machine_facts, write_result
+from es_pipeline.dev.stack import dagster_stack
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.store.event_store import EventStore
+
+NAME = "steady_state"
+TITLE = "steady state under a trickle of events: es_pipeline's CPU share and runs per hour"
+TAIL_SECONDS = int(os.environ.get("BENCH_TAIL_SECONDS", "300"))
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy_cores(seconds: float, during: Any) -> float:
+    """Average busy cores while `during()` runs for `seconds`."""
+    b0, t0 = _busy_jiffies()
+    during(seconds)
+    b1, t1 = _busy_jiffies()
+    ncpu = os.cpu_count() or 1
+    return (b1 - b0) / max(t1 - t0, 1) * ncpu
+
+
+def _writers(dsn: str, rate: float) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
+        streams=200, events=None, writers=4, rollback_rate=0.0, max_commit_delay=0.2, rate=rate, stop=stop))
+    thread.start()
+    return stop, thread
+
+
+def _lake_rows(warehouse: Path) -> int:
+    from deltalake import DeltaTable
+
+    path = warehouse / "events"
+    return DeltaTable(str(path)).to_pyarrow_dataset().count_rows() if (path / "_delta_log").is_dir() else 0
+
+
+def _store_rows(dsn: str) -> int:
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM es.events").fetchone()
+    return int(row[0]) if row else 0
+
+
+def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str, Any]:
+    name = f"bench_steady_{label.replace(' ', '_')}"
+    dsn = fresh_database(name)
+    try:
+        if tail is None:
+            stop, thread = _writers(dsn, rate)
+            cores = _busy_cores(seconds, time.sleep)
+            stop.set()
+            thread.join()
+            return {"label": label, "busy_cores": cores, "runs": 0, "events": _store_rows(dsn), "delivered": None}
+        with tempfile.TemporaryDirectory() as tmp, dagster_stack(
+            admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5, automation=True,
+            extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)},
+        ) as stack:
+            os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
+            instance = dg.DagsterInstance.get()
+            stop, thread = _writers(dsn, rate)
+            time.sleep(30)  # the first runs (and the Connect server's first jobs) are not the steady state
+            before = len(instance.get_run_records())
+            cores = _busy_cores(seconds, time.sleep)
+            runs = len(instance.get_run_records()) - before
+            stop.set()
+            thread.join()
+            expected = _store_rows(dsn)
+            deadline = time.monotonic() + 180
+            while _lake_rows(stack.warehouse) < expected and time.monotonic() < deadline:
+                time.sleep(1)
+            delivered = _lake_rows(stack.warehouse)
+            instance.dispose()
+        return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered}
+    finally:
+        drop_database(name)
+
+
+def run(seconds: float, rate: float) -> dict[str, Any]:
+    alone = phase("writers alone", seconds, rate, None)
+    log.info("[%s] writers alone: %.2f busy cores", NAME, alone["busy_cores"])
+    one_pass = phase("one pass per run", seconds, rate, 0)
+    log.info("[%s] one pass per run: %.2f busy cores, %d runs", NAME, one_pass["busy_cores"], one_pass["runs"])
+    tailing = phase("tailing runs", seconds, rate, TAIL_SECONDS)
+    log.info("[%s] tailing: %.2f busy cores, %d runs", NAME, tailing["busy_cores"], tailing["runs"])
+    rows, figures = [], {}
+    for p in (alone, one_pass, tailing):
+        share = p["busy_cores"] - alone["busy_cores"]
+        per_hour = p["runs"] * 3600 / seconds
+        rows.append([p["label"] + (" ← baseline" if p is alone else ""), f"{p['busy_cores']:.2f}",
+                     "—" if p is alone else f"{100 * share:.0f}%", "—" if p is alone else f"{per_hour:,.0f}",
+                     f"{p['events']:,}", "—" if p["delivered"] is None else f"{p['delivered']:,}"])
+        figures[p["label"]] = {"busy_cores": round(p["busy_cores"], 3), "es_pipeline_cores": round(share, 3),
+                               "runs": p["runs"], "runs_per_hour": round(per_hour, 1), "events": p["events"],
+                               "delivered": p["delivered"]}
+    tail_share = tailing["busy_cores"] - alone["busy_cores"]
+    return {
+        "parameters": {"seconds_per_phase": seconds, "rate_events_per_s": rate, "tail_seconds": TAIL_SECONDS,
+                       "slice_ranges": 8, "sensor_interval_s": 5, "automation": "on", "spark": "Connect server"},
+        "columns": ["phase", "busy cores", "es_pipeline (share of one core)", "runs per hour", "events written",
+                    "events in the lake"],
+        "rows": rows,
+        "figures": figures,
+        "goals": [Goal("es_pipeline's share of one core, tailing", tail_share, "<=", 0.10),
+                  Goal("runs per hour, tailing", tailing["runs"] * 3600 / seconds, "<=", 120.0),
+                  Goal("events in the lake / written, tailing", (tailing["delivered"] or 0) / max(tailing["events"], 1),
+                       ">=", 1.0)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.steady_state", description=TITLE)
+    parser.add_argument("--quick", action="store_true", help="120 s per phase instead of 600")
+    parser.add_argument("--rate", type=float, default=20.0, help="demo events per second (make dev: 20)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    seconds = float(os.environ.get("BENCH_STEADY_SECONDS", "120" if args.quick else "600"))
+    facts = machine_facts()
+    out = run(seconds, args.rate)
+    write_result(NAME, title=TITLE, facts=facts, parameters=out["parameters"], columns=out["columns"],
+                 rows=out["rows"], figures=out["figures"], goals=out["goals"],
+                 notes=["Busy cores: the whole machine's busy time over the phase (/proc/stat), so the Postgres work "
+                        "es_pipeline causes counts; es_pipeline's share is a phase's minus the writers-alone phase's. "
+                        "Runs: every Dagster run created during the phase (events and projections)."])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
