@@ -46,20 +46,25 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         extractor = build_extractor(here, lambda: spark.spark_session, progress=context.log.info)
         tail_seconds = float(context.run.tags.get(TAIL_TAG) or 0)
 
-        def reported(pass_result: ExtractResult) -> None:  # each pass of a tailing run: a materialization
-            context.log_event(dg.AssetMaterialization(
-                asset_key=context.asset_key, partition=context.partition_key, metadata=pass_result.metadata()))
-
         try:
             result = extractor.run(slice_range, run_id=context.run.run_id)
             if tail_seconds > 0:
-                if result.rows:
-                    reported(result)
+                # Each pass that moved events is a materialization of the partition; the newest is held back
+                # to be the run's own result, so that no pass is reported twice.
+                held = [result]
+
+                def reported(pass_result: ExtractResult) -> None:
+                    if held[0].rows:
+                        context.log_event(dg.AssetMaterialization(
+                            asset_key=context.asset_key, partition=context.partition_key,
+                            metadata=held[0].metadata()))
+                    held[0] = pass_result
+
                 tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds,
                               on_pass=reported)
                 context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {tailed.rows} events in "
                                  f"{tailed.passes} passes after {tailed.probes} probes")
-                result = tailed.last or result
+                result = held[0]
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
             if known is None:
