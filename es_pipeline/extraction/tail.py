@@ -25,7 +25,7 @@ from es_pipeline.store.conninfo import connect
 
 CHANNEL = "es_events"
 POLL_SECONDS = 2.0  # at most this long between probes, notifications or not
-MIN_PASS_GAP = 0.5  # commits arriving within this of one another are taken in one pass
+MIN_PASS_GAP = 1.5  # commits arriving within this of one another are taken in one pass
 
 
 @dataclass
