@@ -365,14 +365,12 @@ class Extractor:
         self, df: Any, batch: Batch, *, expect_rows: int, before_commit: Callable[[], None] | None = None
     ) -> int | None:
         """Spark writes the batch's Parquet files (on a cluster, its executors), delta-rs commits them as
-        transaction (app id, batch id): rows committed, or None if Delta holds the batch already.
+        transaction (app id, batch id): rows committed, or None if Delta holds the batch already (then the
+        files are left to VACUUM; callers check for a replay before reading, so this is the rare divergence).
 
         Spark never commits to `events` itself: its S3 log store checks, then writes, which another
         process's commit can slip between (docs/decisions.md, "One committer engine per table")."""
         assert batch.batch_id is not None
-        done = tables.transaction_version(self.events_path, batch.app_id)
-        if done is not None and done >= batch.batch_id:
-            return None
         folder = arrow_append.new_folder(f"spark-batch-{batch.batch_id}")
         self.spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
         (df.select(*EVENTS_LAKE_ARROW_SCHEMA.names).write.mode("error").option("compression", "snappy")
