@@ -35,10 +35,10 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
     return SliceRange.from_key(key) if key else None
 
 
-def _lake(spark: SparkResource, warehouse: WarehouseResource, scope: SliceRange | None) -> Any:
-    """The `events` table, or the rows of the scope's slices (the files of other ranges are skipped by their
-    slice statistics: a batch holds one range's slices)."""
-    df = tables.read(spark.spark_session, tables.table_path(warehouse.root, "events"))
+def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, *, version: int | None = None) -> Any:
+    """The `events` table (at `version`, default the newest), or the rows of the scope's slices (the files of
+    other ranges are skipped by their slice statistics: a batch holds one range's slices)."""
+    df = tables.read(spark, tables.table_path(warehouse, "events"), version=version)
     return df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
 
 
@@ -51,7 +51,7 @@ def events_no_duplicates(
     context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    df = _lake(spark, warehouse, scope)
+    df = _lake(spark.spark_session, warehouse.root, scope)
     dups = df.groupBy("stream_id", "version").count().where("count > 1")
     n = int(dups.count())
     sample = [f"{r['stream_id']}@{r['version']}" for r in dups.limit(5).collect()]
@@ -69,7 +69,7 @@ def events_versions_contiguous(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    df = _lake(spark, warehouse, scope)
+    df = _lake(spark.spark_session, warehouse.root, scope)
     gaps = df.groupBy("stream_id").agg({"version": "max", "stream_id": "count"}).where(
         "`max(version)` <> `count(stream_id)`"
     ).limit(10_000).collect()
@@ -145,9 +145,7 @@ def reconcile(
     if between is not None:
         between("after")
     after = _store_view(dsn, schema, consumer, slices)
-    df = tables.read(spark, path, version=version)
-    if scope is not None:
-        df = df.where(df.slice.between(scope.lo, scope.hi))
+    df = _lake(spark, warehouse, scope, version=version)
 
     def beside(view: _StoreView) -> Any:
         rows = df.where(~df.batch_id.isin(view.pending)) if view.pending else df  # not counted on either side
