@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from es_pipeline.dev.stack import free_port, wait_port
+from es_pipeline.dev.stack import free_port, stop_process, wait_port
 from es_pipeline.errors import LocalServerError
 from es_pipeline.lake.java import java_binary
 from es_pipeline.settings import LOCAL_SECRETS, PROJECT_ROOT
@@ -106,8 +106,4 @@ def s3proxy(data: Path, *, port: int | None = None) -> Iterator[S3Server]:
             raise LocalServerError(f"s3proxy did not start on port {port}; see {log}") from None
         yield S3Server(f"http://127.0.0.1:{port}", data)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 20)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from es_pipeline.dev.stack import free_port, wait_port
+from es_pipeline.dev.stack import free_port, stop_process, wait_port
 from es_pipeline.errors import LocalServerError
 from es_pipeline.lake.java import java_binary
 
@@ -98,9 +98,4 @@ def connect_server(env: dict[str, str], log: Path, *, timeout: float = 180) -> I
             raise LocalServerError(f"the Spark Connect server did not listen within {timeout:.0f} s; see {log}") from None
         yield f"sc://localhost:{port}"
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, 60)
