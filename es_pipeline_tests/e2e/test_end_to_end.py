@@ -165,7 +165,7 @@ def test_tailing_runs_report_each_pass_and_a_run_killed_mid_batch_loses_and_repe
     """ES_PIPELINE_TAIL_SECONDS: a sensor-started run stays, extracting its range as commits arrive, each pass
     a materialization of its partition. One is killed between its Delta commit and its offsets (held there
     by a lock on the offsets); the next run replays that batch, and the lake equals the store."""
-    tail = 30
+    tail = 120  # the run chosen (third pass within 50 s of its start) has passes left while the lock is held
     with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path, slice_ranges=2, sensor_interval=1,
                        connect=False, extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
@@ -179,8 +179,13 @@ def test_tailing_runs_report_each_pass_and_a_run_killed_mid_batch_loses_and_repe
             def passes_of(run_id: str) -> int:
                 return sum(1 for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION))
 
-            tailing = _wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED)
-                                         if passes_of(r.run_id) >= 3], 120, "a run with three passes")[0]
+            def young_with_three_passes() -> list[Any]:
+                started = instance.get_run_records(dg.RunsFilter(job_name="events_job",
+                                                                 statuses=[dg.DagsterRunStatus.STARTED]))
+                return [r.dagster_run for r in started if r.start_time and time.time() - r.start_time < 50
+                        and passes_of(r.dagster_run.run_id) >= 3]
+
+            tailing = _wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left")[0]
             with psycopg.connect(dsn) as holder:
                 holder.execute("LOCK TABLE es_pipeline.offsets IN SHARE MODE")  # the next offsets commit waits
                 _wait_for(lambda: _in_delta_not_in_offsets(dsn, stack.warehouse, tailing.run_id), 60,
