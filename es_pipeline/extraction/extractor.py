@@ -21,12 +21,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 
 from es_pipeline.errors import ConfigError, LakeStoreDiverged
 from es_pipeline.extraction import reader
@@ -126,9 +128,12 @@ class Extractor:
     progress: Callable[[str], None] = log.info
     spark_seconds: float = 0.0  # what starting (or attaching to) Spark cost `build_extractor`
     _jdbc_params: dict[str, str] | None = field(default=None, init=False, repr=False)
+    _table: DeltaTable | None = field(default=None, init=False, repr=False)
+    _small_reads: reader.SmallReads = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or events_consumer(self.schema)
+        self._small_reads = reader.SmallReads(self.dsn)
         if self.writer not in WRITERS:
             raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
         if self.spark is None and self.needs_spark:
@@ -150,31 +155,32 @@ class Extractor:
         if self.on_step is not None:
             self.on_step(name, batch)
 
-    def run(self, slice_range: SliceRange, *, run_id: str = "manual") -> ExtractResult:
+    @contextmanager
+    def session(self, slice_range: SliceRange, run_id: str) -> Iterator[OffsetSession]:
+        """The connections and slice locks of a run over `slice_range`; `run` opens one per call unless
+        given this, which a tailing run keeps for all its passes (extraction/tail.py)."""
+        try:
+            with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
+                yield session
+        finally:
+            self._small_reads.close()
+
+    def run(
+        self, slice_range: SliceRange, *, run_id: str = "manual", session: OffsetSession | None = None
+    ) -> ExtractResult:
+        """One pass: everything committed below the horizon now. With `session` (from `session()`), the
+        checks of its first pass are not repeated on the next: its locks have been held in between."""
         started = time.monotonic()
         result = ExtractResult(slice_range.key)
-        with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
-            # A standby, or a store whose transaction ids are not the ones the offsets count (restored
-            # elsewhere), is refused before anything is created: it would look caught up for ever.
-            session.check_source()
-            session.lock(slice_range.slices, slice_range.key)
-            self._step("locked", None)
-            # A table with nothing but its creation counts as new too: a run refused after creating it
-            # must not make the next run take it for the lake the watermarks describe.
-            table_is_new = not tables.is_delta_table(self.events_path) or tables.never_written(self.events_path)
-            self.ensure_table()
-            # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
-            session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
-            replays = session.pending_overlapping(slice_range.slices)
+        with nullcontext(session) if session is not None else self.session(slice_range, run_id) as session:
             app_id = app_id_for(self.consumer, slice_range.key)
-            # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything.
-            for app in sorted({app_id, *(p.app_id for p in replays)}):
-                session.check_lake_commits(app, tables.transaction_version(self.events_path, app), self.events_path)
-            for pending in replays:
-                session.lock(pending.slices, slice_range.key)  # a batch of an older range split
-                self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
-                self._write_batch(session, pending, result, replay=True)
-                result.replayed_batches += 1
+            if session.sink_id is None:
+                self._open(session, slice_range, app_id, result)
+            else:
+                # Every pass: the store is still the one the offsets count, and the lake holds no batch
+                # of this range that the store does not know (a lake restored under a tailing run).
+                session.check_source()
+                session.check_lake_commits(app_id, self._delta().transaction_version(app_id), self.events_path)
 
             horizon = session.horizon()
             watermarks = session.watermarks(slice_range.slices)
@@ -212,6 +218,38 @@ class Extractor:
             result.oldest_open_tx_seconds = lag.oldest_open_tx_seconds
         result.total_seconds = time.monotonic() - started
         return result
+
+    def _open(self, session: OffsetSession, slice_range: SliceRange, app_id: str, result: ExtractResult) -> None:
+        """A session's first pass: lock, check the store and the lake, replay what a crashed run left."""
+        # A standby, or a store whose transaction ids are not the ones the offsets count (restored
+        # elsewhere), is refused before anything is created: it would look caught up for ever.
+        session.check_source()
+        session.lock(slice_range.slices, slice_range.key)
+        self._step("locked", None)
+        # A table with nothing but its creation counts as new too: a run refused after creating it
+        # must not make the next run take it for the lake the watermarks describe.
+        table_is_new = not tables.is_delta_table(self.events_path) or tables.never_written(self.events_path)
+        self.ensure_table()
+        self._table = None  # loaded afresh below: it may be another table than the last session's
+        # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
+        session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
+        replays = session.pending_overlapping(slice_range.slices)
+        # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything.
+        for app in sorted({app_id, *(p.app_id for p in replays)}):
+            session.check_lake_commits(app, self._delta().transaction_version(app), self.events_path)
+        for pending in replays:
+            session.lock(pending.slices, slice_range.key)  # a batch of an older range split
+            self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
+            self._write_batch(session, pending, result, replay=True)
+            result.replayed_batches += 1
+
+    def _delta(self) -> DeltaTable:
+        """The `events` table brought up to its newest version: loaded once, then only the new log read."""
+        if self._table is None:
+            self._table = DeltaTable(self.events_path)
+        else:
+            self._table.update_incremental()
+        return self._table
 
     def _uses_jdbc(self, rows: int, session: OffsetSession) -> bool:
         # After a rebase the rows are checked against the lake in this process, so they come as Arrow.
@@ -259,7 +297,8 @@ class Extractor:
         `timing[0]` adds up the seconds spent waiting for Postgres (the rest of a write is Delta's).
         """
         small = counted is not None and counted < PARALLEL_READ_MIN_ROWS
-        rows = reader.stream_batch(self.dsn, self.schema, batch, parallel=1 if small else self.read_parallelism)
+        rows = (self._small_reads.read(self.schema, batch) if small
+                else reader.stream_batch(self.dsn, self.schema, batch, parallel=self.read_parallelism))
         while True:
             t0 = time.monotonic()
             record_batch = next(rows, None)
@@ -346,7 +385,7 @@ class Extractor:
             if self.writer != "spark":
                 return arrow_append.append_batches(
                     stream, EVENTS_LAKE_ARROW_SCHEMA, self.events_path, app_id=batch.app_id, version=batch.batch_id,
-                    before_commit=before_commit,
+                    before_commit=before_commit, table=self._delta(),
                 )
             done = tables.transaction_version(self.events_path, batch.app_id)
             if done is not None and done >= batch.batch_id:

@@ -5,20 +5,22 @@ stays: after its first pass it waits for the store's `es_events` notifications (
 at commit) or, at the latest, `poll_seconds` (a NOTIFY can be missed behind a transaction pooler, and a
 commit below a still-open transaction becomes extractable only when that one ends); then it asks the
 sensor's probe whether any slice of its range has something below the horizon, and only then runs a
-pass. Each pass is an ordinary `Extractor.run`: locks, pending batch, Delta txn, offsets; the guarantee
-and its tests are those of any run. It ends at its deadline; the sensor then starts the next one.
+pass. Each pass is an ordinary `Extractor.run`: pending batch, Delta txn, offsets; the guarantee and its
+tests are those of any run. The slice locks are held from the first pass to the last, so a hand
+materialization of the range meanwhile fails fast naming this run. It ends at its deadline; the sensor then starts the next one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import psycopg
 
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
+from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.probe import probe
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.store.conninfo import connect
@@ -70,14 +72,20 @@ def _wait(listener: psycopg.Connection | None, seconds: float) -> None:
 def tail(
     extractor: Extractor, slice_range: SliceRange, *, run_id: str, seconds: float,
     on_pass: Callable[[ExtractResult], None], poll_seconds: float = POLL_SECONDS,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, session: OffsetSession | None = None,
 ) -> TailResult:
-    """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events."""
+    """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events.
+
+    The passes share one `session` (the caller's, or one opened here): its connections, and the slice
+    locks, held from the first pass to the last, so a pass repeats none of the first one's checks.
+    """
     deadline = clock() + seconds
     out = TailResult()
     with _listener(extractor.dsn) as listener, connect(
         extractor.dsn, autocommit=True, application_name="es_pipeline tail probe"
-    ) as probe_conn:
+    ) as probe_conn, nullcontext(session) if session is not None else extractor.session(
+        slice_range, run_id
+    ) as session:
         while True:
             left = deadline - clock()
             if left <= 0:
@@ -87,7 +95,7 @@ def tail(
             found = probe(probe_conn, extractor.schema, extractor.consumer)
             if not any(s in found.ready_slices for s in slice_range.slices):
                 continue
-            result = extractor.run(slice_range, run_id=run_id)
+            result = extractor.run(slice_range, run_id=run_id, session=session)
             out.passes += 1
             out.rows += result.rows
             out.last = result

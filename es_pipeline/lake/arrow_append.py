@@ -173,7 +173,7 @@ class _FileWriter:
 
 def append_batches(
     batches: Iterable[pa.RecordBatch], schema: pa.Schema, path: str, *, app_id: str, version: int,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None, table: DeltaTable | None = None,
 ) -> int | None:
     """Append record batches as Delta transaction (`app_id`, `version`): the rows written, or None if skipped.
 
@@ -181,9 +181,9 @@ def append_batches(
     `txn` action as Spark's `txnAppId`/`txnVersion`, so either writer sees the other's commits).
     Callers serialize the writers of one `app_id` (the slice locks), so reading the version and then
     committing cannot race. No rows, no commit: 0. `before_commit` runs just before the commit (and
-    may refuse it by raising).
+    may refuse it by raising). `table`: the one at `path`, loaded at its newest version by the caller.
     """
-    table = DeltaTable(path)
+    table = DeltaTable(path) if table is None else table
     done = table.transaction_version(app_id)
     if done is not None and done >= version:
         return None

@@ -7,7 +7,8 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.errors import Retryable, explain
-from es_pipeline.extraction.extractor import ExtractResult, build_extractor
+from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
+from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import tail
 from es_pipeline.settings import Settings
@@ -47,24 +48,8 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         tail_seconds = float(context.run.tags.get(TAIL_TAG) or 0)
 
         try:
-            result = extractor.run(slice_range, run_id=context.run.run_id)
-            if tail_seconds > 0:
-                # Each pass that moved events is a materialization of the partition; the newest is held back
-                # to be the run's own result, so that no pass is reported twice.
-                held = [result]
-
-                def reported(pass_result: ExtractResult) -> None:
-                    if held[0].rows:
-                        context.log_event(dg.AssetMaterialization(
-                            asset_key=context.asset_key, partition=context.partition_key,
-                            metadata=held[0].metadata()))
-                    held[0] = pass_result
-
-                tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds,
-                              on_pass=reported)
-                context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {tailed.rows} events in "
-                                 f"{tailed.passes} passes after {tailed.probes} probes")
-                result = held[0]
+            with extractor.session(slice_range, context.run.run_id) as session:
+                result = _extract(context, extractor, slice_range, session, tail_seconds)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
             if known is None:
@@ -79,6 +64,31 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         )
 
     return events
+
+
+def _extract(
+    context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
+    tail_seconds: float,
+) -> ExtractResult:
+    """One pass, or with `tail_seconds`, passes until then: the result the run reports as its own."""
+    result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
+    if tail_seconds <= 0:
+        return result
+    # Each pass that moved events is a materialization of the partition; the newest is held back to be the
+    # run's own result, so that no pass is reported twice.
+    held = [result]
+
+    def reported(pass_result: ExtractResult) -> None:
+        if held[0].rows:
+            context.log_event(dg.AssetMaterialization(
+                asset_key=context.asset_key, partition=context.partition_key, metadata=held[0].metadata()))
+        held[0] = pass_result
+
+    tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=reported,
+                  session=session)
+    context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {tailed.rows} events in "
+                     f"{tailed.passes} passes after {tailed.probes} probes")
+    return held[0]
 
 
 def build_events_job(events: dg.AssetsDefinition) -> UnresolvedAssetJobDefinition:
