@@ -6,9 +6,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from deltalake import DeltaTable
 
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.errors import SliceLocked
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import MIN_PASS_GAP, tail
@@ -46,3 +48,28 @@ def test_a_commit_wakes_the_tailing_run_and_every_event_lands_once(dsn: StoreDsn
     lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
     keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
     assert len(keys) == len(set(keys)) == len(source_events(dsn)) == 60
+
+
+def test_a_tailing_run_holds_its_range_between_passes_and_another_run_is_told_who(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """The passes share one session: its slice locks are held from the first pass to the last, so a hand
+    run of the same range fails at once, naming the tailing run, and takes nothing of its events."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=5, events=10, writers=1, rollback_rate=0, max_commit_delay=0)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    everything = SliceRange(0, 1023)
+    passes: list[int] = []
+    tailing = threading.Thread(target=lambda: tail(
+        extractor, everything, run_id="tail-holder", seconds=8, on_pass=lambda r: passes.append(r.rows),
+        poll_seconds=1))
+    tailing.start()
+    time.sleep(3)  # its first pass has taken the locks and the 10 events
+    with pytest.raises(SliceLocked, match="tail-holder"):
+        Extractor(dsn.extractor, None, warehouse).run(everything, run_id="by-hand")
+    run_workload(store, streams=5, events=10, writers=1, rollback_rate=0, max_commit_delay=0)
+    tailing.join(30)
+    assert sum(passes) == 20
+    assert Extractor(dsn.extractor, None, warehouse).run(everything, run_id="after").rows == 0
+    lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
+    assert lake.num_rows == len(source_events(dsn)) == 20
