@@ -52,6 +52,55 @@ def _busy_cores(seconds: float, during: Any) -> float:
     return (b1 - b0) / max(t1 - t0, 1) * ncpu
 
 
+def _processes() -> dict[int, tuple[str, int, int]]:
+    """pid → (part, own CPU ticks, reaped children's CPU ticks) of every process now."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        own, reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+        out[int(entry.name)] = (_part(comm, cmd, int(fields[1])), own, reaped)
+    return out
+
+
+def _part(comm: str, cmd: str, ppid: int) -> str:
+    if comm == "postgres" or comm.startswith("postgres"):
+        return "PostgreSQL"
+    if comm == "java":
+        return "Spark Connect (JVM)"
+    if "dagster-daemon" in cmd or "dagster_daemon" in cmd:
+        return "Dagster daemon"
+    if "es_pipeline.instance.launcher" in cmd:
+        return "runs (warm launcher and its forks)"
+    if "dagster" in cmd and ("grpc" in cmd or "code-server" in cmd):
+        return "Dagster code server"
+    if "dagster" in cmd:
+        return "Dagster (other)"
+    if os.getpid() == int(ppid) or "bench.steady_state" in cmd:
+        return "benchmark and demo writers"
+    return "other"
+
+
+def _cpu_by_part(before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]],
+                 seconds: float) -> dict[str, float]:
+    """Cores per part over the phase: each process's CPU since the first sample (all of it if it started
+    since) and what its reaped children used (approximate: a child reaped in the phase counts whole)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    parts: dict[str, float] = {}
+    for pid, (part, own, reaped) in after.items():
+        _, own0, reaped0 = before.get(pid, (part, 0, 0))
+        ticks = max(own - own0, 0) + max(reaped - reaped0, 0)
+        parts[part] = parts.get(part, 0.0) + ticks / hz / seconds
+    return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
 def _writers(dsn: str, rate: float) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
     thread = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
@@ -94,7 +143,10 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             stop, thread = _writers(dsn, rate)
             time.sleep(30)  # the first runs (and the Connect server's first jobs) are not the steady state
             before = len(instance.get_run_records())
+            processes = _processes()
             cores = _busy_cores(seconds, time.sleep)
+            by_part = _cpu_by_part(processes, _processes(), seconds)
+            log.info("[%s] %s: cores by part %s", NAME, label, by_part)
             runs = len(instance.get_run_records()) - before
             stop.set()
             thread.join()
@@ -104,7 +156,8 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
                 time.sleep(1)
             delivered = _lake_rows(stack.warehouse)
             instance.dispose()
-        return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered}
+        return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered,
+                "by_part": by_part}
     finally:
         drop_database(name)
 
@@ -125,7 +178,7 @@ def run(seconds: float, rate: float) -> dict[str, Any]:
                      f"{p['events']:,}", "—" if p["delivered"] is None else f"{p['delivered']:,}"])
         figures[p["label"]] = {"busy_cores": round(p["busy_cores"], 3), "es_pipeline_cores": round(share, 3),
                                "runs": p["runs"], "runs_per_hour": round(per_hour, 1), "events": p["events"],
-                               "delivered": p["delivered"]}
+                               "delivered": p["delivered"], "cores_by_part": p.get("by_part")}
     tail_share = tailing["busy_cores"] - alone["busy_cores"]
     return {
         "parameters": {"seconds_per_phase": seconds, "rate_events_per_s": rate, "tail_seconds": TAIL_SECONDS,
@@ -134,6 +187,7 @@ def run(seconds: float, rate: float) -> dict[str, Any]:
                     "events in the lake"],
         "rows": rows,
         "figures": figures,
+        "by_part": {p["label"]: p["by_part"] for p in (one_pass, tailing)},
         "goals": [Goal("es_pipeline's share of one core, tailing", tail_share, "<=", 0.10),
                   Goal("runs per hour, tailing", tailing["runs"] * 3600 / seconds, "<=", 120.0),
                   Goal("events in the lake / written, tailing", (tailing["delivered"] or 0) / max(tailing["events"], 1),
@@ -154,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                  rows=out["rows"], figures=out["figures"], goals=out["goals"],
                  notes=["Busy cores: the whole machine's busy time over the phase (/proc/stat), so the Postgres work "
                         "es_pipeline causes counts; es_pipeline's share is a phase's minus the writers-alone phase's. "
-                        "Runs: every Dagster run created during the phase (events and projections)."])
+                        "Runs: every Dagster run created during the phase (events and projections).",
+                        *[f"Where the cores went, {label} (per process over the phase, approximate): " + ", ".join(
+                            f"{part} {cores:.3f}" for part, cores in parts.items() if cores >= 0.001)
+                          for label, parts in out["by_part"].items()]])
     return 0
 
 
