@@ -18,3 +18,15 @@ def test_defs_load_with_the_designed_names() -> None:
     events = defs.resolve_assets_def("events")
     assert isinstance(events.partitions_def, dg.StaticPartitionsDefinition)
     assert events.partitions_def.get_partition_keys()[:2] == ["0000-0127", "0128-0255"]
+
+
+def test_the_projections_follow_events_while_a_tailing_run_is_in_progress() -> None:
+    """Plain `eager()` waits while any dependency is in progress, and a tailing `events` run always is:
+    the projections would never update. Theirs is eager without that wait, the rest of it kept."""
+    from es_pipeline.defs.projections.assets import AFTER_EVENTS, ASSETS
+
+    eager = dg.AutomationCondition.eager()
+    waits = ~dg.AutomationCondition.any_deps_in_progress()
+    assert waits in eager.children and waits not in AFTER_EVENTS.children
+    assert [c for c in eager.children if c != waits] == list(AFTER_EVENTS.children)
+    assert all(a.automation_conditions_by_key[a.key] == AFTER_EVENTS for a in ASSETS)

@@ -7,6 +7,13 @@ from es_pipeline.lake.projections import ProjectionResult, update_event_type_dai
 from es_pipeline.lake.stream_state import update_stream_state
 
 
+# Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
+# and reports each pass as a materialization; the projections read a committed version of `events` anyway.
+AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_in_progress()).with_label(
+    "eager, also while events runs tail"
+)
+
+
 @dg.asset(
     description="One row per stream: type, first and last event time, event count, version. Kept "
     "incrementally: each run merges in only the events that `events` commits added since the last run.",
@@ -14,7 +21,7 @@ from es_pipeline.lake.stream_state import update_stream_state
     kinds={"spark", "delta"},
     owners=["team:data-engineering"],
     tags={"layer": "projection"},
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=AFTER_EVENTS,
 )
 def stream_catalog(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
@@ -28,7 +35,7 @@ def stream_catalog(
     kinds={"spark", "delta"},
     owners=["team:data-engineering"],
     tags={"layer": "projection"},
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=AFTER_EVENTS,
 )
 def event_type_daily(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
@@ -48,7 +55,7 @@ def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
     kinds={"spark", "delta"},
     owners=["team:data-engineering"],
     tags={"layer": "projection"},
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=AFTER_EVENTS,
     description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
     "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
     "from their previous state; a reducer revision bump rebuilds that type alone.",
