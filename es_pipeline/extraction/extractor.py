@@ -72,6 +72,7 @@ class ExtractResult:
     total_seconds: float = 0.0
     backlog: int = 0
     batch_rows: list[int] = field(default_factory=list)
+    rows_by_slice: dict[int, int] = field(default_factory=dict)  # rows read as Arrow (Spark's reads are not)
 
     def metadata(self) -> dict[str, int | float]:
         """Numeric metadata, plain int/float so that the Dagster UI plots it over time."""
@@ -331,7 +332,7 @@ class Extractor:
             stream = self._rows(batch, counted, waited)
             if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
                 stream = tables.without_events_in_lake(stream, self.events_path)  # see extraction/rebase.py
-            written = self._append(stream, batch)
+            written = self._append(_counting(stream, result.rows_by_slice), batch)
             if written is None and not replay:  # a new batch Delta says it has: never skip it and go on
                 session.forget_pending(batch)
                 raise LakeStoreDiverged(
@@ -445,6 +446,20 @@ class Extractor:
         eta = (total - done) / rate if rate > 0 else float("inf")
         pct = 100.0 * done / total if total else 100.0
         self.progress(f"events: {done:,}/{total:,} ({pct:.0f}%), {rate:,.0f} events/s, ETA {eta:.0f} s")
+
+
+def _counting(rows: Iterator[pa.RecordBatch], by_slice: dict[int, int]) -> Iterator[pa.RecordBatch]:
+    """`rows`, passed on, counted by slice into `by_slice`; closing this closes `rows` (its reads stop)."""
+    try:
+        for record_batch in rows:
+            counts = pc.value_counts(record_batch["slice"])
+            for s, n in zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist(), strict=True):
+                by_slice[s] = by_slice.get(s, 0) + n
+            yield record_batch
+    finally:
+        close = getattr(rows, "close", None)
+        if close is not None:
+            close()
 
 
 def build_extractor(

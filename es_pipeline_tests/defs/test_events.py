@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -9,9 +10,11 @@ from typing import Any
 import dagster as dg
 
 from es_pipeline.definitions import build_definitions
-from es_pipeline.defs.events.asset import build_events_asset
+from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG, build_events_asset
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
+from es_pipeline.defs.events.sensor import tailing_request
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.extraction.slices import split
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
@@ -88,3 +91,48 @@ def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, wareho
     assert "not migrated" in (failure.user_failure_data.description or "")
     assert "es-pipeline db migrate" in (failure.user_failure_data.description or "")
     assert not warehouse.joinpath("events").exists()
+
+
+def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_none_while_it_runs(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60))
+    sensor = defs.resolve_sensor_def("new_events_sensor")
+    run_workload(EventStore(dsn.writer), streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
+    with dg.instance_for_test() as instance:
+        resources = {"event_store": defs.resources["event_store"]}
+        result = sensor(dg.build_sensor_context(instance=instance, resources=resources))
+        assert isinstance(result, dg.SensorResult) and len(result.run_requests or []) == 1
+        request = (result.run_requests or [])[0]
+        assert request.partition_key_range == dg.PartitionKeyRange("0000-0511", "0512-1023")
+        assert request.tags[TAIL_TAG] == "60" and request.tags[RANGE_TAG] == "0000-1023"
+        instance.add_run(dg.DagsterRun(job_name="events_job", run_id="tailing", tags=request.tags,
+                                       status=dg.DagsterRunStatus.STARTED))
+        again = sensor(dg.build_sensor_context(instance=instance, resources=resources))
+        assert isinstance(again, dg.SkipReason) and "tailing run" in (again.skip_message or "")
+
+
+def test_a_tailing_run_reports_each_pass_per_partition_with_its_own_rows(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    """A run over both ranges (as the sensor requests it), tailing 6 s: its first pass and a pass after a
+    later commit are materializations of the partitions they brought events to, each with its own rows."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
+    defs = _defs(settings, spark)
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2))
+    tags = {**tailing_request(split(2), 0, 6).tags}
+    later = threading.Timer(3.0, lambda: run_workload(store, streams=50, events=40, writers=1, rollback_rate=0,
+                                                      max_commit_delay=0))
+    with dg.instance_for_test() as instance:
+        later.start()
+        res = dg.materialize([events], resources=dict(defs.resources), instance=instance, tags=tags)
+        later.join()
+        assert res.success
+        passes = [e.step_materialization_data.materialization for e in res.all_events
+                  if e.is_step_materialization and "pass" in e.step_materialization_data.materialization.metadata]
+    rows = {(m.metadata["pass"].value, m.partition): m.metadata["rows"].value for m in passes}
+    by_pass = {p: sum(n for (q, _), n in rows.items() if q == p) for p, _ in rows}
+    assert by_pass == {1: 100, 2: 40}, rows
+    assert {part for _, part in rows} == {"0000-0511", "0512-1023"}
+    assert assert_exactly_once(spark, warehouse, dsn) == 140

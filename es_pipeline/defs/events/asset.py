@@ -41,7 +41,9 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         spark: SparkResource,
         warehouse: WarehouseResource,
     ) -> dg.MaterializeResult:
-        slice_range = SliceRange.from_key(context.partition_key)
+        # One range; or, for a tailing run, every range (a partition range, first key to last), taken as one.
+        keys = list(context.partition_keys)
+        slice_range = SliceRange(SliceRange.from_key(keys[0]).lo, SliceRange.from_key(keys[-1]).hi)
         here = replace(settings, pg_dsn=event_store.dsn, schema=event_store.schema_name, warehouse=warehouse.root)
         # The default (Arrow into Delta with delta-rs) starts no JVM: Spark is asked for only if needed.
         extractor = build_extractor(here, lambda: spark.spark_session, progress=context.log.info)
@@ -49,7 +51,9 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
 
         try:
             with extractor.session(slice_range, context.run.run_id) as session:
-                result = _extract(context, extractor, slice_range, session, tail_seconds)
+                if tail_seconds > 0:
+                    return _tail(context, extractor, slice_range, session, tail_seconds, keys)
+                result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
             if known is None:
@@ -66,29 +70,48 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
     return events
 
 
-def _extract(
+def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
-    tail_seconds: float,
-) -> ExtractResult:
-    """One pass, or with `tail_seconds`, passes until then: the result the run reports as its own."""
-    result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
-    if tail_seconds <= 0:
-        return result
-    # Each pass that moved events is a materialization of the partition; the newest is held back to be the
-    # run's own result, so that no pass is reported twice.
-    held = [result]
+    tail_seconds: float, keys: list[str],
+) -> dg.MaterializeResult:
+    """Passes over `slice_range` for `tail_seconds`, each that moved events reported as a materialization of
+    every partition it brought events to (their own row counts, the pass's figures); the run's own
+    materialization of its partitions then sums the run up, without a row count of its own."""
+    passes = [0]
 
-    def reported(pass_result: ExtractResult) -> None:
-        if held[0].rows:
-            context.log_event(dg.AssetMaterialization(
-                asset_key=context.asset_key, partition=context.partition_key, metadata=held[0].metadata()))
-        held[0] = pass_result
+    def report(result: ExtractResult) -> None:
+        passes[0] += 1
+        for key, rows in _rows_per_partition(result, keys).items():
+            context.log_event(dg.AssetMaterialization(asset_key=context.asset_key, partition=key, metadata={
+                **result.metadata(), "dagster/row_count": rows, "rows": rows, "pass": passes[0]}))
 
-    tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=reported,
+    first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
+    if first.rows:
+        report(first)
+    tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=report,
                   session=session)
-    context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {tailed.rows} events in "
-                     f"{tailed.passes} passes after {tailed.probes} probes")
-    return held[0]
+    last = tailed.last or first
+    context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
+                     f"{passes[0]} passes after {tailed.probes} probes")
+    return dg.MaterializeResult(metadata={
+        "run_events": first.rows + tailed.rows, "passes": passes[0], "probes": tailed.probes,
+        "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
+        "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3),
+    })
+
+
+def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:
+    """The pass's rows by partition key (ranges without rows left out). A pass read by Spark's executors
+    counted no slices: then every partition is reported with the pass's whole count."""
+    if not result.rows_by_slice:
+        return {key: result.rows for key in keys} if result.rows else {}
+    out = {}
+    for key in keys:
+        part = SliceRange.from_key(key)
+        rows = sum(n for s, n in result.rows_by_slice.items() if s in part)
+        if rows:
+            out[key] = rows
+    return out
 
 
 def build_events_job(events: dg.AssetsDefinition) -> UnresolvedAssetJobDefinition:

@@ -3,6 +3,7 @@
 import dagster as dg
 import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
@@ -13,6 +14,7 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.store.conninfo import connect
 
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
+IN_PROGRESS = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 
 def build_new_events_sensor(
@@ -29,8 +31,8 @@ def build_new_events_sensor(
             "events at or above their watermark and below the horizon, and requests one run per such range "
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
             "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5). With "
-            "ES_PIPELINE_TAIL_SECONDS > 0 its runs tail their range for that long (woken by NOTIFY es_events), "
-            "and a range whose tailing run is in progress gets no request."
+            "ES_PIPELINE_TAIL_SECONDS > 0 it requests instead one run over every range, which tails them for that "
+            "long (woken by NOTIFY es_events), and none while that run is on its way or in progress."
         ),
     )
     def new_events_sensor(
@@ -51,26 +53,33 @@ def build_new_events_sensor(
                 filters=dg.RunsFilter(job_name=job.name, statuses=WAITING), limit=len(ranges) * 4
             )
         }
-        # A tailing run in progress will take its range's new commits itself.
-        queued |= {
-            run.tags.get(RANGE_TAG, "")
-            for run in context.instance.get_runs(
-                filters=dg.RunsFilter(job_name=job.name, statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING],
-                                      tags={TAIL_TAG: str(tail_seconds)}), limit=len(ranges) * 4
-            )
-        } if tail_seconds > 0 else set()
+        if tail_seconds > 0 and context.instance.get_runs(
+            filters=dg.RunsFilter(job_name=job.name, statuses=[*WAITING, *IN_PROGRESS],
+                                  tags={TAIL_TAG: str(tail_seconds)}), limit=1
+        ):
+            return dg.SkipReason("a tailing run is on its way or in progress: it takes every range's new commits itself")
         decision = decide(ranges, found, parse_cursor(context.cursor), queued)
         cursor = format_cursor(decision.cursor)
         if not decision.requests:
             return dg.SensorResult(skip_reason=dg.SkipReason(decision.skip_reason()), cursor=cursor)
+        if tail_seconds > 0:
+            return dg.SensorResult(run_requests=[tailing_request(ranges, found.horizon, tail_seconds)], cursor=cursor)
         return dg.SensorResult(
             run_requests=[
                 dg.RunRequest(partition_key=key, run_key=run_key, tags={
-                    RANGE_TAG: key, "es_pipeline/horizon": str(found.horizon),
-                    **({TAIL_TAG: str(tail_seconds)} if tail_seconds > 0 else {})})
+                    RANGE_TAG: key, "es_pipeline/horizon": str(found.horizon)})
                 for key, run_key in decision.requests
             ],
             cursor=cursor,
         )
 
     return new_events_sensor
+
+
+def tailing_request(ranges: list[SliceRange], horizon: int, tail_seconds: int) -> dg.RunRequest:
+    """One run over every range (a partition range, first key to last): its passes take all the store's new
+    commits in one Delta commit and one offsets transaction each, where a run per range would make as many."""
+    whole = SliceRange(ranges[0].lo, ranges[-1].hi)
+    return dg.RunRequest(run_key=f"tail:{horizon}", tags={
+        ASSET_PARTITION_RANGE_START_TAG: ranges[0].key, ASSET_PARTITION_RANGE_END_TAG: ranges[-1].key,
+        RANGE_TAG: whole.key, TAIL_TAG: str(tail_seconds), "es_pipeline/horizon": str(horizon)})

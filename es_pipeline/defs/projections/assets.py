@@ -6,7 +6,6 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
 
-
 # Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
 # and reports each pass as a materialization; the projections read a committed version of `events` anyway.
 AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_in_progress()).with_label(
