@@ -1,4 +1,4 @@
-"""Read models over the Delta `events` table, in Spark (no Dagster here)."""
+"""Read models over the Delta `events` table: Spark, or for a small increment Arrow and delta-rs (no Dagster here)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
+from es_pipeline.lake import small_increments as small
 from es_pipeline.lake import tables
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.tables import Location
@@ -36,17 +39,33 @@ class _Projection:
 
     name: str
     key: tuple[str, ...]
-    aggregate: Callable[[Any], Any]  # events frame -> one row per key, columns of `ddl`
-    merge_set: str  # the UPDATE SET clause: how an increment combines with the row (t) it meets (u)
+    aggregate: Callable[[Any], Any]  # events frame -> one row per key
+    aggregate_arrow: Callable[[pa.Table], pa.Table]  # the same over Arrow rows (lake/small_increments.py)
+    columns: tuple[str, ...]  # the events columns both aggregates read
+    updates: dict[str, str]  # per column, how the row (t) takes an increment (u): Spark SQL and DataFusion alike
 
     @property
     def app_id(self) -> str:
         return f"es_pipeline.{self.name}"
 
-    def update(self, spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
-        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time."""
+    @property
+    def merge_set(self) -> str:
+        """The UPDATE SET clause of Spark's MERGE."""
+        return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
+
+    def update(
+        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+    ) -> ProjectionResult:
+        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
+
+        `spark`: a session, or a function that returns one, called only if Spark is needed: a small
+        increment is aggregated and merged without a JVM (lake/small_increments.py) unless told not to."""
         with one_at_a_time(store_dsn, self.name) as turn:
-            return self._update(spark, warehouse, turn)
+            if small_increments:
+                done = small.update_projection(self, warehouse, turn)
+                if done is not None:
+                    return done
+            return self._update(tables.session_of(spark), warehouse, turn)
 
     def _update(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
         events_path = tables.table_path(warehouse, "events")
@@ -110,29 +129,54 @@ def _daily(events: Any) -> Any:
     return events.groupBy("stream_type", "event_type", "event_date").agg(F.count(F.lit(1)).alias("events"))
 
 
+def _catalog_arrow(events: pa.Table) -> pa.Table:
+    g = events.group_by("stream_id").aggregate([
+        ("stream_type", "min"), ("recorded_at", "min"), ("version", "max"), ("stream_id", "count"),
+        ("recorded_at", "max")])
+    return pa.table({
+        "stream_id": g["stream_id"], "stream_type": g["stream_type_min"], "first_event_at": g["recorded_at_min"],
+        "version": g["version_max"], "events": g["stream_id_count"].cast(pa.int64()),
+        "last_event_at": g["recorded_at_max"],
+    })
+
+
+def _daily_arrow(events: pa.Table) -> pa.Table:
+    g = events.group_by(["stream_type", "event_type", "event_date"]).aggregate([([], "count_all")])
+    return pa.table({"stream_type": g["stream_type"], "event_type": g["event_type"], "event_date": g["event_date"],
+                     "events": g["count_all"].cast(pa.int64())})
+
+
 STREAM_CATALOG = _Projection(
     name="stream_catalog",
     key=("stream_id",),
     aggregate=_catalog,
-    merge_set=(
-        "t.first_event_at = least(t.first_event_at, u.first_event_at), t.version = greatest(t.version, u.version), "
-        "t.events = t.events + u.events, t.last_event_at = greatest(t.last_event_at, u.last_event_at)"
-    ),
+    aggregate_arrow=_catalog_arrow,
+    columns=("stream_id", "stream_type", "recorded_at", "version"),
+    updates={
+        "first_event_at": "least(t.first_event_at, u.first_event_at)", "version": "greatest(t.version, u.version)",
+        "events": "t.events + u.events", "last_event_at": "greatest(t.last_event_at, u.last_event_at)",
+    },
 )
 
 EVENT_TYPE_DAILY = _Projection(
     name="event_type_daily",
     key=("stream_type", "event_type", "event_date"),
     aggregate=_daily,
-    merge_set="t.events = t.events + u.events",
+    aggregate_arrow=_daily_arrow,
+    columns=("stream_type", "event_type", "event_date"),
+    updates={"events": "t.events + u.events"},
 )
 
 
-def update_stream_catalog(spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
+def update_stream_catalog(
+    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+) -> ProjectionResult:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
-    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn)
+    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
 
 
-def update_event_type_daily(spark: Any, warehouse: Location, *, store_dsn: str | None = None) -> ProjectionResult:
+def update_event_type_daily(
+    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+) -> ProjectionResult:
     """Stream type x event type x day: count (incremental)."""
-    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn)
+    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)

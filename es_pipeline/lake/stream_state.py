@@ -24,6 +24,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from es_pipeline.errors import ReducerError
+from es_pipeline.lake import small_increments as small
 from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
 from es_pipeline.lake.reducers import revisions as current_revisions
@@ -181,11 +182,18 @@ def _fold_out_arrow_schema() -> Any:
 
 
 def update_stream_state(
-    spark: Any, warehouse: Location, *, skip_unknown: bool = False, store_dsn: str | None = None
+    spark: Any, warehouse: Location, *, skip_unknown: bool = False, store_dsn: str | None = None,
+    small_increments: bool = True,
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
-    with `store_dsn`, one update at a time."""
+    with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
+    if Spark is needed: a small increment is folded without a JVM (lake/small_increments.py) unless told not to."""
     with one_at_a_time(store_dsn, "stream_state") as turn:
+        if small_increments:
+            done = small.update_stream_state(warehouse, skip_unknown, turn)
+            if done is not None:
+                return done
+        spark = tables.session_of(spark)
         try:
             return _update_stream_state(spark, warehouse, skip_unknown, turn)
         except tables.spark_errors() as exc:

@@ -158,6 +158,11 @@ def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
 CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileNotFoundException")
 
 
+def session_of(spark: Any) -> Any:
+    """A Spark session from `spark`: the session itself, or a function that returns one (called now)."""
+    return spark() if callable(spark) else spark
+
+
 def change_feed_gone(exc: BaseException) -> bool:
     """Whether a failed read of `rows_added` means the files of those commits were vacuumed away."""
     return any(mark in str(exc) for mark in CHANGE_FEED_GONE)

@@ -25,7 +25,7 @@ AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.an
 def stream_catalog(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
-    return _projection_result(update_stream_catalog(spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
+    return _projection_result(update_stream_catalog(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 @dg.asset(
@@ -39,7 +39,7 @@ def stream_catalog(
 def event_type_daily(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
-    return _projection_result(update_event_type_daily(spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
+    return _projection_result(update_event_type_daily(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
@@ -60,7 +60,7 @@ def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
     "from their previous state; a reducer revision bump rebuilds that type alone.",
 )
 def stream_state(spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
-    r = update_stream_state(spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
+    r = update_stream_state(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
     return dg.MaterializeResult(metadata={
         "events_folded": r.events_folded,
         "streams_updated": r.streams_updated,

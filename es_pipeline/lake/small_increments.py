@@ -1,0 +1,199 @@
+"""Small increments of the projections without a JVM: Arrow, the reducers in plain Python, a delta-rs MERGE.
+
+Spark takes seconds to fold a few dozen events (a job per step, then a MERGE); a tailing `events` run
+brings that many every pass. Up to `SMALL_INCREMENT` new events, the same update is done here: the rows
+that the `events` commits since the last update added (delta-rs reads Delta's change data feed, which
+leaves out compaction's rewrites), aggregated by pyarrow or folded by the same `_StreamFold` the Spark
+path runs on its workers, then merged by delta-rs under the same Delta transaction id (app id, version)
+Spark's MERGE carries, so either engine sees what the other has folded.
+
+One committer at a time per table: this runs inside the table's turn in the store
+(`serial.one_at_a_time`), as the Spark path does, so Spark and delta-rs never commit to a projection
+at once, on a local disk or on S3 (docs/decisions.md, "One committer engine per table"). Whatever this
+path does not do (a first build, a reducer revision bump, a change feed vacuumed away, a larger
+increment) returns None, and the caller runs the Spark path.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import CommitProperties, DeltaTable, Transaction
+
+from es_pipeline.errors import ReducerError
+from es_pipeline.lake import tables
+from es_pipeline.lake.reducers import REGISTRY
+from es_pipeline.lake.reducers import revisions as current_revisions
+from es_pipeline.lake.serial import Turn
+
+if TYPE_CHECKING:
+    from es_pipeline.lake.projections import ProjectionResult, _Projection
+    from es_pipeline.lake.stream_state import StateResult
+
+SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
+_FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
+
+
+def new_rows(events_path: str, after: int, upto: int, columns: list[str]) -> pa.Table | None:
+    """The rows that the `events` commits after..upto (inclusive) added, or None when they number more than
+    `SMALL_INCREMENT` or cannot be read (their files vacuumed): then Spark takes the update."""
+    try:
+        feed = pa.RecordBatchReader.from_stream(DeltaTable(events_path).load_cdf(
+            starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"]))
+        batches, rows = [], 0
+        for batch in feed:
+            rows += batch.num_rows
+            if rows > SMALL_INCREMENT:
+                return None
+            batches.append(batch)
+    except OSError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - delta-rs's errors for a missing file; anything else re-raises
+        if "not found" in str(exc).lower() or "no such file" in str(exc).lower():
+            return None
+        raise
+    table = _plain(pa.Table.from_batches(batches, schema=feed.schema))
+    return table.filter(pc.equal(table["_change_type"], "insert")).select(columns)
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    """delta-rs reads strings as `string_view`, which pyarrow's kernels do not all take: plain strings."""
+    return table.cast(_plain_schema(table.schema))
+
+
+def _plain_schema(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([pa.field(f.name, pa.string(), f.nullable) if f.type == pa.string_view() else f for f in schema])
+
+
+def _files(path: str, table: DeltaTable) -> ds.Dataset:
+    """The table's current Parquet files as a pyarrow dataset of one schema (plain strings)."""
+    fs, _ = tables.filesystem(path)
+    names = [uri.split("://", 1)[1] if "://" in uri else uri for uri in table.file_uris()]
+    # One schema for every file, with plain strings: delta-rs writes string_view into its files' Arrow schema.
+    return ds.dataset(names, format="parquet", filesystem=fs, schema=_plain_schema(pa.schema(table.schema().to_arrow())))
+
+
+def _row_count(table: DeltaTable) -> int:
+    adds = pa.table(table.get_add_actions(flatten=True))
+    return int(pc.sum(adds["num_records"]).as_py() or 0) if adds.num_rows else 0
+
+
+def _commit_properties(app_id: str, version: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(app_id, version)])
+
+
+def update_projection(projection: _Projection, warehouse: tables.Location, turn: Turn) -> ProjectionResult | None:
+    """An additive projection's increment, aggregated by pyarrow and merged by delta-rs; None: not here."""
+    from es_pipeline.lake.projections import ProjectionResult
+
+    events_path = tables.table_path(warehouse, "events")
+    path = tables.table_path(warehouse, projection.name)
+    if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+        return None
+    target = DeltaTable(path)
+    prev = target.transaction_version(projection.app_id)
+    if prev is None:
+        return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
+    now = DeltaTable(events_path).version()
+    if prev >= now:
+        return ProjectionResult(_row_count(target), now, int(prev), 0, 0)
+    rows = new_rows(events_path, int(prev), now, list(projection.columns))
+    if rows is None:
+        return None
+    agg = projection.aggregate_arrow(rows)
+    turn.confirm(path, projection.app_id, int(prev))
+    if agg.num_rows:
+        target.merge(agg, predicate=" AND ".join(f"t.{k} = u.{k}" for k in projection.key), source_alias="u",
+                     target_alias="t", commit_properties=_commit_properties(projection.app_id, now)) \
+            .when_matched_update(projection.updates).when_not_matched_insert_all().execute()
+    else:  # nothing added (only compaction since): record the version all the same
+        target.create_write_transaction([], mode="append", schema=target.schema(),
+                                        commit_properties=_commit_properties(projection.app_id, now))
+    target.update_incremental()
+    return ProjectionResult(_row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
+
+
+def update_stream_state(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> StateResult | None:
+    """`stream_state`'s increment folded here and merged by delta-rs; None: not here (see the module)."""
+    from es_pipeline.lake import stream_state as st
+
+    events_path = tables.table_path(warehouse, "events")
+    state_path = tables.table_path(warehouse, "stream_state")
+    if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
+        return None
+    state = DeltaTable(state_path)
+    read = state.transaction_version(st.APP_ID)
+    if read is None:
+        return None
+    prev = int(read) // st._REVISION_SLOTS
+    now = DeltaTable(events_path).version()
+    if "deletionVectors" in (state.protocol().writer_features or []):
+        return None  # its files alone are not its rows
+    revisions = current_revisions()
+    kinds = _files(state_path, state).to_table(columns=["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
+    if any(t in revisions and revisions[t] != r for t, r in zip(kinds["stream_type"].to_pylist(),
+                                                                 kinds["revision"].to_pylist(), strict=True)):
+        return None  # a reducer revision bump: Spark rebuilds those types
+    if prev >= now and st._txn_version(now, REGISTRY) == int(read):
+        return st.StateResult(now, prev, 0, 0, (), 0, 0)
+    new = new_rows(events_path, prev, now, _FOLD_COLUMNS) if prev < now else None
+    if new is None:
+        return None
+    touched = pc.unique(new["stream_id"])
+    # Read whole and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
+    whole = _files(state_path, state).to_table()
+    prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], touched), pc.is_valid(whole["parked"])))
+    rows = _fold_input(new, prior)
+    out = pa.Table.from_batches(list(st._fold_partitions(dict(REGISTRY), skip_unknown)(rows.to_batches())),
+                                schema=st._fold_out_arrow_schema())
+    errors = pc.drop_null(out["error"])
+    if len(errors):
+        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
+        raise ReducerError(stream_id, version, event_type, reason)
+    updates = out.drop_columns(["error", "folded"]).append_column(
+        "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
+    turn.confirm(state_path, st.APP_ID, int(read))
+    state.merge(updates, predicate="t.stream_id = u.stream_id", source_alias="u", target_alias="t",
+                commit_properties=_commit_properties(st.APP_ID, st._txn_version(now, REGISTRY))) \
+        .when_matched_update_all().when_not_matched_insert_all().execute()
+    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
+    return st.StateResult(now, prev, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
+                          int(pc.sum(out["skipped"]).as_py() or 0))
+
+
+def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
+    """The fold's rows, as the Spark path builds them: new events, the parked ones, and each touched
+    stream's prior row (its state in `payload`, marked `is_prior`), sorted by stream, prior first, version."""
+    schema = pa.schema([("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
+                        ("event_type", pa.string()), ("payload", pa.string()),
+                        ("recorded_at", pa.timestamp("us", tz="UTC")), ("prior_skipped", pa.int32()),
+                        ("is_prior", pa.bool_())])
+    events = new.cast(pa.schema([schema.field(c) for c in _FOLD_COLUMNS]))
+    n = events.num_rows
+    parts = [events.append_column("prior_skipped", pa.nulls(n, pa.int32()))
+             .append_column("is_prior", pa.array([False] * n))]
+    p = prior.to_pydict()
+    parked: list[tuple[Any, ...]] = []
+    for sid, stype, text in zip(p["stream_id"], p["stream_type"], p["parked"], strict=True):
+        for e in json.loads(text) if text else ():
+            at = None if e["recorded_at"] is None else datetime.fromisoformat(str(e["recorded_at"]))
+            parked.append((sid, stype, e["version"], e["event_type"], e["payload"],
+                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), None, False))
+    if parked:
+        parts.append(pa.Table.from_pylist([dict(zip(schema.names, r, strict=True)) for r in parked], schema=schema))
+    touched = set(events["stream_id"].to_pylist()) | {r[0] for r in parked}
+    keep = pc.is_in(prior["stream_id"], pa.array(sorted(touched), pa.string()))
+    had = prior.filter(keep)
+    parts.append(pa.table({
+        "stream_id": had["stream_id"], "stream_type": had["stream_type"], "version": had["version"],
+        "event_type": pa.nulls(had.num_rows, pa.string()), "payload": had["state"],
+        "recorded_at": had["last_event_at"], "prior_skipped": had["skipped"],
+        "is_prior": pa.array([True] * had.num_rows),
+    }, schema=schema))
+    rows = pa.concat_tables([t.cast(schema) for t in parts])
+    return rows.sort_by([("stream_id", "ascending"), ("is_prior", "descending"), ("version", "ascending")])

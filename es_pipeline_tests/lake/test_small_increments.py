@@ -1,0 +1,89 @@
+"""Small increments of the projections (lake/small_increments.py): no Spark, delta-rs commits, same tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deltalake import DeltaTable
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.lake import small_increments
+from es_pipeline.lake.maintenance import compact_with_delta_rs
+from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.lake.test_projections import (
+    _same_instants,
+    lake_catalog,
+    lake_daily,
+    source_catalog,
+    source_daily,
+)
+from es_pipeline_tests.lake.test_stream_state import full_replay, lake_state
+from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import StoreDsn
+
+PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily")
+
+
+def _no_spark() -> Any:
+    raise AssertionError("a small increment asked for a Spark session")
+
+
+def _newest_commit_engine(path: Path) -> str:
+    newest = DeltaTable(str(path)).history(1)[0]
+    return "delta-rs" if "delta-rs" in str(newest.get("clientVersion", "")) else str(newest.get("engineInfo"))
+
+
+def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn) -> list[Any]:
+    return [update_stream_state(spark, warehouse, store_dsn=dsn.extractor),
+            update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor),
+            update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)]
+
+
+def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_source(
+    dsn: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    """Spark builds the three tables; then increments, one after a compaction of `events` (its rewrite
+    must not count again), are folded and merged without a session; every table equals the store."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=30, events=300, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=1)
+    extract_all(dsn.extractor, None, warehouse)
+    _update_all(spark, warehouse, dsn)
+    assert all(_newest_commit_engine(warehouse / t).startswith("Apache-Spark") for t in PROJECTIONS)
+    for round_ in range(3):
+        moved = 0
+        while moved == 0:  # rolled back transactions may leave a round empty
+            run_workload(store, streams=40, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0,
+                         seed=10 + round_)
+            moved = extract_all(dsn.extractor, None, warehouse)
+        if round_ == 1:
+            compact_with_delta_rs(str(warehouse / "events"), retain_hours=168)
+        state, catalog, daily = _update_all(_no_spark, warehouse, dsn)
+        assert state.events_folded == catalog.events_read == daily.events_read == moved
+        assert all(_newest_commit_engine(warehouse / t) == "delta-rs" for t in PROJECTIONS)
+    expected = full_replay(dsn)
+    got = lake_state(spark, warehouse)
+    assert {k: (v, s) for k, (v, s, _) in got.items()} == expected
+    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    assert lake_daily(spark, warehouse) == source_daily(dsn)
+    again = _update_all(_no_spark, warehouse, dsn)  # nothing new: nothing read, nothing committed
+    assert [r.events_folded if hasattr(r, "events_folded") else r.events_read for r in again] == [0, 0, 0]
+
+
+def test_an_increment_over_the_small_limit_goes_to_spark(
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=10, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=3)
+    extract_all(dsn.extractor, None, warehouse)
+    _update_all(spark, warehouse, dsn)
+    monkeypatch.setattr(small_increments, "SMALL_INCREMENT", 40)
+    run_workload(store, streams=10, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=4)
+    extract_all(dsn.extractor, None, warehouse)
+    state, catalog, daily = _update_all(spark, warehouse, dsn)
+    assert state.events_folded == catalog.events_read == daily.events_read == 50
+    assert all(_newest_commit_engine(warehouse / t).startswith("Apache-Spark") for t in PROJECTIONS)
+    assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == full_replay(dsn)
