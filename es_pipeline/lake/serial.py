@@ -52,12 +52,32 @@ class Turn:
 @contextmanager
 def one_at_a_time(store_dsn: str | None, table: str) -> Iterator[Turn]:
     """Run the block while holding the lock of `table` in the store at `store_dsn` (none when it is None)."""
+    with _turn(store_dsn, table, wait=True) as turn:
+        assert turn is not None
+        yield turn
+
+
+@contextmanager
+def turn_if_free(store_dsn: str, table: str) -> Iterator[Turn | None]:
+    """The turn at `table` if no other update holds it now, else None (for work that must not wait)."""
+    with _turn(store_dsn, table, wait=False) as turn:
+        yield turn
+
+
+@contextmanager
+def _turn(store_dsn: str | None, table: str, *, wait: bool) -> Iterator[Turn | None]:
     if store_dsn is None:
         yield Turn(table)
         return
     key = zlib.crc32(table.encode()) & 0x7FFFFFFF
     with lock_transaction(store_dsn, application_name=f"es_pipeline update {table}"[:63]) as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, key))
+        if wait:
+            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, key))
+        else:
+            row = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (_NAMESPACE, key)).fetchone()
+            if row != (True,):
+                yield None
+                return
         yield Turn(table, conn, key)
         if not conn.closed:  # a connection that ended took its lock with it
             conn.rollback()  # releases the lock

@@ -29,7 +29,7 @@ from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY
 from es_pipeline.lake.reducers import revisions as current_revisions
-from es_pipeline.lake.serial import Turn
+from es_pipeline.lake.serial import Turn, turn_if_free
 
 if TYPE_CHECKING:
     from es_pipeline.lake.projections import ProjectionResult, _Projection
@@ -197,3 +197,22 @@ def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     }, schema=schema))
     rows = pa.concat_tables([t.cast(schema) for t in parts])
     return rows.sort_by([("stream_id", "ascending"), ("is_prior", "descending"), ("version", "ascending")])
+
+
+def follow(warehouse: tables.Location, store_dsn: str) -> dict[str, ProjectionResult | StateResult]:
+    """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
+    this way). A projection whose turn another update holds, or that needs Spark, is left out: its
+    automation's run does it."""
+    from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
+
+    done: dict[str, ProjectionResult | StateResult] = {}
+    with turn_if_free(store_dsn, "stream_state") as turn:
+        state = update_stream_state(warehouse, False, turn) if turn is not None else None
+        if state is not None:
+            done["stream_state"] = state
+    for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
+        with turn_if_free(store_dsn, projection.name) as turn:
+            result = update_projection(projection, warehouse, turn) if turn is not None else None
+            if result is not None:
+                done[projection.name] = result
+    return done

@@ -15,9 +15,12 @@ from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import tailing_request
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.slices import split
+from es_pipeline.lake import tables
+from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
-from es_pipeline_tests.support.lakecheck import assert_exactly_once
+from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
 
@@ -136,3 +139,32 @@ def test_a_tailing_run_reports_each_pass_per_partition_with_its_own_rows(
     assert by_pass == {1: 100, 2: 40}, rows
     assert {part for _, part in rows} == {"0000-0511", "0512-1023"}
     assert assert_exactly_once(spark, warehouse, dsn) == 140
+
+
+def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+) -> None:
+    """Once Spark has built the projections, a tailing run folds each pass's events into them itself
+    (small increments, delta-rs), each update a materialization of that projection."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=20, events=60, writers=1, rollback_rate=0, max_commit_delay=0)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(spark, warehouse)
+    update_stream_catalog(spark, warehouse)
+    update_event_type_daily(spark, warehouse)
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2, automation=True))
+    later = threading.Timer(2.0, lambda: run_workload(store, streams=20, events=40, writers=1, rollback_rate=0,
+                                                      max_commit_delay=0))
+    with dg.instance_for_test() as instance:
+        later.start()
+        res = dg.materialize([events], resources=dict(_defs(settings, spark).resources), instance=instance,
+                             tags=tailing_request(split(2), 0, 8).tags)
+        later.join()
+        assert res.success
+        kept = [e.step_materialization_data.materialization for e in res.all_events if e.is_step_materialization
+                and "kept_by" in e.step_materialization_data.materialization.metadata]
+    assert {m.asset_key.to_user_string() for m in kept} == {"stream_state", "stream_catalog", "event_type_daily"}
+    folded = sum(m.metadata["events_folded"].value for m in kept if m.asset_key.to_user_string() == "stream_state")
+    assert folded == 40
+    catalog = tables.read(spark, str(warehouse / "stream_catalog")).agg({"events": "sum"}).first()[0]
+    assert catalog == 100

@@ -1,16 +1,22 @@
 """The `events` asset: committed events of one slice range, exactly once into Delta; and its job."""
 
+import time
 from dataclasses import replace
+from typing import Any
 
 import dagster as dg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
+from es_pipeline.defs.projections.assets import projection_metadata, state_metadata
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import tail
+from es_pipeline.lake import small_increments
+from es_pipeline.lake.stream_state import StateResult
+from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 
 RANGE_TAG = "es_pipeline/slice_range"
@@ -52,7 +58,8 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         try:
             with extractor.session(slice_range, context.run.run_id) as session:
                 if tail_seconds > 0:
-                    return _tail(context, extractor, slice_range, session, tail_seconds, keys)
+                    return _tail(context, extractor, slice_range, session, tail_seconds, keys,
+                                 follow=here.pg_dsn if settings.automation else None)
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
@@ -72,24 +79,31 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
 
 def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
-    tail_seconds: float, keys: list[str],
+    tail_seconds: float, keys: list[str], *, follow: str | None,
 ) -> dg.MaterializeResult:
     """Passes over `slice_range` for `tail_seconds`, each that moved events reported as a materialization of
     every partition it brought events to (their own row counts, the pass's figures); the run's own
-    materialization of its partitions then sums the run up, without a row count of its own."""
+    materialization of its partitions then sums the run up, without a row count of its own.
+
+    With `follow` (the store's DSN, where the projections' automation is on), the projections' small
+    increments are folded in too, at most every `PROJECTIONS_GAP` seconds, each a materialization of that
+    projection; what needs Spark, or fails, is left to the automation's runs."""
     passes = [0]
+    projections = _Projections(context, extractor.warehouse, follow)
 
     def report(result: ExtractResult) -> None:
         passes[0] += 1
         for key, rows in _rows_per_partition(result, keys).items():
             context.log_event(dg.AssetMaterialization(asset_key=context.asset_key, partition=key, metadata={
                 **result.metadata(), "dagster/row_count": rows, "rows": rows, "pass": passes[0]}))
+        projections.maybe_update()
 
     first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
     if first.rows:
         report(first)
     tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=report,
                   session=session)
+    projections.maybe_update(force=True)
     last = tailed.last or first
     context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
                      f"{passes[0]} passes after {tailed.probes} probes")
@@ -98,6 +112,39 @@ def _tail(
         "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
         "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3),
     })
+
+
+PROJECTIONS_GAP = 5.0  # seconds between two updates of the projections by a tailing run, at least
+
+
+class _Projections:
+    """The projections a tailing run keeps fresh (lake/small_increments.py `follow`)."""
+
+    def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None) -> None:
+        self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
+        self.last = 0.0
+        self.failed = False
+
+    def maybe_update(self, *, force: bool = False) -> None:
+        if self.store_dsn is None or self.failed or (not force and time.monotonic() - self.last < PROJECTIONS_GAP):
+            return
+        self.last = time.monotonic()
+        try:
+            done = small_increments.follow(self.warehouse, self.store_dsn)
+        except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
+            self.failed = True
+            self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
+            return
+        for name, result in done.items():
+            if isinstance(result, StateResult):
+                if result.events_folded:
+                    self._log(name, state_metadata(result))
+            elif result.events_read:
+                self._log(name, projection_metadata(result))
+
+    def _log(self, name: str, metadata: dict[str, Any]) -> None:
+        self.context.log_event(dg.AssetMaterialization(
+            asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
 
 
 def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:

@@ -4,7 +4,7 @@ import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.stream_state import StateResult, update_stream_state
 
 # Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
 # and reports each pass as a materialization; the projections read a committed version of `events` anyway.
@@ -43,10 +43,18 @@ def event_type_daily(
 
 
 def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
-    return dg.MaterializeResult(metadata={
-        "dagster/row_count": r.rows, "events_read": r.events_read, "keys_updated": r.keys_updated,
-        "events_version": r.events_version, "full_rebuild": r.previous_events_version < 0,
-    })
+    return dg.MaterializeResult(metadata=projection_metadata(r))
+
+
+def projection_metadata(r: ProjectionResult) -> dict[str, int | bool]:
+    return {"dagster/row_count": r.rows, "events_read": r.events_read, "keys_updated": r.keys_updated,
+            "events_version": r.events_version, "full_rebuild": r.previous_events_version < 0}
+
+
+def state_metadata(r: StateResult) -> dict[str, int | str]:
+    return {"events_folded": r.events_folded, "streams_updated": r.streams_updated,
+            "events_table_version": r.events_version, "parked_streams": r.parked_streams,
+            "skipped_unknown_events": r.skipped_unknown, "rebuilt_types": ", ".join(r.rebuilt_types) or "-"}
 
 
 @dg.asset(
@@ -61,14 +69,7 @@ def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
 )
 def stream_state(spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
     r = update_stream_state(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
-    return dg.MaterializeResult(metadata={
-        "events_folded": r.events_folded,
-        "streams_updated": r.streams_updated,
-        "events_table_version": r.events_version,
-        "parked_streams": r.parked_streams,
-        "skipped_unknown_events": r.skipped_unknown,
-        "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
-    })
+    return dg.MaterializeResult(metadata=state_metadata(r))
 
 
 ASSETS = [stream_catalog, event_type_daily, stream_state]
