@@ -124,6 +124,24 @@ def _store_rows(dsn: str) -> int:
     return int(row[0]) if row else 0
 
 
+PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily")
+
+
+def _warm_up(instance: Any, warehouse: Path, limit: float = 300.0) -> float:
+    """Until the projections' first builds (Spark, on a cold Connect server: a minute or two) are done and
+    no projections run is in progress: that start is not the steady state. Seconds waited (30 at least)."""
+    started = time.monotonic()
+    time.sleep(30)
+    while time.monotonic() - started < limit:
+        built = all((warehouse / t / "_delta_log").is_dir() for t in PROJECTIONS)
+        busy = instance.get_run_records(dg.RunsFilter(job_name="__ASSET_JOB", statuses=[
+            dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]))
+        if built and not busy:
+            break
+        time.sleep(2)
+    return time.monotonic() - started
+
+
 def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str, Any]:
     name = f"bench_steady_{label.replace(' ', '_')}"
     dsn = fresh_database(name)
@@ -141,7 +159,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
             instance = dg.DagsterInstance.get()
             stop, thread = _writers(dsn, rate)
-            time.sleep(30)  # the first runs (and the Connect server's first jobs) are not the steady state
+            warmup = _warm_up(instance, stack.warehouse)
             before = len(instance.get_run_records())
             processes = _processes()
             cores = _busy_cores(seconds, time.sleep)
@@ -157,7 +175,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             delivered = _lake_rows(stack.warehouse)
             instance.dispose()
         return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered,
-                "by_part": by_part}
+                "by_part": by_part, "warmup_s": warmup}
     finally:
         drop_database(name)
 
@@ -178,7 +196,8 @@ def run(seconds: float, rate: float) -> dict[str, Any]:
                      f"{p['events']:,}", "—" if p["delivered"] is None else f"{p['delivered']:,}"])
         figures[p["label"]] = {"busy_cores": round(p["busy_cores"], 3), "es_pipeline_cores": round(share, 3),
                                "runs": p["runs"], "runs_per_hour": round(per_hour, 1), "events": p["events"],
-                               "delivered": p["delivered"], "cores_by_part": p.get("by_part")}
+                               "delivered": p["delivered"], "cores_by_part": p.get("by_part"),
+                               "warmup_s": round(p.get("warmup_s") or 0.0, 1)}
     tail_share = tailing["busy_cores"] - alone["busy_cores"]
     return {
         "parameters": {"seconds_per_phase": seconds, "rate_events_per_s": rate, "tail_seconds": TAIL_SECONDS,
@@ -208,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                  rows=out["rows"], figures=out["figures"], goals=out["goals"],
                  notes=["Busy cores: the whole machine's busy time over the phase (/proc/stat), so the Postgres work "
                         "es_pipeline causes counts; es_pipeline's share is a phase's minus the writers-alone phase's. "
-                        "Runs: every Dagster run created during the phase (events and projections).",
+                        "Runs: every Dagster run created during the phase (events and projections). Each loop phase starts "
+                        "after a warm-up: 30 s, and until the projections' first builds (Spark) are done.",
                         *[f"Where the cores went, {label} (per process over the phase, approximate): " + ", ".join(
                             f"{part} {cores:.3f}" for part, cores in parts.items() if cores >= 0.001)
                           for label, parts in out["by_part"].items()]])
