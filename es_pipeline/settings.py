@@ -36,6 +36,8 @@ LOCAL_PG_PASSFILE = LOCAL_SECRETS / "pgpass"
 # bounds memory; a single transaction larger than both is still one batch (never split).
 DEFAULT_BATCH_EVENTS = 500_000
 DEFAULT_BATCH_BYTES = 512 << 20
+# How long a sensor-started `events` run tails the store (extraction/tail.py); 0: one pass per run.
+DEFAULT_TAIL_SECONDS = 300
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -77,7 +79,7 @@ class Settings:
     # master, 500,000 on a cluster and never on a local one (extraction.extractor.default_jdbc_min_rows).
     jdbc_min_rows: int | None = None
     # A sensor-started `events` run stays this long, extracting its range as commits arrive (0: one pass).
-    tail_seconds: int = 0
+    tail_seconds: int = DEFAULT_TAIL_SECONDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -103,7 +105,7 @@ class Settings:
             pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
             pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
             snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
-            tail_seconds=_int(env, "ES_PIPELINE_TAIL_SECONDS", 0, 0, 86_400,
+            tail_seconds=_int(env, "ES_PIPELINE_TAIL_SECONDS", DEFAULT_TAIL_SECONDS, 0, 86_400,
                               "a whole number of seconds between 0 (one pass per run) and 86400"),
             jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
                                 "a whole number of events (0: never read over JDBC)")

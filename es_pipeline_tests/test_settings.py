@@ -54,7 +54,7 @@ def test_settings_read_the_values_given() -> None:
     assert (s.sensor_interval_seconds, s.automation, s.local_pg_port, s.events_writer) == (2, False, 6543, "spark")
     assert ":6543/" in s.pg_dsn  # the default store is the local server, on its port
     assert (s.jdbc_min_rows, Settings.from_env({"ES_PIPELINE_JDBC_MIN_ROWS": "0"}).jdbc_min_rows) == (None, 0)
-    assert (s.tail_seconds, Settings.from_env({"ES_PIPELINE_TAIL_SECONDS": "600"}).tail_seconds) == (0, 600)
+    assert (s.tail_seconds, Settings.from_env({"ES_PIPELINE_TAIL_SECONDS": "0"}).tail_seconds) == (300, 0)
 
 
 @pytest.mark.parametrize(

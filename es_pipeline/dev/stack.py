@@ -93,6 +93,8 @@ def dagster_stack(
         "ES_PIPELINE_SENSOR_INTERVAL": str(sensor_interval),
         "ES_PIPELINE_SPARK_MASTER": "local[2]",
         "ES_PIPELINE_AUTOMATION": "on" if automation else "off",
+        # One pass per run unless asked (extra_env): the loop its callers test is the sensor's run per range.
+        "ES_PIPELINE_TAIL_SECONDS": "0",
         "PYSPARK_PYTHON": sys.executable,
     })
     env.update(extra_env or {})

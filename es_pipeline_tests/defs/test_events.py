@@ -25,8 +25,8 @@ from es_pipeline_tests.support.roles import StoreDsn
 
 
 def _defs(settings: Settings, spark: Any) -> dg.Definitions:
-    defs = build_definitions(replace(settings, slice_ranges=2))
-    return defs
+    """Two ranges, one pass per run (the tailing sensor has its own test)."""
+    return build_definitions(replace(settings, slice_ranges=2, tail_seconds=0))
 
 
 def test_sensor_requests_one_run_per_range_with_new_events_and_skips_when_none(
