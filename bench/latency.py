@@ -27,7 +27,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from bench.common import admin_dsn, drop_database, fresh_database
+from bench.common import WORK_ROOT, admin_dsn, drop_database, fresh_database
 from bench.results import Goal, machine_facts, write_result
 from es_pipeline.dev.stack import dagster_stack
 from es_pipeline.dev.workload import bulk_load, run_workload
@@ -74,7 +74,7 @@ def _phase(commits: int, *, tail: int, rate: float) -> dict[str, Any]:
     dsn = fresh_database(db)
     store = EventStore(dsn)
     try:
-        with tempfile.TemporaryDirectory(dir=Path("bench") / "work" if Path("bench/work").exists() else None) as tmp, \
+        with tempfile.TemporaryDirectory(dir=WORK_ROOT if WORK_ROOT.exists() else None) as tmp, \
                 dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5,
                               extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
             os.environ["DAGSTER_HOME"], os.environ["DAGSTER_PG_URL"] = stack.env["DAGSTER_HOME"], stack.env["DAGSTER_PG_URL"]
