@@ -131,7 +131,14 @@ def _passes(instance: Any) -> list[dict[str, Any]]:
     """Every materialization of `events` (a one-pass run's, or a tailing run's pass per partition), with
     its run's Dagster timestamps."""
     out, runs = [], {}
-    for m in instance.fetch_materializations(dg.AssetKey("events"), limit=20000).records:
+    records, cursor = [], None
+    while True:  # Dagster hands out at most 10,000 records a call
+        page = instance.fetch_materializations(dg.AssetKey("events"), limit=5000, cursor=cursor)
+        records += page.records
+        if not page.has_more:
+            break
+        cursor = page.cursor
+    for m in records:
         meta = m.asset_materialization.metadata if m.asset_materialization else {}
         if "horizon" not in meta or "total_seconds" not in meta:
             continue  # a tailing run's closing summary, not a pass
