@@ -1,12 +1,15 @@
-"""Commit-to-lake latency through the real loop, and the sensor's tick cost vs table size.
+"""Commit-to-lake and commit-to-projection latency through the real loop, and the sensor's tick cost.
 
-`python -m bench.latency [--commits 60] [--only latency|sensor_tick|append_cost]`
+`python -m bench.latency [--commits 60] [--only latency|projections|sensor_tick|append_cost]`
 
-latency: a Dagster daemon (default settings: 8 ranges, sensor every 5 s, runs on a shared Spark
-Connect server) over Postgres storage, a background demo load, and one probe commit per second.
-For each probe event: commit time (after COMMIT returns), the run that extracted it (the first
-run of its range whose horizon passed its tx_id), that run's Dagster timestamps, its metadata,
-and the moment the event became visible in the Delta table (polled every 0.25 s with delta-rs).
+latency: a Dagster daemon (8 ranges, sensor every 5 s) over Postgres storage, a background demo load,
+and one probe commit per second; three phases: one run per range and pass (the baseline), tailing at
+20 and at 1,000 events/s. For each probe event: commit time (after COMMIT returns), the pass that
+extracted it (the first materialization of its range whose horizon passed its tx_id), its run's Dagster
+timestamps, its metadata, and the moment the event became visible in the Delta table (polled every
+0.25 s with delta-rs).
+projections: the make-dev loop with automation and a tailing run; for each probe event, when each
+projection's folded `events` version (its Delta txn version) reached the version that brought it.
 sensor_tick: the sensor's one-statement probe, median of 50, with 100 thousand vs 10 million
 events in the store (BENCH_TICK_SMALL / BENCH_TICK_LARGE override); beside it the whole tick (new
 connection, as the sensor does), the per-slice probe it replaced, and the case of a lagging range.
@@ -44,7 +47,8 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.Event) -> None:
+def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.Event,
+               versions: dict[tuple[str, int], int] | None = None) -> None:
     from deltalake import DeltaTable
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
@@ -58,6 +62,8 @@ def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.E
                     t = dt.to_pyarrow_table(columns=["stream_id", "version"])
                     for k in zip(t.column("stream_id").to_pylist(), t.column("version").to_pylist(), strict=True):
                         seen.setdefault(k, now)
+                        if versions is not None:
+                            versions.setdefault(k, dt.version())
                     last = dt.version()  # only once read: a failed read is tried again
             except (OSError, DeltaError, TableNotFoundError):
                 pass  # the log is being created or a commit is half-written: look again
@@ -245,6 +251,108 @@ def latency(commits: int) -> None:
     )
 
 
+PROJECTION_APPS = {"stream_state": ("es_pipeline.stream_state", 1000), "stream_catalog": ("es_pipeline.stream_catalog", 1),
+                   "event_type_daily": ("es_pipeline.event_type_daily", 1)}
+
+
+def _folded(warehouse: Path, reached: dict[str, list[tuple[float, int]]], stop: threading.Event) -> None:
+    """Every 0.25 s, the `events` version each projection has folded (its Delta txn version): (time, version)
+    whenever it moves."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import DeltaError, TableNotFoundError
+
+    while not stop.is_set():
+        for name, (app, slots) in PROJECTION_APPS.items():
+            if not (warehouse / name / "_delta_log").is_dir():
+                continue
+            try:
+                v = DeltaTable(str(warehouse / name)).transaction_version(app)
+            except (OSError, DeltaError, TableNotFoundError):
+                continue
+            if v is not None and (not reached[name] or v // slots > reached[name][-1][1]):
+                reached[name].append((time.time(), int(v) // slots))
+        time.sleep(0.25)
+
+
+def projections_latency(commits: int, rate: float = 20.0) -> None:
+    """Commit → projection under make dev's loop with tailing (the run folds the projections' small
+    increments every 5 s at most): for each probe event, when the `events` version holding it has been
+    folded by each projection."""
+    from bench.steady_state import warm_up
+
+    db = "bench_latency_projections"
+    dsn = fresh_database(db)
+    store = EventStore(dsn)
+    tail = 300
+    try:
+        with tempfile.TemporaryDirectory(dir=WORK_ROOT if WORK_ROOT.exists() else None) as tmp, \
+                dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5,
+                              automation=True, extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
+            os.environ["DAGSTER_HOME"], os.environ["DAGSTER_PG_URL"] = stack.env["DAGSTER_HOME"], stack.env["DAGSTER_PG_URL"]
+            instance = dg.DagsterInstance.get()
+            seen: dict[tuple[str, int], float] = {}
+            versions: dict[tuple[str, int], int] = {}
+            reached: dict[str, list[tuple[float, int]]] = {name: [] for name in PROJECTION_APPS}
+            stop = threading.Event()
+            pollers = [threading.Thread(target=_lake_seen, args=(stack.warehouse / "events", seen, stop, versions),
+                                        daemon=True),
+                       threading.Thread(target=_folded, args=(stack.warehouse, reached, stop), daemon=True)]
+            for p in pollers:
+                p.start()
+            background = threading.Thread(target=run_workload, args=(store,), kwargs=dict(
+                streams=200, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.1, rate=rate, stop=stop),
+                daemon=True)
+            background.start()
+            warmup = warm_up(instance, stack.warehouse, limit=400.0)
+            probes: list[tuple[str, float]] = []
+            for i in range(commits):
+                sid = f"probe-{i}"
+                store.append(sid, "cart", [NewEvent("ItemAdded", {"sku": "p", "qty": 1})], 0)
+                probes.append((sid, time.time()))
+                time.sleep(1.0)
+            time.sleep(60)  # the last probes' folds
+            stop.set()
+            background.join()
+            instance.dispose()
+    finally:
+        drop_database(db)
+    rows, figures, goals = [], {}, []
+    for name in PROJECTION_APPS:
+        lake, total, missing = [], [], []
+        for sid, committed in probes:
+            key = (sid, 1)
+            if key not in seen:
+                missing.append(sid)
+                continue
+            at = next((t for t, v in reached[name] if v >= versions[key]), None)
+            if at is None:
+                missing.append(sid)
+                continue
+            lake.append(seen[key] - committed)
+            total.append(at - committed)
+        p50, p95 = _pct(total, 0.5), _pct(total, 0.95)
+        rows.append([name, f"{len(total)}", f"{p50:.2f}", f"{p95:.2f}", f"{_pct(lake, 0.5):.2f}",
+                     f"{p50 - _pct(lake, 0.5):.2f}", f"{len(missing)}"])
+        figures[name] = {"total": total, "lake": lake, "missing": missing}
+        goals.append(Goal(f"p50 commit-to-{name} s", p50, "<", 15.0))
+    write_result(
+        "commit_to_projection_latency",
+        title="commit → projection latency under the make-dev loop with a tailing run",
+        facts=machine_facts(),
+        parameters={"probe_commits": commits, "background_events_per_s": rate, "slice_ranges": 8,
+                    "tail_seconds": tail, "projections_gap_s": 5, "automation": "on", "warmup_s": round(warmup, 1)},
+        columns=["projection", "probes folded", "p50 s", "p95 s", "of which commit → lake p50 s",
+                 "lake → projection p50 s", "not folded"],
+        rows=rows, figures=figures, goals=goals,
+        notes=["For each probe event (a new stream, one event, a second apart): its commit time; the `events` version "
+               "in which it became visible (delta-rs polled every 0.25 s); the first moment each projection's "
+               "Delta transaction version (the `events` version it has folded) reached that version. Measured "
+               "after the projections' first builds (Spark) and while the tailing run keeps them (its small "
+               "increments every 5 s at most, lake/small_increments.py). 'not folded' within 60 s of the last "
+               "probe is counted, never left out."],
+    )
+
+
 # The probe before the tail (one index probe per slice, 1024 per tick): the baseline, measured in the same run.
 PER_SLICE_PROBE = """
 WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
@@ -388,7 +496,7 @@ def append_cost() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.latency")
     parser.add_argument("--commits", type=int, default=60)
-    parser.add_argument("--only", choices=["latency", "sensor_tick", "append_cost"])
+    parser.add_argument("--only", choices=["latency", "projections", "sensor_tick", "append_cost"])
     args = parser.parse_args()
     if args.only in (None, "sensor_tick"):
         sensor_tick()
@@ -396,6 +504,8 @@ def main() -> int:
         append_cost()
     if args.only in (None, "latency"):
         latency(args.commits)
+    if args.only in (None, "projections"):
+        projections_latency(args.commits)
     return 0
 
 

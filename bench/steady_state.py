@@ -127,7 +127,7 @@ def _store_rows(dsn: str) -> int:
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily")
 
 
-def _warm_up(instance: Any, warehouse: Path, limit: float = 300.0) -> float:
+def warm_up(instance: Any, warehouse: Path, limit: float = 300.0) -> float:
     """Until the projections' first builds (Spark, on a cold Connect server: a minute or two) are done and
     no projections run is in progress: that start is not the steady state. Seconds waited (30 at least)."""
     started = time.monotonic()
@@ -159,7 +159,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
             instance = dg.DagsterInstance.get()
             stop, thread = _writers(dsn, rate)
-            warmup = _warm_up(instance, stack.warehouse)
+            warmup = warm_up(instance, stack.warehouse)
             before = len(instance.get_run_records())
             processes = _processes()
             cores = _busy_cores(seconds, time.sleep)
