@@ -38,6 +38,13 @@ def build_new_events_sensor(
     def new_events_sensor(
         context: dg.SensorEvaluationContext, event_store: EventStoreResource
     ) -> dg.SensorResult | dg.SkipReason:
+        # First, and without a connection to the store: a tailing run takes the new commits itself (and checks
+        # the store's identity every pass), so the tick has nothing to ask the store.
+        if tail_seconds > 0 and context.instance.get_runs(
+            filters=dg.RunsFilter(job_name=job.name, statuses=[*WAITING, *IN_PROGRESS],
+                                  tags={TAIL_TAG: str(tail_seconds)}), limit=1
+        ):
+            return dg.SkipReason("a tailing run is on its way or in progress: it takes every range's new commits itself")
         try:
             with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
                 consumer = events_consumer(event_store.schema_name)
@@ -53,11 +60,6 @@ def build_new_events_sensor(
                 filters=dg.RunsFilter(job_name=job.name, statuses=WAITING), limit=len(ranges) * 4
             )
         }
-        if tail_seconds > 0 and context.instance.get_runs(
-            filters=dg.RunsFilter(job_name=job.name, statuses=[*WAITING, *IN_PROGRESS],
-                                  tags={TAIL_TAG: str(tail_seconds)}), limit=1
-        ):
-            return dg.SkipReason("a tailing run is on its way or in progress: it takes every range's new commits itself")
         decision = decide(ranges, found, parse_cursor(context.cursor), queued)
         cursor = format_cursor(decision.cursor)
         if not decision.requests:
