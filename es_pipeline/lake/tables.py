@@ -155,7 +155,8 @@ def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
     )
 
 
-CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileNotFoundException")
+# Spark's words for a vacuumed file, then delta-rs's (object_store's NotFound, local or S3).
+CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileNotFoundException", "Object at location")
 
 
 def session_of(spark: Any) -> Any:
