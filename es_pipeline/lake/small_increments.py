@@ -51,10 +51,8 @@ def new_rows(events_path: str, after: int, upto: int, columns: list[str]) -> pa.
             if rows > SMALL_INCREMENT:
                 return None
             batches.append(batch)
-    except OSError:
-        return None
-    except Exception as exc:  # noqa: BLE001 - delta-rs's errors for a missing file; anything else re-raises
-        if "not found" in str(exc).lower() or "no such file" in str(exc).lower():
+    except Exception as exc:  # noqa: BLE001 - a vacuumed file goes to Spark's rebuild; anything else re-raises
+        if tables.change_feed_gone(exc):
             return None
         raise
     table = _plain(pa.Table.from_batches(batches, schema=feed.schema))
@@ -134,20 +132,20 @@ def update_stream_state(warehouse: tables.Location, skip_unknown: bool, turn: Tu
     now = DeltaTable(events_path).version()
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
+    if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
+        return st.StateResult(now, prev, 0, 0, (), 0, 0) if st._txn_version(now, REGISTRY) == int(read) else None
+    new = new_rows(events_path, prev, now, _FOLD_COLUMNS)
+    if new is None:
+        return None
+    # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
+    whole = _files(state_path, state).to_table()
     revisions = current_revisions()
-    kinds = _files(state_path, state).to_table(columns=["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
+    kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
     if any(t in revisions and revisions[t] != r for t, r in zip(kinds["stream_type"].to_pylist(),
                                                                  kinds["revision"].to_pylist(), strict=True)):
         return None  # a reducer revision bump: Spark rebuilds those types
-    if prev >= now and st._txn_version(now, REGISTRY) == int(read):
-        return st.StateResult(now, prev, 0, 0, (), 0, 0)
-    new = new_rows(events_path, prev, now, _FOLD_COLUMNS) if prev < now else None
-    if new is None:
-        return None
-    touched = pc.unique(new["stream_id"])
-    # Read whole and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
-    whole = _files(state_path, state).to_table()
-    prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], touched), pc.is_valid(whole["parked"])))
+    prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
+                                pc.is_valid(whole["parked"])))
     rows = _fold_input(new, prior)
     out = pa.Table.from_batches(list(st._fold_partitions(dict(REGISTRY), skip_unknown)(rows.to_batches())),
                                 schema=st._fold_out_arrow_schema())
