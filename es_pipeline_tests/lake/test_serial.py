@@ -12,7 +12,7 @@ from deltalake import write_deltalake
 
 from es_pipeline.errors import UpdateOverlapped
 from es_pipeline.lake.arrow_append import append_batches
-from es_pipeline.lake.serial import one_at_a_time
+from es_pipeline.lake.serial import one_at_a_time, turn_if_free
 
 SCHEMA = pa.schema([("k", pa.string()), ("n", pa.int64())])
 
@@ -55,3 +55,12 @@ def test_without_a_store_the_table_is_still_checked(tmp_path: Path) -> None:
         _commit(path, "es_pipeline.counts", 5)
         with pytest.raises(UpdateOverlapped):
             turn.confirm(path, "es_pipeline.counts", None)
+
+
+def test_a_turn_taken_only_if_free_is_none_while_another_update_holds_it(dsn: str) -> None:
+    """What a tailing run uses for the projections: it never waits behind an automation's update."""
+    with one_at_a_time(dsn, "stream_state"):
+        with turn_if_free(dsn, "stream_state") as busy, turn_if_free(dsn, "stream_catalog") as free:
+            assert busy is None and free is not None
+    with turn_if_free(dsn, "stream_state") as turn:
+        assert turn is not None
