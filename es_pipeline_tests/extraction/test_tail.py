@@ -13,7 +13,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import SliceLocked
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.extraction.tail import MIN_PASS_GAP, tail
+from es_pipeline.extraction.tail import PASS_GAP, tail
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import source_events
 from es_pipeline_tests.support.roles import StoreDsn
@@ -31,20 +31,20 @@ def test_a_commit_wakes_the_tailing_run_and_every_event_lands_once(dsn: StoreDsn
         seen.append((time.monotonic(), result.rows))
 
     tailing = threading.Thread(target=lambda: seen.append(
-        (0.0, tail(extractor, everything, run_id="tail-test", seconds=12, on_pass=on_pass, poll_seconds=5).passes)))
+        (0.0, tail(extractor, everything, run_id="tail-test", seconds=18, on_pass=on_pass, poll_seconds=5).passes)))
     tailing.start()
     time.sleep(1.0)
     committed = []
     for _ in range(3):
         run_workload(store, streams=10, events=10, writers=1, rollback_rate=0, max_commit_delay=0)
         committed.append(time.monotonic())
-        time.sleep(MIN_PASS_GAP + 1.5)
+        time.sleep(PASS_GAP + 1.5)
     tailing.join(30)
     passes = [(t, n) for t, n in seen if t > 0]
     assert sum(n for _, n in passes) == 30 and len(passes) >= 2
     # Woken by the commits' NOTIFY, not by the 5 s poll: each batch of writes is in the lake within the
-    # gap a pass waits to gather commits (MIN_PASS_GAP) and the pass itself.
-    assert all(any(0 <= t - c < MIN_PASS_GAP + 1.0 for t, _ in passes) for c in committed), (committed, passes)
+    # gap between two passes' starts (PASS_GAP) and the pass itself.
+    assert all(any(0 <= t - c < PASS_GAP + 1.0 for t, _ in passes) for c in committed), (committed, passes)
     lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
     keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
     assert len(keys) == len(set(keys)) == len(source_events(dsn)) == 60
