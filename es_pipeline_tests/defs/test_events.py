@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, wareho
     assert not warehouse.joinpath("events").exists()
 
 
-def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_none_while_it_runs(
+def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_the_next_as_it_ends(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
     defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60))
@@ -112,14 +113,24 @@ def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_none_whil
         instance.add_run(dg.DagsterRun(job_name="events_job", run_id="tailing", tags=request.tags,
                                        status=dg.DagsterRunStatus.STARTED))
         again = sensor(dg.build_sensor_context(instance=instance, resources=resources))
-        assert isinstance(again, dg.SkipReason) and "tailing run" in (again.skip_message or "")
+        assert isinstance(again, dg.SkipReason) and "tailing run is in progress" in (again.skip_message or "")
+        # 5 s of its 60 left: the next run is requested now; it waits in the queue until this one ends.
+        started = dg.DagsterEvent(event_type_value=dg.DagsterEventType.RUN_START.value, job_name="events_job")
+        instance.run_storage.handle_run_event("tailing", started, datetime.now(UTC) - timedelta(seconds=55))
+        handoff = sensor(dg.build_sensor_context(instance=instance, resources=resources))
+        assert isinstance(handoff, dg.SensorResult) and len(handoff.run_requests or []) == 1
+        instance.add_run(dg.DagsterRun(job_name="events_job", run_id="next", tags=request.tags,
+                                       status=dg.DagsterRunStatus.NOT_STARTED))
+        queued = sensor(dg.build_sensor_context(instance=instance, resources=resources))
+        assert isinstance(queued, dg.SkipReason) and "queued" in (queued.skip_message or "")
 
 
-def test_a_tailing_run_reports_each_pass_per_partition_with_its_own_rows(
+def test_a_tailing_run_reports_its_passes_per_partition_with_their_own_rows(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
-    """A run over both ranges (as the sensor requests it), tailing 6 s: its first pass and a pass after a
-    later commit are materializations of the partitions they brought events to, each with its own rows."""
+    """A run over both ranges (as the sensor requests it), tailing 6 s: its first pass is reported at once, a
+    pass after a later commit at the end (within ES_PIPELINE_REPORT_SECONDS of the first), each a materialization of the
+    partitions it brought events to, with their own rows."""
     store = EventStore(dsn.writer)
     run_workload(store, streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     defs = _defs(settings, spark)
@@ -133,8 +144,8 @@ def test_a_tailing_run_reports_each_pass_per_partition_with_its_own_rows(
         later.join()
         assert res.success
         passes = [e.step_materialization_data.materialization for e in res.all_events
-                  if e.is_step_materialization and "pass" in e.step_materialization_data.materialization.metadata]
-    rows = {(m.metadata["pass"].value, m.partition): m.metadata["rows"].value for m in passes}
+                  if e.is_step_materialization and "last_pass" in e.step_materialization_data.materialization.metadata]
+    rows = {(m.metadata["last_pass"].value, m.partition): m.metadata["rows"].value for m in passes}
     by_pass = {p: sum(n for (q, _), n in rows.items() if q == p) for p, _ in rows}
     assert by_pass == {1: 100, 2: 40}, rows
     assert {part for _, part in rows} == {"0000-0511", "0512-1023"}

@@ -1,5 +1,7 @@
 """`new_events_sensor`: a run per slice range with new committed events."""
 
+import time
+
 import dagster as dg
 import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
@@ -32,19 +34,19 @@ def build_new_events_sensor(
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
             "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5). With "
             "ES_PIPELINE_TAIL_SECONDS > 0 it requests instead one run over every range, which tails them for that "
-            "long (woken by NOTIFY es_events), and none while that run is on its way or in progress."
+            "long (woken by NOTIFY es_events); none while that run is queued or far from its end, and the next "
+            "one as it nears its end (queued behind it, it starts as soon as that one ends)."
         ),
     )
     def new_events_sensor(
         context: dg.SensorEvaluationContext, event_store: EventStoreResource
     ) -> dg.SensorResult | dg.SkipReason:
         # First, and without a connection to the store: a tailing run takes the new commits itself (and checks
-        # the store's identity every pass), so the tick has nothing to ask the store.
-        if tail_seconds > 0 and context.instance.get_runs(
-            filters=dg.RunsFilter(job_name=job.name, statuses=[*WAITING, *IN_PROGRESS],
-                                  tags={TAIL_TAG: str(tail_seconds)}), limit=1
-        ):
-            return dg.SkipReason("a tailing run is on its way or in progress: it takes every range's new commits itself")
+        # the store's identity every pass), so the tick has nothing to ask the store until that run nears its end.
+        if tail_seconds > 0:
+            busy = _tailing_busy(context.instance, job.name, tail_seconds, handoff=2 * interval_seconds + 5)
+            if busy:
+                return dg.SkipReason(busy)
         try:
             with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
                 consumer = events_consumer(event_store.schema_name)
@@ -76,6 +78,22 @@ def build_new_events_sensor(
         )
 
     return new_events_sensor
+
+
+def _tailing_busy(instance: dg.DagsterInstance, job_name: str, tail_seconds: int, *, handoff: float) -> str | None:
+    """Why this tick requests no tailing run, or None when it may: none is queued, and the one in progress (if
+    any) ends within `handoff` seconds. The next one is requested then, waits in the queue (one run per range
+    at a time) and starts as soon as this one ends: no gap of a sensor interval between two runs."""
+    records = instance.get_run_records(filters=dg.RunsFilter(
+        job_name=job_name, statuses=[*WAITING, *IN_PROGRESS], tags={TAIL_TAG: str(tail_seconds)}), limit=4)
+    if any(r.dagster_run.status in WAITING for r in records):
+        return "the next tailing run is queued: it starts when the one in progress ends"
+    for r in records:
+        ends = (r.start_time or time.time()) + tail_seconds
+        if ends - time.time() > handoff:
+            return (f"a tailing run is in progress and takes every range's new commits itself "
+                    f"(for {ends - time.time():.0f} s more)")
+    return None
 
 
 def tailing_request(ranges: list[SliceRange], horizon: int, tail_seconds: int) -> dg.RunRequest:
