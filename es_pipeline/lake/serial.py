@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import psycopg
@@ -58,26 +58,34 @@ def one_at_a_time(store_dsn: str | None, table: str) -> Iterator[Turn]:
 
 
 @contextmanager
-def turn_if_free(store_dsn: str, table: str) -> Iterator[Turn | None]:
-    """The turn at `table` if no other update holds it now, else None (for work that must not wait)."""
-    with _turn(store_dsn, table, wait=False) as turn:
+def turn_if_free(store: str | psycopg.Connection, table: str) -> Iterator[Turn | None]:
+    """The turn at `table` if no other update holds it now, else None (for work that must not wait).
+
+    `store`: the store's DSN (a connection for this turn alone), or a `lock_transaction` connection the
+    caller keeps for turn after turn (a tailing run's); the turn ends its transaction either way."""
+    with _turn(store, table, wait=False) as turn:
         yield turn
 
 
 @contextmanager
-def _turn(store_dsn: str | None, table: str, *, wait: bool) -> Iterator[Turn | None]:
-    if store_dsn is None:
+def _turn(store: str | psycopg.Connection | None, table: str, *, wait: bool) -> Iterator[Turn | None]:
+    if store is None:
         yield Turn(table)
         return
     key = zlib.crc32(table.encode()) & 0x7FFFFFFF
-    with lock_transaction(store_dsn, application_name=f"es_pipeline update {table}"[:63]) as conn:
-        if wait:
-            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, key))
-        else:
-            row = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (_NAMESPACE, key)).fetchone()
-            if row != (True,):
-                yield None
-                return
-        yield Turn(table, conn, key)
-        if not conn.closed:  # a connection that ended took its lock with it
-            conn.rollback()  # releases the lock
+    opened: AbstractContextManager[psycopg.Connection] = (
+        nullcontext(store) if isinstance(store, psycopg.Connection)
+        else lock_transaction(store, application_name=f"es_pipeline update {table}"[:63]))
+    with opened as conn:
+        try:
+            if wait:
+                conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_NAMESPACE, key))
+            else:
+                row = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (_NAMESPACE, key)).fetchone()
+                if row != (True,):
+                    yield None
+                    return
+            yield Turn(table, conn, key)
+        finally:
+            if not conn.closed:  # a connection that ended took its lock with it
+                conn.rollback()  # releases the lock

@@ -20,6 +20,7 @@ import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -59,6 +60,30 @@ def new_rows(events_path: str, after: int, upto: int, columns: list[str]) -> pa.
     return table.filter(pc.equal(table["_change_type"], "insert")).select(columns)
 
 
+class Feed:
+    """`events`' change feed up to its version now, read once for several increments (a tailing run folds
+    the three projections one after another, usually from the same version): each asks for the rows after
+    its own version, in its own columns."""
+
+    def __init__(self, events_path: str, columns: list[str]) -> None:
+        self.path, self.columns = events_path, list(dict.fromkeys(columns))
+        self.version = DeltaTable(events_path).version()
+        self._after: int | None = None
+        self._rows: pa.Table | None = None
+
+    def rows(self, after: int, columns: list[str]) -> pa.Table | None:
+        """The rows the commits after..version added (None: more than `SMALL_INCREMENT`, or vacuumed)."""
+        if self._after is None or after < self._after:
+            self._after = after
+            self._rows = new_rows(self.path, after, self.version, [*self.columns, "_commit_version"])
+        if self._rows is None:
+            return None
+        rows = self._rows
+        if after > self._after:
+            rows = rows.filter(pc.greater(rows["_commit_version"], after))
+        return rows.select(columns)
+
+
 def _plain(table: pa.Table) -> pa.Table:
     """delta-rs reads strings as `string_view`, which pyarrow's kernels do not all take: plain strings."""
     return table.cast(_plain_schema(table.schema))
@@ -85,8 +110,11 @@ def _commit_properties(app_id: str, version: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(app_id, version)])
 
 
-def update_projection(projection: _Projection, warehouse: tables.Location, turn: Turn) -> ProjectionResult | None:
-    """An additive projection's increment, aggregated by pyarrow and merged by delta-rs; None: not here."""
+def update_projection(
+    projection: _Projection, warehouse: tables.Location, turn: Turn, feed: Feed | None = None
+) -> ProjectionResult | None:
+    """An additive projection's increment, aggregated by pyarrow and merged by delta-rs; None: not here.
+    `feed`: `events`' change feed shared with other increments (else read here)."""
     from es_pipeline.lake.projections import ProjectionResult
 
     events_path = tables.table_path(warehouse, "events")
@@ -97,10 +125,11 @@ def update_projection(projection: _Projection, warehouse: tables.Location, turn:
     prev = target.transaction_version(projection.app_id)
     if prev is None:
         return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
-    now = DeltaTable(events_path).version()
+    now = feed.version if feed is not None else DeltaTable(events_path).version()
     if prev >= now:
         return ProjectionResult(_row_count(target), now, int(prev), 0, 0)
-    rows = new_rows(events_path, int(prev), now, list(projection.columns))
+    rows = (feed.rows(int(prev), list(projection.columns)) if feed is not None
+            else new_rows(events_path, int(prev), now, list(projection.columns)))
     if rows is None:
         return None
     agg = projection.aggregate_arrow(rows)
@@ -116,8 +145,11 @@ def update_projection(projection: _Projection, warehouse: tables.Location, turn:
     return ProjectionResult(_row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
 
-def update_stream_state(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> StateResult | None:
-    """`stream_state`'s increment folded here and merged by delta-rs; None: not here (see the module)."""
+def update_stream_state(
+    warehouse: tables.Location, skip_unknown: bool, turn: Turn, feed: Feed | None = None
+) -> StateResult | None:
+    """`stream_state`'s increment folded here and merged by delta-rs; None: not here (see the module).
+    `feed`: `events`' change feed shared with other increments (else read here)."""
     from es_pipeline.lake import stream_state as st
 
     events_path = tables.table_path(warehouse, "events")
@@ -129,12 +161,12 @@ def update_stream_state(warehouse: tables.Location, skip_unknown: bool, turn: Tu
     if read is None:
         return None
     prev = int(read) // st._REVISION_SLOTS
-    now = DeltaTable(events_path).version()
+    now = feed.version if feed is not None else DeltaTable(events_path).version()
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
         return st.StateResult(now, prev, 0, 0, (), 0, 0) if st._txn_version(now, REGISTRY) == int(read) else None
-    new = new_rows(events_path, prev, now, _FOLD_COLUMNS)
+    new = feed.rows(prev, _FOLD_COLUMNS) if feed is not None else new_rows(events_path, prev, now, _FOLD_COLUMNS)
     if new is None:
         return None
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
@@ -197,20 +229,25 @@ def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     return rows.sort_by([("stream_id", "ascending"), ("is_prior", "descending"), ("version", "ascending")])
 
 
-def follow(warehouse: tables.Location, store_dsn: str) -> dict[str, ProjectionResult | StateResult]:
+def follow(warehouse: tables.Location, store: str | psycopg.Connection) -> dict[str, ProjectionResult | StateResult]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
-    this way). A projection whose turn another update holds, or that needs Spark, is left out: its
-    automation's run does it."""
+    this way), from one read of `events`' change feed. A projection whose turn another update holds, or
+    that needs Spark, is left out: its automation's run does it. `store`: the store's DSN, or a
+    `lock_transaction` connection kept for the turns."""
     from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 
+    events_path = tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(events_path):
+        return {}
+    feed = Feed(events_path, [*_FOLD_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
     done: dict[str, ProjectionResult | StateResult] = {}
-    with turn_if_free(store_dsn, "stream_state") as turn:
-        state = update_stream_state(warehouse, False, turn) if turn is not None else None
+    with turn_if_free(store, "stream_state") as turn:
+        state = update_stream_state(warehouse, False, turn, feed) if turn is not None else None
         if state is not None:
             done["stream_state"] = state
     for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
-        with turn_if_free(store_dsn, projection.name) as turn:
-            result = update_projection(projection, warehouse, turn) if turn is not None else None
+        with turn_if_free(store, projection.name) as turn:
+            result = update_projection(projection, warehouse, turn, feed) if turn is not None else None
             if result is not None:
                 done[projection.name] = result
     return done

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from deltalake import DeltaTable
 
@@ -13,6 +14,7 @@ from es_pipeline.lake import small_increments
 from es_pipeline.lake.maintenance import compact_with_delta_rs
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.store.conninfo import lock_transaction
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_projections import (
     _same_instants,
@@ -87,3 +89,42 @@ def test_an_increment_over_the_small_limit_goes_to_spark(
     assert state.events_folded == catalog.events_read == daily.events_read == 50
     assert all(_newest_commit_engine(warehouse / t).startswith("Apache-Spark") for t in PROJECTIONS)
     assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == full_replay(dsn)
+
+
+def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different_versions(
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tailing run's `follow`: the three turns on one connection it keeps, `events`' change feed read once
+    when the tables stand at one version, and again from further back when one stands behind; every table
+    equals the store, and the connection holds no lock or transaction afterwards."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=20, events=120, writers=2, rollback_rate=0, max_commit_delay=0, seed=5)
+    extract_all(dsn.extractor, None, warehouse)
+    _update_all(spark, warehouse, dsn)
+    reads: list[int] = []
+    real = small_increments.new_rows
+
+    def counted(path: str, after: int, upto: int, columns: list[str]) -> Any:
+        reads.append(after)
+        return real(path, after, upto, columns)
+
+    monkeypatch.setattr(small_increments, "new_rows", counted)
+    with lock_transaction(dsn.extractor, application_name="test follow") as conn:
+        for seed, behind in ((6, False), (7, True)):
+            run_workload(store, streams=20, events=60, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
+            extract_all(dsn.extractor, None, warehouse)
+            if behind:  # stream_state alone moves on: the others now stand a version behind it
+                update_stream_state(_no_spark, warehouse, store_dsn=dsn.extractor)
+                run_workload(store, streams=20, events=30, writers=1, rollback_rate=0, max_commit_delay=0, seed=8)
+                extract_all(dsn.extractor, None, warehouse)
+            reads.clear()
+            done = small_increments.follow(warehouse, conn)
+            assert set(done) == set(PROJECTIONS)
+            assert len(reads) == (2 if behind else 1), reads
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                                "AND pid = pg_backend_pid()").fetchone() == (0,)
+            conn.rollback()
+    assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == full_replay(dsn)
+    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    assert lake_daily(spark, warehouse) == source_daily(dsn)
