@@ -82,7 +82,7 @@ def _phase(commits: int, *, tail: int, rate: float) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(dir=WORK_ROOT if WORK_ROOT.exists() else None) as tmp, \
                 dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5,
-                              extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
+                              extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail), "ES_PIPELINE_REPORT_SECONDS": "0"}) as stack:
             os.environ["DAGSTER_HOME"], os.environ["DAGSTER_PG_URL"] = stack.env["DAGSTER_HOME"], stack.env["DAGSTER_PG_URL"]
             instance = dg.DagsterInstance.get()
             seen: dict[tuple[str, int], float] = {}
@@ -241,10 +241,12 @@ def latency(commits: int) -> None:
         notes=["Pieces per probe event, along the pass that extracted it (the first materialization of its range "
                "whose horizon passed its tx id): sensor_wait = its run created − commit; queue = run STARTING "
                "(dequeued and launched) − created; launch = run START (its process has loaded the code) − "
-               "STARTING; pass_wait = the pass's start − START (a tailing run waiting for the NOTIFY, the 1.5 s "
-               "that gathers commits, the probe); spark = getting a Spark session (0: none by default); "
+               "STARTING; pass_wait = the pass's start − START (a tailing run waiting for the NOTIFY, the 1 s "
+               "that gathers commits or the rest of the 3 s since the last pass began, the probe); spark = getting a Spark session (0: none by default); "
                "read/write = the pass; other = the rest (horizon, offsets, Dagster logging, the lake poller's "
-               "0.25 s). Each piece is clipped at the commit, so a run that started before it counts from it.",
+               "0.25 s). Each piece is clipped at the commit, so a run that started before it counts from it. "
+               "The runs report every pass here (ES_PIPELINE_REPORT_SECONDS=0; 30 s by default), so that each "
+               "probe event can be attributed to its pass.",
                "Background load: demo writers (10 % rollbacks; two writers, commits held up to 0.1 s; at 1,000 "
                "events/s eight writers, up to 20 events a transaction, commits held up to 0.02 s). Probe events not visible in the lake within 180 s "
                "of the last commit are counted in 'not seen', never left out silently."],

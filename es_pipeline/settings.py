@@ -38,6 +38,8 @@ DEFAULT_BATCH_EVENTS = 500_000
 DEFAULT_BATCH_BYTES = 512 << 20
 # How long a sensor-started `events` run tails the store (extraction/tail.py); 0: one pass per run.
 DEFAULT_TAIL_SECONDS = 300
+# How often, at most, a tailing run reports its passes to Dagster as materializations (0: every pass).
+DEFAULT_REPORT_SECONDS = 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -80,6 +82,8 @@ class Settings:
     jdbc_min_rows: int | None = None
     # A sensor-started `events` run stays this long, extracting its range as commits arrive (0: one pass).
     tail_seconds: int = DEFAULT_TAIL_SECONDS
+    # A tailing run reports its passes to Dagster at most this often, gathered (0: each pass on its own).
+    report_seconds: int = DEFAULT_REPORT_SECONDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -107,6 +111,8 @@ class Settings:
             snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
             tail_seconds=_int(env, "ES_PIPELINE_TAIL_SECONDS", DEFAULT_TAIL_SECONDS, 0, 86_400,
                               "a whole number of seconds between 0 (one pass per run) and 86400"),
+            report_seconds=_int(env, "ES_PIPELINE_REPORT_SECONDS", DEFAULT_REPORT_SECONDS, 0, 3_600,
+                                "a whole number of seconds between 0 (every pass) and 3600"),
             jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),

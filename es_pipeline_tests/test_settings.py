@@ -40,6 +40,7 @@ def test_a_bad_value_names_the_setting_and_what_it_accepts(name: str, value: str
         ("ES_PIPELINE_BATCH_BYTES", "512", "at least 1MB"),
         ("ES_PIPELINE_JDBC_MIN_ROWS", "-1", "0: never read over JDBC"),
         ("ES_PIPELINE_TAIL_SECONDS", "forever", "0 (one pass per run)"),
+        ("ES_PIPELINE_REPORT_SECONDS", "7200", "0 (every pass)"),
     ],
 )
 def test_every_setting_is_validated_when_read(name: str, value: str, expected: str) -> None:
@@ -55,6 +56,7 @@ def test_settings_read_the_values_given() -> None:
     assert ":6543/" in s.pg_dsn  # the default store is the local server, on its port
     assert (s.jdbc_min_rows, Settings.from_env({"ES_PIPELINE_JDBC_MIN_ROWS": "0"}).jdbc_min_rows) == (None, 0)
     assert (s.tail_seconds, Settings.from_env({"ES_PIPELINE_TAIL_SECONDS": "0"}).tail_seconds) == (300, 0)
+    assert (s.report_seconds, Settings.from_env({"ES_PIPELINE_REPORT_SECONDS": "0"}).report_seconds) == (30, 0)
 
 
 @pytest.mark.parametrize(

@@ -159,14 +159,14 @@ def _wait_for(probe: Any, seconds: float, what: str) -> Any:
 
 
 @pytest.mark.timeout(600)
-def test_tailing_runs_report_each_pass_and_a_run_killed_mid_batch_loses_and_repeats_nothing(
+def test_tailing_runs_report_their_passes_and_a_run_killed_mid_batch_loses_and_repeats_nothing(
     pg_server: str, dsn: StoreDsn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ES_PIPELINE_TAIL_SECONDS: the sensor starts one run over every range, which stays, extracting as commits
-    arrive, each pass a materialization of the partitions it brought events to. One is killed between its
+    arrive, its passes materializations of the partitions they brought events to. One is killed between its
     Delta commit and its offsets (held there by a lock on the offsets); the next run replays that batch, and
     the lake equals the store."""
-    tail = 120  # the run chosen (third pass within 50 s of its start) has passes left while the lock is held
+    tail = 120  # the run chosen (3 passes reported within 70 s of its start) has passes left while the lock is held
     with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path, slice_ranges=2, sensor_interval=1,
                        connect=False, extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
@@ -179,13 +179,13 @@ def test_tailing_runs_report_each_pass_and_a_run_killed_mid_batch_loses_and_repe
         try:
             def passes_of(run_id: str) -> int:
                 logs = instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
-                return len({e.asset_materialization.metadata["pass"].value for e in logs
-                            if e.asset_materialization and "pass" in e.asset_materialization.metadata})
+                return max((e.asset_materialization.metadata["last_pass"].value for e in logs
+                            if e.asset_materialization and "last_pass" in e.asset_materialization.metadata), default=0)
 
             def young_with_three_passes() -> list[Any]:
                 started = instance.get_run_records(dg.RunsFilter(job_name="events_job",
                                                                  statuses=[dg.DagsterRunStatus.STARTED]))
-                return [r.dagster_run for r in started if r.start_time and time.time() - r.start_time < 50
+                return [r.dagster_run for r in started if r.start_time and time.time() - r.start_time < 70
                         and passes_of(r.dagster_run.run_id) >= 3]
 
             tailing = _wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left")[0]

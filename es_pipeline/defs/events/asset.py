@@ -5,6 +5,7 @@ from dataclasses import replace
 from typing import Any
 
 import dagster as dg
+import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from es_pipeline.defs.projections.assets import projection_metadata, state_metadata
@@ -18,6 +19,7 @@ from es_pipeline.lake import small_increments
 from es_pipeline.lake.stream_state import StateResult
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
+from es_pipeline.store.conninfo import lock_transaction
 
 RANGE_TAG = "es_pipeline/slice_range"
 # On a run the sensor starts when ES_PIPELINE_TAIL_SECONDS > 0: how long the run tails its range. A hand
@@ -59,6 +61,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
             with extractor.session(slice_range, context.run.run_id) as session:
                 if tail_seconds > 0:
                     return _tail(context, extractor, slice_range, session, tail_seconds, keys,
+                                 report_seconds=settings.report_seconds,
                                  follow=here.pg_dsn if settings.automation else None)
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
@@ -79,58 +82,116 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
 
 def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
-    tail_seconds: float, keys: list[str], *, follow: str | None,
+    tail_seconds: float, keys: list[str], *, report_seconds: float, follow: str | None,
 ) -> dg.MaterializeResult:
-    """Passes over `slice_range` for `tail_seconds`, each that moved events reported as a materialization of
-    every partition it brought events to (their own row counts, the pass's figures); the run's own
-    materialization of its partitions then sums the run up, without a row count of its own.
+    """Passes over `slice_range` for `tail_seconds`, reported as materializations of the partitions they
+    brought events to (`_Reports`: at most every `report_seconds`, each with the rows of the passes since the
+    last); the run's own materialization of its partitions then sums the run up, without a row count of
+    its own.
 
     With `follow` (the store's DSN, where the projections' automation is on), the projections' small
     increments are folded in too, at most every `PROJECTIONS_GAP` seconds, each a materialization of that
     projection; what needs Spark, or fails, is left to the automation's runs."""
-    passes = [0]
+    reports = _Reports(context, keys, report_seconds)
     projections = _Projections(context, extractor.warehouse, follow)
 
-    def report(result: ExtractResult) -> None:
-        passes[0] += 1
-        for key, rows in _rows_per_partition(result, keys).items():
-            context.log_event(dg.AssetMaterialization(asset_key=context.asset_key, partition=key, metadata={
-                **result.metadata(), "dagster/row_count": rows, "rows": rows, "pass": passes[0]}))
+    def on_pass(result: ExtractResult) -> None:
+        reports.add(result)
         projections.maybe_update()
 
-    first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
-    if first.rows:
-        report(first)
-    tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=report,
-                  session=session)
-    projections.maybe_update(force=True)
+    with projections:
+        first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
+        if first.rows:
+            on_pass(first)
+        tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=on_pass,
+                      session=session)
+        reports.flush()
+        projections.maybe_update(force=True)
     last = tailed.last or first
     context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
-                     f"{passes[0]} passes after {tailed.probes} probes")
+                     f"{reports.passes} passes after {tailed.probes} probes")
     return dg.MaterializeResult(metadata={
-        "run_events": first.rows + tailed.rows, "passes": passes[0], "probes": tailed.probes,
+        "run_events": first.rows + tailed.rows, "passes": reports.passes, "probes": tailed.probes,
         "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
         "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3),
     })
 
 
-PROJECTIONS_GAP = 5.0  # seconds between two updates of the projections by a tailing run, at least
+_SUMMED = ("batches", "replayed_batches", "read_seconds", "write_seconds", "total_seconds")
+
+
+class _Reports:
+    """A tailing run's passes as materializations of the partitions they brought events to.
+
+    The first pass is reported at once; later ones are gathered and reported together at most every `gap`
+    seconds (ES_PIPELINE_REPORT_SECONDS), and at the end: one materialization per partition per report, its `rows` the
+    partition's rows since the last report, `passes` how many passes that covers, `last_pass` the number of
+    the newest. A pass every few seconds reported on its own cost the run, the Dagster daemon and the
+    store's database more CPU than extracting it (eight partitions, eight events in Dagster's log a pass);
+    the lake itself is no less fresh for it."""
+
+    def __init__(self, context: dg.AssetExecutionContext, keys: list[str], gap: float) -> None:
+        self.context, self.keys, self.gap = context, keys, gap
+        self.passes = 0
+        self.rows: dict[str, int] = {}
+        self.gathered = 0
+        self.newest: ExtractResult | None = None
+        self.sums: dict[str, float] = {}
+        self.last = -float("inf")
+
+    def add(self, result: ExtractResult) -> None:
+        self.passes += 1
+        self.gathered += 1
+        self.newest = result
+        for name in _SUMMED:
+            self.sums[name] = self.sums.get(name, 0) + getattr(result, name)
+        for key, rows in _rows_per_partition(result, self.keys).items():
+            self.rows[key] = self.rows.get(key, 0) + rows
+        if time.monotonic() - self.last >= self.gap:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.newest is not None and self.rows:
+            # The newest pass's horizon, watermarks and lag; the work (batches, seconds) of all gathered passes.
+            common = {**self.newest.metadata(), **{name: round(v, 3) if isinstance(v, float) else v
+                                                   for name, v in self.sums.items()},
+                      "passes": self.gathered, "last_pass": self.passes}
+            for key, rows in self.rows.items():
+                self.context.log_event(dg.AssetMaterialization(
+                    asset_key=self.context.asset_key, partition=key,
+                    metadata={**common, "dagster/row_count": rows, "rows": rows}))
+        self.rows, self.gathered, self.newest, self.sums = {}, 0, None, {}
+        self.last = time.monotonic()
+
+
+PROJECTIONS_GAP = 10.0  # seconds between two updates of the projections by a tailing run, at least
 
 
 class _Projections:
-    """The projections a tailing run keeps fresh (lake/small_increments.py `follow`)."""
+    """The projections a tailing run keeps fresh (lake/small_increments.py `follow`), their turns taken on
+    one connection to the store kept for the run."""
 
     def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None) -> None:
         self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
         self.last = 0.0
         self.failed = False
+        self.conn: psycopg.Connection | None = None
+
+    def __enter__(self) -> "_Projections":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
     def maybe_update(self, *, force: bool = False) -> None:
         if self.store_dsn is None or self.failed or (not force and time.monotonic() - self.last < PROJECTIONS_GAP):
             return
         self.last = time.monotonic()
         try:
-            done = small_increments.follow(self.warehouse, self.store_dsn)
+            if self.conn is None or self.conn.closed:
+                self.conn = lock_transaction(self.store_dsn, application_name="es_pipeline tail projections")
+            done = small_increments.follow(self.warehouse, self.conn)
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
             self.failed = True
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
