@@ -1,4 +1,5 @@
-"""The whole stack as separate processes: a Dagster daemon over Postgres storage, a Spark Connect server.
+"""The whole stack as separate processes: a Dagster daemon over Postgres storage and its code server, a
+Spark Connect server.
 
 Used by the end-to-end test and the latency benchmark: everything runs as separate processes,
 as `make dev` runs them.
@@ -111,8 +112,21 @@ def dagster_stack(
                 stdout=open(logs / "connect.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
             ))
             wait_port(port, 120)
+        # One code server for the stack, as `dagster dev` starts it: a daemon given workspace.yaml itself
+        # would start its own and replace it every minute (a fresh interpreter importing the code each time).
+        code_port = free_port()
         procs.append(subprocess.Popen(
-            [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
+            [str(VENV_BIN / "dagster"), "code-server", "start", "-m", "es_pipeline.definitions", "-a", "defs",
+             "--location-name", "es_pipeline", "-h", "127.0.0.1", "-p", str(code_port), "--log-level", "warning"],
+            env=env, cwd=PROJECT_ROOT, stdout=open(logs / "code-server.log", "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))
+        workspace = tmp / "workspace.yaml"
+        workspace.write_text("load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
+                             f"      port: {code_port}\n      location_name: es_pipeline\n")
+        wait_port(code_port, 120)
+        procs.append(subprocess.Popen(
+            [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(workspace)],
             env=env, cwd=PROJECT_ROOT, stdout=open(logs / "daemon.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True,
         ))
