@@ -40,11 +40,11 @@ SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
 _FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
 
 
-def new_rows(events_path: str, after: int, upto: int, columns: list[str]) -> pa.Table | None:
+def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str]) -> pa.Table | None:
     """The rows that the `events` commits after..upto (inclusive) added, or None when they number more than
     `SMALL_INCREMENT` or cannot be read (their files vacuumed): then Spark takes the update."""
     try:
-        feed = pa.RecordBatchReader.from_stream(DeltaTable(events_path).load_cdf(
+        feed = pa.RecordBatchReader.from_stream(events.load_cdf(
             starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"]))
         batches, rows = [], 0
         for batch in feed:
@@ -63,11 +63,11 @@ def new_rows(events_path: str, after: int, upto: int, columns: list[str]) -> pa.
 class Feed:
     """`events`' change feed up to its version now, read once for several increments (a tailing run folds
     the three projections one after another, usually from the same version): each asks for the rows after
-    its own version, in its own columns."""
+    its own version, in its own columns. The table's log is loaded once."""
 
     def __init__(self, events_path: str, columns: list[str]) -> None:
-        self.path, self.columns = events_path, list(dict.fromkeys(columns))
-        self.version = DeltaTable(events_path).version()
+        self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
+        self.version = self.table.version()
         self._after: int | None = None
         self._rows: pa.Table | None = None
 
@@ -75,7 +75,7 @@ class Feed:
         """The rows the commits after..version added (None: more than `SMALL_INCREMENT`, or vacuumed)."""
         if self._after is None or after < self._after:
             self._after = after
-            self._rows = new_rows(self.path, after, self.version, [*self.columns, "_commit_version"])
+            self._rows = new_rows(self.table, after, self.version, [*self.columns, "_commit_version"])
         if self._rows is None:
             return None
         rows = self._rows
@@ -125,11 +125,11 @@ def update_projection(
     prev = target.transaction_version(projection.app_id)
     if prev is None:
         return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
-    now = feed.version if feed is not None else DeltaTable(events_path).version()
+    feed = feed or Feed(events_path, list(projection.columns))
+    now = feed.version
     if prev >= now:
         return ProjectionResult(_row_count(target), now, int(prev), 0, 0)
-    rows = (feed.rows(int(prev), list(projection.columns)) if feed is not None
-            else new_rows(events_path, int(prev), now, list(projection.columns)))
+    rows = feed.rows(int(prev), list(projection.columns))
     if rows is None:
         return None
     agg = projection.aggregate_arrow(rows)
@@ -161,12 +161,13 @@ def update_stream_state(
     if read is None:
         return None
     prev = int(read) // st._REVISION_SLOTS
-    now = feed.version if feed is not None else DeltaTable(events_path).version()
+    feed = feed or Feed(events_path, _FOLD_COLUMNS)
+    now = feed.version
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
         return st.StateResult(now, prev, 0, 0, (), 0, 0) if st._txn_version(now, REGISTRY) == int(read) else None
-    new = feed.rows(prev, _FOLD_COLUMNS) if feed is not None else new_rows(events_path, prev, now, _FOLD_COLUMNS)
+    new = feed.rows(prev, _FOLD_COLUMNS)
     if new is None:
         return None
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.

@@ -104,9 +104,9 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
     reads: list[int] = []
     real = small_increments.new_rows
 
-    def counted(path: str, after: int, upto: int, columns: list[str]) -> Any:
+    def counted(events: Any, after: int, upto: int, columns: list[str]) -> Any:
         reads.append(after)
-        return real(path, after, upto, columns)
+        return real(events, after, upto, columns)
 
     monkeypatch.setattr(small_increments, "new_rows", counted)
     with lock_transaction(dsn.extractor, application_name="test follow") as conn:
