@@ -4,7 +4,10 @@
 600, `--quick` 120), each on a fresh store, with the demo writers at `--rate` events/s:
 - writers alone (the baseline: their own CPU and the Postgres work of appending);
 - the make-dev loop with one pass per run (`ES_PIPELINE_TAIL_SECONDS=0`);
-- the same loop with tailing runs (`ES_PIPELINE_TAIL_SECONDS`, default 300).
+- the same loop with tailing runs (`ES_PIPELINE_TAIL_SECONDS`, default 300);
+then the tailing runs under 2,000 events/s for BENCH_KEEP_UP_SECONDS (default 240, `--quick` 120): how
+far the lake stays behind the store (sampled every 5 s), and how soon it holds every event once the
+writers stop.
 The loop is a real Dagster daemon on Postgres storage (8 ranges, sensor every 5 s, the warm run launcher,
 automation on, a Spark Connect server), as `make dev` runs it. Measured: the machine's busy time from
 /proc/stat over the phase (so Postgres's work for es_pipeline counts), minus the baseline's, in cores;
@@ -34,6 +37,7 @@ from es_pipeline.store.event_store import EventStore
 NAME = "steady_state"
 TITLE = "steady state under a trickle of events: es_pipeline's CPU share and runs per hour"
 TAIL_SECONDS = int(os.environ.get("BENCH_TAIL_SECONDS", "300"))
+FAST_RATE = 2000.0  # events/s the tailing runs must keep up with
 
 
 def _busy_jiffies() -> tuple[int, int]:
@@ -52,21 +56,25 @@ def _busy_cores(seconds: float, during: Any) -> float:
     return (b1 - b0) / max(t1 - t0, 1) * ncpu
 
 
-def _processes() -> dict[int, tuple[str, int, int]]:
-    """pid → (part, own CPU ticks, reaped children's CPU ticks) of every process now."""
-    out: dict[int, tuple[str, int, int]] = {}
+_PARTS: dict[tuple[int, str], str] = {}  # (pid, start time) → part: a process's command line is read once
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """pid → (part, CPU ticks so far) of every process now."""
+    out: dict[int, tuple[str, int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            fields = stat[stat.rindex(")") + 2:].split()
+            key = (int(entry.name), fields[19])
+            if key not in _PARTS:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                _PARTS[key] = _part(stat[stat.index("(") + 1:stat.rindex(")")], cmd, int(fields[1]))
+        except (OSError, IndexError):
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        own, reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-        out[int(entry.name)] = (_part(comm, cmd, int(fields[1])), own, reaped)
+        out[key[0]] = (_PARTS[key], int(fields[11]) + int(fields[12]))
     return out
 
 
@@ -88,23 +96,40 @@ def _part(comm: str, cmd: str, ppid: int) -> str:
     return "other"
 
 
-def _cpu_by_part(before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]],
-                 seconds: float) -> dict[str, float]:
-    """Cores per part over the phase: each process's CPU since the first sample (all of it if it started
-    since) and what its reaped children used (approximate: a child reaped in the phase counts whole)."""
-    hz = os.sysconf("SC_CLK_TCK")
-    parts: dict[str, float] = {}
-    for pid, (part, own, reaped) in after.items():
-        _, own0, reaped0 = before.get(pid, (part, 0, 0))
-        ticks = max(own - own0, 0) + max(reaped - reaped0, 0)
-        parts[part] = parts.get(part, 0.0) + ticks / hz / seconds
-    return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+class _Sampler:
+    """Every process's CPU, sampled every `EVERY` seconds over a phase: a process that ends in the phase
+    (a run, a fork) counts up to its last sample, where one sample at each end would lose it whole."""
+
+    EVERY = 2.0
+
+    def __init__(self) -> None:
+        self.first = _processes()
+        self.last = dict(self.first)
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(self.EVERY, left))
+            self.last.update(_processes())
+
+    def cores_by_part(self, seconds: float) -> dict[str, float]:
+        """Cores per part over the phase: each process's CPU since the first sample (all of it if it
+        started since), up to its last sample."""
+        hz = os.sysconf("SC_CLK_TCK")
+        parts: dict[str, float] = {}
+        for pid, (part, own) in self.last.items():
+            _, own0 = self.first.get(pid, (part, 0))
+            parts[part] = parts.get(part, 0.0) + max(own - own0, 0) / hz / seconds
+        return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
 def _writers(dsn: str, rate: float) -> tuple[threading.Event, threading.Thread]:
+    """The demo writers at `rate` events/s: make dev's four; above 100 events/s eight, with larger transactions."""
     stop = threading.Event()
+    shape = (dict(streams=200, writers=4, max_commit_delay=0.2) if rate <= 100
+             else dict(streams=2000, writers=8, max_commit_delay=0.02, max_events_per_tx=20))
     thread = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
-        streams=200, events=None, writers=4, rollback_rate=0.0, max_commit_delay=0.2, rate=rate, stop=stop))
+        events=None, rollback_rate=0.0, rate=rate, stop=stop, **shape))
     thread.start()
     return stop, thread
 
@@ -148,7 +173,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
     try:
         if tail is None:
             stop, thread = _writers(dsn, rate)
-            cores = _busy_cores(seconds, time.sleep)
+            cores = _busy_cores(seconds, _Sampler().sleep)  # sampled as the other phases are: its cost cancels
             stop.set()
             thread.join()
             return {"label": label, "busy_cores": cores, "runs": 0, "events": _store_rows(dsn), "delivered": None}
@@ -161,9 +186,9 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             stop, thread = _writers(dsn, rate)
             warmup = warm_up(instance, stack.warehouse)
             before = len(instance.get_run_records())
-            processes = _processes()
-            cores = _busy_cores(seconds, time.sleep)
-            by_part = _cpu_by_part(processes, _processes(), seconds)
+            sampler = _Sampler()
+            cores = _busy_cores(seconds, sampler.sleep)
+            by_part = sampler.cores_by_part(seconds)
             log.info("[%s] %s: cores by part %s", NAME, label, by_part)
             runs = len(instance.get_run_records()) - before
             stop.set()
@@ -180,13 +205,60 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
         drop_database(name)
 
 
-def run(seconds: float, rate: float) -> dict[str, Any]:
+def keep_up(seconds: float, rate: float) -> dict[str, Any]:
+    """Tailing runs under `rate` events/s: how far the lake stays behind the store (sampled every 5 s, in
+    seconds of writing), and how long it takes to hold every event once the writers stop."""
+    name = "bench_steady_keep_up"
+    dsn = fresh_database(name)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, dagster_stack(
+            admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5, automation=True,
+            extra_env={"ES_PIPELINE_TAIL_SECONDS": str(TAIL_SECONDS)},
+        ) as stack:
+            os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
+            instance = dg.DagsterInstance.get()
+            stop, thread = _writers(dsn, rate)
+            warmup = warm_up(instance, stack.warehouse)
+            samples: list[tuple[int, int]] = []  # (events in the store, events in the lake)
+
+            def sample(span: float) -> None:
+                end = time.monotonic() + span
+                while (left := end - time.monotonic()) > 0:
+                    time.sleep(min(5.0, left))
+                    samples.append((_store_rows(dsn), _lake_rows(stack.warehouse)))
+
+            first = _store_rows(dsn)
+            cores = _busy_cores(seconds, sample)
+            stop.set()
+            thread.join()
+            written = _store_rows(dsn)
+            stopped, deadline = time.monotonic(), time.monotonic() + 300
+            while _lake_rows(stack.warehouse) < written and time.monotonic() < deadline:
+                time.sleep(0.5)
+            catch_up = time.monotonic() - stopped
+            delivered = _lake_rows(stack.warehouse)
+            instance.dispose()
+        achieved = (written - first) / seconds
+        behind = [max(store - lake, 0) / max(achieved, 1.0) for store, lake in samples]
+        late = behind[len(behind) // 2:] or [0.0]
+        return {"label": f"tailing runs at {rate:,.0f} events/s", "busy_cores": cores, "events": written,
+                "delivered": delivered, "achieved_rate": achieved, "warmup_s": warmup, "catch_up_s": catch_up,
+                "behind_s_max": max(behind, default=0.0), "behind_s_late_mean": sum(late) / len(late),
+                "behind_s": [round(b, 2) for b in behind]}
+    finally:
+        drop_database(name)
+
+
+def run(seconds: float, rate: float, keep_up_seconds: float) -> dict[str, Any]:
     alone = phase("writers alone", seconds, rate, None)
     log.info("[%s] writers alone: %.2f busy cores", NAME, alone["busy_cores"])
     one_pass = phase("one pass per run", seconds, rate, 0)
     log.info("[%s] one pass per run: %.2f busy cores, %d runs", NAME, one_pass["busy_cores"], one_pass["runs"])
     tailing = phase("tailing runs", seconds, rate, TAIL_SECONDS)
     log.info("[%s] tailing: %.2f busy cores, %d runs", NAME, tailing["busy_cores"], tailing["runs"])
+    fast = keep_up(keep_up_seconds, FAST_RATE)
+    log.info("[%s] %s: %.0f events/s written, %.1f s behind late in the phase, caught up %.1f s after the writers "
+             "stopped", NAME, fast["label"], fast["achieved_rate"], fast["behind_s_late_mean"], fast["catch_up_s"])
     rows, figures = [], {}
     for p in (alone, one_pass, tailing):
         share = p["busy_cores"] - alone["busy_cores"]
@@ -198,10 +270,14 @@ def run(seconds: float, rate: float) -> dict[str, Any]:
                                "runs": p["runs"], "runs_per_hour": round(per_hour, 1), "events": p["events"],
                                "delivered": p["delivered"], "cores_by_part": p.get("by_part"),
                                "warmup_s": round(p.get("warmup_s") or 0.0, 1)}
+    rows.append([fast["label"], f"{fast['busy_cores']:.2f}", f"{100 * (fast['busy_cores'] - alone['busy_cores']):.0f}%",
+                 "—", f"{fast['events']:,}", f"{fast['delivered']:,}"])
+    figures[fast["label"]] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in fast.items() if k != "label"}
     tail_share = tailing["busy_cores"] - alone["busy_cores"]
     return {
         "parameters": {"seconds_per_phase": seconds, "rate_events_per_s": rate, "tail_seconds": TAIL_SECONDS,
-                       "slice_ranges": 8, "sensor_interval_s": 5, "automation": "on", "spark": "Connect server"},
+                       "slice_ranges": 8, "sensor_interval_s": 5, "automation": "on", "spark": "Connect server",
+                       "keep_up_seconds": keep_up_seconds, "keep_up_rate_events_per_s": FAST_RATE},
         "columns": ["phase", "busy cores", "es_pipeline (share of one core)", "runs per hour", "events written",
                     "events in the lake"],
         "rows": rows,
@@ -210,7 +286,12 @@ def run(seconds: float, rate: float) -> dict[str, Any]:
         "goals": [Goal("es_pipeline's share of one core, tailing", tail_share, "<=", 0.10),
                   Goal("runs per hour, tailing", tailing["runs"] * 3600 / seconds, "<=", 120.0),
                   Goal("events in the lake / written, tailing", (tailing["delivered"] or 0) / max(tailing["events"], 1),
-                       ">=", 1.0)],
+                       ">=", 1.0),
+                  Goal(f"events written per second, {fast['label']}", fast["achieved_rate"], ">=", 0.95 * FAST_RATE),
+                  Goal(f"seconds the lake is behind the store, mean of the second half, {fast['label']}",
+                       fast["behind_s_late_mean"], "<", 10.0),
+                  Goal(f"seconds to hold every event once the writers stop, {fast['label']}", fast["catch_up_s"],
+                       "<", 15.0)],
     }
 
 
@@ -221,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seconds = float(os.environ.get("BENCH_STEADY_SECONDS", "120" if args.quick else "600"))
+    keep_up_seconds = float(os.environ.get("BENCH_KEEP_UP_SECONDS", "120" if args.quick else "240"))
     facts = machine_facts()
-    out = run(seconds, args.rate)
+    out = run(seconds, args.rate, keep_up_seconds)
     write_result(NAME, title=TITLE, facts=facts, parameters=out["parameters"], columns=out["columns"],
                  rows=out["rows"], figures=out["figures"], goals=out["goals"],
                  notes=["Busy cores: the whole machine's busy time over the phase (/proc/stat), so the Postgres work "
