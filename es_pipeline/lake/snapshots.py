@@ -1,6 +1,11 @@
 """Snapshots: for streams that grew past a threshold since their last snapshot, or whose reducer
 revision changed, append (stream, version, state, revision) to the Delta `snapshots` table and
 write it back to the event store's `es.snapshots`, so that `load` = snapshot + later events.
+
+Up to `SMALL_SNAPSHOTS` streams, this is done without a JVM (`lake/small_snapshots.py`): pyarrow finds
+the streams due and delta-rs appends them under the same Delta transaction id (app id, state version) and
+the same lock in the store as Spark's append. Larger tables, and tables delta-rs should not write, take
+the Spark path here.
 """
 
 from __future__ import annotations
@@ -26,9 +31,23 @@ class SnapshotResult:
     state_version: int
 
 
-def take_snapshots(spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD) -> SnapshotResult:
+def take_snapshots(
+    spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD, small: bool = True
+) -> SnapshotResult:
     """Append the snapshots now due to the Delta table, then write back to the store every latest
-    snapshot of the lake that the store does not hold (these, and any a failed run left behind)."""
+    snapshot of the lake that the store does not hold (these, and any a failed run left behind).
+
+    `spark`: a session, or a function that returns one, called only if Spark is needed (see the module)."""
+    if small:
+        from es_pipeline.lake.small_snapshots import take_small
+
+        done = take_small(warehouse, store, threshold)
+        if done is not None:
+            return SnapshotResult(*done)
+    return _take_with_spark(tables.session_of(spark), warehouse, store, threshold)
+
+
+def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
     from pyspark.sql import functions as F
 
     state_path = tables.table_path(warehouse, "stream_state")

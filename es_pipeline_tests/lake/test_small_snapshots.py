@@ -1,0 +1,83 @@
+"""Snapshots without a JVM take the same snapshots as Spark, and either engine sees what the other took."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.lake import tables
+from es_pipeline.lake.small_snapshots import latest
+from es_pipeline.lake.snapshots import APP_ID, take_snapshots
+from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.roles import StoreDsn
+
+
+def test_latest_is_the_highest_version_then_revision_per_stream() -> None:
+    rows = pa.table({"stream_id": ["a", "b", "a", "a", "b"], "version": [5, 3, 9, 9, 3], "revision": [1, 1, 1, 2, 4],
+                     "state": ["a5", "b3r1", "a9r1", "a9r2", "b3r4"]})
+    assert sorted(latest(rows).to_pylist(), key=lambda r: r["stream_id"]) == [
+        {"stream_id": "a", "version": 9, "revision": 2, "state": "a9r2"},
+        {"stream_id": "b", "version": 3, "revision": 4, "state": "b3r4"},
+    ]
+
+
+def _taken(warehouse: Path) -> list[tuple[str, str, int, Any, int]]:
+    """Every snapshot in the lake: (stream, type, version, state, revision), sorted."""
+    t = DeltaTable(tables.table_path(warehouse, "snapshots")).to_pyarrow_table(
+        columns=["stream_id", "stream_type", "version", "state", "revision"])
+    return sorted((r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
+                  for r in t.to_pylist())
+
+
+def _store(dsn: str) -> dict[str, tuple[int, int, Any]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT stream_id, version, revision, state FROM es.snapshots").fetchall()
+    return {s: (v, r, state) for s, v, r, state in rows}
+
+
+def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
+    dsn: StoreDsn, spark: Any, tmp_path: Path
+) -> None:
+    store = EventStore(dsn.snapshots)
+    small, big = tmp_path / "small", tmp_path / "spark"
+    big.mkdir()
+    for round_ in range(3):
+        run_workload(EventStore(dsn.writer), streams=40, events=400, writers=2, rollback_rate=0, max_commit_delay=0,
+                     seed=round_)
+        Extractor(dsn.extractor, spark, small).run(SliceRange(0, 1023))
+        update_stream_state(spark, small)
+        # The same stream_state, log and all, beside it (one store feeds one lake: its offsets say which).
+        shutil.rmtree(big / "stream_state", ignore_errors=True)
+        shutil.copytree(small / "stream_state", big / "stream_state")
+        on_small = take_snapshots(None, small, store, threshold=4)  # no Spark session: it must not need one
+        on_spark = take_snapshots(spark, big, store, threshold=4, small=False)
+        assert on_small.taken == on_spark.taken > 0
+        assert _taken(small) == _taken(big)
+        assert on_small.state_version == on_spark.state_version
+    # The store holds each stream's latest snapshot of the lake, row by row.
+    lake = {s: (v, r, state) for s, _, v, state, r in _taken(small)}
+    assert _store(dsn) == lake
+
+    # A replay of the same stream_state version appends nothing, on either path, over the other's commit.
+    version = DeltaTable(tables.table_path(small, "snapshots")).version()
+    assert take_snapshots(None, small, store, threshold=1).taken == 0
+    take_snapshots(spark, small, store, threshold=1, small=False)
+    assert DeltaTable(tables.table_path(small, "snapshots")).version() == version
+    assert DeltaTable(tables.table_path(small, "snapshots")).transaction_version(APP_ID) == on_small.state_version
+
+    # A lost write-back is redone by the small path.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("DELETE FROM es.snapshots WHERE stream_id IN "
+                            "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount == 3
+    assert take_snapshots(None, small, store, threshold=4).written_back == 3
+    assert _store(dsn) == lake
