@@ -50,6 +50,7 @@ EVENTS_LAKE_ARROW_SCHEMA = reader.EVENTS_ARROW_SCHEMA.append(pa.field("event_dat
 )
 
 CATCHUP_SLICES = 16  # slices per chunk of the first run after a rebase (extraction/rebase.py)
+PROGRESS_AFTER_SECONDS = 10.0  # a pass of one batch reports progress only if it took this long (tailing passes are short)
 # Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
 STEPS = ("locked", "read", "delta_committed", "offsets_committed")
 
@@ -200,7 +201,8 @@ class Extractor:
                 rows = self._write_batch(session, batch, result, counted=n)
                 watermarks = {s: max(w, batch.upper) for s, w in watermarks.items()}
                 done += rows
-                self._report_progress(done, result.backlog, started)
+                if len(batches) > 1 or time.monotonic() - started >= PROGRESS_AFTER_SECONDS:
+                    self._report_progress(done, result.backlog, started)
             catchup = session.catchup_slices(slice_range.slices)
             if catchup:
                 result.rows += self._catch_up(session, catchup, horizon)
