@@ -90,14 +90,17 @@ def _tail(
     its own.
 
     With `follow` (the store's DSN, where the projections' automation is on), the projections' small
-    increments are folded in too, at most every `PROJECTIONS_GAP` seconds, each a materialization of that
-    projection; what needs Spark, or fails, is left to the automation's runs."""
+    increments are folded in too, every `PROJECTIONS_GAP` seconds and after each report, reported as
+    materializations of those projections right after the report of `events`; what needs Spark, or
+    fails, is left to the automation's runs."""
     reports = _Reports(context, keys, report_seconds)
     projections = _Projections(context, extractor.warehouse, follow)
 
     def on_pass(result: ExtractResult) -> None:
-        reports.add(result)
-        projections.maybe_update()
+        reported = reports.add(result)
+        projections.maybe_update(force=reported)  # a report of events: the projections' follows at once
+        if reported:
+            projections.flush()
 
     with projections:
         first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
@@ -107,6 +110,7 @@ def _tail(
                       session=session)
         reports.flush()
         projections.maybe_update(force=True)
+        projections.flush()
     last = tailed.last or first
     context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
                      f"{reports.passes} passes after {tailed.probes} probes")
@@ -139,7 +143,8 @@ class _Reports:
         self.sums: dict[str, float] = {}
         self.last = -float("inf")
 
-    def add(self, result: ExtractResult) -> None:
+    def add(self, result: ExtractResult) -> bool:
+        """Count a pass in; whether that made a report."""
         self.passes += 1
         self.gathered += 1
         self.newest = result
@@ -149,6 +154,8 @@ class _Reports:
             self.rows[key] = self.rows.get(key, 0) + rows
         if time.monotonic() - self.last >= self.gap:
             self.flush()
+            return True
+        return False
 
     def flush(self) -> None:
         if self.newest is not None and self.rows:
@@ -167,15 +174,21 @@ class _Reports:
 PROJECTIONS_GAP = 10.0  # seconds between two updates of the projections by a tailing run, at least
 
 
+_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated")  # summed over gathered updates
+
+
 class _Projections:
     """The projections a tailing run keeps fresh (lake/small_increments.py `follow`), their turns taken on
-    one connection to the store kept for the run."""
+    one connection to the store kept for the run. Their updates are reported as the passes are: gathered,
+    one materialization per projection logged after each report of `events` (`flush`), so that the
+    automation sees the projections handled after their dependency (else it would start their runs)."""
 
     def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None) -> None:
         self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
         self.last = 0.0
         self.failed = False
         self.conn: psycopg.Connection | None = None
+        self.pending: dict[str, dict[str, Any]] = {}
 
     def __enter__(self) -> "_Projections":
         return self
@@ -199,13 +212,23 @@ class _Projections:
         for name, result in done.items():
             if isinstance(result, StateResult):
                 if result.events_folded:
-                    self._log(name, state_metadata(result))
+                    self._gather(name, state_metadata(result))
             elif result.events_read:
-                self._log(name, projection_metadata(result))
+                self._gather(name, projection_metadata(result))
 
-    def _log(self, name: str, metadata: dict[str, Any]) -> None:
-        self.context.log_event(dg.AssetMaterialization(
-            asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
+    def _gather(self, name: str, metadata: dict[str, Any]) -> None:
+        """The newest update's figures; the work (events, keys) and count of all gathered updates."""
+        before = self.pending.get(name, {})
+        for key in _GATHERED:
+            if key in metadata:
+                metadata[key] += before.get(key, 0)
+        self.pending[name] = {**metadata, "updates": before.get("updates", 0) + 1}
+
+    def flush(self) -> None:
+        for name, metadata in self.pending.items():
+            self.context.log_event(dg.AssetMaterialization(
+                asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
+        self.pending = {}
 
 
 def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:
