@@ -32,6 +32,7 @@ import psycopg
 
 from bench.common import WORK_ROOT, admin_dsn, drop_database, fresh_database
 from bench.results import Goal, machine_facts, write_result
+from es_pipeline.defs.events.asset import PROJECTIONS_GAP
 from es_pipeline.dev.stack import dagster_stack
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.extraction.probe import TAIL_ROWS, probe
@@ -278,7 +279,7 @@ def _folded(warehouse: Path, reached: dict[str, list[tuple[float, int]]], stop: 
 
 def projections_latency(commits: int, rate: float = 20.0) -> None:
     """Commit → projection under make dev's loop with tailing (the run folds the projections' small
-    increments every 5 s at most): for each probe event, when the `events` version holding it has been
+    increments every PROJECTIONS_GAP s): for each probe event, when the `events` version holding it has been
     folded by each projection."""
     from bench.steady_state import warm_up
 
@@ -342,7 +343,7 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
         title="commit → projection latency under the make-dev loop with a tailing run",
         facts=machine_facts(),
         parameters={"probe_commits": commits, "background_events_per_s": rate, "slice_ranges": 8,
-                    "tail_seconds": tail, "projections_gap_s": 5, "automation": "on", "warmup_s": round(warmup, 1)},
+                    "tail_seconds": tail, "projections_gap_s": PROJECTIONS_GAP, "automation": "on", "warmup_s": round(warmup, 1)},
         columns=["projection", "probes folded", "p50 s", "p95 s", "of which commit → lake p50 s",
                  "lake → projection p50 s", "not folded"],
         rows=rows, figures=figures, goals=goals,
@@ -350,8 +351,8 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
                "in which it became visible (delta-rs polled every 0.25 s); the first moment each projection's "
                "Delta transaction version (the `events` version it has folded) reached that version. Measured "
                "after the projections' first builds (Spark) and while the tailing run keeps them (its small "
-               "increments every 5 s at most, lake/small_increments.py). 'not folded' within 60 s of the last "
-               "probe is counted, never left out."],
+               f"increments every {PROJECTIONS_GAP:.0f} s and after each report of the passes, "
+               "lake/small_increments.py). 'not folded' within 60 s of the last probe is counted, never left out."],
     )
 
 
