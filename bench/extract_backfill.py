@@ -30,6 +30,7 @@ from bench.results import Goal, n, ratio, secs
 from es_pipeline.extraction.extractor import DEFAULT_BATCH_EVENTS, Extractor
 from es_pipeline.extraction.reader import EVENT_COLUMNS, EVENTS_ARROW_SCHEMA
 from es_pipeline.lake import tables
+from es_pipeline.source.mapping import native
 from es_pipeline.store.conninfo import adbc_dsn
 
 NAME = "extract_backfill"
@@ -43,7 +44,7 @@ WARM_UP_ROUNDS = 2
 
 
 def select_events() -> str:
-    return f"SELECT {EVENT_COLUMNS} FROM {SCHEMA}.events e"
+    return f"SELECT {EVENT_COLUMNS} FROM {native(SCHEMA).relation()} e"
 
 
 def copy_ceiling(dsn: str, label: str) -> Timing:
@@ -115,8 +116,8 @@ def warm_up(dsn: str, spark: Any, scratch: Path, events: int) -> None:
     with adbc.connect(adbc_dsn(dsn)) as conn, conn.cursor() as cur:
         cur.execute(select_events() + f" LIMIT {sample}")
         table = cur.fetch_arrow_table().cast(EVENTS_ARROW_SCHEMA)
-    table = table.append_column("event_date", pc.cast(table["recorded_at"], pa.date32())).append_column(
-        "batch_id", pa.array([0] * table.num_rows, pa.int64())
+    table = table.add_column(10, "event_date", pc.cast(table["recorded_at"], pa.date32())).add_column(
+        11, "batch_id", pa.array([0] * table.num_rows, pa.int64())
     )
     for _ in range(WARM_UP_ROUNDS):
         spark.createDataFrame(table).write.format("delta").mode("append").save(str(scratch / "arrow"))

@@ -25,7 +25,9 @@ from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import sql_over_lake
 from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
 from es_pipeline.settings import PROJECT_ROOT, Settings
+from es_pipeline.source.mapping import describe
 from es_pipeline.store import roles
+from es_pipeline.store.adopt import adopt
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
 
@@ -46,6 +48,25 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
                 print(f"applied migration {m.version}: {m.name}")
         else:
             print(f"schema {settings.schema!r} is up to date")
+    return 0
+
+
+def _source(args: argparse.Namespace, settings: Settings) -> int:
+    source = settings.source
+    if args.action == "show":
+        print(f"source {source.label}; the lake's columns, from the table's (alias t):")
+        for line in describe(source):
+            print(f"  {line}")
+        return 0
+    if source.native:
+        print("the native store (es.events) is prepared by `es-pipeline db migrate`; nothing to adopt")
+        return 0
+    done = adopt(settings.pg_dsn, source, echo=lambda statement: print(f"-- {statement}", flush=True))
+    if done.changed:
+        print(f"adopted {source.label}: added {', '.join(done.added) or 'no column'}; "
+              f"built {len(done.indexes)} index(es)")
+    else:
+        print(f"{source.label} was already adopted: nothing changed")
     return 0
 
 
@@ -91,9 +112,9 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     events_path = tables.table_path(settings.warehouse, "events")
-    args.consumer = args.consumer or offsets.events_consumer(settings.schema)
+    args.consumer = args.consumer or settings.source.consumer
     if args.action == "rebase":
-        done = rebase(settings.pg_dsn, settings.schema, args.consumer, events_path)
+        done = rebase(settings.pg_dsn, settings.source, args.consumer, events_path)
         if done is None:
             print(f"nothing to rebase: the offsets of consumer {args.consumer!r} count this cluster's transaction ids")
         else:
@@ -187,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--lake-removed", action="store_true",
                      help="the lake's events table is gone, though it cannot be checked from here")
     off.set_defaults(func=_offsets)
+
+    src = sub.add_parser("source", help="the event table read (ES_PIPELINE_SOURCE, docs/sources.md)")
+    src.add_argument("action", choices=["adopt", "show"],
+                     help="adopt: prepare an existing store (tx_id column, indexes built CONCURRENTLY; idempotent); "
+                     "show: how the table's columns become the lake's")
+    src.set_defaults(func=_source)
 
     st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
     st.set_defaults(func=_status)

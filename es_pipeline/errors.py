@@ -307,3 +307,11 @@ def explain(exc: BaseException) -> EsPipelineError | None:
     if isinstance(exc, DeltaError) and any(w in first for w in ("directory", "ermission", "ead-only file system")):
         return WarehouseUnwritable(first)
     return None
+
+
+class SourceNotServable(EsPipelineError):
+    """A table that a source mapping cannot read as it stands; nothing was changed."""
+
+    def __init__(self, source: str, problems: list[str], todo: str) -> None:
+        self.source, self.problems, self.todo = source, problems, todo
+        super().__init__(f"cannot serve {source}: " + "; ".join(problems) + f". Nothing was changed. {todo}")

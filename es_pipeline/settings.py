@@ -2,7 +2,7 @@
 
 Nothing reads the environment at import time: `Settings.from_env()` does, when asked, and refuses a
 bad value with one line naming the variable, what it holds and what it accepts. The table of
-variables is in README.md ("Settings"). A leaf: this module imports only `errors`.
+variables is in README.md ("Settings"). Below everything but the source mappings and `errors`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from es_pipeline.errors import ConfigError
+from es_pipeline.source import mapping
+from es_pipeline.source.mapping import Source
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +69,8 @@ class Settings:
     spark_master: str = "local[*]"
     spark_remote: str | None = None
     schema: str = "es"
+    source_mapping: Source | None = None  # ES_PIPELINE_SOURCE; None: the native store in `schema`
+    source_spec: str = ""  # ES_PIPELINE_SOURCE as given ("" when unset)
     dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
     events_writer: str = "delta-rs"
     sensor_interval_seconds: int = 5
@@ -85,6 +89,11 @@ class Settings:
     # A tailing run reports its passes to Dagster at most this often, gathered (0: each pass on its own).
     report_seconds: int = DEFAULT_REPORT_SECONDS
 
+    @property
+    def source(self) -> Source:
+        """Where the events are read (ES_PIPELINE_SOURCE, docs/sources.md)."""
+        return self.source_mapping or mapping.native(self.schema)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
@@ -97,6 +106,9 @@ class Settings:
             spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
             spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
             schema=env.get("ES_PIPELINE_SCHEMA") or "es",
+            source_mapping=(mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
+                            if env.get("ES_PIPELINE_SOURCE", "").strip() else None),
+            source_spec=env.get("ES_PIPELINE_SOURCE", "").strip(),
             dagster_home=Path(env.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home"),
             events_writer=_choice(env, "ES_PIPELINE_EVENTS_WRITER", "delta-rs", WRITERS),
             sensor_interval_seconds=_int(env, "ES_PIPELINE_SENSOR_INTERVAL", 5, 1, 86_400,

@@ -10,6 +10,8 @@ from dagster_pyspark import LazyPySparkResource
 
 from es_pipeline.lake.spark import prepare_local_start, spark_conf
 from es_pipeline.settings import Settings
+from es_pipeline.source import mapping
+from es_pipeline.source.mapping import Source
 from es_pipeline.store.event_store import EventStore
 
 
@@ -18,8 +20,14 @@ class EventStoreResource(dg.ConfigurableResource):
 
     dsn: str
     schema_name: str = "es"
+    # ES_PIPELINE_SOURCE: a preset (`emmett`, `marten`, ...) or a TOML file; "" is the native store in schema_name.
+    source: str = ""
     # The snapshot write-back's own login (role es_pipeline_snapshots, docs/security.md); None: `dsn`.
     snapshot_dsn: str | None = None
+
+    def events_source(self) -> Source:
+        """Where the events are read, and how (docs/sources.md)."""
+        return mapping.load(self.source or None, self.schema_name)
 
     def store(self) -> EventStore:
         return EventStore(self.dsn, self.schema_name)
@@ -56,7 +64,8 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     dsn: Any = dg.EnvVar("ES_PIPELINE_PG_DSN") if settings.pg_dsn_from_env else settings.pg_dsn
     snapshot_dsn: Any = dg.EnvVar("ES_PIPELINE_SNAPSHOT_DSN") if settings.snapshot_dsn else None
     return {
-        "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn),
+        "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn,
+                                          source=settings.source_spec),
         "warehouse": WarehouseResource(path=str(settings.warehouse)),
         "spark": SparkResource(
             spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)

@@ -32,11 +32,12 @@ from deltalake import DeltaTable
 
 from es_pipeline.errors import ConfigError, LakeStoreDiverged
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import Batch, OffsetSession, events_consumer
+from es_pipeline.extraction.offsets import Batch, OffsetSession
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
+from es_pipeline.source.mapping import Source, native
 from es_pipeline.store.conninfo import resolved
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,11 @@ log = logging.getLogger(__name__)
 DEFAULT_WRITER = "delta-rs"
 DEFAULT_READ_PARALLELISM = 2
 PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
-# The `events` table as Arrow: what the source reads (recorded_at in UTC), plus the lake's two columns.
-EVENTS_LAKE_ARROW_SCHEMA = reader.EVENTS_ARROW_SCHEMA.append(pa.field("event_date", pa.date32())).append(
-    pa.field("batch_id", pa.int64())
-)
+# The `events` table as Arrow: what the source reads (recorded_at in UTC), plus the lake's two columns,
+# which come before the two that source mappings added (where a table of an older release has them).
+_LAKE_ADDED = [pa.field("event_date", pa.date32()), pa.field("batch_id", pa.int64())]
+_READ = list(reader.EVENTS_ARROW_SCHEMA)
+EVENTS_LAKE_ARROW_SCHEMA = pa.schema(_READ[:10] + _LAKE_ADDED + _READ[10:])
 
 CATCHUP_SLICES = 16  # slices per chunk of the first run after a rebase (extraction/rebase.py)
 PROGRESS_AFTER_SECONDS = 10.0  # a pass of one batch reports progress only if it took this long (tailing passes are short)
@@ -115,8 +117,9 @@ class Extractor:
     dsn: str
     spark: Any  # may be None with the delta-rs writer and no JDBC reads: then no JVM is started
     warehouse: Location
-    schema: str = "es"
-    consumer: str = ""  # default: the store's own (offsets.events_consumer of `schema`)
+    schema: str = "es"  # the native store's schema, when no `source` is given
+    source: Source | None = None  # where the events are (source/mapping.py); default: native(schema)
+    consumer: str = ""  # default: the source's own (`Source.consumer`)
     batch_events: int = DEFAULT_BATCH_EVENTS
     batch_bytes: int = DEFAULT_BATCH_BYTES  # by the backlog's average row width (reader.average_row_bytes)
     writer: str = DEFAULT_WRITER
@@ -134,12 +137,18 @@ class Extractor:
     _small_reads: reader.SmallReads = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.consumer = self.consumer or events_consumer(self.schema)
+        self.source = self.source or native(self.schema)
+        self.consumer = self.consumer or self.source.consumer
         self._small_reads = reader.SmallReads(self.dsn)
         if self.writer not in WRITERS:
             raise ConfigError("ES_PIPELINE_EVENTS_WRITER", self.writer, " or ".join(WRITERS))
         if self.spark is None and self.needs_spark:
             raise ValueError("the spark writer and JDBC reads need a Spark session: pass one, or use delta-rs")
+
+    @property
+    def events_source(self) -> Source:
+        assert self.source is not None  # set by __post_init__
+        return self.source
 
     @property
     def needs_spark(self) -> bool:
@@ -188,7 +197,7 @@ class Extractor:
             watermarks = session.watermarks(slice_range.slices)
             result.horizon = horizon
             pairs = [(s, w) for s, w in watermarks.items() if w < horizon]
-            result.backlog = reader.count_between(session.conn, self.schema, pairs, horizon)
+            result.backlog = reader.count_between(session.conn, self.events_source, pairs, horizon)
             done = 0
             batches: list[tuple[Batch, int]] = []
             lower = dict(watermarks)
@@ -216,7 +225,7 @@ class Extractor:
                 session.clear_rebase_mark_if_passed()
             result.min_watermark = min(watermarks.values())
             result.max_watermark = max(watermarks.values())
-            lag = reader.lag(session.conn, self.schema, slice_range.slices, horizon)
+            lag = reader.lag(session.conn, self.events_source, slice_range.slices, horizon)
             result.events_behind = lag.events_behind
             result.oldest_open_tx_seconds = lag.oldest_open_tx_seconds
         result.total_seconds = time.monotonic() - started
@@ -255,8 +264,10 @@ class Extractor:
         return self._table
 
     def _uses_jdbc(self, rows: int, session: OffsetSession) -> bool:
-        # After a rebase the rows are checked against the lake in this process, so they come as Arrow.
-        return self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows and session.rebased_below is None
+        # After a rebase the rows are checked against the lake in this process, so they come as Arrow; binary
+        # payloads are decoded in this process too (source/payloads.py).
+        return (self.jdbc_min_rows > 0 and rows >= self.jdbc_min_rows and session.rebased_below is None
+                and not self.events_source.decodes_payloads)
 
     def batch_target(self, row_bytes: int) -> int:
         """Events per batch: `batch_events`, fewer where rows are wide enough to pass `batch_bytes`."""
@@ -274,10 +285,10 @@ class Extractor:
         """
         if not backlog:
             return []
-        target = self.batch_target(reader.average_row_bytes(session.conn, self.schema, pairs, horizon))
+        target = self.batch_target(reader.average_row_bytes(session.conn, self.events_source, pairs, horizon))
         if backlog <= target:
             return [(horizon, backlog)]
-        first = reader.first_tx_ids(session.conn, self.schema, pairs, horizon)
+        first = reader.first_tx_ids(session.conn, self.events_source, pairs, horizon)
         if first is None:
             return []
         step = max(1, math.ceil((horizon - first) * target / backlog))
@@ -285,10 +296,10 @@ class Extractor:
         lo = first
         while lo < horizon:
             hi = min(horizon, lo + step)
-            n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
+            n = reader.count_between(session.conn, self.events_source, [(s, max(w, lo)) for s, w in pairs], hi)
             while n > 1.5 * target and hi - lo > 1:
                 hi = lo + max(1, (hi - lo) // 2)
-                n = reader.count_between(session.conn, self.schema, [(s, max(w, lo)) for s, w in pairs], hi)
+                n = reader.count_between(session.conn, self.events_source, [(s, max(w, lo)) for s, w in pairs], hi)
             if n:
                 cuts.append((hi, n))
             lo = hi
@@ -300,8 +311,8 @@ class Extractor:
         `timing[0]` adds up the seconds spent waiting for Postgres (the rest of a write is Delta's).
         """
         small = counted is not None and counted < PARALLEL_READ_MIN_ROWS
-        rows = (self._small_reads.read(self.schema, batch) if small
-                else reader.stream_batch(self.dsn, self.schema, batch, parallel=self.read_parallelism))
+        rows = (self._small_reads.read(self.events_source, batch) if small
+                else reader.stream_batch(self.dsn, self.events_source, batch, parallel=self.read_parallelism))
         while True:
             t0 = time.monotonic()
             record_batch = next(rows, None)
@@ -425,9 +436,10 @@ class Extractor:
     @staticmethod
     def _with_lake_columns(rows: pa.RecordBatch, batch: Batch) -> pa.RecordBatch:
         """The two columns the lake adds: the event's UTC day, and the batch that brought it."""
+        added = {"event_date": pc.cast(rows["recorded_at"], pa.date32()),
+                 "batch_id": pa.repeat(pa.scalar(batch.batch_id, pa.int64()), rows.num_rows)}
         return pa.RecordBatch.from_arrays(
-            [*rows.columns, pc.cast(rows["recorded_at"], pa.date32()),
-             pa.repeat(pa.scalar(batch.batch_id, pa.int64()), rows.num_rows)],
+            [added[f.name] if f.name in added else rows[f.name] for f in EVENTS_LAKE_ARROW_SCHEMA],
             schema=EVENTS_LAKE_ARROW_SCHEMA,
         )
 
@@ -436,7 +448,7 @@ class Extractor:
 
         if self._jdbc_params is None:  # what libpq connected with, once per extractor (a connection each time)
             self._jdbc_params = resolved(self.dsn)
-        df = reader.jdbc_frame(self.spark, self.dsn, self.schema, batch, splits=self.jdbc_splits,
+        df = reader.jdbc_frame(self.spark, self.dsn, self.events_source, batch, splits=self.jdbc_splits,
                                params=self._jdbc_params)
         return df.withColumn("event_date", F.to_date("recorded_at")).withColumn(
             "batch_id", F.lit(batch.batch_id).cast("bigint")
@@ -484,6 +496,7 @@ def build_extractor(
         spark=session,
         warehouse=settings.warehouse,
         schema=settings.schema,
+        source=settings.source,
         writer=settings.events_writer,
         batch_events=settings.batch_events,
         batch_bytes=settings.batch_bytes,

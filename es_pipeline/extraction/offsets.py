@@ -32,6 +32,7 @@ from es_pipeline.errors import (
 )
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
+from es_pipeline.source.mapping import Source, as_source
 from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
 
 # The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
@@ -393,7 +394,7 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     return {s: found.get(s, 0) for s in slices}
 
 
-def mark_rebased(conn: psycopg.Connection, schema: str, consumer: str) -> tuple[str, int, int]:
+def mark_rebased(conn: psycopg.Connection, source: Source | str, consumer: str) -> tuple[str, int, int]:
     """The bookkeeping of `offsets rebase` (see `extraction.rebase`), in one transaction: forget the
     watermarks, pending batches and lake commits of `consumer`; record the store's cluster and the mark
     below which batches leave out what the lake holds: past every transaction id in the store and the
@@ -403,8 +404,8 @@ def mark_rebased(conn: psycopg.Connection, schema: str, consumer: str) -> tuple[
             sql.SQL(
                 "SELECT (SELECT system_identifier::text FROM pg_control_system()), greatest("
                 "pg_snapshot_xmin(pg_current_snapshot())::text::bigint, "
-                "(SELECT max(tx_id::text::bigint) + 1 FROM {}.events))"
-            ).format(sql.Identifier(schema))
+                "(SELECT max(e.tx_id::text::bigint) + 1 FROM {} e))"
+            ).format(as_source(source).relation_sql())
         ).fetchone()
         assert row is not None
         cluster, below = str(row[0]), int(row[1])
@@ -470,31 +471,31 @@ def rebased_below(conn: psycopg.Connection, consumer: str) -> int | None:
 
 
 def counts_below_watermarks(
-    conn: psycopg.Connection, schema: str, consumer: str, slices: Sequence[int] | None = None
+    conn: psycopg.Connection, source: Source | str, consumer: str, slices: Sequence[int] | None = None
 ) -> dict[int, int]:
     """Per slice with an offset row (of `slices`, default all): how many events of the store lie below its
     watermark."""
     rows = conn.execute(
         sql.SQL(
-            "SELECT o.slice, count(e.*) FROM es_pipeline.offsets o LEFT JOIN {}.events e "
+            "SELECT o.slice, count(e.*) FROM es_pipeline.offsets o LEFT JOIN {} e "
             "ON e.slice = o.slice AND e.tx_id < o.watermark WHERE o.consumer = %s "
             "AND (%s::smallint[] IS NULL OR o.slice = ANY(%s::smallint[])) GROUP BY o.slice"
-        ).format(sql.Identifier(schema)),
+        ).format(as_source(source).relation_sql()),
         (consumer, None if slices is None else list(slices), None if slices is None else list(slices)),
     ).fetchall()
     return {int(s): int(n) for s, n in rows}
 
 
 def events_below_watermarks(
-    conn: psycopg.Connection, schema: str, consumer: str, stream_ids: Sequence[str]
+    conn: psycopg.Connection, source: Source | str, consumer: str, stream_ids: Sequence[str]
 ) -> list[tuple[str, int]]:
     """(stream_id, version) of the events of these streams that lie below their slice's watermark."""
     rows = conn.execute(
         sql.SQL(
-            "SELECT e.stream_id, e.version FROM {}.events e "
+            "SELECT e.stream_id, e.version FROM {} e "
             "LEFT JOIN es_pipeline.offsets o ON o.consumer = %s AND o.slice = e.slice "
             "WHERE e.stream_id = ANY(%s) AND e.tx_id < coalesce(o.watermark, '0'::xid8)"
-        ).format(sql.Identifier(schema)),
+        ).format(as_source(source).relation_sql()),
         (consumer, list(stream_ids)),
     ).fetchall()
     return [(str(s), int(v)) for s, v in rows]

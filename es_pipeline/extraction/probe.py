@@ -28,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
+from es_pipeline.source.mapping import Source, as_source
 
 # More new events than this since the lowest watermark, and the lagging slices are probed one by one.
 TAIL_ROWS = 512
@@ -71,7 +72,7 @@ SELECT (SELECT h::text::bigint FROM h),
 """
 
 
-def probe_statement(schema: str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
+def probe_statement(source: Source | str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
     """The probe's one statement; its parameter is `consumer`."""
     if tail_rows < 1:
         raise ValueError(f"tail_rows must be at least 1, not {tail_rows}")
@@ -79,14 +80,14 @@ def probe_statement(schema: str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
         slices=sql.Literal(NUM_SLICES),
         last_slice=sql.Literal(NUM_SLICES - 1),
         consumer=sql.Placeholder("consumer"),
-        events=sql.SQL("{}.events").format(sql.Identifier(schema)),
+        events=as_source(source).relation_sql(),
         tail_rows=sql.Literal(tail_rows),
     )
 
 
-def probe(conn: psycopg.Connection, schema: str, consumer: str, *, tail_rows: int = TAIL_ROWS) -> Probe:
+def probe(conn: psycopg.Connection, source: Source | str, consumer: str, *, tail_rows: int = TAIL_ROWS) -> Probe:
     """The horizon, and the slices with committed events at or above their watermark below it."""
-    row = conn.execute(probe_statement(schema, tail_rows), {"consumer": consumer}).fetchone()
+    row = conn.execute(probe_statement(source, tail_rows), {"consumer": consumer}).fetchone()
     assert row is not None
     return Probe(int(row[0]), frozenset(row[1] or ()))
 

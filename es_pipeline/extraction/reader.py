@@ -3,8 +3,9 @@
 Rows travel as Arrow straight from libpq's binary protocol (ADBC), never as Python objects, and
 as a stream of record batches (`stream_batch`): a batch, even one transaction of gigabytes, is
 never held whole in memory.
-xid8 and jsonb arrive as opaque types in ADBC, so they are cast in SQL (`tx_id::text::bigint`,
-`payload::text`). Every query probes `(slice, tx_id)` once per slice: `unnest` of (slice, lower
+Every read goes through the source's mapping (`Source.relation()`, source/mapping.py), which shows
+any event table under the native columns. xid8 and jsonb arrive as opaque types in ADBC, so they are
+cast in SQL (`tx_id::text::bigint`, JSON as text); binary payloads are decoded after the read. Every query probes `(slice, tx_id)` once per slice: `unnest` of (slice, lower
 bound) pairs joined to the events, which the planner runs as a nested loop of index range scans.
 """
 
@@ -20,14 +21,15 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
-from psycopg import sql
 
 from es_pipeline.extraction.offsets import Batch
+from es_pipeline.source import payloads
+from es_pipeline.source.mapping import Source, as_source
 from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql, resolved
 
 EVENT_COLUMNS = (
     "e.global_position, e.tx_id::text::bigint AS tx_id, e.stream_id, e.stream_type, e.version, "
-    "e.slice::int AS slice, e.event_type, e.payload::text AS payload, e.metadata::text AS metadata, e.recorded_at"
+    "e.slice::int AS slice, e.event_type, e.payload, e.metadata, e.recorded_at, e.payload_encoding, e.tenant"
 )
 
 
@@ -51,8 +53,8 @@ def _where(pairs: Sequence[tuple[int, int]], upper: int | None) -> tuple[str, st
     return f"unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) AS w(slice, lo)", hi
 
 
-def _select(schema: str, columns: str, pairs: Sequence[tuple[int, int]], upper: int | None) -> str:
-    table = sql.Identifier(schema, "events").as_string(None)
+def _select(source: Source | str, columns: str, pairs: Sequence[tuple[int, int]], upper: int | None) -> str:
+    table = as_source(source).relation()
     prefix, cond = _where(pairs, upper)
     if not prefix:
         return f"SELECT {columns} FROM {table} e WHERE {cond}"
@@ -62,12 +64,12 @@ def _select(schema: str, columns: str, pairs: Sequence[tuple[int, int]], upper: 
     )
 
 
-def batch_query(schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> str:
-    return _select(schema, EVENT_COLUMNS, pairs, upper)
+def batch_query(source: Source | str, pairs: Sequence[tuple[int, int]], upper: int) -> str:
+    return _select(source, EVENT_COLUMNS, pairs, upper)
 
 
 def jdbc_frame(
-    spark: Any, dsn: str, schema: str, batch: Batch, *, splits: int, params: dict[str, str] | None = None
+    spark: Any, dsn: str, source: Source | str, batch: Batch, *, splits: int, params: dict[str, str] | None = None
 ) -> Any:
     """The rows of a batch read by Spark's executors over JDBC: `splits` queries over interleaved
     slice subsets, each bounded by the same fixed upper bound H, so a cluster shares the read and
@@ -77,7 +79,7 @@ def jdbc_frame(
     frames = [
         spark.read.format("jdbc").option("url", url).option("query", query)
         .option("fetchsize", "10000").options(**props).load()
-        for query in batch_queries(schema, batch, splits)
+        for query in batch_queries(source, batch, splits)
     ]
     return reduce(lambda a, b: a.unionByName(b), frames)
 
@@ -86,7 +88,7 @@ STREAM_QUEUE_DEPTH = 4  # record batches (ADBC makes them ~16 MB) waiting per ba
 _END = object()
 
 
-def batch_queries(schema: str, batch: Batch, parallel: int) -> list[str]:
+def batch_queries(source: Source | str, batch: Batch, parallel: int) -> list[str]:
     """The queries that together read exactly `batch`: its slices dealt into `parallel` groups.
 
     Every group is bounded by the same fixed upper bound, so together they are exactly the batch,
@@ -94,16 +96,17 @@ def batch_queries(schema: str, batch: Batch, parallel: int) -> list[str]:
     """
     pairs = batch.bounds
     groups = [g for g in (pairs[i::max(1, parallel)] for i in range(max(1, parallel))) if g]
-    return [batch_query(schema, g, batch.upper) for g in groups]
+    return [batch_query(source, g, batch.upper) for g in groups]
 
 
-def stream_batch(dsn: str, schema: str, batch: Batch, *, parallel: int = 1) -> Iterator[pa.RecordBatch]:
+def stream_batch(dsn: str, source: Source | str, batch: Batch, *, parallel: int = 1) -> Iterator[pa.RecordBatch]:
     """The rows of a batch as a stream of Arrow record batches (EVENTS_ARROW_SCHEMA), memory bounded.
 
     Each query runs on its own connection in its own thread and hands record batches over a queue
     of `STREAM_QUEUE_DEPTH`: reading goes on while the consumer writes, and stops when it stops.
     """
-    queries = batch_queries(schema, batch, parallel)
+    source = as_source(source)
+    queries = batch_queries(source, batch, parallel)
     if not queries:
         return
     handoff: queue.Queue[object] = queue.Queue(maxsize=STREAM_QUEUE_DEPTH)
@@ -121,7 +124,7 @@ def stream_batch(dsn: str, schema: str, batch: Batch, *, parallel: int = 1) -> I
     def produce(query: str) -> None:
         try:
             for record_batch in _fetch_batches(dsn, query):
-                if not put(record_batch.cast(EVENTS_ARROW_SCHEMA)):
+                if not put(conform(source, record_batch)):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             put(exc)
@@ -159,8 +162,9 @@ class SmallReads:
         self.dsn = dsn
         self._conn: Any = None
 
-    def read(self, schema: str, batch: Batch) -> Iterator[pa.RecordBatch]:
-        queries = batch_queries(schema, batch, 1)
+    def read(self, source: Source | str, batch: Batch) -> Iterator[pa.RecordBatch]:
+        source = as_source(source)
+        queries = batch_queries(source, batch, 1)
         if not queries:
             return
         if self._conn is None:
@@ -173,7 +177,7 @@ class SmallReads:
                 cur.fetchall()
                 cur.execute(queries[0])
                 for record_batch in cur.fetch_record_batch():
-                    yield record_batch.cast(EVENTS_ARROW_SCHEMA)
+                    yield conform(source, record_batch)
         finally:
             self._conn.rollback()  # ends the read's transaction: no snapshot held between passes
 
@@ -206,10 +210,9 @@ def _fetch_arrow(dsn: str, query: str) -> pa.Table:
         return cur.fetch_arrow_table()
 
 
-def event_keys(dsn: str, schema: str) -> pa.Table:
+def event_keys(dsn: str, source: Source | str) -> pa.Table:
     """(stream_id, version, recorded_at as UTC microseconds) of every event in the store (for a rebase)."""
-    table = sql.Identifier(schema, "events").as_string(None)
-    keys = _fetch_arrow(dsn, f"SELECT stream_id, version, recorded_at FROM {table}")
+    keys = _fetch_arrow(dsn, f"SELECT e.stream_id, e.version, e.recorded_at FROM {as_source(source).relation()} e")
     return pa.table({
         "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
         "recorded_at": keys["recorded_at"].cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()),
@@ -228,8 +231,19 @@ EVENTS_ARROW_SCHEMA = pa.schema(
         ("payload", pa.string()),
         ("metadata", pa.string()),
         ("recorded_at", pa.timestamp("us", tz="UTC")),
+        # Added with source mappings (docs/sources.md): at the end, where a lake table of an older
+        # release takes them (lake.tables.add_missing_columns).
+        ("payload_encoding", pa.string()),  # json, text or base64
+        ("tenant", pa.string()),  # '' in a store without tenants
     ]
 )
+
+
+def conform(source: Source, record_batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch as read, in EVENTS_ARROW_SCHEMA: binary payloads decoded (source.payloads), types cast."""
+    if source.decodes_payloads:
+        record_batch = payloads.decode_column(record_batch)
+    return record_batch.cast(EVENTS_ARROW_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -239,19 +253,19 @@ class Lag:
 
 
 def count_between(
-    conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[int, int]], upper: int | None
+    conn: psycopg.Connection, source: Source | str, pairs: Sequence[tuple[int, int]], upper: int | None
 ) -> int:
     if not pairs:
         return 0
-    row = conn.execute(_select(schema, "count(*)", pairs, upper)).fetchone()  # type: ignore[arg-type]
+    row = conn.execute(_select(source, "count(*)", pairs, upper)).fetchone()  # type: ignore[arg-type]
     return int(row[0]) if row else 0
 
 
-def first_tx_ids(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> int | None:
+def first_tx_ids(conn: psycopg.Connection, source: Source | str, pairs: Sequence[tuple[int, int]], upper: int) -> int | None:
     """The smallest tx_id in the backlog: one index probe per slice."""
     if not pairs:
         return None
-    table = sql.Identifier(schema, "events").as_string(conn)
+    table = as_source(source).relation()
     slices = ",".join(str(int(s)) for s, _ in pairs)
     lows = ",".join(str(int(w)) for _, w in pairs)
     row = conn.execute(
@@ -264,12 +278,12 @@ def first_tx_ids(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[in
 
 ROW_SAMPLE = 200  # backlog rows measured to estimate its width
 ROW_WIDTH = (
-    "octet_length(e.payload::text) + octet_length(e.metadata::text) + octet_length(e.stream_id) "
+    "octet_length(e.payload) + octet_length(e.metadata) + octet_length(e.stream_id) "
     "+ octet_length(e.stream_type) + octet_length(e.event_type) + 40"
 )
 
 
-def average_row_bytes(conn: psycopg.Connection, schema: str, pairs: Sequence[tuple[int, int]], upper: int) -> int:
+def average_row_bytes(conn: psycopg.Connection, source: Source | str, pairs: Sequence[tuple[int, int]], upper: int) -> int:
     """The average width in bytes of a sample of the backlog's rows, as they travel (JSON as text).
 
     What the table's statistics say (`pg_table_size / reltuples`, `pg_stats.avg_width`) is the
@@ -278,7 +292,7 @@ def average_row_bytes(conn: psycopg.Connection, schema: str, pairs: Sequence[tup
     """
     if not pairs:
         return 1
-    sample = _select(schema, f"{ROW_WIDTH} AS width", pairs, upper)
+    sample = _select(source, f"{ROW_WIDTH} AS width", pairs, upper)
     row = conn.execute(f"SELECT avg(width) FROM ({sample} LIMIT {ROW_SAMPLE}) s").fetchone()  # type: ignore[arg-type]
     return max(1, int(row[0])) if row and row[0] is not None else 1
 
@@ -294,6 +308,6 @@ def oldest_open_transaction_seconds(conn: psycopg.Connection) -> float:
     return float(row[0]) if row and row[0] is not None else 0.0
 
 
-def lag(conn: psycopg.Connection, schema: str, slices: Sequence[int], horizon: int) -> Lag:
-    behind = count_between(conn, schema, [(s, horizon) for s in slices], None)
+def lag(conn: psycopg.Connection, source: Source | str, slices: Sequence[int], horizon: int) -> Lag:
+    behind = count_between(conn, source, [(s, horizon) for s in slices], None)
     return Lag(behind, oldest_open_transaction_seconds(conn))

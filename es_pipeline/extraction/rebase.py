@@ -24,6 +24,7 @@ from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, check_source, mark_rebased
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
+from es_pipeline.source.mapping import Source, as_source
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Rebase:
     forgotten_slices: int
 
 
-def rebase(dsn: str, schema: str, consumer: str, events_path: str) -> Rebase | None:
+def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> Rebase | None:
     """Rebase `consumer` onto the store's cluster; None if its offsets already count this cluster's ids."""
     with OffsetSession(dsn, consumer, run_id="offsets-rebase", label="offsets rebase") as session:
         session.lock(range(NUM_SLICES), "all slices")
@@ -44,8 +45,8 @@ def rebase(dsn: str, schema: str, consumer: str, events_path: str) -> Rebase | N
         except (SourceChanged, XidSpaceWentBack):
             pass
         lake_keys = tables.event_keys(events_path)
-        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, schema))
+        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, as_source(source)))
         if missing.num_rows:
             raise RebaseRefused(events_path, missing.num_rows, f"{missing['stream_id'][0]}@{missing['version'][0]}")
-        cluster, below, n = mark_rebased(session.conn, schema, consumer)
+        cluster, below, n = mark_rebased(session.conn, as_source(source), consumer)
         return Rebase(cluster, below, lake_keys.num_rows, n)

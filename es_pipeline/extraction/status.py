@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import psycopg
 
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import OffsetSession, events_consumer, read_watermarks
+from es_pipeline.extraction.offsets import OffsetSession, read_watermarks
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.settings import Settings
+from es_pipeline.source.mapping import Source
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class RangeStatus:
     behind_horizon: int  # committed at or above H: waits for older transactions to end
 
 
-def range_status(conn: psycopg.Connection, schema: str, consumer: str, r: SliceRange, horizon: int) -> RangeStatus:
+def range_status(conn: psycopg.Connection, source: Source, consumer: str, r: SliceRange, horizon: int) -> RangeStatus:
     wm = read_watermarks(conn, consumer, r.slices)
     pairs = [(s, w) for s, w in wm.items() if w < horizon]
     return RangeStatus(
@@ -30,8 +31,8 @@ def range_status(conn: psycopg.Connection, schema: str, consumer: str, r: SliceR
         min(wm.values()),
         max(wm.values()),
         horizon,
-        reader.count_between(conn, schema, pairs, horizon),
-        reader.count_between(conn, schema, [(s, max(w, horizon)) for s, w in wm.items()], None),
+        reader.count_between(conn, source, pairs, horizon),
+        reader.count_between(conn, source, [(s, max(w, horizon)) for s, w in wm.items()], None),
     )
 
 
@@ -57,9 +58,9 @@ def format_table(rows: list[RangeStatus], oldest_open_tx: float) -> str:
 
 def status_report(settings: Settings) -> str:
     """The status table of every range of `settings`, at one horizon."""
-    consumer = events_consumer(settings.schema)
+    consumer = settings.source.consumer
     with OffsetSession(settings.pg_dsn, consumer, run_id="status", label="status") as s:
         s.check_source()  # a moved store would show nothing to do: say so instead
         horizon = s.horizon()
-        rows = [range_status(s.conn, settings.schema, consumer, r, horizon) for r in split(settings.slice_ranges)]
+        rows = [range_status(s.conn, settings.source, consumer, r, horizon) for r in split(settings.slice_ranges)]
         return format_table(rows, reader.oldest_open_transaction_seconds(s.conn))

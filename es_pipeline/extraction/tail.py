@@ -96,7 +96,7 @@ def tail(
                 break
             _wait(listener, min(poll_seconds, left), gather=max(GATHER_SECONDS, began + PASS_GAP - clock()))
             out.probes += 1
-            found = probe(probe_conn, extractor.schema, extractor.consumer)
+            found = probe(probe_conn, extractor.events_source, extractor.consumer)
             if not any(s in found.ready_slices for s in slice_range.slices):
                 continue
             began = clock()

@@ -18,11 +18,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-from deltalake import CommitProperties, DeltaTable
+from deltalake import CommitProperties, DeltaTable, Field
 
 EVENTS_DDL = (
     "global_position BIGINT, tx_id BIGINT, stream_id STRING, stream_type STRING, version INT, slice INT, "
-    "event_type STRING, payload STRING, metadata STRING, recorded_at TIMESTAMP, event_date DATE, batch_id BIGINT"
+    "event_type STRING, payload STRING, metadata STRING, recorded_at TIMESTAMP, event_date DATE, batch_id BIGINT, "
+    "payload_encoding STRING, tenant STRING"
 )
 
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
@@ -191,6 +192,7 @@ def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties:
     For writers that need no Spark session: Spark reads and writes the table like one it made.
     """
     if is_delta_table(path):
+        add_missing_columns(path, schema)
         return
     try:
         # No retry: a creator that loses the race for version 0 would otherwise be committed as version 1,
@@ -201,6 +203,24 @@ def ensure_table_arrow(path: str, schema: Any, *, comment: str = "", properties:
     except Exception:  # noqa: BLE001 - a concurrent creator won; anything else re-raises
         if not is_delta_table(path):
             raise
+
+
+def add_missing_columns(path: str, schema: pa.Schema) -> list[str]:
+    """Add to the table at `path` the (nullable) columns of `schema` it lacks, at its end; their names.
+
+    How a table made by an older release takes a new column (`tenant`, `payload_encoding`): one metadata
+    commit, no file rewritten; its earlier rows read the new columns as NULL.
+    """
+    table = DeltaTable(path)
+    held = set(table.schema().to_arrow().names)
+    new = [f for f in schema if f.name not in held]
+    if new:
+        try:
+            table.alter.add_columns([Field.from_arrow(f.with_nullable(True)) for f in new])
+        except Exception:  # noqa: BLE001 - a concurrent writer added them first; anything else re-raises
+            if set(f.name for f in new) - set(DeltaTable(path).schema().to_arrow().names):
+                raise
+    return [f.name for f in new]
 
 
 def table_id(path: str) -> str:

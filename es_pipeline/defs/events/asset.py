@@ -52,7 +52,8 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
         # One range; or, for a tailing run, every range (a partition range, first key to last), taken as one.
         keys = list(context.partition_keys)
         slice_range = SliceRange(SliceRange.from_key(keys[0]).lo, SliceRange.from_key(keys[-1]).hi)
-        here = replace(settings, pg_dsn=event_store.dsn, schema=event_store.schema_name, warehouse=warehouse.root)
+        here = replace(settings, pg_dsn=event_store.dsn, schema=event_store.schema_name,
+                       source_mapping=event_store.events_source(), warehouse=warehouse.root)
         # The default (Arrow into Delta with delta-rs) starts no JVM: Spark is asked for only if needed.
         extractor = build_extractor(here, lambda: spark.spark_session, progress=context.log.info)
         tail_seconds = float(context.run.tags.get(TAIL_TAG) or 0)

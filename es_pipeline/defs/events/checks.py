@@ -18,9 +18,9 @@ from deltalake import DeltaTable
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
-from es_pipeline.extraction.offsets import events_consumer
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake import tables
+from es_pipeline.source.mapping import Source, as_source
 from es_pipeline.store.conninfo import connect
 
 PARTITION_TAG = "dagster/partition"
@@ -76,9 +76,9 @@ def events_versions_contiguous(
     if not gaps:
         return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope)})
     ids = [r["stream_id"] for r in gaps]
-    consumer = events_consumer(event_store.schema_name)
+    source = event_store.events_source()
     with connect(event_store.dsn) as conn:
-        due = offsets.events_below_watermarks(conn, event_store.schema_name, consumer, ids)
+        due = offsets.events_below_watermarks(conn, source, source.consumer, ids)
     have = {(r["stream_id"], r["version"]) for r in df.where(df.stream_id.isin(ids)).select("stream_id", "version").collect()}
     missing = sorted(set(due) - have)
     return dg.AssetCheckResult(
@@ -98,7 +98,7 @@ def events_reconcile_with_source(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    return reconcile(spark.spark_session, warehouse.root, event_store.dsn, event_store.schema_name, scope)
+    return reconcile(spark.spark_session, warehouse.root, event_store.dsn, event_store.events_source(), scope)
 
 
 @dataclass(frozen=True)
@@ -111,20 +111,20 @@ class _StoreView:
     rebased: int | None
 
 
-def _store_view(dsn: str, schema: str, consumer: str, slices: list[int] | None) -> _StoreView:
+def _store_view(dsn: str, source: Source, consumer: str, slices: list[int] | None) -> _StoreView:
     with connect(dsn) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ  # every read below sees one snapshot
         with conn.transaction():
             return _StoreView(
                 pending=offsets.pending_batch_ids(conn, consumer),
                 marks=offsets.read_watermarks(conn, consumer, range(NUM_SLICES) if slices is None else slices),
-                counts=offsets.counts_below_watermarks(conn, schema, consumer, slices),
+                counts=offsets.counts_below_watermarks(conn, source, consumer, slices),
                 rebased=offsets.rebased_below(conn, consumer),
             )
 
 
 def reconcile(
-    spark: Any, warehouse: tables.Location, dsn: str, schema: str, scope: SliceRange | None, *,
+    spark: Any, warehouse: tables.Location, dsn: str, source: Source | str, scope: SliceRange | None, *,
     between: Callable[[str], None] | None = None,
 ) -> dg.AssetCheckResult:
     """The lake against the store, while runs go on extracting.
@@ -135,16 +135,17 @@ def reconcile(
     S2's watermarks or still pending, so a row above S2's watermarks outside a pending batch is a stray.
     `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed).
     """
-    consumer = events_consumer(schema)
+    source = as_source(source)
+    consumer = source.consumer
     path = tables.table_path(warehouse, "events")
     slices = None if scope is None else scope.slices
-    before = _store_view(dsn, schema, consumer, slices)
+    before = _store_view(dsn, source, consumer, slices)
     if between is not None:
         between("lake")
     version = DeltaTable(path).version()
     if between is not None:
         between("after")
-    after = _store_view(dsn, schema, consumer, slices)
+    after = _store_view(dsn, source, consumer, slices)
     df = _lake(spark, warehouse, scope, version=version)
 
     def beside(view: _StoreView) -> Any:
@@ -158,13 +159,13 @@ def reconcile(
     rebased = after.rebased
     n_stray = int(beside(after).where(
         "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")).count())
-    source = before.counts
-    off = {s: (source.get(s, 0), lake_counts.get(s, 0)) for s in set(source) | set(lake_counts)
-           if source.get(s, 0) != lake_counts.get(s, 0)}
+    store_counts = before.counts
+    off = {s: (store_counts.get(s, 0), lake_counts.get(s, 0)) for s in set(store_counts) | set(lake_counts)
+           if store_counts.get(s, 0) != lake_counts.get(s, 0)}
     return dg.AssetCheckResult(
         passed=not off and n_stray == 0,
-        metadata={"slices_checked": len(source), "slices_off": len(off), "above_watermark": n_stray,
-                  "source_events": int(sum(source.values())), "lake_events": int(sum(lake_counts.values())),
+        metadata={"slices_checked": len(store_counts), "slices_off": len(off), "above_watermark": n_stray,
+                  "source_events": int(sum(store_counts.values())), "lake_events": int(sum(lake_counts.values())),
                   "lake_version": int(version),
                   "examples": ", ".join(f"slice {s}: source {a}, lake {b}" for s, (a, b) in sorted(off.items())[:5]),
                   "scope": _scope_label(scope)},

@@ -10,7 +10,7 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
-from es_pipeline.extraction.offsets import check_source, events_consumer
+from es_pipeline.extraction.offsets import check_source
 from es_pipeline.extraction.probe import decide, format_cursor, parse_cursor, probe
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.store.conninfo import connect
@@ -49,9 +49,9 @@ def build_new_events_sensor(
                 return dg.SkipReason(busy)
         try:
             with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
-                consumer = events_consumer(event_store.schema_name)
-                check_source(conn, consumer)
-                found = probe(conn, event_store.schema_name, consumer)
+                source = event_store.events_source()
+                check_source(conn, source.consumer)
+                found = probe(conn, source, source.consumer)
         except (ReadOnlyStore, SourceChanged, XidSpaceWentBack) as exc:
             return dg.SkipReason(f"no run was requested: {exc}")
         except (EsPipelineError, psycopg.Error) as exc:

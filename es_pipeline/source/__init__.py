@@ -1,0 +1,1 @@
+"""Event stores as sources: where the events are, and how their columns become the lake's (docs/sources.md)."""
