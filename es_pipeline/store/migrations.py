@@ -205,6 +205,16 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 }
 
 
+# es_pipeline's own tables (schema es_pipeline): needed by every source, created by these migrations alone,
+# whose statements are all idempotent (`IF NOT EXISTS`). `source adopt` runs them for a store not our own.
+OWN_TABLES_MIGRATIONS = (2, 4, 6)
+
+
+def own_tables_statements() -> list[str]:
+    """The statements that create es_pipeline's own tables (for `source adopt`, without `es.events`)."""
+    return [m.statements for m in MIGRATIONS if m.version in OWN_TABLES_MIGRATIONS]
+
+
 def applied_versions(conn: psycopg.Connection, schema: str) -> set[int]:
     name = sql.Identifier(schema, "schema_migrations").as_string(conn)  # quoted: any schema name is one name
     exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()

@@ -56,15 +56,23 @@ def statements(schema: str) -> list[sql.Composed]:
         sql.SQL("GRANT INSERT, UPDATE ON {} TO {}").format(table("streams"), writer),
         # extractor: read the store, write es_pipeline's own tables only
         sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, extractor),
+        *extractor_own_statements(),
+        # snapshot write-back: the snapshots table, nothing else
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(table("snapshots"), snapshots),
+    ]
+    return out
+
+
+def extractor_own_statements() -> list[sql.Composed]:
+    """The extractor's grants on es_pipeline's own tables (also made by `source adopt` for a foreign store)."""
+    own, extractor = sql.Identifier(OWN_SCHEMA), sql.Identifier(EXTRACTOR)
+    return [
         sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}").format(own, extractor),
         # UPDATE: setval, when a lake adopted after a restore carries batch ids above the sequence
         sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT pg_read_all_stats TO {}").format(extractor),
-        # snapshot write-back: the snapshots table, nothing else
-        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(table("snapshots"), snapshots),
     ]
-    return out
 
 
 def apply(dsn: str, schema: str, *, echo: Callable[[str], None] = print) -> int:

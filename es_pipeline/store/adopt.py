@@ -1,0 +1,191 @@
+"""`es-pipeline source adopt`: prepare an existing event table for extraction, touching nothing its framework uses.
+
+What it does, each step skipped when already done (so a second run changes nothing):
+
+1. checks the table and the columns the mapping reads, naming what is missing;
+2. adds `tx_id xid8 NOT NULL DEFAULT pg_current_xact_id()` where the table has no such column: a
+   catalog-only change (a non-volatile default is stored once, no rewrite), under a short `lock_timeout`.
+   Rows already there read the adopting transaction's id, so the first run extracts them all;
+3. builds the two indexes the reads need, on the mapping's own expressions, CONCURRENTLY (writers go on):
+   `(slice, tx_id)` for the batches and `(tx_id::text::bigint)` for the sensor's probe. A partitioned table
+   gets them `ON ONLY` itself, built per partition, then attached;
+4. creates es_pipeline's own tables (offsets, pending batches, sinks) in the `es_pipeline` schema;
+5. where `es-pipeline db roles` made the extractor role, lets it read the table (SELECT, nothing more)
+   and use es_pipeline's own tables.
+
+docs/sources.md says what each preset needs and what this changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from es_pipeline.errors import SourceNotServable
+from es_pipeline.source.mapping import Source
+from es_pipeline.store.conninfo import connect
+from es_pipeline.store.migrations import MIGRATION_LOCK_KEY, own_tables_statements
+from es_pipeline.store.roles import EXTRACTOR, extractor_own_statements
+
+LOCK_TIMEOUT = "5s"  # ADD COLUMN waits this long for writers' locks, then fails (retry later); never queues them
+
+
+@dataclass
+class Adoption:
+    """What `adopt` did (empty lists: nothing was needed)."""
+
+    added: list[str] = field(default_factory=list)  # columns
+    indexes: list[str] = field(default_factory=list)  # indexes built (one per partition, and their parents)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.indexes)
+
+
+def index_name(table: str, kind: str) -> str:
+    """`<table>_es_<kind>`, cut to PostgreSQL's 63 bytes with a hash of the whole name where too long."""
+    name = f"{table}_es_{kind}"
+    if len(name.encode()) <= 63:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[:50]}_{digest}"
+
+
+def columns_of(conn: psycopg.Connection, schema: str, table: str) -> dict[str, str]:
+    rows = conn.execute(
+        "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+        "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+        (sql.Identifier(schema, table).as_string(conn),),
+    ).fetchall()
+    return {str(n): str(t) for n, t in rows}
+
+
+def check(conn: psycopg.Connection, source: Source) -> list[str]:
+    """What keeps `source` from being served as it stands (empty: nothing); `tx_id` alone may be added."""
+    cols = columns_of(conn, source.schema, source.table)
+    if not cols:
+        return [f"there is no table {source.schema}.{source.table}"]
+    problems = []
+    missing = [c for c in source.columns if c not in cols and c != source.tx_id]
+    if missing:
+        problems.append(f"{source.schema}.{source.table} has no column {', '.join(missing)}")
+    if source.tx_id in cols and cols[source.tx_id] != "xid8":
+        problems.append(f"its column {source.tx_id} is {cols[source.tx_id]}, not xid8")
+    return problems
+
+
+def _refuse(source: Source, problems: list[str]) -> SourceNotServable:
+    return SourceNotServable(
+        source.label, problems,
+        "Point ES_PIPELINE_SOURCE at the right preset or schema (`emmett:myschema`), or describe the table "
+        "in a TOML file (docs/sources.md).",
+    )
+
+
+def adopt(dsn: str, source: Source, *, echo: Callable[[str], None] = print) -> Adoption:
+    """Prepare the table of `source` (see the module's docstring); every statement is echoed before it runs."""
+    done = Adoption()
+    with connect(dsn, autocommit=True, application_name="es_pipeline adopt") as conn:
+        problems = check(conn, source)
+        if problems:
+            raise _refuse(source, problems)
+        table = sql.Identifier(source.schema, source.table)
+        if source.tx_id not in columns_of(conn, source.schema, source.table):
+            if not source.tx_id.isidentifier():
+                raise _refuse(source, [f"it has no column {source.tx_id}, and that is not a name adopt can add"])
+            statement = sql.SQL("ALTER TABLE {} ADD COLUMN {} xid8 NOT NULL DEFAULT pg_current_xact_id()").format(
+                table, sql.Identifier(source.tx_id))
+            echo(statement.as_string(conn))
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+                conn.execute(statement)
+            done.added.append(source.tx_id)
+        try:  # the mapping's expressions, checked against the table before anything is built on them
+            conn.execute(f"EXPLAIN SELECT * FROM {source.relation()} e LIMIT 0")  # type: ignore[arg-type]
+        except psycopg.Error as exc:
+            raise _refuse(source, [f"its mapping does not read the table: {str(exc).splitlines()[0]}"]) from None
+        for kind, expression in (("slice_tx", f"({source.slice}), {source.tx_id}"),
+                                 ("tx_order", f"({source.tx_id}::text::bigint)")):
+            _index(conn, source.schema, source.table, index_name(source.table, kind), expression, done, echo)
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            for own in own_tables_statements():
+                conn.execute(own)  # type: ignore[arg-type]  # our own SQL
+        _grant_reads(conn, source, echo)
+    return done
+
+
+def _grant_reads(conn: psycopg.Connection, source: Source, echo: Callable[[str], None]) -> None:
+    """SELECT on the source's tables for the extractor role, if it exists (GRANT is idempotent)."""
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (EXTRACTOR,)).fetchone() is None:
+        return
+    role = sql.Identifier(EXTRACTOR)
+    names = sql.SQL(", ").join(sql.Identifier(source.schema, t) for t in (source.table, *source.also_reads))
+    for statement in (sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(source.schema), role),
+                      sql.SQL("GRANT SELECT ON {} TO {}").format(names, role), *extractor_own_statements()):
+        echo(statement.as_string(conn))
+        conn.execute(statement)
+
+
+def _partitions(conn: psycopg.Connection, schema: str, table: str) -> list[tuple[str, str, bool]] | None:
+    """(schema, name, partitioned) of the direct partitions of a partitioned table; None for a plain table."""
+    row = conn.execute("SELECT relkind FROM pg_class WHERE oid = to_regclass(%s)",
+                       (sql.Identifier(schema, table).as_string(conn),)).fetchone()
+    if row is None or row[0] != "p":
+        return None
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname, c.relkind = 'p' FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE i.inhparent = to_regclass(%s) ORDER BY c.relname",
+        (sql.Identifier(schema, table).as_string(conn),),
+    ).fetchall()
+    return [(str(s), str(n), bool(p)) for s, n, p in rows]
+
+
+def _index_state(conn: psycopg.Connection, schema: str, name: str) -> bool | None:
+    """None: no index of that name; else whether it is valid (a failed CONCURRENTLY build leaves an invalid one)."""
+    row = conn.execute(
+        "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
+        (sql.Identifier(schema, name).as_string(conn),),
+    ).fetchone()
+    return None if row is None else bool(row[0])
+
+
+def _run(conn: psycopg.Connection, statement: str, echo: Callable[[str], None]) -> None:
+    echo(statement)
+    conn.execute(statement)  # type: ignore[arg-type]  # identifiers and the mapping's expressions
+
+
+def _index(
+    conn: psycopg.Connection, schema: str, table: str, name: str, expression: str,
+    done: Adoption, echo: Callable[[str], None],
+) -> None:
+    """The index `name` on `expression` over `table`, built CONCURRENTLY; on a partitioned table, per partition."""
+    target = sql.Identifier(schema, table).as_string(conn)
+    index = sql.Identifier(schema, name).as_string(conn)
+    state = _index_state(conn, schema, name)
+    parts = _partitions(conn, schema, table)
+    if state is False and parts is None:  # a CONCURRENTLY build that failed: dropped and built again
+        _run(conn, f"DROP INDEX CONCURRENTLY {index}", echo)
+        state = None
+    if parts is None:
+        if state is None:
+            _run(conn, f"CREATE INDEX CONCURRENTLY {sql.Identifier(name).as_string(conn)} ON {target} ({expression})", echo)
+            done.indexes.append(f"{schema}.{name}")
+        return
+    if state is None:  # invalid until every partition's index is attached; built on no rows
+        _run(conn, f"CREATE INDEX {sql.Identifier(name).as_string(conn)} ON ONLY {target} ({expression})", echo)
+        done.indexes.append(f"{schema}.{name}")
+    for child_schema, child, _ in parts:
+        child_index = index_name(child, name.rsplit("_es_", 1)[-1])
+        _index(conn, child_schema, child, child_index, expression, done, echo)
+        attached = conn.execute(
+            "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s) AND inhparent = to_regclass(%s)",
+            (sql.Identifier(child_schema, child_index).as_string(conn), index),
+        ).fetchone()
+        if not attached:
+            _run(conn, f"ALTER INDEX {index} ATTACH PARTITION {sql.Identifier(child_schema, child_index).as_string(conn)}",
+                 echo)
