@@ -97,6 +97,13 @@ def adopt(dsn: str, source: Source, *, echo: Callable[[str], None] = print) -> A
         if source.tx_id not in columns_of(conn, source.schema, source.table):
             if not source.tx_id.isidentifier():
                 raise _refuse(source, [f"it has no column {source.tx_id}, and that is not a name adopt can add"])
+            if _has_offsets(conn, source.consumer):
+                raise SourceNotServable(source.label, [
+                    f"its column {source.tx_id} is gone, though es_pipeline has extracted from it already (a schema "
+                    "tool dropped it?)"],
+                    "Adding it again would give every event a new id and they would all be extracted again. Keep "
+                    "the framework from migrating the table (docs/sources.md), then rebuild: `es-pipeline offsets "
+                    "reset` with a new ES_PIPELINE_WAREHOUSE, and adopt again.")
             statement = sql.SQL("ALTER TABLE {} ADD COLUMN {} xid8 NOT NULL DEFAULT pg_current_xact_id()").format(
                 table, sql.Identifier(source.tx_id))
             echo(statement.as_string(conn))
@@ -129,6 +136,12 @@ def _grant_reads(conn: psycopg.Connection, source: Source, echo: Callable[[str],
                       sql.SQL("GRANT SELECT ON {} TO {}").format(names, role), *extractor_own_statements()):
         echo(statement.as_string(conn))
         conn.execute(statement)
+
+
+def _has_offsets(conn: psycopg.Connection, consumer: str) -> bool:
+    if conn.execute("SELECT to_regclass('es_pipeline.offsets')").fetchone() == (None,):
+        return False
+    return conn.execute("SELECT 1 FROM es_pipeline.offsets WHERE consumer = %s LIMIT 1", (consumer,)).fetchone() is not None
 
 
 def _partitions(conn: psycopg.Connection, schema: str, table: str) -> list[tuple[str, str, bool]] | None:

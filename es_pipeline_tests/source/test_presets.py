@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from deltalake import DeltaTable
 
+from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
@@ -279,6 +280,11 @@ def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
     assert _lake_keys(rows) == _source_rows(dsn, source)
     assert {r["stream_type"] for r in rows} == {"Cart"}
     assert all(r["global_position"] is not None for r in rows)
+    # A schema tool that drops what it does not know (Marten's) takes tx_id away: adopt will not add it back.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE event_journal DROP COLUMN tx_id")
+    with pytest.raises(SourceNotServable, match="tx_id is gone"):
+        adopt(dsn, source, echo=lambda _: None)
 
 
 def test_marten_events_land_once_with_their_tenants(dsn: StoreDsn, warehouse: Path) -> None:
