@@ -31,6 +31,7 @@ from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY
 from es_pipeline.lake.reducers import revisions as current_revisions
 from es_pipeline.lake.serial import Turn, turn_if_free
+from es_pipeline.source import payloads
 
 if TYPE_CHECKING:
     from es_pipeline.lake.projections import ProjectionResult, _Projection
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
 _FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
+_READ_COLUMNS = [*_FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
 
 
 def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str]) -> pa.Table | None:
@@ -161,15 +163,16 @@ def update_stream_state(
     if read is None:
         return None
     prev = int(read) // st._REVISION_SLOTS
-    feed = feed or Feed(events_path, _FOLD_COLUMNS)
+    feed = feed or Feed(events_path, _READ_COLUMNS)
     now = feed.version
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
         return st.StateResult(now, prev, 0, 0, (), 0, 0) if st._txn_version(now, REGISTRY) == int(read) else None
-    new = feed.rows(prev, _FOLD_COLUMNS)
-    if new is None:
+    read_rows = feed.rows(prev, _READ_COLUMNS)
+    if read_rows is None:
         return None
+    new = payloads.for_reducers(read_rows)
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
     whole = _files(state_path, state).to_table()
     revisions = current_revisions()
@@ -240,7 +243,7 @@ def follow(warehouse: tables.Location, store: str | psycopg.Connection) -> dict[
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
         return {}
-    feed = Feed(events_path, [*_FOLD_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
+    feed = Feed(events_path, [*_READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
     done: dict[str, ProjectionResult | StateResult] = {}
     with turn_if_free(store, "stream_state") as turn:
         state = update_stream_state(warehouse, False, turn, feed) if turn is not None else None

@@ -222,7 +222,11 @@ def _update_stream_state(
         r["stream_type"] for r in state.select("stream_type", "revision").distinct().collect()
         if r["stream_type"] in revisions and revisions[r["stream_type"]] != r["revision"]
     ]
-    cols = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
+    # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
+    enc = F.col("payload_encoding")
+    cols = ["stream_id", "stream_type", "version", "event_type",
+            F.when(enc.isNull() | (enc == "json"), F.col("payload"))
+            .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at"]
     if prev < 0 or (whole and prev < now):
         new = tables.read(spark, events_path, version=now).select(*cols)
     elif prev < now:

@@ -36,3 +36,24 @@ def decode_column(batch: pa.RecordBatch) -> pa.RecordBatch:
     fields = [pa.field(n, pa.string()) if n in ("payload", "payload_encoding") else batch.schema.field(n)
               for n in names]
     return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields))
+
+
+# What a reducer is given for a payload that is not JSON: a JSON object naming its encoding, so that it
+# can still fold such events (decode `base64` itself) instead of failing on unparseable JSON.
+def wrapped(payload: str, encoding: str | None) -> str:
+    """The payload as a reducer reads it: JSON as is; base64 or text as `{"base64": …}` / `{"text": …}`."""
+    if encoding in (None, JSON):
+        return payload
+    return json.dumps({encoding: payload})
+
+
+def for_reducers(table: pa.Table) -> pa.Table:
+    """`table` with its payloads as reducers read them (`wrapped`), and no `payload_encoding` column."""
+    if "payload_encoding" not in table.column_names:
+        return table
+    encodings = table["payload_encoding"]
+    if encodings.null_count == len(encodings) or all(e in (None, JSON) for e in encodings.unique().to_pylist()):
+        return table.drop_columns(["payload_encoding"])
+    payloads = [wrapped(p, e) for p, e in zip(table["payload"].to_pylist(), encodings.to_pylist(), strict=True)]
+    i = table.column_names.index("payload")
+    return table.set_column(i, "payload", pa.array(payloads, pa.string())).drop_columns(["payload_encoding"])
