@@ -98,16 +98,19 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
         port = _int(env, "ES_PIPELINE_LOCAL_PG_PORT", DEFAULT_LOCAL_PG_PORT, 1, 65535, "a TCP port (1-65535)")
+        source = (mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
+                  if env.get("ES_PIPELINE_SOURCE", "").strip() else None)
+        # One warehouse per source (its `events` table is one consumer's): another source's default is its own.
+        default_warehouse = "warehouse" if source is None or source.native else f"warehouse-{mapping.slug(source)}"
         return cls(
             pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
-            warehouse=_warehouse(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / "warehouse")),
+            warehouse=_warehouse(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / default_warehouse)),
             slice_ranges=_int(env, "ES_PIPELINE_SLICE_RANGES", 8, 1, MAX_SLICE_RANGES,
                               f"a whole number of ranges between 1 and {MAX_SLICE_RANGES}"),
             spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
             spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
             schema=env.get("ES_PIPELINE_SCHEMA") or "es",
-            source_mapping=(mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
-                            if env.get("ES_PIPELINE_SOURCE", "").strip() else None),
+            source_mapping=source,
             source_spec=env.get("ES_PIPELINE_SOURCE", "").strip(),
             dagster_home=Path(env.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home"),
             events_writer=_choice(env, "ES_PIPELINE_EVENTS_WRITER", "delta-rs", WRITERS),

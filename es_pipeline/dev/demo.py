@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from es_pipeline.dev import emmett_client
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.errors import ForeignDemoTarget
+from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake import tables
 from es_pipeline.lake.catalog import register_tables
@@ -13,6 +14,7 @@ from es_pipeline.lake.projections import update_event_type_daily, update_stream_
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
+from es_pipeline.store.adopt import adopt
 from es_pipeline.store.conninfo import describe
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
@@ -36,14 +38,36 @@ def ensure_local_target(settings: Settings) -> None:
     raise ForeignDemoTarget(f"{host}:{port}/{dbname}", f"127.0.0.1:{settings.local_pg_port}")
 
 
+def _write_with_emmett(settings: Settings, events: int, writers: int) -> None:
+    """Step 1 on an Emmett store: the real Emmett client appends from `writers` Node processes, then `source adopt`."""
+    streams = 20
+    per_stream = max(1, events // (writers * streams))
+    print(f"1. writing {writers * streams * per_stream:,} events with Emmett's own client from {writers} Node processes "
+          f"(npm ci into .cache/emmett on first use)")
+    t0 = time.monotonic()
+    procs = [emmett_client.start_appending(settings.pg_dsn, f"demo{int(time.time())}-{w}", streams, per_stream,
+                                           per_append=1 + w % 4) for w in range(writers)]
+    written = sum(emmett_client.finished(p) for p in procs)
+    print(f"   appended {written:,} events to emt_messages in {time.monotonic() - t0:.1f} s")
+    done = adopt(settings.pg_dsn, settings.source, echo=lambda _: None)
+    print(f"   es-pipeline source adopt: {len(done.indexes)} index(es) built" if done.changed
+          else "   es-pipeline source adopt: already adopted")
+
+
 def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8) -> None:
     ensure_local_target(settings)
-    migrate(settings.pg_dsn, settings.schema)
-    store = EventStore(settings.pg_dsn, settings.schema)
-    print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)")
-    report = run_workload(store, streams=max(100, events // 20), events=events, writers=writers,
-                          rollback_rate=0.1, max_commit_delay=0.02)
-    print("   " + report.summary())
+    if settings.source.native:
+        migrate(settings.pg_dsn, settings.schema)
+        store = EventStore(settings.pg_dsn, settings.schema)
+        print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)")
+        report = run_workload(store, streams=max(100, events // 20), events=events, writers=writers,
+                              rollback_rate=0.1, max_commit_delay=0.02)
+        print("   " + report.summary())
+    elif settings.source.name == "emmett":
+        _write_with_emmett(settings, events, writers)
+    else:
+        raise ConfigError("ES_PIPELINE_SOURCE", settings.source_spec,
+                          "es or emmett for the demo, which writes with their clients (other sources: docs/sources.md)")
 
     print(f"2. extracting {settings.slice_ranges} slice ranges into {tables.table_path(settings.warehouse, 'events')}")
     t0 = time.monotonic()

@@ -269,6 +269,11 @@ def from_toml(path: Path) -> Source:
     return Source(name=str(path), schema=schema or "public", table=table, columns=columns, **values)
 
 
+def slug(source: Source) -> str:
+    """A short name for files and folders: the preset's name, or the TOML file's stem."""
+    return Path(source.name).stem if source.name.endswith(".toml") else source.name
+
+
 def describe(source: Source) -> list[str]:
     """The mapping as lines `lake column <- SQL`, for `es-pipeline source show` and the docs."""
     s = source

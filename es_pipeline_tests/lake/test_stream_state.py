@@ -128,7 +128,7 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
 
     def put(version: int, event_type: str, payload: dict[str, Any]) -> None:
         spark.createDataFrame(
-            [(version, 1, "acc-g", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1)],
+            [(version, 1, "acc-g", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1, "json", "")],
             tables.EVENTS_DDL.replace("recorded_at TIMESTAMP", "recorded_at TIMESTAMP"),
         ).write.format("delta").mode("append").save(path)
 

@@ -14,13 +14,13 @@ from deltalake import DeltaTable
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from es_pipeline.dev import emmett_client as emmett
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
 from es_pipeline.source import mapping
 from es_pipeline.store.adopt import adopt
-from es_pipeline_tests.support import emmett
 from es_pipeline_tests.support.roles import StoreDsn, create_login
 
 WORKERS, STREAMS, EVENTS = 8, 25, 80  # 16,000 events, a few seconds of appending
@@ -82,7 +82,7 @@ def test_emmett_store_is_extracted_exactly_once_while_eight_node_writers_append(
     assert runs >= 2, "the writers finished before a second extraction: the test saw no concurrency"
 
     # Emmett's own reads and writes go on as before adoption.
-    assert emmett.read_stream(emmett_app, "order-3-2")["count"] == EVENTS
+    assert emmett.read_stream(emmett_app, "cart-3-2")["count"] == EVENTS
     assert emmett.finished(emmett.start_appending(emmett_app, "after", 1, 5)) == 5
     assert not adopt(dsn, source, echo=lambda _: None).changed  # adopting twice changes nothing
     extractor.run(SliceRange(0, 1023), run_id="after")

@@ -14,11 +14,11 @@ const store = getPostgreSQLEventStore(conn);
 let total = 0;
 try {
   for (let s = 0; s < streams; s++) {
-    const streamName = `order-${workerId}-${s}`; // stream type = 'order' (text before first '-')
+    const streamName = `cart-${workerId}-${s}`; // stream type = 'cart' (text before the first '-')
     for (let n = 0; n < perStream; n += perAppend) {
       const batch = [];
       for (let k = n; k < Math.min(n + perAppend, perStream); k++)
-        batch.push({ type: 'ItemAdded', data: { sku: 'x', qty: k } });
+        batch.push({ type: 'ItemAdded', data: { sku: `sku-${k % 7}`, qty: k, unit_price: 1.5 } });
       // sequential appends per stream; each appendToStream is its own transaction
       await store.appendToStream(streamName, batch);
       total += batch.length;

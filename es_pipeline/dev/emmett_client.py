@@ -1,4 +1,5 @@
-"""A real Emmett client (`@event-driven-io/emmett-postgresql`, Node) for the tests, installed once into .cache/emmett.
+"""A real Emmett client (`@event-driven-io/emmett-postgresql`, Node), for the Emmett demo and the tests; installed
+once into .cache/emmett (`npm ci`, Node 20).
 
 `append.mjs` and `read.mjs` (beside this module) use Emmett's own API: `getPostgreSQLEventStore(url)`,
 `appendToStream`, `readStream`. Emmett creates its tables (`emt_messages`, ...) on its first append.
@@ -44,7 +45,7 @@ def env() -> dict[str, str]:
 
 
 def start_appending(dsn: str, worker: str, streams: int, events_per_stream: int, per_append: int = 1) -> subprocess.Popen[str]:
-    """A Node process appending `streams` × `events_per_stream` events to streams `order-<worker>-<n>`."""
+    """A Node process appending `streams` × `events_per_stream` events (`ItemAdded`) to streams `cart-<worker>-<n>`."""
     return subprocess.Popen(
         ["node", "append.mjs", node_url(dsn), worker, str(streams), str(events_per_stream), str(per_append)],
         cwd=install(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
