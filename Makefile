@@ -96,6 +96,7 @@ bench: setup
 	$(PY) -m bench.s3_lake
 	$(PY) -m bench.cluster
 	$(PY) -m bench.steady_state
+	$(PY) -m bench.tenant_tick
 
 clean:
 	-$(CLI) db stop

@@ -1,0 +1,127 @@
+"""The sensor's tick on a tenant-partitioned store: 1 tenant partition vs 200, same events.
+
+`python -m bench.tenant_tick` (BENCH_TENANT_EVENTS, default 200,000; BENCH_TENANTS, default 200)
+
+The store is the original design notes' hand-rolled table, `PARTITION BY LIST ("TenantId")`, served by a
+custom mapping and prepared by `source adopt` (tx_id added, both indexes built per partition). As in
+`sensor_tick`: every slice's watermark at the horizon, then one new event per range; the probe (one
+statement, median of 50) and the whole tick (a new connection, as the sensor). The baseline is the same
+store with one partition, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import psycopg
+
+from bench.common import drop_database, fresh_database
+from bench.results import Goal, machine_facts, write_result
+from es_pipeline.extraction.probe import TAIL_ROWS, probe
+from es_pipeline.extraction.slices import split
+from es_pipeline.source.mapping import Source, hashed_slice
+from es_pipeline.store.adopt import adopt
+from es_pipeline.store.conninfo import connect
+
+REPEATS = 50
+
+
+def _source() -> Source:
+    return Source(
+        name="tenant-bench", schema="app", table="Event", stream_id='"StreamId"', version='"Version"',
+        event_type='"Type"', payload='"Data"', recorded_at='"LogDate"', global_position='"SequenceNum"',
+        tenant='"TenantId"', stream_type="'cart'", tenant_partition_column="TenantId",
+        columns=("SequenceNum", "TenantId", "StreamId", "Version", "Type", "Data", "LogDate"),
+    )
+
+
+def _store(dsn: str, tenants: int, events: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute('CREATE SCHEMA app; CREATE TABLE app."Event" ("SequenceNum" bigint GENERATED ALWAYS AS IDENTITY, '
+                  '"TenantId" text NOT NULL, "StreamId" text NOT NULL, "Version" int NOT NULL, "Type" text NOT NULL, '
+                  '"Data" jsonb NOT NULL, "LogDate" timestamptz NOT NULL DEFAULT now(), '
+                  'PRIMARY KEY ("TenantId", "StreamId", "Version")) PARTITION BY LIST ("TenantId")')
+        for t in range(tenants):
+            c.execute(f'CREATE TABLE app."Event_t{t}" PARTITION OF app."Event" FOR VALUES IN (\'t{t}\')')
+        per_tx = 20_000
+        for start in range(0, events, per_tx):  # streams of 20 events, dealt round-robin to the tenants
+            c.execute('INSERT INTO app."Event" ("TenantId", "StreamId", "Version", "Type", "Data") '
+                      "SELECT 't' || ((i / 20) %% %s::int), 's-' || (i / 20), (i %% 20) + 1, 'ItemAdded', "
+                      "'{\"sku\": \"x\"}' FROM generate_series(%s::bigint, %s::bigint) AS i", (tenants, start, min(events, start + per_tx) - 1))
+    adopt(dsn, _source(), echo=lambda _: None)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute('VACUUM ANALYZE app."Event"')
+        c.execute("CHECKPOINT")
+
+
+def _median_ms(fn: Any, repeats: int = REPEATS) -> tuple[float, Any]:
+    fn()
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000, result
+
+
+def _tick(dsn: str, tenants: int) -> dict[str, Any]:
+    source = _source()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DELETE FROM es_pipeline.offsets")
+        c.execute("INSERT INTO es_pipeline.offsets (consumer, slice, watermark) SELECT %s, s, "
+                  "pg_snapshot_xmin(pg_current_snapshot()) FROM generate_series(0, 1023) s", (source.consumer,))
+        ranges, wanted, n = split(8), set(), 0
+        while len(wanted) < len(ranges):  # one new event in each range, in tenants spread over the partitions
+            sid = f"new-{n}"
+            s = c.execute(f"SELECT {hashed_slice('%s::text')}", (sid,)).fetchone()[0]  # type: ignore[index]
+            key = next(r.key for r in ranges if s in r.slices)
+            if key not in wanted:
+                wanted.add(key)
+                c.execute('INSERT INTO app."Event" ("TenantId", "StreamId", "Version", "Type", "Data") '
+                          "VALUES (%s, %s, 1, 'ItemAdded', '{}')", (f"t{(n * 37) % tenants}", sid))
+            n += 1
+    with connect(dsn, autocommit=True) as conn:
+        probe_ms, found = _median_ms(lambda: probe(conn, source, source.consumer).ready_slices)
+
+    def whole_tick() -> frozenset[int]:
+        with connect(dsn, autocommit=True, application_name="es_pipeline sensor") as c:
+            return probe(c, source, source.consumer).ready_slices
+
+    tick_ms, again = _median_ms(whole_tick, repeats=20)
+    if found != again or len(found) != len(ranges):
+        raise SystemExit(f"tenant_tick: the probe found {len(found)} ready slices, expected {len(ranges)}")
+    return {"tenants": tenants, "probe_ms": probe_ms, "whole_tick_ms": tick_ms, "ready_slices": len(found)}
+
+
+def main() -> None:
+    events = int(os.environ.get("BENCH_TENANT_EVENTS", "200000"))
+    many = int(os.environ.get("BENCH_TENANTS", "200"))
+    figures: dict[str, Any] = {}
+    for label, tenants in (("one", 1), ("many", many)):
+        db = f"bench_tenants_{label}"
+        dsn = fresh_database(db)
+        try:
+            _store(dsn, tenants, events)
+            figures[label] = _tick(dsn, tenants)
+        finally:
+            drop_database(db)
+    one, lots = figures["one"], figures["many"]
+    rows = [[text, f"{one[k]:.2f}", f"{lots[k]:.2f}", f"{lots[k] / one[k]:.2f}"]
+            for k, text in (("probe_ms", "probe (one statement)"), ("whole_tick_ms", "whole tick: connect + plan + probe"))]
+    write_result(
+        "tenant_tick",
+        title=f"the sensor's tick on a tenant-partitioned store: 1 vs {many} tenant partitions, {events:,} events",
+        facts=machine_facts(),
+        parameters={"events": events, "tenants": many, "repeats": REPEATS, "tail_rows": TAIL_ROWS},
+        columns=["what", "1 partition: median ms ← baseline", f"{many} partitions: median ms", f"{many} / 1"],
+        rows=rows,
+        figures=figures,
+        goals=[Goal(f"whole tick, {many} / 1 partitions", lots["whole_tick_ms"] / one["whole_tick_ms"], "<=", 1.5)],
+    )
+
+
+if __name__ == "__main__":
+    main()
