@@ -72,10 +72,12 @@ class _Projection:
         path = tables.table_path(warehouse, self.name)
         now = tables.table_version(spark, events_path)
         prev = tables.transaction_version(path, self.app_id)
+        if prev is not None and not tables.has_columns(path, self.key):
+            prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
             return ProjectionResult(_count(spark, path), now, prev, 0, 0)
         if prev is not None:
-            agg = self.aggregate(tables.rows_added(spark, events_path, prev, now)).cache()
+            agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
             try:
                 n, read = _figures(agg)
                 turn.confirm(path, self.app_id, prev)
@@ -90,7 +92,7 @@ class _Projection:
             finally:
                 agg.unpersist()
         # First run, a table of an older es_pipeline, or a change feed vacuumed away: build it whole.
-        agg = self.aggregate(tables.read(spark, events_path, version=now)).cache()
+        agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
         try:
             n, read = _figures(agg)
             turn.confirm(path, self.app_id, prev)
@@ -113,45 +115,49 @@ def _figures(agg: Any) -> tuple[int, int]:
     return int(row["keys"] or 0), int(row["events"] or 0)
 
 
+# Every projection is keyed by tenant first; `tenant` is their last column, where a table of an older
+# release (rebuilt whole once, see `_update`) would have taken it.
 def _catalog(events: Any) -> Any:
     from pyspark.sql import functions as F
 
-    return events.groupBy("stream_id").agg(
+    return events.groupBy("tenant", "stream_id").agg(
         F.first("stream_type").alias("stream_type"), F.min("recorded_at").alias("first_event_at"),
         F.max("version").alias("version"), F.count(F.lit(1)).alias("events"),
         F.max("recorded_at").alias("last_event_at"),
-    )
+    ).select("stream_id", "stream_type", "first_event_at", "version", "events", "last_event_at", "tenant")
 
 
 def _daily(events: Any) -> Any:
     from pyspark.sql import functions as F
 
-    return events.groupBy("stream_type", "event_type", "event_date").agg(F.count(F.lit(1)).alias("events"))
+    return events.groupBy("tenant", "stream_type", "event_type", "event_date").agg(
+        F.count(F.lit(1)).alias("events")).select("stream_type", "event_type", "event_date", "events", "tenant")
 
 
 def _catalog_arrow(events: pa.Table) -> pa.Table:
-    g = events.group_by("stream_id").aggregate([
+    g = tables.tenant_filled(events).group_by(["tenant", "stream_id"]).aggregate([
         ("stream_type", "min"), ("recorded_at", "min"), ("version", "max"), ("stream_id", "count"),
         ("recorded_at", "max")])
     return pa.table({
         "stream_id": g["stream_id"], "stream_type": g["stream_type_min"], "first_event_at": g["recorded_at_min"],
         "version": g["version_max"], "events": g["stream_id_count"].cast(pa.int64()),
-        "last_event_at": g["recorded_at_max"],
+        "last_event_at": g["recorded_at_max"], "tenant": g["tenant"],
     })
 
 
 def _daily_arrow(events: pa.Table) -> pa.Table:
-    g = events.group_by(["stream_type", "event_type", "event_date"]).aggregate([([], "count_all")])
+    g = tables.tenant_filled(events).group_by(["tenant", "stream_type", "event_type", "event_date"]).aggregate(
+        [([], "count_all")])
     return pa.table({"stream_type": g["stream_type"], "event_type": g["event_type"], "event_date": g["event_date"],
-                     "events": g["count_all"].cast(pa.int64())})
+                     "events": g["count_all"].cast(pa.int64()), "tenant": g["tenant"]})
 
 
 STREAM_CATALOG = _Projection(
     name="stream_catalog",
-    key=("stream_id",),
+    key=("tenant", "stream_id"),
     aggregate=_catalog,
     aggregate_arrow=_catalog_arrow,
-    columns=("stream_id", "stream_type", "recorded_at", "version"),
+    columns=("tenant", "stream_id", "stream_type", "recorded_at", "version"),
     updates={
         "first_event_at": "least(t.first_event_at, u.first_event_at)", "version": "greatest(t.version, u.version)",
         "events": "t.events + u.events", "last_event_at": "greatest(t.last_event_at, u.last_event_at)",
@@ -160,10 +166,10 @@ STREAM_CATALOG = _Projection(
 
 EVENT_TYPE_DAILY = _Projection(
     name="event_type_daily",
-    key=("stream_type", "event_type", "event_date"),
+    key=("tenant", "stream_type", "event_type", "event_date"),
     aggregate=_daily,
     aggregate_arrow=_daily_arrow,
-    columns=("stream_type", "event_type", "event_date"),
+    columns=("tenant", "stream_type", "event_type", "event_date"),
     updates={"events": "t.events + u.events"},
 )
 

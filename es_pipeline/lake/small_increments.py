@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from es_pipeline.lake.stream_state import StateResult
 
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
-_FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at"]
+_FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]
 _READ_COLUMNS = [*_FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
 
 
@@ -125,7 +125,7 @@ def update_projection(
         return None
     target = DeltaTable(path)
     prev = target.transaction_version(projection.app_id)
-    if prev is None:
+    if prev is None or not tables.has_columns(path, projection.key):
         return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
     feed = feed or Feed(events_path, list(projection.columns))
     now = feed.version
@@ -160,8 +160,8 @@ def update_stream_state(
         return None
     state = DeltaTable(state_path)
     read = state.transaction_version(st.APP_ID)
-    if read is None:
-        return None
+    if read is None or not tables.has_columns(state_path, st.KEY):
+        return None  # a first build, or a table made before tenants: Spark adds the column
     prev = int(read) // st._REVISION_SLOTS
     feed = feed or Feed(events_path, _READ_COLUMNS)
     now = feed.version
@@ -172,7 +172,7 @@ def update_stream_state(
     read_rows = feed.rows(prev, _READ_COLUMNS)
     if read_rows is None:
         return None
-    new = payloads.for_reducers(read_rows)
+    new = payloads.for_reducers(tables.tenant_filled(read_rows))
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
     whole = _files(state_path, state).to_table()
     revisions = current_revisions()
@@ -192,7 +192,7 @@ def update_stream_state(
     updates = out.drop_columns(["error", "folded"]).append_column(
         "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
     turn.confirm(state_path, st.APP_ID, int(read))
-    state.merge(updates, predicate="t.stream_id = u.stream_id", source_alias="u", target_alias="t",
+    state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in st.KEY), source_alias="u", target_alias="t",
                 commit_properties=_commit_properties(st.APP_ID, st._txn_version(now, REGISTRY))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
     parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
@@ -205,32 +205,34 @@ def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     stream's prior row (its state in `payload`, marked `is_prior`), sorted by stream, prior first, version."""
     schema = pa.schema([("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
                         ("event_type", pa.string()), ("payload", pa.string()),
-                        ("recorded_at", pa.timestamp("us", tz="UTC")), ("prior_skipped", pa.int32()),
-                        ("is_prior", pa.bool_())])
+                        ("recorded_at", pa.timestamp("us", tz="UTC")), ("tenant", pa.string()),
+                        ("prior_skipped", pa.int32()), ("is_prior", pa.bool_())])
     events = new.cast(pa.schema([schema.field(c) for c in _FOLD_COLUMNS]))
     n = events.num_rows
     parts = [events.append_column("prior_skipped", pa.nulls(n, pa.int32()))
              .append_column("is_prior", pa.array([False] * n))]
     p = prior.to_pydict()
     parked: list[tuple[Any, ...]] = []
-    for sid, stype, text in zip(p["stream_id"], p["stream_type"], p["parked"], strict=True):
+    for tenant, sid, stype, text in zip(p["tenant"], p["stream_id"], p["stream_type"], p["parked"], strict=True):
         for e in json.loads(text) if text else ():
             at = None if e["recorded_at"] is None else datetime.fromisoformat(str(e["recorded_at"]))
             parked.append((sid, stype, e["version"], e["event_type"], e["payload"],
-                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), None, False))
+                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False))
     if parked:
         parts.append(pa.Table.from_pylist([dict(zip(schema.names, r, strict=True)) for r in parked], schema=schema))
+    # Prior rows of the touched streams' ids (of any tenant: a superset, folded unchanged if untouched).
     touched = set(events["stream_id"].to_pylist()) | {r[0] for r in parked}
     keep = pc.is_in(prior["stream_id"], pa.array(sorted(touched), pa.string()))
     had = prior.filter(keep)
     parts.append(pa.table({
         "stream_id": had["stream_id"], "stream_type": had["stream_type"], "version": had["version"],
         "event_type": pa.nulls(had.num_rows, pa.string()), "payload": had["state"],
-        "recorded_at": had["last_event_at"], "prior_skipped": had["skipped"],
+        "recorded_at": had["last_event_at"], "tenant": had["tenant"], "prior_skipped": had["skipped"],
         "is_prior": pa.array([True] * had.num_rows),
     }, schema=schema))
     rows = pa.concat_tables([t.cast(schema) for t in parts])
-    return rows.sort_by([("stream_id", "ascending"), ("is_prior", "descending"), ("version", "ascending")])
+    return rows.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("is_prior", "descending"),
+                         ("version", "ascending")])
 
 
 def follow(warehouse: tables.Location, store: str | psycopg.Connection) -> dict[str, ProjectionResult | StateResult]:

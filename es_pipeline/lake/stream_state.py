@@ -33,13 +33,15 @@ from es_pipeline.lake.tables import Location
 
 APP_ID = "es_pipeline.stream_state"
 
+# Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
 STATE_DDL = (
     "stream_id STRING, stream_type STRING, version INT, state STRING, last_event_at TIMESTAMP, "
-    "revision INT, parked STRING, skipped INT, updated_at TIMESTAMP"
+    "revision INT, parked STRING, skipped INT, updated_at TIMESTAMP, tenant STRING"
 )
+KEY = ("tenant", "stream_id")
 _FOLD_OUT = (
     "stream_id STRING, stream_type STRING, version INT, state STRING, last_event_at TIMESTAMP, "
-    "revision INT, parked STRING, skipped INT, folded INT, error STRING"
+    "revision INT, parked STRING, skipped INT, folded INT, error STRING, tenant STRING"
 )
 _PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
 
@@ -78,8 +80,11 @@ def _txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
 class _StreamFold:
     """One stream's fold within a partition: its prior row (if any), then its events in version order."""
 
-    def __init__(self, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool) -> None:
-        self.stream_id, self.stream_type, self.reducer, self.skip_unknown = stream_id, stream_type, reducer, skip_unknown
+    def __init__(
+        self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
+    ) -> None:
+        self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
+        self.reducer, self.skip_unknown = reducer, skip_unknown
         self.state: dict[str, Any] = {}
         self.version = 0
         self.last_at: Any = None
@@ -122,7 +127,7 @@ class _StreamFold:
             json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
             self.reducer.revision if self.reducer else 0,
             json.dumps(self.parked, default=str) if self.parked else None,
-            self.skipped, self.folded, self.error,
+            self.skipped, self.folded, self.error, self.tenant,
         )
 
 
@@ -153,14 +158,14 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
         for batch in batches:
             c = batch.to_pydict()
             for i in range(batch.num_rows):
-                sid = c["stream_id"][i]
-                if current is None or current.stream_id != sid:
+                sid, tenant = c["stream_id"][i], c["tenant"][i]
+                if current is None or current.stream_id != sid or current.tenant != tenant:
                     if current is not None:
                         out.append(current.row())
                         if len(out) >= _OUT_BATCH_ROWS:
                             yield flush()
                     stype = c["stream_type"][i]
-                    current = _StreamFold(sid, stype, registry.get(stype), skip_unknown)
+                    current = _StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
                 if c["is_prior"][i]:
                     current.prior(c["payload"][i], c["version"][i], c["recorded_at"][i], c["prior_skipped"][i])
                 else:
@@ -177,7 +182,7 @@ def _fold_out_arrow_schema() -> Any:
     return pa.schema([
         ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
         ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
-        ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()),
+        ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
     ])
 
 
@@ -212,6 +217,9 @@ def _update_stream_state(
     events_path = tables.table_path(warehouse, "events")
     state_path = tables.table_path(warehouse, "stream_state")
     tables.ensure_table(spark, state_path, STATE_DDL, comment="es_pipeline: current state per stream")
+    if not tables.has_columns(state_path, ["tenant"]):  # made before tenants: every row is of no tenant ('')
+        spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (tenant STRING)")
+        spark.sql(f"UPDATE delta.`{state_path}` SET tenant = '' WHERE tenant IS NULL")
     now = tables.table_version(spark, events_path)
     read = tables.transaction_version(state_path, APP_ID)
     prev = -1 if read is None else read // _REVISION_SLOTS
@@ -226,7 +234,8 @@ def _update_stream_state(
     enc = F.col("payload_encoding")
     cols = ["stream_id", "stream_type", "version", "event_type",
             F.when(enc.isNull() | (enc == "json"), F.col("payload"))
-            .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at"]
+            .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at",
+            F.coalesce(F.col("tenant"), F.lit("")).alias("tenant")]
     if prev < 0 or (whole and prev < now):
         new = tables.read(spark, events_path, version=now).select(*cols)
     elif prev < now:
@@ -243,23 +252,23 @@ def _update_stream_state(
     prior = state.where(~F.col("stream_type").isin(stale)) if stale else state
     parked = (
         prior.where("parked IS NOT NULL")
-        .select("stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
-        .select("stream_id", "stream_type", "p.version", "p.event_type", "p.payload", "p.recorded_at")
+        .select("tenant", "stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
+        .select("stream_id", "stream_type", "p.version", "p.event_type", "p.payload", "p.recorded_at", "tenant")
     )
     todo = new.unionByName(parked)
-    touched = todo.select("stream_id").distinct()
+    touched = todo.select(*KEY).distinct()
     # The prior row of each touched stream travels with its events, marked and sorted first: its
     # state in `payload`, its version and last event time in theirs.
-    prior_rows = prior.join(touched, "stream_id", "left_semi").select(
+    prior_rows = prior.join(touched, list(KEY), "left_semi").select(
         "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
-        F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"),
+        F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"), "tenant",
         F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
     )
     rows = todo.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
         .unionByName(prior_rows)
     folded = (
-        rows.repartition("stream_id")
-        .sortWithinPartitions("stream_id", F.col("is_prior").desc(), "version")
+        rows.repartition(*KEY)
+        .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
         .mapInArrow(_fold_partitions(dict(REGISTRY), skip_unknown), _FOLD_OUT)
         .cache()
     )
@@ -275,7 +284,7 @@ def _update_stream_state(
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, APP_ID, read)
-        tables.merge_by_key(spark, state_path, updates, "stream_id", app_id=APP_ID, version=_txn_version(now, REGISTRY))
+        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=_txn_version(now, REGISTRY))
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),

@@ -223,6 +223,25 @@ def add_missing_columns(path: str, schema: pa.Schema) -> list[str]:
     return [f.name for f in new]
 
 
+def with_tenant(events: Any) -> Any:
+    """`events` with `tenant` never NULL: rows written before tenants were read read '' (no tenant)."""
+    from pyspark.sql import functions as F
+
+    return events.withColumn("tenant", F.coalesce(F.col("tenant"), F.lit("")))
+
+
+def tenant_filled(events: pa.Table) -> pa.Table:
+    """The same over Arrow rows."""
+    i = events.column_names.index("tenant")
+    return events.set_column(i, "tenant", pc.fill_null(events["tenant"].cast(pa.string()), ""))
+
+
+def has_columns(path: str, names: Sequence[str]) -> bool:
+    """Whether the Delta table at `path` has every column in `names` (read from its log)."""
+    held = set(DeltaTable(path).schema().to_arrow().names)
+    return all(n in held for n in names)
+
+
 def table_id(path: str) -> str:
     """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one.
 

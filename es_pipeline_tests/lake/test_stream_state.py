@@ -144,3 +144,40 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
     assert version == 3 and state["balance"] == 8.0
 
 
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["spark", "arrow"])
+def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: Any, warehouse: Path, small: bool) -> None:
+    """A stream id used by two tenants is two streams: stream_state, stream_catalog and event_type_daily are keyed
+    by (tenant, …), on the Spark fold and on the Arrow one; rows written before tenants (NULL) are no tenant ('')."""
+    from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+
+    path = str(warehouse / "events")
+    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+
+    def put(tenant: str | None, version: int, event_type: str, payload: dict[str, Any]) -> None:
+        spark.createDataFrame(
+            [(version, 1, "acc-1", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1,
+              "json", tenant)], tables.EVENTS_DDL,
+        ).write.format("delta").mode("append").save(path)
+
+    put("a", 1, "Opened", {"owner": "a", "currency": "EUR"})
+    put("b", 1, "Opened", {"owner": "b", "currency": "USD"})
+    put(None, 1, "Opened", {"owner": "none", "currency": "CHF"})
+    for update in (update_stream_state, update_stream_catalog, update_event_type_daily):
+        update(spark, warehouse, small_increments=False)  # the first build is Spark's
+    put("a", 2, "Deposited", {"amount": 10})
+    put("b", 2, "Deposited", {"amount": 5})
+    put("b", 3, "Deposited", {"amount": 1})
+    assert update_stream_state(spark, warehouse, small_increments=small).events_folded == 3
+    update_stream_catalog(spark, warehouse, small_increments=small)
+    update_event_type_daily(spark, warehouse, small_increments=small)
+
+    state = {r["tenant"]: (r["version"], json.loads(r["state"])) for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
+    assert {t: (v, s["owner"], s["balance"]) for t, (v, s) in state.items()} == {
+        "a": (2, "a", 10.0), "b": (3, "b", 6.0), "": (1, "none", 0.0)}
+    catalog = {(r["tenant"], r["stream_id"]): (r["version"], r["events"])
+               for r in tables.read(spark, str(warehouse / "stream_catalog")).collect()}
+    assert catalog == {("a", "acc-1"): (2, 2), ("b", "acc-1"): (3, 3), ("", "acc-1"): (1, 1)}
+    daily = {(r["tenant"], r["event_type"]): r["events"] for r in tables.read(spark, str(warehouse / "event_type_daily")).collect()}
+    assert daily == {("a", "Opened"): 1, ("a", "Deposited"): 1, ("b", "Opened"): 1, ("b", "Deposited"): 2, ("", "Opened"): 1}

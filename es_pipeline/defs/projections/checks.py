@@ -6,7 +6,7 @@ import dagster as dg
 
 from es_pipeline.defs.resources import SparkResource, WarehouseResource
 from es_pipeline.lake import tables
-from es_pipeline.lake.stream_state import folded_version
+from es_pipeline.lake.stream_state import KEY, folded_version
 
 
 @dg.asset_check(
@@ -20,10 +20,10 @@ def stream_state_version_matches_events(spark: SparkResource, warehouse: Warehou
     if folded is None:
         return dg.AssetCheckResult(passed=True, metadata={"streams_off": 0, "note": "stream_state not built yet"})
     state_version, events_version = folded
-    events = tables.read(s, tables.table_path(warehouse.root, "events"), version=events_version).groupBy(
-        "stream_id").agg({"version": "max"}).withColumnRenamed("max(version)", "max_version")
+    events = tables.with_tenant(tables.read(s, tables.table_path(warehouse.root, "events"), version=events_version)) \
+        .groupBy(*KEY).agg({"version": "max"}).withColumnRenamed("max(version)", "max_version")
     state = tables.read(s, state_path, version=state_version)
-    bad = state.join(events, "stream_id", "full_outer").where(
+    bad = state.join(events, list(KEY), "full_outer").where(
         "parked IS NULL AND (version IS NULL OR max_version IS NULL OR version <> max_version)")
     n = int(bad.count())
     return dg.AssetCheckResult(
