@@ -32,10 +32,12 @@ from es_pipeline.store.event_store import EventStore, Snapshot
 SMALL_SNAPSHOTS = 200_000  # streams in stream_state at most; above, Spark takes the snapshots
 SMALL_SNAPSHOT_ROWS = 2_000_000  # snapshots in the lake at most (they are read whole)
 APP_ID = "es_pipeline.snapshots"
-_COLUMNS = ["stream_id", "stream_type", "version", "state", "revision"]
+_COLUMNS = ["stream_id", "stream_type", "version", "state", "revision", "tenant"]  # read from state and snapshots
+_KEY = ["tenant", "stream_id"]
 SCHEMA = pa.schema([
     pa.field("stream_id", pa.string()), pa.field("stream_type", pa.string()), pa.field("version", pa.int32()),
     pa.field("state", pa.string()), pa.field("revision", pa.int32()), pa.field("taken_at", pa.timestamp("us", tz="UTC")),
+    pa.field("tenant", pa.string()),  # last: where a table made before tenants takes it
 ])
 
 
@@ -45,12 +47,12 @@ def take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple[
     snap_path = tables.table_path(warehouse, "snapshots")
     tables.ensure_table_arrow(snap_path, SCHEMA, comment="es_pipeline: snapshots taken per stream and version")
     snap = DeltaTable(snap_path)
-    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS:
-        return None
+    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap_path, _KEY):
+        return None  # (a table made before tenants: Spark adds the column)
     if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
         return 0, _write_back(latest(_files(snap_path, snap).to_table(columns=_COLUMNS)), store), -1
     state = DeltaTable(state_path)
-    if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS:
+    if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state_path, _KEY):
         return None
     state_version = state.version()
     with one_at_a_time(store.dsn, "snapshots") as turn:
@@ -74,7 +76,7 @@ def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | Non
     if not tables.is_delta_table(snap_path):
         return pa.table({c: pa.array([], SCHEMA.field(c).type) for c in _COLUMNS})
     snap = DeltaTable(snap_path)
-    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS:
+    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap_path, _KEY):
         return None
     return _missing(latest(_files(snap_path, snap).to_table(columns=_COLUMNS)), store)
 
@@ -83,36 +85,41 @@ def latest(snapshots: pa.Table) -> pa.Table:
     """Each stream's latest snapshot: the highest version, then revision (Spark's `max(struct(version, revision))`)."""
     if snapshots.num_rows < 2:
         return snapshots
-    s = snapshots.sort_by([("stream_id", "ascending"), ("version", "descending"), ("revision", "descending")])
-    ids = s["stream_id"].combine_chunks()
-    first = pa.concat_arrays([pa.array([True]), pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1))])
-    return s.filter(first)
+    s = snapshots.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("version", "descending"),
+                           ("revision", "descending")])
+    ids, tenants = s["stream_id"].combine_chunks(), s["tenant"].combine_chunks()
+    n = len(ids)
+    changed = pc.or_(pc.not_equal(ids.slice(1), ids.slice(0, n - 1)), pc.not_equal(tenants.slice(1), tenants.slice(0, n - 1)))
+    return s.filter(pa.concat_arrays([pa.array([True]), changed]))
 
 
 def _due(state: pa.Table, last: pa.Table, threshold: int) -> pa.Table:
     """The rows of `state` to snapshot now, with their `taken_at`, in the table's schema."""
-    last = last.select(["stream_id", "version", "revision"]).rename_columns(["stream_id", "last_version", "last_revision"])
-    j = state.join(last, keys="stream_id", join_type="left outer")
+    last = last.select([*_KEY, "version", "revision"]).rename_columns([*_KEY, "last_version", "last_revision"])
+    j = state.join(last, keys=_KEY, join_type="left outer")
     version, last_version = j["version"], j["last_version"]
     grown = pc.and_kleene(pc.is_null(last_version), pc.greater_equal(version, threshold))
     grown = pc.or_kleene(grown, pc.greater_equal(pc.subtract(version, last_version), threshold))
     revised = pc.not_equal(j["last_revision"], j["revision"])
     due = j.filter(pc.and_kleene(pc.greater(version, 0), pc.or_kleene(grown, revised)))  # null: not due (as Spark)
     taken_at = pa.array([datetime.now(UTC)] * due.num_rows, SCHEMA.field("taken_at").type)
-    return due.select(_COLUMNS).append_column("taken_at", taken_at).cast(SCHEMA)
+    return due.select(_COLUMNS[:-1]).append_column("taken_at", taken_at).append_column("tenant", due["tenant"]).cast(SCHEMA)
 
 
 def _missing(latest_rows: pa.Table, store: EventStore) -> pa.Table:
-    held = {s: (v, r) for s, v, r in store.snapshot_keys()}
-    keep = [held.get(s) != (v, r) for s, v, r in zip(latest_rows["stream_id"].to_pylist(), latest_rows["version"].to_pylist(),
-                                                      latest_rows["revision"].to_pylist(), strict=True)]
+    held = {(t, s): (v, r) for t, s, v, r in store.snapshot_keys()}
+    keep = [held.get((t, s)) != (v, r) for t, s, v, r in zip(
+        latest_rows["tenant"].to_pylist(), latest_rows["stream_id"].to_pylist(), latest_rows["version"].to_pylist(),
+        latest_rows["revision"].to_pylist(), strict=True)]
     return latest_rows.filter(pa.array(keep, pa.bool_()))
 
 
 def _write_back(latest_rows: pa.Table, store: EventStore) -> int:
+    if not store.has_snapshots_table():  # an adopted framework's store: the snapshots stay in the lake
+        return 0
     missing = _missing(latest_rows, store)
     return store.write_snapshots(
-        Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
+        Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"], r["tenant"])
         for r in missing.to_pylist()
     )
 

@@ -20,7 +20,9 @@ from es_pipeline.lake.tables import Location
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 APP_ID = "es_pipeline.snapshots"
-SNAPSHOTS_DDL = "stream_id STRING, stream_type STRING, version INT, state STRING, revision INT, taken_at TIMESTAMP"
+SNAPSHOTS_DDL = ("stream_id STRING, stream_type STRING, version INT, state STRING, revision INT, taken_at TIMESTAMP, "
+                 "tenant STRING")
+KEY = ["tenant", "stream_id"]
 DEFAULT_THRESHOLD = 50
 
 
@@ -53,13 +55,16 @@ def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, thresho
     state_path = tables.table_path(warehouse, "stream_state")
     snap_path = tables.table_path(warehouse, "snapshots")
     tables.ensure_table(spark, snap_path, SNAPSHOTS_DDL, comment="es_pipeline: snapshots taken per stream and version")
+    if not tables.has_columns(snap_path, KEY):  # made before tenants: every snapshot is of no tenant ('')
+        spark.sql(f"ALTER TABLE delta.`{snap_path}` ADD COLUMNS (tenant STRING)")
+        spark.sql(f"UPDATE delta.`{snap_path}` SET tenant = '' WHERE tenant IS NULL")
     if not tables.is_delta_table(state_path):
         return SnapshotResult(0, write_back(spark, warehouse, store), -1)
     state_version = tables.table_version(spark, state_path)
     state = tables.read(spark, state_path, version=state_version)
-    last = tables.read(spark, snap_path).groupBy("stream_id").agg(F.max(F.struct("version", "revision")).alias("last"))
+    last = tables.read(spark, snap_path).groupBy(*KEY).agg(F.max(F.struct("version", "revision")).alias("last"))
     due = (
-        state.join(last, "stream_id", "left")
+        state.join(last, KEY, "left")
         .where(
             (F.col("version") > 0)
             & (
@@ -69,7 +74,8 @@ def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, thresho
                 | (F.col("last.revision") != F.col("revision"))
             )
         )
-        .select("stream_id", "stream_type", "version", "state", "revision", F.current_timestamp().alias("taken_at"))
+        .select("stream_id", "stream_type", "version", "state", "revision", F.current_timestamp().alias("taken_at"),
+                "tenant")
         .cache()
     )
     try:
@@ -91,14 +97,16 @@ def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
 
     snap_path = tables.table_path(warehouse, "snapshots")
     if not tables.is_delta_table(snap_path):  # no snapshot taken yet: none to write back
-        return spark.createDataFrame([], "stream_id STRING, stream_type STRING, version INT, state STRING, revision INT")
+        return spark.createDataFrame(
+            [], "stream_id STRING, stream_type STRING, version INT, state STRING, revision INT, tenant STRING")
     latest = (
-        tables.read(spark, snap_path).groupBy("stream_id")
+        tables.read(spark, snap_path).groupBy(*KEY)
         .agg(F.max(F.struct("version", "revision", "stream_type", "state")).alias("s"))
-        .select("stream_id", "s.stream_type", "s.version", "s.state", "s.revision")
+        .select("stream_id", "s.stream_type", "s.version", "s.state", "s.revision", "tenant")
     )
-    held = spark.createDataFrame(store.snapshot_keys(), "stream_id STRING, held_version INT, held_revision INT")
-    return latest.join(held, "stream_id", "left").where(
+    held = spark.createDataFrame(store.snapshot_keys(),
+                                 "tenant STRING, stream_id STRING, held_version INT, held_revision INT")
+    return latest.join(held, KEY, "left").where(
         F.col("held_version").isNull() | (F.col("held_version") != F.col("version"))
         | (F.col("held_revision") != F.col("revision"))
     ).drop("held_version", "held_revision")
@@ -106,8 +114,10 @@ def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
 
 def write_back(spark: Any, warehouse: Location, store: EventStore) -> int:
     """Upsert into the store's snapshot table every latest snapshot of the lake it does not hold; the count."""
+    if not store.has_snapshots_table():  # an adopted framework's store: the snapshots stay in the lake
+        return 0
     missing = not_in_store(spark, warehouse, store)
     return store.write_snapshots(
-        Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
+        Snapshot(r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"], r["tenant"])
         for r in missing.toLocalIterator()
     )

@@ -50,6 +50,7 @@ class Snapshot:
     version: int
     state: dict[str, Any]
     revision: int
+    tenant: str = ""  # '' in a store without tenants
 
 
 State = dict[str, Any]
@@ -213,24 +214,34 @@ class EventStore:
         assert row is not None
         return int(row[0])
 
-    def read_snapshot(self, stream_id: str, conn: psycopg.Connection | None = None) -> Snapshot | None:
+    def read_snapshot(
+        self, stream_id: str, conn: psycopg.Connection | None = None, *, tenant: str = ""
+    ) -> Snapshot | None:
         query = sql.SQL(
-            "SELECT stream_id, stream_type, version, state, revision FROM {}.snapshots WHERE stream_id = %s"
+            "SELECT stream_id, stream_type, version, state, revision, tenant FROM {}.snapshots "
+            "WHERE tenant = %s AND stream_id = %s"
         ).format(self._s)
         if conn is None:
             with self.connect() as own:
-                row = own.execute(query, (stream_id,)).fetchone()
+                row = own.execute(query, (tenant, stream_id)).fetchone()
         else:
-            row = conn.execute(query, (stream_id,)).fetchone()
+            row = conn.execute(query, (tenant, stream_id)).fetchone()
         return Snapshot(*row) if row else None
 
-    def snapshot_keys(self) -> list[tuple[str, int, int]]:
-        """(stream_id, version, revision) of every snapshot the store holds."""
+    def has_snapshots_table(self) -> bool:
+        """Whether the store has its snapshots table (`<schema>.snapshots`: the native store's; an adopted
+        framework's store has none, and its snapshots stay in the lake)."""
+        with self.connect() as conn:
+            row = conn.execute("SELECT to_regclass(%s)", (sql.Identifier(self.schema, "snapshots").as_string(conn),)).fetchone()
+        return row is not None and row[0] is not None
+
+    def snapshot_keys(self) -> list[tuple[str, str, int, int]]:
+        """(tenant, stream_id, version, revision) of every snapshot the store holds."""
         with self.connect() as conn:
             rows = conn.execute(
-                sql.SQL("SELECT stream_id, version, revision FROM {}.snapshots").format(self._s)
+                sql.SQL("SELECT tenant, stream_id, version, revision FROM {}.snapshots").format(self._s)
             ).fetchall()
-        return [(str(s), int(v), int(r)) for s, v, r in rows]
+        return [(str(t), str(s), int(v), int(r)) for t, s, v, r in rows]
 
     def load(self, stream_id: str, fold: Fold, *, revision: int, initial: State | None = None) -> tuple[State, int]:
         """State of a stream = its snapshot (if taken by this `revision`) + the events after it.
@@ -254,14 +265,14 @@ class EventStore:
     def write_snapshots(self, snapshots: Iterable[Snapshot], conn: psycopg.Connection | None = None) -> int:
         """Upsert snapshots; an older version never overwrites a newer one of the same revision."""
         rows = [
-            (s.stream_id, s.stream_type, s.version, json.dumps(s.state), s.revision) for s in snapshots
+            (s.tenant, s.stream_id, s.stream_type, s.version, json.dumps(s.state), s.revision) for s in snapshots
         ]
         if not rows:
             return 0
         query = sql.SQL(
-            "INSERT INTO {s}.snapshots AS t (stream_id, stream_type, version, state, revision) "
-            "VALUES (%s, %s, %s, %s::jsonb, %s) "
-            "ON CONFLICT (stream_id) DO UPDATE SET stream_type = excluded.stream_type, "
+            "INSERT INTO {s}.snapshots AS t (tenant, stream_id, stream_type, version, state, revision) "
+            "VALUES (%s, %s, %s, %s, %s::jsonb, %s) "
+            "ON CONFLICT (tenant, stream_id) DO UPDATE SET stream_type = excluded.stream_type, "
             "version = excluded.version, state = excluded.state, revision = excluded.revision, taken_at = now() "
             "WHERE excluded.revision <> t.revision OR excluded.version > t.version"
         ).format(s=self._s)

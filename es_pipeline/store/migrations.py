@@ -194,6 +194,19 @@ CREATE TABLE IF NOT EXISTS es_pipeline.lake_commits (
     ),
 )
 
+MIGRATIONS += (
+    Migration(
+        7,
+        "snapshots: keyed by (tenant, stream_id)",
+        """
+-- A stream id may be used by two tenants; '' is the tenant of a store without tenants.
+ALTER TABLE {schema}.snapshots ADD COLUMN tenant text NOT NULL DEFAULT '';
+ALTER TABLE {schema}.snapshots DROP CONSTRAINT snapshots_pkey;
+ALTER TABLE {schema}.snapshots ADD PRIMARY KEY (tenant, stream_id);
+""",
+    ),
+)
+
 # What an existing table must look like for us to adopt it instead of refusing.
 EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
     "streams": {"stream_id": "text", "stream_type": "text", "version": "integer"},

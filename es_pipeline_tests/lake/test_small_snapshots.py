@@ -22,12 +22,14 @@ from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
 
 
-def test_latest_is_the_highest_version_then_revision_per_stream() -> None:
-    rows = pa.table({"stream_id": ["a", "b", "a", "a", "b"], "version": [5, 3, 9, 9, 3], "revision": [1, 1, 1, 2, 4],
-                     "state": ["a5", "b3r1", "a9r1", "a9r2", "b3r4"]})
-    assert sorted(latest(rows).to_pylist(), key=lambda r: r["stream_id"]) == [
-        {"stream_id": "a", "version": 9, "revision": 2, "state": "a9r2"},
-        {"stream_id": "b", "version": 3, "revision": 4, "state": "b3r4"},
+def test_latest_is_the_highest_version_then_revision_per_stream_and_tenant() -> None:
+    rows = pa.table({"stream_id": ["a", "b", "a", "a", "b", "a"], "version": [5, 3, 9, 9, 3, 2],
+                     "revision": [1, 1, 1, 2, 4, 1], "state": ["a5", "b3r1", "a9r1", "a9r2", "b3r4", "t2a2"],
+                     "tenant": ["", "", "", "", "", "t2"]})
+    assert sorted(latest(rows).to_pylist(), key=lambda r: (r["tenant"], r["stream_id"])) == [
+        {"stream_id": "a", "version": 9, "revision": 2, "state": "a9r2", "tenant": ""},
+        {"stream_id": "b", "version": 3, "revision": 4, "state": "b3r4", "tenant": ""},
+        {"stream_id": "a", "version": 2, "revision": 1, "state": "t2a2", "tenant": "t2"},
     ]
 
 
