@@ -488,14 +488,14 @@ def counts_below_watermarks(
 
 def events_below_watermarks(
     conn: psycopg.Connection, source: Source | str, consumer: str, stream_ids: Sequence[str]
-) -> list[tuple[str, int]]:
-    """(stream_id, version) of the events of these streams that lie below their slice's watermark."""
+) -> list[tuple[str, str, int]]:
+    """(tenant, stream_id, version) of the events of these streams that lie below their slice's watermark."""
     rows = conn.execute(
         sql.SQL(
-            "SELECT e.stream_id, e.version FROM {} e "
+            "SELECT e.tenant, e.stream_id, e.version FROM {} e "
             "LEFT JOIN es_pipeline.offsets o ON o.consumer = %s AND o.slice = e.slice "
             "WHERE e.stream_id = ANY(%s) AND e.tx_id < coalesce(o.watermark, '0'::xid8)"
         ).format(as_source(source).relation_sql()),
         (consumer, list(stream_ids)),
     ).fetchall()
-    return [(str(s), int(v)) for s, v in rows]
+    return [(str(t), str(s), int(v)) for t, s, v in rows]

@@ -38,7 +38,7 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
 def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, *, version: int | None = None) -> Any:
     """The `events` table (at `version`, default the newest), or the rows of the scope's slices (the files of
     other ranges are skipped by their slice statistics: a batch holds one range's slices)."""
-    df = tables.read(spark, tables.table_path(warehouse, "events"), version=version)
+    df = tables.with_tenant(tables.read(spark, tables.table_path(warehouse, "events"), version=version))
     return df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
 
 
@@ -46,13 +46,13 @@ def _scope_label(scope: SliceRange | None) -> str:
     return "every slice" if scope is None else f"slices {scope.key}"
 
 
-@dg.asset_check(asset="events", blocking=True, description="No (stream_id, version) appears twice in the lake.")
+@dg.asset_check(asset="events", blocking=True, description="No (tenant, stream_id, version) appears twice in the lake.")
 def events_no_duplicates(
     context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
     df = _lake(spark.spark_session, warehouse.root, scope)
-    dups = df.groupBy("stream_id", "version").count().where("count > 1")
+    dups = df.groupBy("tenant", "stream_id", "version").count().where("count > 1")
     n = int(dups.count())
     sample = [f"{r['stream_id']}@{r['version']}" for r in dups.limit(5).collect()]
     return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample),
@@ -70,7 +70,7 @@ def events_versions_contiguous(
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
     df = _lake(spark.spark_session, warehouse.root, scope)
-    gaps = df.groupBy("stream_id").agg({"version": "max", "stream_id": "count"}).where(
+    gaps = df.groupBy("tenant", "stream_id").agg({"version": "max", "stream_id": "count"}).where(
         "`max(version)` <> `count(stream_id)`"
     ).limit(10_000).collect()
     if not gaps:
@@ -79,12 +79,14 @@ def events_versions_contiguous(
     source = event_store.events_source()
     with connect(event_store.dsn) as conn:
         due = offsets.events_below_watermarks(conn, source, source.consumer, ids)
-    have = {(r["stream_id"], r["version"]) for r in df.where(df.stream_id.isin(ids)).select("stream_id", "version").collect()}
+    have = {(r["tenant"], r["stream_id"], r["version"])
+            for r in df.where(df.stream_id.isin(ids)).select("tenant", "stream_id", "version").collect()}
     missing = sorted(set(due) - have)
     return dg.AssetCheckResult(
         passed=not missing,
         metadata={"streams_with_gaps": len(ids), "missing_below_watermark": len(missing),
-                  "examples": ", ".join(f"{s}@{v}" for s, v in missing[:5]), "scope": _scope_label(scope)},
+                  "examples": ", ".join(f"{t + '/' if t else ''}{s}@{v}" for t, s, v in missing[:5]),
+                  "scope": _scope_label(scope)},
     )
 
 
