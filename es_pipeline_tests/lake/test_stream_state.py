@@ -181,3 +181,23 @@ def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: A
     assert catalog == {("a", "acc-1"): (2, 2), ("b", "acc-1"): (3, 3), ("", "acc-1"): (1, 1)}
     daily = {(r["tenant"], r["event_type"]): r["events"] for r in tables.read(spark, str(warehouse / "event_type_daily")).collect()}
     assert daily == {("a", "Opened"): 1, ("a", "Deposited"): 1, ("b", "Opened"): 1, ("b", "Deposited"): 2, ("", "Opened"): 1}
+
+
+def test_a_stream_state_made_before_tenants_takes_the_column_and_keeps_its_rows(spark: Any, warehouse: Path) -> None:
+    """An older release's stream_state (no `tenant`) is migrated by the next update: its rows become tenant ''
+    and are folded on, not duplicated."""
+    path = str(warehouse / "events")
+    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+    spark.createDataFrame([(1, 1, "acc-o", "account", 1, 1, "Opened", json.dumps({"owner": "o", "currency": "EUR"}),
+                            "{}", None, None, 1, None, None)], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
+    update_stream_state(spark, warehouse, small_increments=False)
+    state_path = str(warehouse / "stream_state")
+    old = tables.read(spark, state_path).drop("tenant")  # what a release before tenants left
+    old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(state_path)
+    assert not tables.has_columns(state_path, ["tenant"])
+    spark.createDataFrame([(2, 2, "acc-o", "account", 2, 1, "Deposited", json.dumps({"amount": 3}), "{}", None, None, 2,
+                            "json", "")], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
+    update_stream_state(spark, warehouse)
+    rows = tables.read(spark, state_path).collect()
+    assert [(r["tenant"], r["stream_id"], r["version"], json.loads(r["state"])["balance"]) for r in rows] == [
+        ("", "acc-o", 2, 3.0)]
