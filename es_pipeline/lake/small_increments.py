@@ -125,7 +125,7 @@ def update_projection(
         return None
     target = DeltaTable(path)
     prev = target.transaction_version(projection.app_id)
-    if prev is None or not tables.has_columns(path, projection.key):
+    if prev is None or not tables.has_columns(target, projection.key):
         return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
     feed = feed or Feed(events_path, list(projection.columns))
     now = feed.version
@@ -160,7 +160,7 @@ def update_stream_state(
         return None
     state = DeltaTable(state_path)
     read = state.transaction_version(st.APP_ID)
-    if read is None or not tables.has_columns(state_path, st.KEY):
+    if read is None or not tables.has_columns(state, st.KEY):
         return None  # a first build, or a table made before tenants: Spark adds the column
     prev = int(read) // st._REVISION_SLOTS
     feed = feed or Feed(events_path, _READ_COLUMNS)

@@ -47,12 +47,12 @@ def take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple[
     snap_path = tables.table_path(warehouse, "snapshots")
     tables.ensure_table_arrow(snap_path, SCHEMA, comment="es_pipeline: snapshots taken per stream and version")
     snap = DeltaTable(snap_path)
-    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap_path, _KEY):
+    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, _KEY):
         return None  # (a table made before tenants: Spark adds the column)
     if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
         return 0, _write_back(latest(_files(snap_path, snap).to_table(columns=_COLUMNS)), store), -1
     state = DeltaTable(state_path)
-    if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state_path, _KEY):
+    if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state, _KEY):
         return None
     state_version = state.version()
     with one_at_a_time(store.dsn, "snapshots") as turn:
@@ -76,7 +76,7 @@ def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | Non
     if not tables.is_delta_table(snap_path):
         return pa.table({c: pa.array([], SCHEMA.field(c).type) for c in _COLUMNS})
     snap = DeltaTable(snap_path)
-    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap_path, _KEY):
+    if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, _KEY):
         return None
     return _missing(latest(_files(snap_path, snap).to_table(columns=_COLUMNS)), store)
 

@@ -212,19 +212,18 @@ def add_missing_columns(path: str, schema: pa.Schema) -> list[str]:
     commit, no file rewritten; its earlier rows read the new columns as NULL.
     """
     table = DeltaTable(path)
-    held = set(table.schema().to_arrow().names)
-    new = [f for f in schema if f.name not in held]
+    new = [f for f in schema if not has_columns(table, [f.name])]
     if new:
         try:
             table.alter.add_columns([Field.from_arrow(f.with_nullable(True)) for f in new])
         except Exception:  # noqa: BLE001 - a concurrent writer added them first; anything else re-raises
-            if set(f.name for f in new) - set(DeltaTable(path).schema().to_arrow().names):
+            if not has_columns(path, [f.name for f in new]):
                 raise
     return [f.name for f in new]
 
 
 def with_tenant(events: Any) -> Any:
-    """`events` with `tenant` never NULL: rows written before tenants were read read '' (no tenant)."""
+    """`events` with `tenant` never NULL: rows written before tenants existed read '' (no tenant)."""
     from pyspark.sql import functions as F
 
     return events.withColumn("tenant", F.coalesce(F.col("tenant"), F.lit("")))
@@ -236,9 +235,9 @@ def tenant_filled(events: pa.Table) -> pa.Table:
     return events.set_column(i, "tenant", pc.fill_null(events["tenant"].cast(pa.string()), ""))
 
 
-def has_columns(path: str, names: Sequence[str]) -> bool:
-    """Whether the Delta table at `path` has every column in `names` (read from its log)."""
-    held = set(DeltaTable(path).schema().to_arrow().names)
+def has_columns(table: str | DeltaTable, names: Sequence[str]) -> bool:
+    """Whether the Delta table (a path, read from its log, or one loaded already) has every column in `names`."""
+    held = set((DeltaTable(table) if isinstance(table, str) else table).schema().to_arrow().names)
     return all(n in held for n in names)
 
 
