@@ -32,17 +32,17 @@ from es_pipeline.errors import (
 )
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import tables
-from es_pipeline.source.mapping import Source, as_source
+from es_pipeline.source.mapping import Source, as_source, native
 from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
 
-# The consumer whose sink is the Delta `events` table (the only one today; the key leaves room for more).
-EVENTS_CONSUMER = "events"  # the `events` table's consumer for the default store schema, `es`
+# The consumer whose sink is the Delta `events` table, for the native store in `es` (`Source.consumer` names
+# every source's: its offsets, sinks, batches and lock keys are its own).
+EVENTS_CONSUMER = native().consumer
 
 
 def events_consumer(schema: str) -> str:
-    """The consumer that extracts the store in `schema`: its offsets, sinks, batches and lock keys are its
-    own, so two stores in one database (two schemas) never share them. `es` keeps the plain name."""
-    return EVENTS_CONSUMER if schema == "es" else f"{EVENTS_CONSUMER}:{schema}"
+    """The consumer that extracts the native store in `schema` (`Source.consumer`)."""
+    return native(schema).consumer
 
 
 def lock_namespace(consumer: str) -> int:

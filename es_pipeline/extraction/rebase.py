@@ -37,6 +37,7 @@ class Rebase:
 
 def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> Rebase | None:
     """Rebase `consumer` onto the store's cluster; None if its offsets already count this cluster's ids."""
+    source = as_source(source)
     with OffsetSession(dsn, consumer, run_id="offsets-rebase", label="offsets rebase") as session:
         session.lock(range(NUM_SLICES), "all slices")
         try:
@@ -45,8 +46,8 @@ def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> R
         except (SourceChanged, XidSpaceWentBack):
             pass
         lake_keys = tables.event_keys(events_path)
-        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, as_source(source)))
+        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, source))
         if missing.num_rows:
             raise RebaseRefused(events_path, missing.num_rows, f"{missing['stream_id'][0]}@{missing['version'][0]}")
-        cluster, below, n = mark_rebased(session.conn, as_source(source), consumer)
+        cluster, below, n = mark_rebased(session.conn, source, consumer)
         return Rebase(cluster, below, lake_keys.num_rows, n)

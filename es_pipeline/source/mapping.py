@@ -23,7 +23,7 @@ from psycopg import sql
 
 from es_pipeline.errors import ConfigError
 
-NUM_SLICES = 1024
+NUM_SLICES = 1024  # extraction.slices.NUM_SLICES (that layer is above this one)
 PAYLOAD_FORMATS = ("json", "text", "bytes")  # bytes: UTF-8 JSON lands as JSON, anything else as base64
 NO_TENANT = "''"  # the tenant of a store without tenants: the empty string (never NULL: it is part of keys)
 
@@ -82,8 +82,9 @@ class Source:
 
     @property
     def consumer(self) -> str:
-        """The consumer whose offsets, batches and lock keys belong to this source. The native store keeps its
-        historical names (`events`, `events:<schema>`); another table is named by its schema and table."""
+        """The consumer whose offsets, batches and lock keys belong to this source, so that two stores in one
+        database never share them. The native store keeps its historical names (`events` in `es`,
+        `events:<schema>`); another table is named by its schema and table."""
         if self.native:
             return "events" if self.schema == "es" else f"events:{self.schema}"
         return f"events:{self.schema}.{self.table}"
