@@ -33,7 +33,7 @@ def _source() -> Source:
     return Source(
         name="tenant-bench", schema="app", table="Event", stream_id='"StreamId"', version='"Version"',
         event_type='"Type"', payload='"Data"', recorded_at='"LogDate"', global_position='"SequenceNum"',
-        tenant='"TenantId"', stream_type="'cart'", tenant_partition_column="TenantId",
+        tenant='"TenantId"', stream_type="'cart'",
         columns=("SequenceNum", "TenantId", "StreamId", "Version", "Type", "Data", "LogDate"),
     )
 

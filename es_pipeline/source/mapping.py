@@ -58,8 +58,6 @@ class Source:
     columns: tuple[str, ...] = ()
     # Other tables of the same schema the expressions read (the extractor role is granted SELECT on them too).
     also_reads: tuple[str, ...] = ()
-    # The column the table is LIST-partitioned by, if its partitions are tenants (`tenant erase` drops one).
-    tenant_partition_column: str | None = None
     native: bool = False  # es_pipeline's own store (`es.events`), created by `db migrate`
 
     def __post_init__(self) -> None:
@@ -151,7 +149,6 @@ def emmett(schema: str = "public") -> Source:
         global_position="global_position", tenant="partition", filter="message_kind = 'E'",
         columns=("stream_id", "stream_position", "global_position", "transaction_id", "message_type",
                  "message_data", "message_metadata", "created", "partition", "message_kind"),
-        tenant_partition_column="partition",
     )
 
 
@@ -204,7 +201,6 @@ def marten(schema: str = "public") -> Source:
         columns=("seq_id", "id", "stream_id", "version", "data", "type", "timestamp", "tenant_id",
                  "mt_dotnet_type", "is_archived"),
         also_reads=("mt_streams",),
-        tenant_partition_column="tenant_id",
     )
 
 

@@ -136,7 +136,6 @@ metadata = '"Meta"'
 recorded_at = '"LogDate"'
 global_position = '"SequenceNum"'
 tenant = '"TenantId"'
-tenant_partition_column = 'TenantId'
 columns = ["SequenceNum", "TenantId", "StreamId", "Version", "Type", "Meta", "Data", "LogDate"]
 """
 
