@@ -4,6 +4,7 @@ and extracted over and over; the lake must equal the table event by event."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import random
@@ -215,9 +216,11 @@ def _write_concurrently(dsn: str, append: Append, stop_after: threading.Event) -
     return threads
 
 
-def _extract_while_written(
-    dsn: StoreDsn, source: Source, append: Append, warehouse: Path
-) -> list[dict[str, object]]:
+def _lands_once(dsn: StoreDsn, ddl: str, source: Source, append: Append, warehouse: Path) -> list[dict[str, object]]:
+    """The table made by `ddl`, written concurrently by `append`, adopted and extracted while written: the lake's
+    rows, once they were checked to be the table's events (through the mapping), each once."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(ddl)  # type: ignore[arg-type]
     first = threading.Event()
     threads = _write_concurrently(dsn, append, first)
     adopted = adopt(dsn, source, echo=lambda _: None)  # while the writers append
@@ -232,7 +235,10 @@ def _extract_while_written(
     extractor.run(SliceRange(0, 1023), run_id="final")
     assert runs >= 2, "the writers finished before a second extraction: the test saw no concurrency"
     assert not adopt(dsn, source, echo=lambda _: None).changed  # adopting twice changes nothing
-    return DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()
+    rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()
+    assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
+    assert _lake_keys(rows) == _source_rows(dsn, source)
+    return rows
 
 
 def _source_rows(dsn: str, source: Source) -> Counter[tuple[object, ...]]:
@@ -249,16 +255,11 @@ def _lake_keys(rows: list[dict[str, object]]) -> Counter[tuple[object, ...]]:
 def test_pekko_r2dbc_journal_lands_once_with_binary_payloads_kept(dsn: StoreDsn, warehouse: Path) -> None:
     """Pekko R2DBC's journal (its own slice column, bytea payloads): JSON payloads land as JSON, gzipped or
     binary ones as base64 that decodes to the stored bytes; deletion markers are not events."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(PEKKO_R2DBC_DDL)
     source = mapping.pekko_r2dbc()
-    rows = _extract_while_written(dsn, source, _r2dbc, warehouse)
-    assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    rows = _lands_once(dsn, PEKKO_R2DBC_DDL, source, _r2dbc, warehouse)
     with psycopg.connect(dsn) as conn:
         stored = {(p, int(v)): bytes(b) for p, v, b in conn.execute(
             "SELECT persistence_id, seq_nr, event_payload FROM event_journal").fetchall()}
-    import base64
     for r in rows:
         raw = stored[(str(r["stream_id"]), int(r["version"]))]  # type: ignore[call-overload]
         if r["payload_encoding"] == "json":
@@ -271,12 +272,8 @@ def test_pekko_r2dbc_journal_lands_once_with_binary_payloads_kept(dsn: StoreDsn,
 
 def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
     """Pekko JDBC's journal: `ordering` is the global position, the slice is hashed from the persistence id."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(PEKKO_JDBC_DDL)
     source = mapping.pekko_jdbc()
-    rows = _extract_while_written(dsn, source, _jdbc, warehouse)
-    assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    rows = _lands_once(dsn, PEKKO_JDBC_DDL, source, _jdbc, warehouse)
     assert {r["stream_type"] for r in rows} == {"Cart"}
     assert all(r["global_position"] is not None for r in rows)
     # A schema tool that drops what it does not know (Marten's) takes tx_id away: adopt will not add it back.
@@ -288,12 +285,8 @@ def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
 
 def test_marten_events_land_once_with_their_tenants(dsn: StoreDsn, warehouse: Path) -> None:
     """Marten's mt_events (conjoined tenancy): tenant_id becomes the lake's tenant, mt_streams.type the stream type."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(MARTEN_DDL)
     source = mapping.marten()
-    rows = _extract_while_written(dsn, source, _marten, warehouse)
-    assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    rows = _lands_once(dsn, MARTEN_DDL, source, _marten, warehouse)
     assert {r["tenant"] for r in rows} == {"*DEFAULT*", "tenant-b"}
     assert {r["stream_type"] for r in rows} == {"cart"}
 
@@ -301,13 +294,9 @@ def test_marten_events_land_once_with_their_tenants(dsn: StoreDsn, warehouse: Pa
 def test_custom_toml_over_a_tenant_partitioned_table(dsn: StoreDsn, warehouse: Path, tmp_path: Path) -> None:
     """The design notes' hand-rolled `Event` table, one partition per tenant, described in TOML: adopt adds tx_id
     (a catalog-only change) and builds the indexes per partition; every tenant's events land once."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(SEED_DDL)
     (tmp_path / "event.toml").write_text(SEED_TOML)
     source = mapping.load(str(tmp_path / "event.toml"))
-    rows = _extract_while_written(dsn, source, _seed, warehouse)
-    assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    rows = _lands_once(dsn, SEED_DDL, source, _seed, warehouse)
     assert {r["tenant"] for r in rows} == {"acme", "globex", "initech"}
     with psycopg.connect(dsn) as conn:
         indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'").fetchall()}
