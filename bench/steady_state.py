@@ -23,6 +23,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,33 @@ def warm_up(instance: Any, warehouse: Path, limit: float = 300.0) -> float:
     return time.monotonic() - started
 
 
+@contextmanager
+def _loop(dsn: str, rate: float, tail: int) -> Iterator[tuple[Any, dg.DagsterInstance, threading.Event, threading.Thread, float]]:
+    """`make dev`'s loop on `dsn` (daemon, sensor every 5 s, automation, runs tailing `tail` s), demo writers at
+    `rate`, warmed up: (stack, instance, the writers' stop event and thread, warm-up seconds)."""
+    with tempfile.TemporaryDirectory() as tmp, dagster_stack(
+        admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5, automation=True,
+        extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)},
+    ) as stack:
+        os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
+        instance = dg.DagsterInstance.get()
+        stop, thread = _writers(dsn, rate)
+        try:
+            yield stack, instance, stop, thread, warm_up(instance, stack.warehouse)
+        finally:
+            stop.set()
+            thread.join()
+            instance.dispose()
+
+
+def _delivered(warehouse: Path, expected: int, *, timeout: float, poll: float) -> tuple[int, float]:
+    """(events in the lake, seconds waited) once it holds `expected`, or after `timeout`."""
+    started = time.monotonic()
+    while _lake_rows(warehouse) < expected and time.monotonic() - started < timeout:
+        time.sleep(poll)
+    return _lake_rows(warehouse), time.monotonic() - started
+
+
 def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str, Any]:
     name = f"bench_steady_{label.replace(' ', '_')}"
     dsn = fresh_database(name)
@@ -177,14 +206,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             stop.set()
             thread.join()
             return {"label": label, "busy_cores": cores, "runs": 0, "events": _store_rows(dsn), "delivered": None}
-        with tempfile.TemporaryDirectory() as tmp, dagster_stack(
-            admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5, automation=True,
-            extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)},
-        ) as stack:
-            os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
-            instance = dg.DagsterInstance.get()
-            stop, thread = _writers(dsn, rate)
-            warmup = warm_up(instance, stack.warehouse)
+        with _loop(dsn, rate, tail) as (stack, instance, stop, thread, warmup):
             before = len(instance.get_run_records())
             sampler = _Sampler()
             cores = _busy_cores(seconds, sampler.sleep)
@@ -194,11 +216,7 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             stop.set()
             thread.join()
             expected = _store_rows(dsn)
-            deadline = time.monotonic() + 180
-            while _lake_rows(stack.warehouse) < expected and time.monotonic() < deadline:
-                time.sleep(1)
-            delivered = _lake_rows(stack.warehouse)
-            instance.dispose()
+            delivered, _ = _delivered(stack.warehouse, expected, timeout=180, poll=1.0)
         return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered,
                 "by_part": by_part, "warmup_s": warmup}
     finally:
@@ -211,14 +229,7 @@ def keep_up(seconds: float, rate: float) -> dict[str, Any]:
     name = "bench_steady_keep_up"
     dsn = fresh_database(name)
     try:
-        with tempfile.TemporaryDirectory() as tmp, dagster_stack(
-            admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5, automation=True,
-            extra_env={"ES_PIPELINE_TAIL_SECONDS": str(TAIL_SECONDS)},
-        ) as stack:
-            os.environ.update({k: stack.env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_URL")})
-            instance = dg.DagsterInstance.get()
-            stop, thread = _writers(dsn, rate)
-            warmup = warm_up(instance, stack.warehouse)
+        with _loop(dsn, rate, TAIL_SECONDS) as (stack, _, stop, thread, warmup):
             samples: list[tuple[int, int]] = []  # (events in the store, events in the lake)
 
             def sample(span: float) -> None:
@@ -232,12 +243,7 @@ def keep_up(seconds: float, rate: float) -> dict[str, Any]:
             stop.set()
             thread.join()
             written = _store_rows(dsn)
-            stopped, deadline = time.monotonic(), time.monotonic() + 300
-            while _lake_rows(stack.warehouse) < written and time.monotonic() < deadline:
-                time.sleep(0.5)
-            catch_up = time.monotonic() - stopped
-            delivered = _lake_rows(stack.warehouse)
-            instance.dispose()
+            delivered, catch_up = _delivered(stack.warehouse, written, timeout=300, poll=0.5)
         achieved = (written - first) / seconds
         behind = [max(store - lake, 0) / max(achieved, 1.0) for store, lake in samples]
         late = behind[len(behind) // 2:] or [0.0]
