@@ -18,6 +18,7 @@ from es_pipeline.dev.demo import ensure_local_target, run_demo_pass
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
 from es_pipeline.extraction import offsets
+from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.status import status_report
@@ -26,7 +27,7 @@ from es_pipeline.lake.catalog import sql_over_lake
 from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
 from es_pipeline.settings import PROJECT_ROOT, Settings
 from es_pipeline.source.mapping import describe
-from es_pipeline.store import roles
+from es_pipeline.store import roles, tenants
 from es_pipeline.store.adopt import adopt
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
@@ -42,7 +43,7 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
         n = roles.apply(settings.pg_dsn, settings.schema)
         print(f"-- {n} statements applied: roles {', '.join(roles.ROLES)} (docs/security.md)")
     elif args.action == "migrate":
-        applied = migrate(settings.pg_dsn, settings.schema)
+        applied = migrate(settings.pg_dsn, settings.schema, tenants=settings.source.native_tenants)
         if applied:
             for m in applied:
                 print(f"applied migration {m.version}: {m.name}")
@@ -67,6 +68,30 @@ def _source(args: argparse.Namespace, settings: Settings) -> int:
               f"built {len(done.indexes)} index(es)")
     else:
         print(f"{source.label} was already adopted: nothing changed")
+    return 0
+
+
+def _tenant(args: argparse.Namespace, settings: Settings) -> int:
+    source = settings.source
+    if args.action == "add":
+        with EventStore(settings.pg_dsn, settings.schema).connect() as conn:
+            conn.autocommit = True
+            part, created = tenants.add(conn, source, args.tenant)
+            tenants.forget_erasure(conn, source.consumer, args.tenant)
+        print(f"tenant {args.tenant!r}: partition {part.qualified} " + ("created" if created else "exists already"))
+        return 0
+    if not args.yes:
+        print(f"this removes tenant {args.tenant!r} from {source.label}, from every lake table and from the "
+              "snapshots, and purges the files: it cannot be undone. Run again with --yes to do it.", file=sys.stderr)
+        return 2
+    done = erase_tenant(settings, args.tenant, wait_seconds=args.wait, progress=lambda m: print(m, flush=True))
+    print(f"erased tenant {args.tenant!r}: " + (f"dropped {done.partition} ({done.store_events:,} events)"
+                                                if done.partition else "no partition left in the store"))
+    for table, n in {**done.store_rows, **done.lake_rows}.items():
+        print(f"  {table:<18} {n:>10,} rows deleted")
+    print(f"  {done.files_purged:,} files purged; no Parquet file of the lake holds the tenant")
+    if done.rebuilt:
+        print(f"  {', '.join(done.rebuilt)} lagged behind events: the next update rebuilds them whole")
     return 0
 
 
@@ -214,6 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="adopt: prepare an existing store (tx_id column, indexes built CONCURRENTLY; idempotent); "
                      "show: how the table's columns become the lake's")
     src.set_defaults(func=_source)
+
+    ten = sub.add_parser("tenant", help="tenants of a store partitioned by tenant (docs/sources.md, \"Tenants\")")
+    ten.add_argument("action", choices=["add", "erase"],
+                     help="add: create the tenant's partition (ES_PIPELINE_SOURCE=es-tenants); erase: remove the tenant "
+                     "from the store (drop its partition), the lake, every projection and the snapshots, and purge the files")
+    ten.add_argument("tenant")
+    ten.add_argument("--yes", action="store_true", help="erase: confirm (it cannot be undone)")
+    ten.add_argument("--wait", type=float, default=600.0,
+                     help="erase: seconds to wait for running `events` runs to release their slices (default 600)")
+    ten.set_defaults(func=_tenant)
 
     st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
     st.set_defaults(func=_status)

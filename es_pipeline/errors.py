@@ -315,3 +315,22 @@ class SourceNotServable(EsPipelineError):
     def __init__(self, source: str, problems: list[str], todo: str) -> None:
         self.source, self.problems, self.todo = source, problems, todo
         super().__init__(f"cannot serve {source}: " + "; ".join(problems) + f". Nothing was changed. {todo}")
+
+
+class UnknownTenant(EsPipelineError):
+    """An append for a tenant that has no partition in a store partitioned by tenant; nothing was written."""
+
+    def __init__(self, tenant: str, table: str) -> None:
+        self.tenant, self.table = tenant, table
+        super().__init__(
+            f"tenant {tenant!r} has no partition in {table}: nothing was written. Create it with "
+            f"`es-pipeline tenant add {tenant}` (an erased tenant stays erased until it is added again)."
+        )
+
+
+class TenantRefused(EsPipelineError):
+    """`tenant add` or `tenant erase` refused before changing anything."""
+
+    def __init__(self, action: str, tenant: str, reason: str, todo: str) -> None:
+        self.action, self.tenant, self.reason, self.todo = action, tenant, reason, todo
+        super().__init__(f"cannot {action} tenant {tenant!r}: {reason}. Nothing was changed. {todo}")

@@ -57,7 +57,7 @@ def _write_with_emmett(settings: Settings, events: int, writers: int) -> None:
 def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8) -> None:
     ensure_local_target(settings)
     if settings.source.native:
-        migrate(settings.pg_dsn, settings.schema)
+        migrate(settings.pg_dsn, settings.schema, tenants=settings.source.native_tenants)
         store = EventStore(settings.pg_dsn, settings.schema)
         print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)")
         report = run_workload(store, streams=max(100, events // 20), events=events, writers=writers,

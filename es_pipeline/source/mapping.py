@@ -74,6 +74,11 @@ class Source:
         return sql.Identifier(self.schema, self.table).as_string(None)
 
     @property
+    def native_tenants(self) -> bool:
+        """The native store partitioned by tenant (`es-tenants`): `db migrate` creates it so."""
+        return self.native and self.tenant != NO_TENANT
+
+    @property
     def label(self) -> str:
         """How messages name the source: `emmett (public.emt_messages)`."""
         return f"{self.name} ({self.schema}.{self.table})"
@@ -125,16 +130,21 @@ class Source:
 
 # -- presets ------------------------------------------------------------------------------------------------
 
-def native(schema: str = "es") -> Source:
-    """es_pipeline's own store, `es.events` (created by `es-pipeline db migrate`)."""
+def native(schema: str = "es", *, tenants: bool = False) -> Source:
+    """es_pipeline's own store, `es.events` (created by `es-pipeline db migrate`); with `tenants`, the same
+    store partitioned by tenant (the `es-tenants` preset: `events.tenant`, one partition per tenant)."""
     return Source(
-        name="es", schema=schema, table="events", native=True,
+        name="es-tenants" if tenants else "es", schema=schema, table="events", native=True,
         stream_id="stream_id", stream_type="stream_type", version="version", event_type="event_type",
         payload="payload", metadata="metadata", recorded_at="recorded_at", global_position="global_position",
-        slice="slice", tx_id="tx_id",
+        slice="slice", tx_id="tx_id", tenant="tenant" if tenants else NO_TENANT,
         columns=("global_position", "tx_id", "stream_id", "stream_type", "version", "slice", "event_type",
-                 "payload", "metadata", "recorded_at"),
+                 "payload", "metadata", "recorded_at", *(("tenant",) if tenants else ())),
     )
+
+
+def native_tenants(schema: str = "es") -> Source:
+    return native(schema, tenants=True)
 
 
 def emmett(schema: str = "public") -> Source:
@@ -204,7 +214,7 @@ def marten(schema: str = "public") -> Source:
     )
 
 
-PRESETS = {"es": native, "emmett": emmett, "pekko-r2dbc": pekko_r2dbc, "pekko-jdbc": pekko_jdbc, "marten": marten}
+PRESETS = {"es": native, "es-tenants": native_tenants, "emmett": emmett, "pekko-r2dbc": pekko_r2dbc, "pekko-jdbc": pekko_jdbc, "marten": marten}
 SETTING = "ES_PIPELINE_SOURCE"
 EXPECTED = (f"a preset ({', '.join(PRESETS)}), optionally with its schema (`emmett:events`), "
             "or the path of a TOML file describing the table (docs/sources.md)")
@@ -223,8 +233,8 @@ def load(spec: str | None, native_schema: str = "es") -> Source:
     name, _, schema = text.partition(":")
     if name not in PRESETS:
         raise ConfigError(SETTING, text, EXPECTED)
-    if name == "es":
-        return native(schema or native_schema)
+    if name in ("es", "es-tenants"):
+        return native(schema or native_schema, tenants=name == "es-tenants")
     return PRESETS[name](schema) if schema else PRESETS[name]()
 
 
@@ -256,8 +266,9 @@ def from_toml(path: Path) -> Source:
     values: dict[str, Any] = {k: str(v) for k, v in body.items()}
     missing = [k for k in ("stream_id", "version", "event_type", "payload", "recorded_at") if k not in values]
     if base is not None:
-        if base not in PRESETS or base == "es":
-            raise ConfigError(f"{path}: preset", str(base), f"one of {', '.join(p for p in PRESETS if p != 'es')}")
+        if base not in PRESETS or base in ("es", "es-tenants"):
+            raise ConfigError(f"{path}: preset", str(base),
+                              f"one of {', '.join(p for p in PRESETS if p not in ('es', 'es-tenants'))}")
         start = PRESETS[base](schema or "public")
         return replace(start, name=str(path), table=table, columns=columns or start.columns, **values)
     if missing:

@@ -15,8 +15,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from es_pipeline.errors import ConcurrencyError, InvalidAppend
+from es_pipeline.errors import ConcurrencyError, InvalidAppend, UnknownTenant
 from es_pipeline.store.conninfo import connect
+from es_pipeline.store.migrations import has_tenants
 
 MAX_STREAM_ID_LENGTH = 200
 NO_STREAM = 0  # expected version of a stream that does not exist yet
@@ -105,6 +106,17 @@ class EventStore:
         self.dsn = dsn
         self.schema = schema
         self._s = sql.Identifier(schema)
+        self._tenants: bool | None = None  # whether `events` is partitioned by tenant: read on first use
+
+    def partitioned_by_tenant(self, conn: psycopg.Connection | None = None) -> bool:
+        """Whether this store was created partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`)."""
+        if self._tenants is None:
+            if conn is None:
+                with self.connect() as own:
+                    self._tenants = bool(has_tenants(own, self.schema))
+            else:
+                self._tenants = bool(has_tenants(conn, self.schema))
+        return self._tenants
 
     def connect(self) -> psycopg.Connection:
         return connect(self.dsn)
@@ -119,22 +131,34 @@ class EventStore:
         expected_version: int,
         *,
         conn: psycopg.Connection | None = None,
+        tenant: str = "",
     ) -> int:
         """Append `events` to a stream atomically; return the stream's new version.
 
         `expected_version` is the version the caller last saw (0 for a new stream). A mismatch raises
         `ConcurrencyError` and writes nothing. With `conn`, the append joins the caller's transaction
-        (several streams can then commit together); without, it commits on its own.
+        (several streams can then commit together); without, it commits on its own. `tenant`: the stream's
+        tenant in a store partitioned by tenant (required there, refused elsewhere).
         """
         _validate(stream_id, stream_type, events, expected_version)
         payloads = [_encode(stream_id, "payload", e.payload) for e in events]
         metadatas = [_encode(stream_id, "metadata", e.metadata) for e in events]
         if conn is None:
             with self.connect() as own, own.transaction():
-                return self._append(own, stream_id, stream_type, events, expected_version, payloads, metadatas)
+                self._check_tenant(own, stream_id, tenant)
+                return self._append(own, stream_id, stream_type, events, expected_version, payloads, metadatas, tenant)
         # In the caller's transaction: the version check comes first, so a conflict raises
         # before anything is written, and the caller's transaction decides commit or rollback.
-        return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas)
+        self._check_tenant(conn, stream_id, tenant)
+        return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas, tenant)
+
+    def _check_tenant(self, conn: psycopg.Connection, stream_id: str, tenant: str) -> None:
+        partitioned = self.partitioned_by_tenant(conn)
+        if partitioned and not tenant:
+            raise InvalidAppend(stream_id, f"{self.schema}.events is partitioned by tenant: pass the stream's tenant")
+        if not partitioned and tenant:
+            raise InvalidAppend(stream_id, f"{self.schema}.events has no tenants (created without ES_PIPELINE_SOURCE="
+                                           "es-tenants): append without a tenant")
 
     def _append(
         self,
@@ -145,29 +169,54 @@ class EventStore:
         expected_version: int,
         payloads: list[str],
         metadatas: list[str],
+        tenant: str = "",
     ) -> int:
         new_version = expected_version + len(events)
+        # In a store partitioned by tenant, the tenant is one more column of both tables and of both keys.
+        t_col, t_val, t_key = (
+            (sql.SQL("tenant, "), sql.SQL("%(tenant)s, "), sql.SQL("tenant = %(tenant)s AND ")) if tenant
+            else (sql.SQL(""), sql.SQL(""), sql.SQL(""))
+        )
         if expected_version == NO_STREAM:
             claim = sql.SQL(
-                "INSERT INTO {s}.streams (stream_id, stream_type, version) VALUES (%(id)s, %(type)s, %(new)s) "
-                "ON CONFLICT (stream_id) DO NOTHING RETURNING version"
+                "INSERT INTO {s}.streams ({tc}stream_id, stream_type, version) VALUES ({tv}%(id)s, %(type)s, %(new)s) "
+                "ON CONFLICT ({tc}stream_id) DO NOTHING RETURNING version"
             )
         else:
             claim = sql.SQL(
                 "UPDATE {s}.streams SET version = %(new)s, updated_at = now() "
-                "WHERE stream_id = %(id)s AND version = %(expected)s RETURNING version"
+                "WHERE {tk}stream_id = %(id)s AND version = %(expected)s RETURNING version"
             )
         # One round trip: claim the version range, then insert only if the claim succeeded.
         query = sql.SQL(
             "WITH claim AS ({claim}) "
-            "INSERT INTO {s}.events (stream_id, stream_type, version, event_type, payload, metadata) "
-            "SELECT %(id)s, %(type)s, u.version, u.event_type, u.payload, u.metadata "
+            "INSERT INTO {s}.events ({tc}stream_id, stream_type, version, event_type, payload, metadata) "
+            "SELECT {tv}%(id)s, %(type)s, u.version, u.event_type, u.payload, u.metadata "
             "FROM unnest(%(versions)s::int[], %(types)s::text[], %(payloads)s::jsonb[], %(metadatas)s::jsonb[]) "
             "AS u(version, event_type, payload, metadata) WHERE EXISTS (SELECT 1 FROM claim)"
-        ).format(claim=claim.format(s=self._s), s=self._s)
-        cur = conn.execute(
-            query,
-            {
+        ).format(claim=claim.format(s=self._s, tc=t_col, tv=t_val, tk=t_key), s=self._s, tc=t_col, tv=t_val)
+        try:
+            cur = conn.execute(query, self._append_params(stream_id, stream_type, events, expected_version,
+                                                          new_version, payloads, metadatas, tenant))
+        except psycopg.errors.CheckViolation as exc:
+            if tenant and "no partition of relation" in str(exc):
+                raise UnknownTenant(tenant, f"{self.schema}.events") from None
+            raise
+        if cur.rowcount == 0:
+            actual = conn.execute(
+                sql.SQL("SELECT version FROM {}.streams WHERE {}stream_id = %(id)s").format(self._s, t_key),
+                {"id": stream_id, "tenant": tenant},
+            ).fetchone()
+            raise ConcurrencyError(stream_id, expected_version, actual[0] if actual else NO_STREAM)
+        return new_version
+
+    @staticmethod
+    def _append_params(
+        stream_id: str, stream_type: str, events: Sequence[NewEvent], expected_version: int, new_version: int,
+        payloads: list[str], metadatas: list[str], tenant: str,
+    ) -> dict[str, Any]:
+        return {
+                "tenant": tenant,
                 "id": stream_id,
                 "type": stream_type,
                 "new": new_version,
@@ -176,14 +225,7 @@ class EventStore:
                 "types": [e.event_type for e in events],
                 "payloads": payloads,
                 "metadatas": metadatas,
-            },
-        )
-        if cur.rowcount == 0:
-            actual = conn.execute(
-                sql.SQL("SELECT version FROM {}.streams WHERE stream_id = %s").format(self._s), (stream_id,)
-            ).fetchone()
-            raise ConcurrencyError(stream_id, expected_version, actual[0] if actual else NO_STREAM)
-        return new_version
+        }
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -37,12 +37,13 @@ CREATE FUNCTION {schema}.slice_of(stream_id text) RETURNS smallint
     -- Bitwise AND of the 64-bit hash keeps 0..1023 for every value (abs() overflows on one).
     AS $$ SELECT (hashtextextended(stream_id, 0) & 1023)::smallint $$;
 
-CREATE TABLE {schema}.streams (
-    stream_id   text        PRIMARY KEY CHECK (length(stream_id) BETWEEN 1 AND 200),
+CREATE TABLE {schema}.streams ({streams_tenant}
+    stream_id   text        NOT NULL CHECK (length(stream_id) BETWEEN 1 AND 200),
     stream_type text        NOT NULL,
     version     integer     NOT NULL CHECK (version >= 0),
     created_at  timestamptz NOT NULL DEFAULT now(),
-    updated_at  timestamptz NOT NULL DEFAULT now()
+    updated_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY ({stream_key})
 );
 CREATE INDEX streams_type_idx ON {schema}.streams (stream_type);
 
@@ -56,9 +57,9 @@ CREATE TABLE {schema}.events (
     event_type      text        NOT NULL,
     payload         jsonb       NOT NULL,
     metadata        jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
-    recorded_at     timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (stream_id, version)
-);
+    recorded_at     timestamptz NOT NULL DEFAULT now(),{events_tenant}
+    PRIMARY KEY ({event_key})
+){partitioning};
 -- The extraction and the sensor probe (slice = s AND tx_id >= W(s) AND tx_id < H).
 CREATE INDEX events_slice_tx_idx ON {schema}.events (slice, tx_id);
 
@@ -207,6 +208,56 @@ ALTER TABLE {schema}.snapshots ADD PRIMARY KEY (tenant, stream_id);
     ),
 )
 
+MIGRATIONS += (
+    Migration(
+        8,
+        "tenant_erasures: what `es-pipeline tenant erase` removed, and when",
+        """
+-- One row per erased tenant and consumer, written when the erasure starts (so that a run cut short is
+-- finished by the next `tenant erase`) and completed when the files are purged. A tenant the lake holds
+-- whose partition left the store without a row here is reported by the checks and by `status`.
+CREATE TABLE IF NOT EXISTS es_pipeline.tenant_erasures (
+    consumer     text        NOT NULL,
+    tenant       text        NOT NULL,
+    partition    text,
+    store_events bigint,
+    lake_rows    jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    finished_at  timestamptz,
+    PRIMARY KEY (consumer, tenant)
+);
+""",
+    ),
+)
+
+
+def layout_sql(tenants: bool) -> dict[str, sql.Composable]:
+    """The fragments of migration 1 that differ in a store partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`):
+    a `tenant` column in `events` and `streams`, part of both keys, and `events` partitioned by LIST on it, one
+    partition per tenant (`es-pipeline tenant add`), so that a tenant is erased by dropping its partition."""
+    if not tenants:
+        return {"streams_tenant": sql.SQL(""), "stream_key": sql.SQL("stream_id"), "events_tenant": sql.SQL(""),
+                "event_key": sql.SQL("stream_id, version"), "partitioning": sql.SQL("")}
+    column = "\n    tenant      text        NOT NULL CHECK (tenant <> '' AND length(tenant) <= 200),"
+    return {
+        "streams_tenant": sql.SQL(column),  # type: ignore[arg-type]
+        "stream_key": sql.SQL("tenant, stream_id"),
+        "events_tenant": sql.SQL("\n    tenant          text        NOT NULL CHECK (tenant <> '' AND length(tenant) <= 200),"),
+        "event_key": sql.SQL("tenant, stream_id, version"),
+        "partitioning": sql.SQL(" PARTITION BY LIST (tenant)"),
+    }
+
+
+def has_tenants(conn: psycopg.Connection, schema: str) -> bool | None:
+    """Whether the store's `events` is partitioned by tenant; None when there is no `events` yet."""
+    row = conn.execute(
+        "SELECT c.relkind, EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'tenant'"
+        " AND NOT a.attisdropped) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = 'events'", (schema,),
+    ).fetchone()
+    return None if row is None else bool(row[1])
+
+
 # What an existing table must look like for us to adopt it instead of refusing.
 EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
     "streams": {"stream_id": "text", "stream_type": "text", "version": "integer"},
@@ -220,7 +271,7 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 
 # es_pipeline's own tables (schema es_pipeline): needed by every source, created by these migrations alone,
 # whose statements are all idempotent (`IF NOT EXISTS`). `source adopt` runs them for a store not our own.
-OWN_TABLES_MIGRATIONS = (2, 4, 6)
+OWN_TABLES_MIGRATIONS = (2, 4, 6, 8)
 
 
 def own_tables_statements() -> list[str]:
@@ -263,14 +314,25 @@ def _check_existing_tables(conn: psycopg.Connection, schema: str) -> None:
         )
 
 
-def migrate(dsn: str, schema: str = "es") -> list[Migration]:
-    """Apply the missing migrations; return the ones applied now (empty when up to date)."""
+def migrate(dsn: str, schema: str = "es", *, tenants: bool = False) -> list[Migration]:
+    """Apply the missing migrations; return the ones applied now (empty when up to date).
+
+    `tenants`: a new store is created partitioned by tenant (`layout_sql`); an existing store must have been
+    created the same way, since a table is not turned into a partitioned one in place."""
     applied_now: list[Migration] = []
     with connect(dsn) as conn:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             done = applied_versions(conn, schema)
             ident = sql.Identifier(schema)
+            existing = has_tenants(conn, schema) if done else None
+            if existing is not None and existing != tenants:
+                raise IncompatibleSchema(
+                    f"{schema}.events",
+                    "it is partitioned by tenant: set ES_PIPELINE_SOURCE=es-tenants" if existing else
+                    "it was created without tenants, and a table is not partitioned in place: create a new store "
+                    "with ES_PIPELINE_SOURCE=es-tenants (docs/sources.md, \"Tenants\"), or keep ES_PIPELINE_SOURCE=es",
+                )
             if not done:  # a store already migrated needs no CREATE on the database (no CREATE SCHEMA at all)
                 _check_existing_tables(conn, schema)
                 conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
@@ -284,7 +346,7 @@ def migrate(dsn: str, schema: str = "es") -> list[Migration]:
             for m in MIGRATIONS:
                 if m.version in done:
                     continue
-                conn.execute(sql.SQL(m.statements).format(schema=ident))  # type: ignore[arg-type]
+                conn.execute(sql.SQL(m.statements).format(schema=ident, **layout_sql(tenants)))  # type: ignore[arg-type]
                 conn.execute(
                     sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)").format(ident),
                     (m.version, m.name),

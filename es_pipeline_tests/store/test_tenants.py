@@ -1,0 +1,96 @@
+"""The native store partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`): created so, one partition per tenant."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from es_pipeline.errors import IncompatibleSchema, InvalidAppend, TenantRefused, UnknownTenant
+from es_pipeline.source.mapping import load, native
+from es_pipeline.store import roles, tenants
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline.store.migrations import migrate
+
+SOURCE = load("es-tenants")
+
+
+@pytest.fixture
+def tenant_store(empty_dsn: str) -> str:
+    migrate(empty_dsn, tenants=True)
+    roles.apply(empty_dsn, "es", echo=lambda _: None)
+    return empty_dsn
+
+
+def _add(dsn: str, *names: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name in names:
+            tenants.add(conn, SOURCE, name)
+
+
+def test_a_tenant_store_keeps_each_tenant_in_its_own_partition(tenant_store: str) -> None:
+    _add(tenant_store, "acme", "globex")
+    store = EventStore(tenant_store)
+    # The same stream id in two tenants: two streams, each with its own versions.
+    assert store.append("cart-1", "cart", [NewEvent("Opened", {"n": 1})], 0, tenant="acme") == 1
+    assert store.append("cart-1", "cart", [NewEvent("Opened", {"n": 2}), NewEvent("Added", {})], 0, tenant="globex") == 2
+    assert store.append("cart-1", "cart", [NewEvent("Added", {})], 1, tenant="acme") == 2
+    with psycopg.connect(tenant_store) as conn:
+        rows = conn.execute(
+            "SELECT tableoid::regclass::text, tenant, stream_id, version FROM es.events ORDER BY tenant, version"
+        ).fetchall()
+        bounds = dict(conn.execute(
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'es.events'::regclass").fetchall())
+    assert [r[1:] for r in rows] == [("acme", "cart-1", 1), ("acme", "cart-1", 2), ("globex", "cart-1", 1),
+                                     ("globex", "cart-1", 2)]
+    assert {r[0] for r in rows} == {f"es.{tenants.partition_name('acme')}", f"es.{tenants.partition_name('globex')}"}
+    assert bounds == {tenants.partition_name("acme"): "FOR VALUES IN ('acme')",
+                      tenants.partition_name("globex"): "FOR VALUES IN ('globex')"}
+
+
+def test_appends_name_a_tenant_that_exists(tenant_store: str) -> None:
+    _add(tenant_store, "acme")
+    store = EventStore(tenant_store)
+    with pytest.raises(UnknownTenant, match="tenant add initech"):
+        store.append("s", "t", [NewEvent("E", {})], 0, tenant="initech")
+    with pytest.raises(InvalidAppend, match="partitioned by tenant: pass the stream's tenant"):
+        store.append("s", "t", [NewEvent("E", {})], 0)
+    with psycopg.connect(tenant_store) as conn:  # the refused appends claimed no stream either
+        assert conn.execute("SELECT count(*) FROM es.streams").fetchone() == (0,)
+
+
+def test_the_append_only_guard_holds_on_each_partition(tenant_store: str) -> None:
+    _add(tenant_store, "acme")
+    EventStore(tenant_store).append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
+    part = tenants.partition_name("acme")
+    for statement in (f"DELETE FROM es.{part}", f"UPDATE es.{part} SET event_type = 'x'", f"TRUNCATE es.{part}",
+                      "DELETE FROM es.events"):
+        with psycopg.connect(tenant_store) as conn, pytest.raises(psycopg.errors.RestrictViolation):
+            conn.execute(statement)
+
+
+def test_adding_a_tenant_twice_is_a_no_op_and_only_the_tenant_store_has_tenants(tenant_store: str, dsn: str) -> None:
+    with psycopg.connect(tenant_store, autocommit=True) as conn:
+        first, created = tenants.add(conn, SOURCE, "acme")
+        again, created_again = tenants.add(conn, SOURCE, "acme")
+        assert created and not created_again and first == again
+        with pytest.raises(TenantRefused, match="empty tenant"):
+            tenants.add(conn, SOURCE, "")
+    with psycopg.connect(dsn, autocommit=True) as conn, pytest.raises(TenantRefused, match="not es_pipeline's store"):
+        tenants.add(conn, native("es"), "acme")
+    with pytest.raises(InvalidAppend, match="has no tenants"):
+        EventStore(dsn).append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
+
+
+def test_a_store_keeps_the_layout_it_was_created_with(tenant_store: str, dsn: str) -> None:
+    assert migrate(tenant_store, tenants=True) == []
+    with pytest.raises(IncompatibleSchema, match="partitioned by tenant: set ES_PIPELINE_SOURCE=es-tenants"):
+        migrate(tenant_store)
+    with pytest.raises(IncompatibleSchema, match="created without tenants"):
+        migrate(dsn, tenants=True)
+
+
+def test_partition_names_are_short_and_distinct() -> None:
+    long = "x" * 500
+    names = {tenants.partition_name(t) for t in ("Acme", "acme", "a-c-m-e", long, "ÄCME", "a b")}
+    assert len(names) == 6 and all(len(n.encode()) <= 63 for n in names)
