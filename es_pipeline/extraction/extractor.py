@@ -255,6 +255,13 @@ class Extractor:
             self._write_batch(session, pending, result, replay=True)
             result.replayed_batches += 1
 
+    def settle(self, session: OffsetSession, slice_range: SliceRange, run_id: str = "manual") -> ExtractResult:
+        """A session's first pass without the extraction: lock, check, replay what a crashed run left pending
+        (`tenant erase` runs this over every slice before it changes the store and the lake)."""
+        result = ExtractResult(slice_range.key)
+        self._open(session, slice_range, app_id_for(self.consumer, slice_range.key), result)
+        return result
+
     def _delta(self) -> DeltaTable:
         """The `events` table brought up to its newest version: loaded once, then only the new log read."""
         if self._table is None:

@@ -1,0 +1,151 @@
+"""`es-pipeline tenant erase T`: a tenant out of the store, the lake, every projection and the snapshots.
+
+In this order, each step safe to run again (a cut-short erasure is finished by running it again):
+1. refuse, changing nothing, unless the tenant's events are in a partition of their own (or already gone);
+2. take every slice's lock (waiting for running `events` runs), and replay any batch a crashed run left
+   pending, so that nothing in flight lands after the erasure or is lost by it;
+3. record the erasure as started (`es_pipeline.tenant_erasures`);
+4. drop the tenant's partition (detach, then drop: no DELETE, nothing for the append-only guard to refuse);
+   in the native store also its `streams` and `snapshots` rows;
+5. delete its rows from `events` (still under the slice locks), then from `stream_state`, `stream_catalog`,
+   `event_type_daily` and `snapshots`, each in its turn (`serial.one_at_a_time`): the writers of every table
+   are held off while its rows and files go. A projection that was up to date with `events` records the
+   erasure's version with its DELETE and goes on from there; one that lagged is rebuilt whole by its next
+   update (the change data it would have read is purged);
+6. purge the files (`lake/erase.py`: vacuum with no retention, change data removed) and check that no
+   Parquet file under any table still holds a row of the tenant;
+7. record the erasure as finished.
+Other tenants are untouched: their events wait in the store while the locks are held and are extracted
+by the next runs, once each (`es_pipeline_tests/extraction/test_tenant_erase.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deltalake import DeltaTable
+
+from es_pipeline.errors import SliceLocked, TenantRefused
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.offsets import OffsetSession
+from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
+from es_pipeline.lake import erase as lake_erase
+from es_pipeline.lake import stream_state as st
+from es_pipeline.lake import tables
+from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.reducers import REGISTRY
+from es_pipeline.lake.serial import one_at_a_time
+from es_pipeline.settings import Settings
+from es_pipeline.source.mapping import NO_TENANT
+from es_pipeline.store import tenants
+from es_pipeline.store.conninfo import connect
+
+LAKE_TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+
+
+@dataclass
+class Erasure:
+    """What `tenant erase` removed."""
+
+    tenant: str
+    partition: str | None = None  # the dropped partition (None: the events were already gone from the store)
+    store_events: int = 0
+    store_rows: dict[str, int] = field(default_factory=dict)  # the native store's streams and snapshots
+    lake_rows: dict[str, int] = field(default_factory=dict)  # per lake table
+    files_purged: int = 0
+    rebuilt: list[str] = field(default_factory=list)  # projections that lagged: rebuilt whole by their next update
+    replayed_batches: int = 0
+
+
+def _advance(name: str, path: str, before: int, erased_at: int) -> tuple[str, int] | None:
+    """The (app id, version) a projection's DELETE records when it had folded `events` up to `before`."""
+    if name == "stream_state":
+        read = tables.transaction_version(path, st.APP_ID)
+        if read is not None and int(read) == st._txn_version(before, REGISTRY):
+            return st.APP_ID, st._txn_version(erased_at, REGISTRY)
+        return None
+    projection = {p.name: p for p in (STREAM_CATALOG, EVENT_TYPE_DAILY)}.get(name)
+    if projection is None:
+        return None
+    read = tables.transaction_version(path, projection.app_id)
+    return (projection.app_id, erased_at) if read is not None and int(read) == before else None
+
+
+def _lock_everything(session: OffsetSession, wait_seconds: float, progress: Callable[[str], None]) -> None:
+    deadline, told = time.monotonic() + wait_seconds, 0.0
+    while True:
+        try:
+            session.lock(range(NUM_SLICES), "all slices")
+            return
+        except SliceLocked as exc:
+            if time.monotonic() >= deadline:
+                raise
+            if time.monotonic() - told >= 10:
+                progress(f"waiting for the slice locks: {exc.holder} holds slices of range {exc.slice_range}")
+                told = time.monotonic()
+            time.sleep(0.5)
+
+
+def erase_tenant(
+    settings: Settings, tenant: str, *, wait_seconds: float = 600.0, progress: Callable[[str], None] = print,
+) -> Erasure:
+    """Erase `tenant` (module docstring); `TenantRefused` before any change where it cannot."""
+    source = settings.source
+    if source.tenant == NO_TENANT:
+        raise TenantRefused("erase", tenant, f"{source.label} has no tenants (its mapping's tenant is {NO_TENANT})",
+                            "Set `tenant` in the mapping (docs/sources.md).")
+    if tenant == "":
+        raise TenantRefused("erase", tenant, "the empty tenant is every event of a store without tenants", "Name one.")
+    done = Erasure(tenant)
+    with connect(settings.pg_dsn, autocommit=True) as conn:
+        part = tenants.find_partition(conn, source, tenant)
+        recorded = tenants.erasures(conn, source.consumer).get(tenant)
+        if part is None and tenants.store_has_rows(conn, source, tenant):
+            raise TenantRefused(
+                "erase", tenant, f"its events in {source.label} are not in a partition of their own",
+                "es_pipeline erases a tenant from the store by dropping its partition (PARTITION BY LIST on the tenant "
+                "column). Delete its rows with the framework's own tools, then run `tenant erase` again: it then "
+                "erases the lake.")
+        if part is None and recorded is None:
+            progress(f"tenant {tenant!r} has no partition in {source.label}: erasing it from the lake")
+
+        extractor = Extractor(settings.pg_dsn, None, settings.warehouse, source=source)
+        everything = SliceRange(0, NUM_SLICES - 1)
+        with extractor.session(everything, run_id="tenant-erase") as session:
+            progress("taking every slice's lock (running `events` runs finish their pass first)")
+            _lock_everything(session, wait_seconds, progress)
+            done.replayed_batches = extractor.settle(session, everything, run_id="tenant-erase").replayed_batches
+
+            if part is not None:
+                done.partition, done.store_events = part.qualified, tenants.count_events(conn, part)
+            tenants.record_start(conn, source.consumer, tenant, done.partition, done.store_events)
+            if part is not None:
+                progress(f"dropping {part.qualified} ({done.store_events:,} events)")
+                tenants.drop(conn, part)
+            if source.native:
+                done.store_rows = tenants.delete_native_rows(conn, source.schema, tenant)
+
+            events_path = tables.table_path(settings.warehouse, "events")
+            before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1
+            deleted = lake_erase.delete_tenant(events_path, tenant)
+            erased_at = deleted[1] if deleted else before
+            done.lake_rows["events"] = deleted[0] if deleted else 0
+            for name in LAKE_TABLES[1:]:
+                path = tables.table_path(settings.warehouse, name)
+                with one_at_a_time(settings.pg_dsn, name):
+                    advance = _advance(name, path, before, erased_at) if deleted and before >= 0 else None
+                    gone = lake_erase.delete_tenant(path, tenant, advance=advance)
+                    done.lake_rows[name] = gone[0] if gone else 0
+                    if deleted and advance is None and name != "snapshots" and tables.is_delta_table(path):
+                        done.rebuilt.append(name)
+                    done.files_purged += lake_erase.purge(path)
+            done.files_purged += lake_erase.purge(events_path)
+            left = {name: lake_erase.leftovers(tables.table_path(settings.warehouse, name), tenant) for name in LAKE_TABLES}
+            left = {k: v for k, v in left.items() if v}
+            if left:  # never recorded as finished: running the erasure again deletes and purges again
+                raise RuntimeError(f"tenant {tenant!r}: files still hold its rows after the purge: {left}")
+            tenants.record_finish(conn, source.consumer, tenant, done.lake_rows)
+    return done
+
