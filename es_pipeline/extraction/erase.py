@@ -42,6 +42,7 @@ from es_pipeline.source.mapping import NO_TENANT
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
 
+LOCK_CHUNK = 16  # slices locked at a time while waiting for running `events` runs
 LAKE_TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
@@ -74,18 +75,25 @@ def _advance(name: str, path: str, before: int, erased_at: int) -> tuple[str, in
 
 
 def _lock_everything(session: OffsetSession, wait_seconds: float, progress: Callable[[str], None]) -> None:
+    """Every slice's lock, range by range, keeping each as it comes: a range's run ends and its slices are
+    ours, however often runs of the other ranges start (all at once would rarely find every range free)."""
     deadline, told = time.monotonic() + wait_seconds, 0.0
+    chunks = [list(range(lo, min(lo + LOCK_CHUNK, NUM_SLICES))) for lo in range(0, NUM_SLICES, LOCK_CHUNK)]
     while True:
-        try:
-            session.lock(range(NUM_SLICES), "all slices")
+        held_by = ""
+        for chunk in chunks:
+            try:
+                session.lock(chunk, f"{chunk[0]:04d}-{chunk[-1]:04d}")
+            except SliceLocked as exc:
+                held_by = exc.holder
+        if not held_by:
             return
-        except SliceLocked as exc:
-            if time.monotonic() >= deadline:
-                raise
-            if time.monotonic() - told >= 10:
-                progress(f"waiting for the slice locks: {exc.holder} holds slices of range {exc.slice_range}")
-                told = time.monotonic()
-            time.sleep(0.5)
+        if time.monotonic() >= deadline:
+            raise SliceLocked("all slices", sorted(set(range(NUM_SLICES)) - session.locked), held_by)
+        if time.monotonic() - told >= 10:
+            progress(f"waiting for slice locks: {NUM_SLICES - len(session.locked)} slices are held, e.g. by {held_by}")
+            told = time.monotonic()
+        time.sleep(0.2)
 
 
 def erase_tenant(

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow.dataset as ds
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 
@@ -83,10 +85,10 @@ def leftovers(path: str, tenant: str) -> list[str]:
     fs, _ = tables.filesystem(path)
     found = []
     for name in data_files(path):
-        dataset = ds.dataset(name, format="parquet", filesystem=fs)
-        if "tenant" not in dataset.schema.names:
+        if "tenant" not in pq.read_schema(name, filesystem=fs).names:
             continue
-        if dataset.count_rows(filter=ds.field("tenant") == tenant):
+        column = pq.read_table(name, columns=["tenant"], filesystem=fs)["tenant"].cast(pa.string())
+        if pc.any(pc.equal(column, tenant)).as_py():
             found.append(name)
     return found
 
@@ -98,6 +100,7 @@ def tenant_counts(path: str) -> dict[str, int]:
     table = DeltaTable(path)
     if not tables.has_columns(table, ["tenant"]):
         return {}
-    counts = table.to_pyarrow_dataset().to_table(columns=["tenant"]).group_by("tenant").aggregate([([], "count_all")])
+    column = table.to_pyarrow_dataset().to_table(columns=["tenant"]).cast(pa.schema([pa.field("tenant", pa.string())]))
+    counts = column.group_by("tenant").aggregate([([], "count_all")])
     return {str(t if t is not None else ""): int(n) for t, n in zip(counts["tenant"].to_pylist(),
                                                                    counts["count_all"].to_pylist(), strict=True)}

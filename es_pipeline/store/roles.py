@@ -22,6 +22,7 @@ from collections.abc import Callable
 from psycopg import sql
 
 from es_pipeline.store.conninfo import connect
+from es_pipeline.store.migrations import has_tenants
 
 OWNER = "es_pipeline_owner"
 WRITER = "es_pipeline_writer"
@@ -33,12 +34,13 @@ OWN_SCHEMA = "es_pipeline"  # es_pipeline's own tables (offsets, pending batches
 WRITER_EVENT_COLUMNS = ("stream_id", "stream_type", "version", "event_type", "payload", "metadata")
 
 
-def statements(schema: str) -> list[sql.Composed]:
-    """Every statement of the role model for the store in `schema`, in order; each is safe to repeat."""
+def statements(schema: str, *, tenants: bool = False) -> list[sql.Composed]:
+    """Every statement of the role model for the store in `schema`, in order; each is safe to repeat.
+    `tenants`: the store is partitioned by tenant, and writers name the tenant too."""
     s, own = sql.Identifier(schema), sql.Identifier(OWN_SCHEMA)
     owner, writer, extractor, snapshots = (sql.Identifier(r) for r in ROLES)
     table = lambda name: sql.Identifier(schema, name)  # noqa: E731 - a one-line helper for the list below
-    columns = sql.SQL(", ").join(sql.Identifier(c) for c in WRITER_EVENT_COLUMNS)
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in (*WRITER_EVENT_COLUMNS, *(("tenant",) if tenants else ())))
     out: list[sql.Composed] = [
         sql.SQL(
             "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {name}) "
@@ -77,8 +79,8 @@ def extractor_own_statements() -> list[sql.Composed]:
 
 def apply(dsn: str, schema: str, *, echo: Callable[[str], None] = print) -> int:
     """Apply the role model to the store at `dsn` in one transaction; echo each statement. Returns their count."""
-    todo = statements(schema)
     with connect(dsn) as conn, conn.transaction():
+        todo = statements(schema, tenants=bool(has_tenants(conn, schema)))
         for statement in todo:
             echo(statement.as_string(conn) + ";")
             conn.execute(statement)

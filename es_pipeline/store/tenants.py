@@ -33,7 +33,8 @@ class Partition:
 
     @property
     def qualified(self) -> str:
-        return sql.Identifier(self.schema, self.name).as_string(None)
+        """`schema.name`, for messages and the erasure record (statements use `sql.Identifier`)."""
+        return f"{self.schema}.{self.name}"
 
 
 def partition_name(tenant: str) -> str:

@@ -1,0 +1,214 @@
+"""`tenant erase`: one tenant out of the store, the lake, the projections and the snapshots, files and all,
+while the other tenants' writers and the extraction go on, and their events land exactly once."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
+from es_pipeline.extraction.erase import LAKE_TABLES, erase_tenant
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.slices import split
+from es_pipeline.lake import erase as lake_erase
+from es_pipeline.lake import tables
+from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.snapshots import take_snapshots
+from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.settings import Settings
+from es_pipeline.source.mapping import load
+from es_pipeline.store import migrations, roles, tenants
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.roles import StoreDsn
+
+SOURCE = load("es-tenants")
+TENANTS = ("acme", "globex", "initech")
+GONE = "globex"
+
+
+@pytest.fixture
+def store(empty_dsn: str, logins: dict[str, str]) -> StoreDsn:
+    migrations.migrate(empty_dsn, tenants=True)
+    roles.apply(empty_dsn, "es", echo=lambda _: None)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        for t in TENANTS:
+            tenants.add(conn, SOURCE, t)
+    return StoreDsn.of(empty_dsn, logins)
+
+
+def _settings(store: StoreDsn, warehouse: Path) -> Settings:
+    # The erasure drops a partition: it runs as the tables' owner, as `db migrate` and `source adopt` do.
+    return replace(Settings.from_env(), pg_dsn=str(store), warehouse=warehouse, source_mapping=SOURCE,
+                   source_spec="es-tenants", spark_master="local[2]")
+
+
+class Rollback(Exception):
+    pass
+
+
+def _writer(dsn: str, tenant: str, seed: int, stop: threading.Event, refused: list[str]) -> None:
+    """Appends carts of `tenant` until stopped: out-of-order commits (held open up to 10 ms), 20% rolled back."""
+    rng, store, versions = random.Random(seed), EventStore(dsn), {}
+    with psycopg.connect(dsn) as conn:
+        while not stop.is_set():
+            sid = f"cart-{seed % 3}-{rng.randrange(15)}"  # the same stream ids in every tenant
+            event = NewEvent("ItemAdded", {"sku": f"sku-{rng.randrange(6)}", "qty": 1, "unit_price": 2.5})
+            try:
+                with conn.transaction():
+                    new = store.append(sid, "cart", [event], versions.get(sid, 0), conn=conn, tenant=tenant)
+                    time.sleep(rng.random() * 0.01)
+                    if rng.random() < 0.2:
+                        raise Rollback
+                versions[sid] = new
+            except Rollback:
+                pass
+            except UnknownTenant:
+                refused.append(tenant)  # its partition is gone: the application learns it at once
+                return
+
+
+def _extract_until(stop: threading.Event, extractor: Extractor, errors: list[BaseException]) -> None:
+    while not stop.is_set():
+        for r in split(4):
+            try:
+                extractor.run(r)
+            except SliceLocked:
+                pass  # the erasure holds the slices: this range waits, as a sensor's run would
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+                return
+        time.sleep(0.05)
+
+
+def _project(spark: Any, warehouse: Path, store: StoreDsn) -> None:
+    update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
+    update_event_type_daily(spark, warehouse, store_dsn=store.extractor)
+    take_snapshots(spark, warehouse, EventStore(store.snapshots, "es"), threshold=1)
+
+
+def _store_events(dsn: str) -> dict[tuple[str, str, int], str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT tenant, stream_id, version, payload::text FROM es.events").fetchall()
+    return {(t, s, v): p for t, s, v, p in rows}
+
+
+def _assert_lake_equals_store(spark: Any, warehouse: Path, dsn: str) -> None:
+    """Event by event, per tenant; every projection agrees with the store; nothing of the erased tenant anywhere."""
+    expected = _store_events(dsn)
+    rows = tables.read(spark, str(warehouse / "events")).select("tenant", "stream_id", "version", "payload").collect()
+    counts = Counter((r["tenant"], r["stream_id"], r["version"]) for r in rows)
+    assert not [k for k, n in counts.items() if n > 1], "events duplicated in the lake"
+    assert {(r["tenant"], r["stream_id"], r["version"]): r["payload"] for r in rows} == expected
+    per_stream = Counter((t, s) for t, s, _ in expected)
+    catalog = {(r["tenant"], r["stream_id"]): (r["events"], r["version"])
+               for r in tables.read(spark, str(warehouse / "stream_catalog")).collect()}
+    assert catalog == {k: (n, n) for k, n in per_stream.items()}  # versions 1..n, each once
+    state = {(r["tenant"], r["stream_id"]): r["version"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
+    assert state == dict(per_stream)
+    daily = Counter()
+    for r in tables.read(spark, str(warehouse / "event_type_daily")).collect():
+        daily[r["tenant"]] += r["events"]
+    assert dict(daily) == dict(Counter(t for t, _, _ in expected))
+
+
+def test_erasing_a_tenant_under_load_leaves_the_others_exactly_once(
+    store: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    stop_writers, stop_extraction = threading.Event(), threading.Event()
+    refused: list[str] = []
+    errors: list[BaseException] = []
+    writers = [threading.Thread(target=_writer, args=(store.writer, t, i * 10 + n, stop_writers, refused))
+               for i, t in enumerate(TENANTS) for n in range(2)]
+    extractor = Extractor(store.extractor, None, warehouse, source=SOURCE)
+    loop = threading.Thread(target=_extract_until, args=(stop_extraction, extractor, errors))
+    for t in [*writers, loop]:
+        t.start()
+    try:
+        time.sleep(4)
+        _project(spark, warehouse, store)  # every projection and snapshot holds the tenant; then they lag
+        time.sleep(2)
+        with psycopg.connect(store) as conn:
+            in_store = conn.execute("SELECT count(*) FROM es.events WHERE tenant = %s", (GONE,)).fetchone()
+        done = erase_tenant(_settings(store, warehouse), GONE, wait_seconds=120, progress=lambda _: None)
+        time.sleep(2)  # the other tenants go on being written and extracted
+    finally:
+        stop_writers.set()
+        for t in writers:
+            t.join()
+        stop_extraction.set()
+        loop.join()
+    assert not errors, errors
+    assert refused == [GONE, GONE]  # both of its writers were told, and stopped
+    assert done.partition == f"es.{tenants.partition_name(GONE)}"
+    assert in_store is not None and done.store_events >= in_store[0] > 0
+    assert done.lake_rows["events"] > 0 and done.lake_rows["stream_state"] > 0
+    assert done.store_rows["snapshots"] > 0 and done.store_rows["streams"] > 0
+
+    extract = Extractor(store.extractor, None, warehouse, source=SOURCE)
+    for r in split(4):
+        extract.run(r)
+    _project(spark, warehouse, store)
+    _assert_lake_equals_store(spark, warehouse, store)
+    with psycopg.connect(store) as conn:
+        assert tenants.find_partition(conn, SOURCE, GONE) is None
+        assert conn.execute("SELECT count(*) FROM es.snapshots WHERE tenant = %s", (GONE,)).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM es.snapshots WHERE tenant <> %s", (GONE,)).fetchone()[0] > 0
+        record = conn.execute("SELECT partition, store_events, lake_rows, finished_at IS NOT NULL "
+                              "FROM es_pipeline.tenant_erasures WHERE tenant = %s", (GONE,)).fetchone()
+    assert record is not None and record[0] == done.partition and record[3]
+    assert record[2]["events"] == done.lake_rows["events"]
+    for name in LAKE_TABLES:  # no Parquet file under any table holds a row of it: data, old versions, change data
+        path = str(warehouse / name)
+        assert lake_erase.data_files(path), name
+        assert lake_erase.leftovers(path, GONE) == [], name
+    assert set(lake_erase.tenant_counts(str(warehouse / "events"))) == set(TENANTS) - {GONE}
+
+    # Running it again finds nothing left to do, and changes nothing.
+    again = erase_tenant(_settings(store, warehouse), GONE, wait_seconds=30, progress=lambda _: None)
+    assert again.partition is None and not any(again.lake_rows.values())
+
+
+def test_an_up_to_date_projection_goes_on_from_the_erasure_and_a_shared_table_is_refused(
+    store: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    writer = EventStore(store.writer)
+    for t in TENANTS:
+        for n in range(1, 4):
+            writer.append(f"cart-{n}", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": n})], 0, tenant=t)
+    for r in split(2):
+        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
+    _project(spark, warehouse, store)
+    done = erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
+    assert done.rebuilt == [] and done.lake_rows["stream_catalog"] == 3 and done.store_events == 3
+    # The next updates are increments after the erasure's version, not rebuilds.
+    catalog = update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
+    state = update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    assert catalog.previous_events_version >= 0 and state.previous_events_version >= 0
+    _assert_lake_equals_store(spark, warehouse, store)
+
+    with pytest.raises(TenantRefused, match="has no tenants"):
+        erase_tenant(replace(_settings(store, warehouse), source_mapping=load("es")), "acme")
+    with pytest.raises(TenantRefused, match="empty tenant"):
+        erase_tenant(_settings(store, warehouse), "")
+
+
+def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, warehouse: Path) -> None:
+    writer = EventStore(store.writer)
+    for t in TENANTS:
+        writer.append("s", "cart", [NewEvent("ItemAdded", {"sku": "a"})] * 2, 0, tenant=t)
+    for r in split(2):
+        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
+    counts = lake_erase.tenant_counts(str(warehouse / "events"))
+    with psycopg.connect(store, autocommit=True) as conn:
+        assert tenants.missing(conn, SOURCE, counts) == {}
+        conn.execute(f"DROP TABLE es.{tenants.partition_name('initech')}")
+        assert tenants.missing(conn, SOURCE, counts) == {"initech": 2}
