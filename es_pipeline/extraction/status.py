@@ -9,8 +9,11 @@ import psycopg
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, read_watermarks
 from es_pipeline.extraction.slices import SliceRange, split
+from es_pipeline.lake import erase as lake_erase
+from es_pipeline.lake import tables
 from es_pipeline.settings import Settings
-from es_pipeline.source.mapping import Source
+from es_pipeline.source.mapping import NO_TENANT, Source
+from es_pipeline.store import tenants
 
 
 @dataclass(frozen=True)
@@ -63,4 +66,18 @@ def status_report(settings: Settings) -> str:
         s.check_source()  # a moved store would show nothing to do: say so instead
         horizon = s.horizon()
         rows = [range_status(s.conn, settings.source, consumer, r, horizon) for r in split(settings.slice_ranges)]
-        return format_table(rows, reader.oldest_open_transaction_seconds(s.conn))
+        report = format_table(rows, reader.oldest_open_transaction_seconds(s.conn))
+        return report + "".join(f"\n{line}" for line in lost_tenants(s.conn, settings))
+
+
+def lost_tenants(conn: psycopg.Connection, settings: Settings) -> list[str]:
+    """A line for each tenant the lake holds whose events left the store without `tenant erase`."""
+    if settings.source.tenant == NO_TENANT:
+        return []
+    counts = lake_erase.tenant_counts(tables.table_path(settings.warehouse, "events"))
+    return [
+        f"tenant {t!r}: {n:,} events in the lake, none in {settings.source.label}, and no erasure recorded: its "
+        f"partition was dropped or emptied outside `es-pipeline tenant erase`. Restore it, or run "
+        f"`es-pipeline tenant erase {t} --yes` to remove it from the lake too."
+        for t, n in tenants.missing(conn, settings.source, counts).items()
+    ]

@@ -226,6 +226,12 @@ CREATE TABLE IF NOT EXISTS es_pipeline.tenant_erasures (
     finished_at  timestamptz,
     PRIMARY KEY (consumer, tenant)
 );
+-- A store whose roles were applied before this table existed: the extractor reads it in `status` and the checks.
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_extractor') THEN
+        GRANT SELECT, INSERT, UPDATE, DELETE ON es_pipeline.tenant_erasures TO es_pipeline_extractor;
+    END IF;
+END $$;
 """,
     ),
 )

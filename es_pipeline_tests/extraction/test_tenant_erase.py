@@ -14,10 +14,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from es_pipeline.defs.events.checks import reconcile
 from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
 from es_pipeline.extraction.erase import LAKE_TABLES, erase_tenant
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import split
+from es_pipeline.extraction.status import status_report
 from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
@@ -201,7 +203,7 @@ def test_an_up_to_date_projection_goes_on_from_the_erasure_and_a_shared_table_is
         erase_tenant(_settings(store, warehouse), "")
 
 
-def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, warehouse: Path) -> None:
+def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, spark: Any, warehouse: Path) -> None:
     writer = EventStore(store.writer)
     for t in TENANTS:
         writer.append("s", "cart", [NewEvent("ItemAdded", {"sku": "a"})] * 2, 0, tenant=t)
@@ -212,3 +214,11 @@ def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, wareho
         assert tenants.missing(conn, SOURCE, counts) == {}
         conn.execute(f"DROP TABLE es.{tenants.partition_name('initech')}")
         assert tenants.missing(conn, SOURCE, counts) == {"initech": 2}
+    # `status` says so, as the extractor sees it.
+    report = status_report(replace(_settings(store, warehouse), pg_dsn=store.extractor))
+    assert "tenant 'initech': 2 events in the lake, none in es-tenants (es.events), and no erasure recorded" in report
+    assert "tenant 'acme'" not in report
+    # And the events check fails, naming it.
+    check = reconcile(spark, warehouse, store.extractor, SOURCE, None)
+    assert not check.passed
+    assert check.metadata["tenants_lost"].value == "initech (2 events; dropped outside `tenant erase`)"

@@ -20,7 +20,8 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake import tables
-from es_pipeline.source.mapping import Source, as_source
+from es_pipeline.source.mapping import NO_TENANT, Source, as_source
+from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
 
 PARTITION_TAG = "dagster/partition"
@@ -162,16 +163,27 @@ def reconcile(
     n_stray = int(beside(after).where(
         "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")).count())
     store_counts = before.counts
+    lost = _lost_tenants(df, dsn, source)
     off = {s: (store_counts.get(s, 0), lake_counts.get(s, 0)) for s in set(store_counts) | set(lake_counts)
            if store_counts.get(s, 0) != lake_counts.get(s, 0)}
     return dg.AssetCheckResult(
-        passed=not off and n_stray == 0,
+        passed=not off and n_stray == 0 and not lost,
         metadata={"slices_checked": len(store_counts), "slices_off": len(off), "above_watermark": n_stray,
                   "source_events": int(sum(store_counts.values())), "lake_events": int(sum(lake_counts.values())),
                   "lake_version": int(version),
                   "examples": ", ".join(f"slice {s}: source {a}, lake {b}" for s, (a, b) in sorted(off.items())[:5]),
+                  "tenants_lost": ", ".join(f"{t} ({n} events; dropped outside `tenant erase`)" for t, n in lost.items()),
                   "scope": _scope_label(scope)},
     )
+
+
+def _lost_tenants(df: Any, dsn: str, source: Source) -> dict[str, int]:
+    """Tenants the lake holds (in the check's scope) whose events left the store without `tenant erase`."""
+    if source.tenant == NO_TENANT:
+        return {}
+    counts = {str(r["tenant"]): int(r["count"]) for r in df.groupBy("tenant").count().collect()}
+    with connect(dsn) as conn:
+        return tenants.missing(conn, source, counts)
 
 
 CHECKS = [events_no_duplicates, events_versions_contiguous, events_reconcile_with_source]
