@@ -14,8 +14,8 @@ The probe is one statement that answers: which slices have a committed event wit
 In the steady state (every range extracted recently) the tail holds the events since the last runs,
 a handful, and no slice needs its own probe. docs/decisions.md, "The sensor's probe", has the numbers.
 
-The statement reads `es_pipeline.offsets` beside the events: one statement, so that the horizon,
-the watermarks and the events are seen in one snapshot.
+The first statement reads `es_pipeline.offsets` beside the events, so that the horizon, the watermarks and
+the tail are seen in one snapshot; the per-slice probes of step 3, when needed, are a second statement.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Probe:
     ready_slices: frozenset[int]
 
 
-_PROBE = """
+_TAIL = """
 WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
      -- The lowest watermark; a slice without an offset row has watermark 0. Transaction ids are compared
      -- as bigints where aggregated (min/max over xid8 exist only from PostgreSQL 15; xid8 fits a bigint).
@@ -53,43 +53,65 @@ WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
          WHERE e.tx_id::text::bigint >= (SELECT lo FROM lo)
            AND e.tx_id::text::bigint < (SELECT h::text::bigint FROM h)
          ORDER BY e.tx_id::text::bigint DESC LIMIT {tail_rows}),
-     -- NULL when the tail holds every event in [lo, H); else its lowest tx, which it may hold only in part.
-     cut AS MATERIALIZED (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx) END AS t FROM tail),
      from_tail AS MATERIALIZED (
          SELECT t.slice FROM (SELECT slice, max(tx) AS top FROM tail GROUP BY slice) t
          LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = t.slice
-         WHERE t.top >= coalesce(o.watermark::text::bigint, 0)),
-     probed AS (
-         SELECT g.slice::smallint AS slice
-         FROM cut, h, generate_series(0, {last_slice}) AS g(slice)
-         LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = g.slice
-         WHERE cut.t IS NOT NULL AND coalesce(o.watermark::text::bigint, 0) <= cut.t
-           AND g.slice NOT IN (SELECT slice FROM from_tail)
-           AND EXISTS (SELECT 1 FROM {events} e WHERE e.slice = g.slice
-                       AND e.tx_id >= coalesce(o.watermark, '0'::xid8) AND e.tx_id < h.h))
+         WHERE t.top >= coalesce(o.watermark::text::bigint, 0))
 SELECT (SELECT h::text::bigint FROM h),
-       (SELECT array_agg(slice) FROM (SELECT slice FROM from_tail UNION ALL SELECT slice FROM probed) r)
+       -- NULL when the tail holds every event in [lo, H); else its lowest tx, which it may hold only in part.
+       (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx) END FROM tail),
+       (SELECT array_agg(slice) FROM from_tail)
+"""
+
+# Only when the tail was cut: each slice it does not cover, probed on (slice, tx_id) at the same horizon.
+_LAGGING = """
+SELECT array_agg(g.slice)
+FROM generate_series(0, {last_slice}) AS g(slice)
+LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = g.slice
+WHERE coalesce(o.watermark::text::bigint, 0) <= {cut}
+  AND g.slice <> ALL({covered})
+  AND EXISTS (SELECT 1 FROM {events} e WHERE e.slice = g.slice
+              AND e.tx_id >= coalesce(o.watermark, '0'::xid8) AND e.tx_id < {horizon}::text::xid8)
 """
 
 
 def probe_statement(source: Source | str, tail_rows: int = TAIL_ROWS) -> sql.Composed:
-    """The probe's one statement; its parameter is `consumer`."""
+    """The probe's statement for the steady state (the tail); its parameter is `consumer`."""
     if tail_rows < 1:
         raise ValueError(f"tail_rows must be at least 1, not {tail_rows}")
-    return sql.SQL(_PROBE).format(
+    return sql.SQL(_TAIL).format(
         slices=sql.Literal(NUM_SLICES),
-        last_slice=sql.Literal(NUM_SLICES - 1),
         consumer=sql.Placeholder("consumer"),
         events=as_source(source).relation_sql(),
         tail_rows=sql.Literal(tail_rows),
     )
 
 
+def lagging_statement(source: Source | str) -> sql.Composed:
+    """The per-slice probe of the slices a cut tail does not cover; parameters `consumer`, `cut`, `covered`, `horizon`."""
+    return sql.SQL(_LAGGING).format(
+        last_slice=sql.Literal(NUM_SLICES - 1), consumer=sql.Placeholder("consumer"), cut=sql.Placeholder("cut"),
+        covered=sql.SQL("{}::int[]").format(sql.Placeholder("covered")), horizon=sql.Placeholder("horizon"),
+        events=as_source(source).relation_sql(),
+    )
+
+
 def probe(conn: psycopg.Connection, source: Source | str, consumer: str, *, tail_rows: int = TAIL_ROWS) -> Probe:
-    """The horizon, and the slices with committed events at or above their watermark below it."""
+    """The horizon, and the slices with committed events at or above their watermark below it.
+
+    Two statements, the second only when the tail was cut: each names the events table once, and on a table
+    of many partitions planning it costs more than running it (docs/decisions.md, "The sensor's probe"). The
+    second reads the offsets again, a moment later: a watermark that moved meanwhile only drops a slice whose
+    events a run has just taken, and the horizon is the first statement's."""
     row = conn.execute(probe_statement(source, tail_rows), {"consumer": consumer}).fetchone()
     assert row is not None
-    return Probe(int(row[0]), frozenset(row[1] or ()))
+    horizon, cut, covered = int(row[0]), row[1], list(row[2] or ())
+    ready = set(covered)
+    if cut is not None:
+        more = conn.execute(lagging_statement(source), {
+            "consumer": consumer, "cut": int(cut), "covered": covered, "horizon": str(horizon)}).fetchone()
+        ready.update(more[0] or () if more else ())
+    return Probe(horizon, frozenset(ready))
 
 
 @dataclass(frozen=True)

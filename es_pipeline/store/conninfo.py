@@ -17,11 +17,17 @@ No function here puts the DSN's text into an error message: it may hold a passwo
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
 import psycopg
 from psycopg.adapt import Loader
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from es_pipeline.errors import DatabaseUnreachable, PostgresTooOld, UnsupportedDsn
+
+T = TypeVar("T")
 
 MIN_SERVER_VERSION = 130000
 XID8_OID = 5069  # fixed in pg_type since PostgreSQL 13
@@ -169,3 +175,33 @@ def jdbc_url(parts: dict[str, str]) -> tuple[str, dict[str, str]]:
         if parts.get(key):
             props[key] = parts[key]
     return f"jdbc:postgresql://{netloc}/{parts.get('dbname', '')}", props
+
+
+class KeptConnection:
+    """One autocommit connection kept for calls after calls in this process (the sensor's ticks): a tick then
+    pays no connection set-up (TLS, SCRAM, a pooler's hand-off). It is opened again after a fork (a child never
+    uses its parent's socket) and when the server ended it (a restart, `idle_session_timeout`): a call on a kept
+    connection that fails so is made once more on a new one. No prepared statements (`connect`)."""
+
+    def __init__(self, dsn: str, application_name: str) -> None:
+        self.dsn, self.application_name = dsn, application_name
+        self._conn: psycopg.Connection | None = None
+        self._pid = 0
+
+    def run(self, fn: Callable[[psycopg.Connection], T]) -> T:
+        while True:
+            reused = self._conn is not None and self._pid == os.getpid() and not self._conn.closed
+            if not reused:
+                self._conn, self._pid = connect(self.dsn, autocommit=True, application_name=self.application_name), os.getpid()
+            assert self._conn is not None
+            try:
+                return fn(self._conn)
+            except psycopg.OperationalError:
+                self.close()
+                if not reused:
+                    raise
+
+    def close(self) -> None:
+        if self._conn is not None and self._pid == os.getpid():
+            self._conn.close()
+        self._conn = None

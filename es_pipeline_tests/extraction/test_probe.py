@@ -112,7 +112,8 @@ def test_probe_equals_brute_force_for_every_tail_length(dsn: str, seed: int) -> 
 
 
 def test_probe_plan_reads_the_tail_in_the_steady_state(dsn: str) -> None:
-    """Caught-up watermarks: the plan reads the end of the tx_id index and probes no slice one by one."""
+    """Caught-up watermarks: the plan reads the end of the tx_id index, and no slice is probed one by one (that
+    second statement runs only when the tail is cut)."""
     bulk_load(dsn, events=100_000, streams=1000, events_per_tx=50_000)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ANALYZE es.events")
@@ -127,5 +128,4 @@ def test_probe_plan_reads_the_tail_in_the_steady_state(dsn: str) -> None:
         ))
         assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == {EventStore(dsn).slice_of("cart-new")}
     assert "Index Scan Backward using events_tx_order_idx" in plan, plan
-    per_slice = plan[plan.index("events_slice_tx_idx") - 200:]
-    assert "never executed" in per_slice, plan
+    assert "events_slice_tx_idx" not in plan, plan

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from es_pipeline.errors import DatabaseUnreachable, UnsupportedDsn
-from es_pipeline.store.conninfo import KEEPALIVES, adbc_dsn, connect, describe, jdbc_url, parse
+from es_pipeline.store.conninfo import (
+    KEEPALIVES,
+    KeptConnection,
+    adbc_dsn,
+    connect,
+    describe,
+    jdbc_url,
+    parse,
+)
 
 SECRET = "s3cr%t/ab"
 
@@ -75,3 +84,17 @@ def test_describe_says_what_the_dsn_leaves_to_libpq() -> None:
     assert describe("postgresql://u@127.0.0.1:1/nowhere") == ("127.0.0.1", "1", "nowhere")
     host, port, dbname = describe("service=prod")
     assert "default" in host and "default" in port and "default" in dbname
+
+
+def test_a_kept_connection_is_reused_and_replaced_when_the_server_ended_it(dsn: str) -> None:
+    kept = KeptConnection(dsn, "es_pipeline test kept")
+    pid = lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # noqa: E731
+    first = kept.run(pid)
+    assert kept.run(pid) == first  # the same server connection, tick after tick
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (first,))
+    second = kept.run(pid)  # the call on the ended connection is made again on a new one
+    assert second != first
+    kept._pid = -1  # as in a forked child: the parent's socket is never used
+    assert kept.run(pid) not in (first, second)
+    kept.close()

@@ -11,9 +11,9 @@ from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.offsets import check_source
-from es_pipeline.extraction.probe import decide, format_cursor, parse_cursor, probe
+from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.store.conninfo import connect
+from es_pipeline.store.conninfo import KeptConnection
 
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
 IN_PROGRESS = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
@@ -22,6 +22,9 @@ IN_PROGRESS = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 def build_new_events_sensor(
     job: UnresolvedAssetJobDefinition, ranges: list[SliceRange], *, interval_seconds: int, tail_seconds: int = 0
 ) -> dg.SensorDefinition:
+    # The code server evaluates tick after tick in one process: one connection per store, kept between them.
+    store_connections: dict[str, KeptConnection] = {}
+
     @dg.sensor(
         name="new_events_sensor",
         job=job,
@@ -48,10 +51,14 @@ def build_new_events_sensor(
             if busy:
                 return dg.SkipReason(busy)
         try:
-            with connect(event_store.dsn, autocommit=True, application_name="es_pipeline sensor") as conn:
-                source = event_store.events_source()
+            source = event_store.events_source()
+            kept = store_connections.setdefault(event_store.dsn, KeptConnection(event_store.dsn, "es_pipeline sensor"))
+
+            def ask(conn: psycopg.Connection) -> Probe:
                 check_source(conn, source.consumer)
-                found = probe(conn, source, source.consumer)
+                return probe(conn, source, source.consumer)
+
+            found = kept.run(ask)
         except (ReadOnlyStore, SourceChanged, XidSpaceWentBack) as exc:
             return dg.SkipReason(f"no run was requested: {exc}")
         except (EsPipelineError, psycopg.Error) as exc:
