@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from es_pipeline.dev import local_server
 from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
-from es_pipeline.dev.demo import ensure_local_target, run_demo_pass
+from es_pipeline.dev.demo import demo_tenants, ensure_local_target, run_demo_pass
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
 from es_pipeline.extraction import offsets
@@ -87,8 +87,10 @@ def _tenant(args: argparse.Namespace, settings: Settings) -> int:
     done = erase_tenant(settings, args.tenant, wait_seconds=args.wait, progress=lambda m: print(m, flush=True))
     print(f"erased tenant {args.tenant!r}: " + (f"dropped {done.partition} ({done.store_events:,} events)"
                                                 if done.partition else "no partition left in the store"))
-    for table, n in {**done.store_rows, **done.lake_rows}.items():
-        print(f"  {table:<18} {n:>10,} rows deleted")
+    rows = {**{f"{settings.source.schema}.{t} (store)": n for t, n in done.store_rows.items()},
+            **{f"{t} (lake)": n for t, n in done.lake_rows.items()}}
+    for table, n in rows.items():
+        print(f"  {table:<26} {n:>10,} rows deleted")
     print(f"  {done.files_purged:,} files purged; no Parquet file of the lake holds the tenant")
     if done.rebuilt:
         print(f"  {', '.join(done.rebuilt)} lagged behind events: the next update rebuilds them whole")
@@ -116,6 +118,7 @@ def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
             seed=args.seed,
             rate=args.rate if args.forever else None,
             stop=stop,
+            tenants=demo_tenants(settings),
         )
     except KeyboardInterrupt:
         stop.set()

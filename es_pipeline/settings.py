@@ -101,7 +101,7 @@ class Settings:
         source = (mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
                   if env.get("ES_PIPELINE_SOURCE", "").strip() else None)
         # One warehouse per source (its `events` table is one consumer's): another source's default is its own.
-        default_warehouse = "warehouse" if source is None or source.native else f"warehouse-{mapping.slug(source)}"
+        default_warehouse = "warehouse" if source is None or source.name == "es" else f"warehouse-{mapping.slug(source)}"
         return cls(
             pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
             warehouse=_warehouse(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / default_warehouse)),

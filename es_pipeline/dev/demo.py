@@ -14,6 +14,7 @@ from es_pipeline.lake.projections import update_event_type_daily, update_stream_
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import Settings
+from es_pipeline.store import tenants
 from es_pipeline.store.adopt import adopt
 from es_pipeline.store.conninfo import describe
 from es_pipeline.store.event_store import EventStore
@@ -27,6 +28,18 @@ ORDER BY day, stream_type, events DESC
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEMO_TENANTS = ("acme", "globex", "initech", "umbrella")  # the demo's tenants in a store partitioned by tenant
+
+
+def demo_tenants(settings: Settings) -> tuple[str, ...]:
+    """With `ES_PIPELINE_SOURCE=es-tenants`: the demo's tenants, each with its partition (made here); else none."""
+    if not settings.source.native_tenants:
+        return ()
+    with EventStore(settings.pg_dsn, settings.schema).connect() as conn:
+        conn.autocommit = True
+        for tenant in DEMO_TENANTS:
+            tenants.add(conn, settings.source, tenant)
+    return DEMO_TENANTS
 
 
 def ensure_local_target(settings: Settings) -> None:
@@ -59,9 +72,11 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     if settings.source.native:
         migrate(settings.pg_dsn, settings.schema, tenants=settings.source.native_tenants)
         store = EventStore(settings.pg_dsn, settings.schema)
-        print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)")
+        among = demo_tenants(settings)
+        print(f"1. writing {events:,} demo events with {writers} concurrent writers (10% rollbacks, out-of-order commits)"
+              + (f" for tenants {', '.join(among)}" if among else ""))
         report = run_workload(store, streams=max(100, events // 20), events=events, writers=writers,
-                              rollback_rate=0.1, max_commit_delay=0.02)
+                              rollback_rate=0.1, max_commit_delay=0.02, tenants=among)
         print("   " + report.summary())
     elif settings.source.name == "emmett":
         _write_with_emmett(settings, events, writers)
@@ -87,6 +102,10 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     register_tables(spark, settings.warehouse)
     total = spark.sql("SELECT count(*) AS n, count(DISTINCT stream_id) AS streams FROM events").first()
     print(f"3. the lake holds {total['n']:,} events of {total['streams']:,} streams")
+    if settings.source.tenant != "''":
+        print("   per tenant:")
+        spark.sql("SELECT tenant, count(*) AS events, count(DISTINCT stream_id) AS streams FROM events "
+                  "GROUP BY tenant ORDER BY tenant").show(20, truncate=False)
     print("   events per type per day:")
     print("   " + ANALYST_QUERY.strip().replace("\n", "\n   "))
     spark.sql(ANALYST_QUERY).show(20, truncate=False)

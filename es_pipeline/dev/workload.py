@@ -12,7 +12,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ class DemoStream:
     stream_id: str
     stream_type: str
     version: int = 0
+    tenant: str = ""  # in a store partitioned by tenant
     state: dict[str, Any] = field(default_factory=dict)
     done: bool = False
 
@@ -124,6 +125,7 @@ def _writer(
     pace: Callable[[int], None],
     report: WriterReport,
     max_events_per_tx: int,
+    tenants: Sequence[str] = (),
 ) -> None:
     rng = random.Random(seed * 1000 + index)
     pool: list[DemoStream] = []
@@ -133,7 +135,7 @@ def _writer(
             open_streams = [s for s in pool if not s.done]
             if created < streams_quota or not open_streams:
                 kind = "cart" if rng.random() < 0.5 else "account"
-                stream = DemoStream(f"{kind}-{uuid.uuid4().hex[:16]}", kind)
+                stream = DemoStream(f"{kind}-{uuid.uuid4().hex[:16]}", kind, tenant=rng.choice(tenants) if tenants else "")
                 pool.append(stream)
                 created += 1
             else:
@@ -146,7 +148,8 @@ def _writer(
             delay = rng.uniform(0, max_commit_delay) if max_commit_delay > 0 else 0.0
             try:
                 with conn.transaction():
-                    version = store.append(stream.stream_id, stream.stream_type, events, stream.version, conn=conn)
+                    version = store.append(stream.stream_id, stream.stream_type, events, stream.version, conn=conn,
+                                           tenant=stream.tenant)
                     if delay:
                         time.sleep(delay)  # hold the transaction open: commits land out of tx_id order
                     if rollback:
@@ -177,8 +180,10 @@ def run_workload(
     rate: float | None = None,
     stop: threading.Event | None = None,
     max_events_per_tx: int = 4,
+    tenants: Sequence[str] = (),
 ) -> DemoReport:
-    """Write `events` events (or until `stop` is set, when `events` is None) from `writers` threads."""
+    """Write `events` events (or until `stop` is set, when `events` is None) from `writers` threads; with
+    `tenants`, each new stream belongs to one of them (a store partitioned by tenant)."""
     if writers < 1:
         raise ValueError("writers must be at least 1")
     if not 0 <= rollback_rate < 1:
@@ -205,7 +210,7 @@ def run_workload(
     def target(i: int) -> None:
         try:
             _writer(store, i, None if per_writer is None else per_writer[i], streams_per_writer, rollback_rate,
-                    max_commit_delay, seed, stop, pace, reports[i], max_events_per_tx)
+                    max_commit_delay, seed, stop, pace, reports[i], max_events_per_tx, tenants)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller below
             errors.append(exc)
             stop.set()
