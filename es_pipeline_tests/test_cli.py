@@ -60,3 +60,24 @@ def test_db_roles_prints_what_it_grants_and_can_run_again(dsn: str) -> None:
     assert first.returncode == again.returncode == 0, first.stderr
     assert 'GRANT pg_read_all_stats TO "es_pipeline_extractor";' in first.stdout
     assert first.stdout == again.stdout
+
+
+def test_tenant_commands_refuse_in_one_line(dsn: str, tmp_path: Path) -> None:
+    env = {"ES_PIPELINE_PG_DSN": dsn, "ES_PIPELINE_WAREHOUSE": str(tmp_path / "w")}
+    _one_line(_cli(["tenant", "erase", "acme"], **env), "cannot be undone", "--yes")
+    _one_line(_cli(["tenant", "erase", "acme", "--yes"], **env), "cannot erase tenant 'acme'", "has no tenants")
+    _one_line(_cli(["tenant", "add", "acme"], **env), "cannot add tenant 'acme'", "not es_pipeline's store partitioned")
+    _one_line(_cli(["db", "migrate"], ES_PIPELINE_SOURCE="es-tenants", **env),
+              "created without tenants", "ES_PIPELINE_SOURCE=es-tenants")
+
+
+def test_tenant_add_then_erase_from_the_command_line(empty_dsn: str, tmp_path: Path) -> None:
+    env = {"ES_PIPELINE_PG_DSN": empty_dsn, "ES_PIPELINE_WAREHOUSE": str(tmp_path / "w"), "ES_PIPELINE_SOURCE": "es-tenants"}
+    assert _cli(["db", "migrate"], **env).returncode == 0
+    added = _cli(["tenant", "add", "acme"], **env)
+    assert added.returncode == 0 and "events_t_acme_" in added.stdout and "created" in added.stdout, added.stderr
+    assert "exists already" in _cli(["tenant", "add", "acme"], **env).stdout
+    erased = _cli(["tenant", "erase", "acme", "--yes"], **env)
+    assert erased.returncode == 0, erased.stderr
+    assert "erased tenant 'acme': dropped es.events_t_acme_" in erased.stdout
+    assert "no Parquet file of the lake holds the tenant" in erased.stdout
