@@ -121,7 +121,7 @@ def adopt(dsn: str, source: Source, *, echo: Callable[[str], None] = print) -> A
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             for own in own_tables_statements():
-                conn.execute(own)  # type: ignore[arg-type]  # our own SQL
+                conn.execute(own)
         _grant_reads(conn, source, echo)
     return done
 
