@@ -87,7 +87,7 @@ def _tenant(args: argparse.Namespace, settings: Settings) -> int:
     done = erase_tenant(settings, args.tenant, wait_seconds=args.wait, progress=lambda m: print(m, flush=True))
     print(f"erased tenant {args.tenant!r}: " + (f"dropped {done.partition} ({done.store_events:,} events)"
                                                 if done.partition else "no partition left in the store"))
-    rows = {**{f"{settings.source.schema}.{t} (store)": n for t, n in done.store_rows.items()},
+    rows = {**{(t if "." in t else f"{settings.source.schema}.{t}") + " (store)": n for t, n in done.store_rows.items()},
             **{f"{t} (lake)": n for t, n in done.lake_rows.items()}}
     for table, n in rows.items():
         print(f"  {table:<26} {n:>10,} rows deleted")

@@ -6,7 +6,7 @@ In this order, each step safe to run again (a cut-short erasure is finished by r
    pending, so that nothing in flight lands after the erasure or is lost by it;
 3. record the erasure as started (`es_pipeline.tenant_erasures`);
 4. drop the tenant's partition (detach, then drop: no DELETE, nothing for the append-only guard to refuse);
-   in the native store also its `streams` and `snapshots` rows;
+   in the native store also its `streams` and `snapshots` rows (an adopted store: `es_pipeline.snapshots`);
 5. delete its rows from `events` (still under the slice locks), then from `stream_state`, `stream_catalog`,
    `event_type_daily` and `snapshots`, each in its turn (`serial.one_at_a_time`): the writers of every table
    are held off while its rows and files go. A projection that was up to date with `events` records the
@@ -134,6 +134,8 @@ def erase_tenant(
                 tenants.drop(conn, part)
             if source.native:
                 done.store_rows = tenants.delete_native_rows(conn, source.schema, tenant)
+            else:
+                done.store_rows = {"es_pipeline.snapshots": tenants.delete_snapshot_rows(conn, source.consumer, tenant)}
 
             events_path = tables.table_path(settings.warehouse, "events")
             before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1

@@ -115,7 +115,7 @@ def _missing(latest_rows: pa.Table, store: EventStore) -> pa.Table:
 
 
 def _write_back(latest_rows: pa.Table, store: EventStore) -> int:
-    if not store.has_snapshots_table():  # an adopted framework's store: the snapshots stay in the lake
+    if not store.has_snapshots_table():  # a store not migrated (or adopted) since: the check says so
         return 0
     missing = _missing(latest_rows, store)
     return store.write_snapshots(

@@ -114,7 +114,7 @@ def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
 
 def write_back(spark: Any, warehouse: Location, store: EventStore) -> int:
     """Upsert into the store's snapshot table every latest snapshot of the lake it does not hold; the count."""
-    if not store.has_snapshots_table():  # an adopted framework's store: the snapshots stay in the lake
+    if not store.has_snapshots_table():  # a store not migrated (or adopted) since: the check says so
         return 0
     missing = not_in_store(spark, warehouse, store)
     return store.write_snapshots(

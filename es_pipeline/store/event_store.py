@@ -102,11 +102,17 @@ def _validate(stream_id: str, stream_type: str, events: Sequence[NewEvent], expe
 class EventStore:
     """Append to and read from the event store in `schema` (default `es`)."""
 
-    def __init__(self, dsn: str, schema: str = "es") -> None:
+    def __init__(self, dsn: str, schema: str = "es", *, snapshots_of: str = "") -> None:
+        """`snapshots_of`: the consumer of an adopted framework's store, whose snapshots are written back to
+        es_pipeline's own `es_pipeline.snapshots` (its rows apart), not to `<schema>.snapshots`."""
         self.dsn = dsn
         self.schema = schema
         self._s = sql.Identifier(schema)
         self._tenants: bool | None = None  # whether `events` is partitioned by tenant: read on first use
+        self.snapshots_of = snapshots_of
+        self.snapshots_table = sql.Identifier("es_pipeline" if snapshots_of else schema, "snapshots")
+        # The rows of this store in the snapshots table, as a condition and as the values of an insert.
+        self._mine = sql.SQL("consumer = %(consumer)s AND " if snapshots_of else "")
 
     def partitioned_by_tenant(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this store was created partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`)."""
@@ -260,28 +266,30 @@ class EventStore:
         self, stream_id: str, conn: psycopg.Connection | None = None, *, tenant: str = ""
     ) -> Snapshot | None:
         query = sql.SQL(
-            "SELECT stream_id, stream_type, version, state, revision, tenant FROM {}.snapshots "
-            "WHERE tenant = %s AND stream_id = %s"
-        ).format(self._s)
+            "SELECT stream_id, stream_type, version, state, revision, tenant FROM {} "
+            "WHERE {}tenant = %(tenant)s AND stream_id = %(id)s"
+        ).format(self.snapshots_table, self._mine)
+        params = {"tenant": tenant, "id": stream_id, "consumer": self.snapshots_of}
         if conn is None:
             with self.connect() as own:
-                row = own.execute(query, (tenant, stream_id)).fetchone()
+                row = own.execute(query, params).fetchone()
         else:
-            row = conn.execute(query, (tenant, stream_id)).fetchone()
+            row = conn.execute(query, params).fetchone()
         return Snapshot(*row) if row else None
 
     def has_snapshots_table(self) -> bool:
-        """Whether the store has its snapshots table (`<schema>.snapshots`: the native store's; an adopted
-        framework's store has none, and its snapshots stay in the lake)."""
+        """Whether the snapshots table is there (`<schema>.snapshots`, or `es_pipeline.snapshots` for an adopted
+        store: made by `source adopt`; a store adopted by an older release has none until adopted again)."""
         with self.connect() as conn:
-            row = conn.execute("SELECT to_regclass(%s)", (sql.Identifier(self.schema, "snapshots").as_string(conn),)).fetchone()
+            row = conn.execute("SELECT to_regclass(%s)", (self.snapshots_table.as_string(conn),)).fetchone()
         return row is not None and row[0] is not None
 
     def snapshot_keys(self) -> list[tuple[str, str, int, int]]:
         """(tenant, stream_id, version, revision) of every snapshot the store holds."""
         with self.connect() as conn:
             rows = conn.execute(
-                sql.SQL("SELECT tenant, stream_id, version, revision FROM {}.snapshots").format(self._s)
+                sql.SQL("SELECT tenant, stream_id, version, revision FROM {} WHERE {}true").format(
+                    self.snapshots_table, self._mine), {"consumer": self.snapshots_of},
             ).fetchall()
         return [(str(t), str(s), int(v), int(r)) for t, s, v, r in rows]
 
@@ -307,17 +315,21 @@ class EventStore:
     def write_snapshots(self, snapshots: Iterable[Snapshot], conn: psycopg.Connection | None = None) -> int:
         """Upsert snapshots; an older version never overwrites a newer one of the same revision."""
         rows = [
-            (s.tenant, s.stream_id, s.stream_type, s.version, json.dumps(s.state), s.revision) for s in snapshots
+            {"consumer": self.snapshots_of, "tenant": s.tenant, "id": s.stream_id, "type": s.stream_type,
+             "version": s.version, "state": json.dumps(s.state), "revision": s.revision}
+            for s in snapshots
         ]
         if not rows:
             return 0
+        consumer = sql.SQL("consumer, " if self.snapshots_of else "")
         query = sql.SQL(
-            "INSERT INTO {s}.snapshots AS t (tenant, stream_id, stream_type, version, state, revision) "
-            "VALUES (%s, %s, %s, %s, %s::jsonb, %s) "
-            "ON CONFLICT (tenant, stream_id) DO UPDATE SET stream_type = excluded.stream_type, "
+            "INSERT INTO {table} AS t ({c}tenant, stream_id, stream_type, version, state, revision) "
+            "VALUES ({cv}%(tenant)s, %(id)s, %(type)s, %(version)s, %(state)s::jsonb, %(revision)s) "
+            "ON CONFLICT ({c}tenant, stream_id) DO UPDATE SET stream_type = excluded.stream_type, "
             "version = excluded.version, state = excluded.state, revision = excluded.revision, taken_at = now() "
             "WHERE excluded.revision <> t.revision OR excluded.version > t.version"
-        ).format(s=self._s)
+        ).format(table=self.snapshots_table, c=consumer,
+                 cv=sql.SQL("%(consumer)s, " if self.snapshots_of else ""))
         if conn is None:
             with self.connect() as own, own.transaction(), own.cursor() as cur:
                 cur.executemany(query, rows)

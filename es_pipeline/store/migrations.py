@@ -236,6 +236,37 @@ END $$;
     ),
 )
 
+MIGRATIONS += (
+    Migration(
+        9,
+        "es_pipeline.snapshots: the snapshot write-back of an adopted framework's store",
+        """
+-- A framework's store has no snapshot table of es_pipeline's shape, and es_pipeline adds nothing to the
+-- framework's schema: the latest snapshot of each stream is written back here instead, one consumer's rows apart.
+CREATE TABLE IF NOT EXISTS es_pipeline.snapshots (
+    consumer    text        NOT NULL,
+    tenant      text        NOT NULL DEFAULT '',
+    stream_id   text        NOT NULL,
+    stream_type text        NOT NULL,
+    version     integer     NOT NULL,
+    state       jsonb       NOT NULL,
+    revision    integer     NOT NULL,
+    taken_at    timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, tenant, stream_id)
+);
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_snapshots') THEN
+        GRANT USAGE ON SCHEMA es_pipeline TO es_pipeline_snapshots;
+        GRANT SELECT, INSERT, UPDATE ON es_pipeline.snapshots TO es_pipeline_snapshots;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_extractor') THEN
+        GRANT SELECT, INSERT, UPDATE, DELETE ON es_pipeline.snapshots TO es_pipeline_extractor;
+    END IF;
+END $$;
+""",
+    ),
+)
+
 
 def layout_sql(tenants: bool) -> dict[str, sql.Composable]:
     """The fragments of migration 1 that differ in a store partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`):
@@ -277,12 +308,12 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 
 # es_pipeline's own tables (schema es_pipeline): needed by every source, created by these migrations alone,
 # whose statements are all idempotent (`IF NOT EXISTS`). `source adopt` runs them for a store not our own.
-OWN_TABLES_MIGRATIONS = (2, 4, 6, 8)
+OWN_TABLES_MIGRATIONS = (2, 4, 6, 8, 9)
 
 
-def own_tables_statements() -> list[str]:
+def own_tables_statements() -> list[sql.Composed]:
     """The statements that create es_pipeline's own tables (for `source adopt`, without `es.events`)."""
-    return [m.statements for m in MIGRATIONS if m.version in OWN_TABLES_MIGRATIONS]
+    return [sql.SQL(m.statements).format() for m in MIGRATIONS if m.version in OWN_TABLES_MIGRATIONS]  # type: ignore[arg-type]
 
 
 def applied_versions(conn: psycopg.Connection, schema: str) -> set[int]:

@@ -61,6 +61,7 @@ def statements(schema: str, *, tenants: bool = False) -> list[sql.Composed]:
         *extractor_own_statements(),
         # snapshot write-back: the snapshots table, nothing else
         sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(table("snapshots"), snapshots),
+        *snapshots_own_statements(),
     ]
     return out
 
@@ -74,6 +75,15 @@ def extractor_own_statements() -> list[sql.Composed]:
         # UPDATE: setval, when a lake adopted after a restore carries batch ids above the sequence
         sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT pg_read_all_stats TO {}").format(extractor),
+    ]
+
+
+def snapshots_own_statements() -> list[sql.Composed]:
+    """The write-back's grants on `es_pipeline.snapshots`, where an adopted store's snapshots go."""
+    own, snapshots = sql.Identifier(OWN_SCHEMA), sql.Identifier(SNAPSHOTS)
+    return [
+        sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(own, snapshots),
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {}.snapshots TO {}").format(own, snapshots),
     ]
 
 

@@ -141,6 +141,14 @@ def delete_native_rows(conn: psycopg.Connection, schema: str, tenant: str) -> di
     return done
 
 
+def delete_snapshot_rows(conn: psycopg.Connection, consumer: str, tenant: str) -> int:
+    """An adopted store's snapshots of `tenant` in `es_pipeline.snapshots` (the native store's: `delete_native_rows`)."""
+    if conn.execute("SELECT to_regclass('es_pipeline.snapshots')").fetchone() in (None, (None,)):
+        return 0
+    cur = conn.execute("DELETE FROM es_pipeline.snapshots WHERE consumer = %s AND tenant = %s", (consumer, tenant))
+    return cur.rowcount
+
+
 # -- the record of erasures (es_pipeline.tenant_erasures) ------------------------------------------------------
 
 def record_start(conn: psycopg.Connection, consumer: str, tenant: str, partition: str | None, store_events: int) -> None:

@@ -9,15 +9,17 @@ from es_pipeline.lake.snapshots import not_in_store
 
 @dg.asset_check(
     asset="snapshots", blocking=True,
-    description="For every stream, the event store's snapshot table holds the latest snapshot in the lake "
+    description="For every stream, the event store's snapshot table (`es.snapshots`, or `es_pipeline.snapshots` for an "
+    "adopted store) holds the latest snapshot in the lake "
     "(same version and revision), so that `load` starts from it. The next `snapshots` run writes back any that differ.",
 )
 def snapshots_match_store(
     spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.AssetCheckResult:
     if not event_store.store().has_snapshots_table():
-        return dg.AssetCheckResult(passed=True, metadata={
-            "streams_differing": 0, "note": "an adopted store has no snapshot table: snapshots stay in the lake"})
+        return dg.AssetCheckResult(passed=False, metadata={
+            "streams_differing": 0, "note": "the store has no snapshot table: run `es-pipeline db migrate` (the native "
+            "store) or `es-pipeline source adopt` (another store: it creates es_pipeline.snapshots)"})
     small = not_in_store_small(warehouse.root, event_store.store())  # no JVM, up to SMALL_SNAPSHOT_ROWS
     if small is not None:
         n, examples = small.num_rows, small.slice(0, 5).to_pylist()
