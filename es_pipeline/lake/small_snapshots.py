@@ -49,13 +49,15 @@ def take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple[
     snap = DeltaTable(snap_path)
     if _has_deletion_vectors(snap) or _row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, _KEY):
         return None  # (a table made before tenants: Spark adds the column)
-    if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
-        return 0, _write_back(latest(_files(snap_path, snap).to_table(columns=_COLUMNS)), store), -1
-    state = DeltaTable(state_path)
-    if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state, _KEY):
-        return None
-    state_version = state.version()
+    # The whole take, the write-back included, in the table's turn, reading `stream_state` once the turn is ours:
+    # `tenant erase` deletes a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows.
     with one_at_a_time(store.dsn, "snapshots") as turn:
+        if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
+            return 0, _write_back(latest(_files(snap_path, DeltaTable(snap_path)).to_table(columns=_COLUMNS)), store), -1
+        state = DeltaTable(state_path)
+        if _has_deletion_vectors(state) or _row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state, _KEY):
+            return None
+        state_version = state.version()
         snap = DeltaTable(snap_path)  # the version this turn reads, from which it commits
         read = snap.transaction_version(APP_ID)
         lake = _files(snap_path, snap).to_table(columns=_COLUMNS)
@@ -66,7 +68,7 @@ def take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple[
             lake = pa.concat_tables([lake, due.select(_COLUMNS)])
         elif taken is None:  # this state version was taken already (a replay): read what is there
             lake = _files(snap_path, DeltaTable(snap_path)).to_table(columns=_COLUMNS)
-    return taken or 0, _write_back(latest(lake), store), state_version
+        return taken or 0, _write_back(latest(lake), store), state_version
 
 
 def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | None:

@@ -50,6 +50,14 @@ def take_snapshots(
 
 
 def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
+    # In the table's turn from the read of `stream_state` to the write-back: `tenant erase` deletes a tenant's
+    # snapshots (lake and store) in the same turn, after its `stream_state` rows, and none may come back. The
+    # turn also keeps any other Spark driver from committing to the table meanwhile (S3).
+    with one_at_a_time(store.dsn, "snapshots"):
+        return _take_in_turn(spark, warehouse, store, threshold)
+
+
+def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
     from pyspark.sql import functions as F
 
     state_path = tables.table_path(warehouse, "stream_state")
@@ -81,9 +89,8 @@ def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, thresho
     try:
         taken = due.count()
         if taken:
-            with one_at_a_time(store.dsn, "snapshots"):  # one Spark driver commits to it at a time (S3)
-                (due.write.format("delta").mode("append")
-                 .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
+            (due.write.format("delta").mode("append")
+             .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
     finally:
         due.unpersist()
     # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed
