@@ -32,7 +32,10 @@ def maintain(
         if not tables.is_delta_table(path):
             continue
         if name == "events":
-            out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
+            # In the table's turn: `tenant erase` purges untracked files of `events` in the same turn, which
+            # would take a compaction's files before it commits them.
+            with one_at_a_time(store_dsn, name):
+                out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
             continue
         if tables.is_uri(warehouse) and store_dsn is None:
             continue
