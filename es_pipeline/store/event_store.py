@@ -99,6 +99,11 @@ def _validate(stream_id: str, stream_type: str, events: Sequence[NewEvent], expe
             raise InvalidAppend(stream_id, "an event has an empty event_type")
 
 
+def _tenant_condition(tenant: str) -> sql.SQL:
+    """`tenant = %(tenant)s AND ` in a store partitioned by tenant (a tenant named), else nothing."""
+    return sql.SQL("tenant = %(tenant)s AND " if tenant else "")
+
+
 class EventStore:
     """Append to and read from the event store in `schema` (default `es`)."""
 
@@ -158,13 +163,16 @@ class EventStore:
         self._check_tenant(conn, stream_id, tenant)
         return self._append(conn, stream_id, stream_type, events, expected_version, payloads, metadatas, tenant)
 
-    def _check_tenant(self, conn: psycopg.Connection, stream_id: str, tenant: str) -> None:
+    def _check_tenant(self, conn: psycopg.Connection, stream_id: str, tenant: str, *, reading: bool = False) -> None:
+        """A tenant named exactly where the store has tenants (else appends and reads would mix or miss streams)."""
         partitioned = self.partitioned_by_tenant(conn)
-        if partitioned and not tenant:
-            raise InvalidAppend(stream_id, f"{self.schema}.events is partitioned by tenant: pass the stream's tenant")
-        if not partitioned and tenant:
-            raise InvalidAppend(stream_id, f"{self.schema}.events has no tenants (created without ES_PIPELINE_SOURCE="
-                                           "es-tenants): append without a tenant")
+        if partitioned == bool(tenant):
+            return
+        reason = (f"{self.schema}.events is partitioned by tenant: pass the stream's tenant" if partitioned else
+                  f"{self.schema}.events has no tenants (created without ES_PIPELINE_SOURCE=es-tenants): pass no tenant")
+        if reading:
+            raise ValueError(f"cannot read stream {stream_id!r}: {reason}")
+        raise InvalidAppend(stream_id, reason)
 
     def _append(
         self,
@@ -179,10 +187,8 @@ class EventStore:
     ) -> int:
         new_version = expected_version + len(events)
         # In a store partitioned by tenant, the tenant is one more column of both tables and of both keys.
-        t_col, t_val, t_key = (
-            (sql.SQL("tenant, "), sql.SQL("%(tenant)s, "), sql.SQL("tenant = %(tenant)s AND ")) if tenant
-            else (sql.SQL(""), sql.SQL(""), sql.SQL(""))
-        )
+        t_col, t_val = (sql.SQL("tenant, "), sql.SQL("%(tenant)s, ")) if tenant else (sql.SQL(""), sql.SQL(""))
+        t_key = _tenant_condition(tenant)
         if expected_version == NO_STREAM:
             claim = sql.SQL(
                 "INSERT INTO {s}.streams ({tc}stream_id, stream_type, version) VALUES ({tv}%(id)s, %(type)s, %(new)s) "
@@ -236,22 +242,28 @@ class EventStore:
     # -- reading ---------------------------------------------------------------------------------
 
     def read_stream(
-        self, stream_id: str, *, after_version: int = 0, conn: psycopg.Connection | None = None
+        self, stream_id: str, *, after_version: int = 0, conn: psycopg.Connection | None = None, tenant: str = ""
     ) -> list[RecordedEvent]:
+        """A stream's events after `after_version`, in order; `tenant`: the stream's, in a store partitioned by tenant."""
         query = sql.SQL(
-            "SELECT " + _EVENT_COLUMNS + " FROM {}.events WHERE stream_id = %s AND version > %s ORDER BY version"
-        ).format(self._s)
+            "SELECT " + _EVENT_COLUMNS + " FROM {}.events WHERE {}stream_id = %(id)s AND version > %(after)s ORDER BY version"
+        ).format(self._s, _tenant_condition(tenant))
+        params = {"id": stream_id, "after": after_version, "tenant": tenant}
         if conn is None:
             with self.connect() as own:
-                rows = own.execute(query, (stream_id, after_version)).fetchall()
+                self._check_tenant(own, stream_id, tenant, reading=True)
+                rows = own.execute(query, params).fetchall()
         else:
-            rows = conn.execute(query, (stream_id, after_version)).fetchall()
+            self._check_tenant(conn, stream_id, tenant, reading=True)
+            rows = conn.execute(query, params).fetchall()
         return [RecordedEvent(*r) for r in rows]
 
-    def stream_version(self, stream_id: str) -> int:
+    def stream_version(self, stream_id: str, *, tenant: str = "") -> int:
         with self.connect() as conn:
+            self._check_tenant(conn, stream_id, tenant, reading=True)
             row = conn.execute(
-                sql.SQL("SELECT version FROM {}.streams WHERE stream_id = %s").format(self._s), (stream_id,)
+                sql.SQL("SELECT version FROM {}.streams WHERE {}stream_id = %(id)s").format(self._s, _tenant_condition(tenant)),
+                {"id": stream_id, "tenant": tenant},
             ).fetchone()
         return row[0] if row else NO_STREAM
 
@@ -293,7 +305,9 @@ class EventStore:
             ).fetchall()
         return [(str(t), str(s), int(v), int(r)) for t, s, v, r in rows]
 
-    def load(self, stream_id: str, fold: Fold, *, revision: int, initial: State | None = None) -> tuple[State, int]:
+    def load(
+        self, stream_id: str, fold: Fold, *, revision: int, initial: State | None = None, tenant: str = ""
+    ) -> tuple[State, int]:
         """State of a stream = its snapshot (if taken by this `revision`) + the events after it.
 
         Returns (state, version). Read in one repeatable-read transaction so that the snapshot and
@@ -302,12 +316,12 @@ class EventStore:
         with self.connect() as conn:
             conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             with conn.transaction():
-                snap = self.read_snapshot(stream_id, conn)
+                snap = self.read_snapshot(stream_id, conn, tenant=tenant)
                 if snap is not None and snap.revision == revision:
                     state, version = dict(snap.state), snap.version
                 else:
                     state, version = dict(initial or {}), 0
-                for event in self.read_stream(stream_id, after_version=version, conn=conn):
+                for event in self.read_stream(stream_id, after_version=version, conn=conn, tenant=tenant):
                     state = fold(state, event)
                     version = event.version
         return state, version
