@@ -334,3 +334,17 @@ class TenantRefused(EsPipelineError):
     def __init__(self, action: str, tenant: str, reason: str, todo: str) -> None:
         self.action, self.tenant, self.reason, self.todo = action, tenant, reason, todo
         super().__init__(f"cannot {action} tenant {tenant!r}: {reason}. Nothing was changed. {todo}")
+
+
+class ErasureIncomplete(EsPipelineError):
+    """Files still hold an erased tenant's rows after the purge; the erasure is not recorded as finished."""
+
+    def __init__(self, tenant: str, files: dict[str, list[str]]) -> None:
+        self.tenant, self.files = tenant, files
+        shown = "; ".join(f"{table}: {', '.join(names[:3])}" + (" …" if len(names) > 3 else "")
+                          for table, names in files.items())
+        super().__init__(
+            f"tenant {tenant!r} is out of the store and the tables, but files still hold its rows ({shown}). "
+            f"The erasure is not recorded as finished: run `es-pipeline tenant erase {tenant} --yes` again, which "
+            "deletes and purges again; if the files remain, remove them by hand (no table version references them)."
+        )

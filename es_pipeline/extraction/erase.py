@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psycopg
 from deltalake import DeltaTable
 
-from es_pipeline.errors import SliceLocked, TenantRefused
+from es_pipeline.errors import ErasureIncomplete, SliceLocked, TenantRefused
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
@@ -43,7 +44,6 @@ from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
 
 LOCK_CHUNK = 16  # slices locked at a time while waiting for running `events` runs
-LAKE_TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
 @dataclass
@@ -60,18 +60,26 @@ class Erasure:
     replayed_batches: int = 0
 
 
-def _advance(name: str, path: str, before: int, erased_at: int) -> tuple[str, int] | None:
-    """The (app id, version) a projection's DELETE records when it had folded `events` up to `before`."""
+def _projection_after(name: str, path: str, before: int, erased_at: int) -> tuple[tuple[str, int] | None, bool]:
+    """For a projection about to lose the tenant's rows: (the (app id, version) its DELETE records, or None; whether
+    its next update must rebuild it whole). Up to date with `events` just before the erasure (`before`): it records
+    the erasure's version and goes on from there. Already past the erasure (it folded it meanwhile): nothing to
+    record. Behind: its change feed across the erasure is purged, so it is rebuilt."""
     if name == "stream_state":
-        read = tables.transaction_version(path, st.APP_ID)
-        if read is not None and int(read) == st._txn_version(before, REGISTRY):
-            return st.APP_ID, st._txn_version(erased_at, REGISTRY)
-        return None
-    projection = {p.name: p for p in (STREAM_CATALOG, EVENT_TYPE_DAILY)}.get(name)
-    if projection is None:
-        return None
-    read = tables.transaction_version(path, projection.app_id)
-    return (projection.app_id, erased_at) if read is not None and int(read) == before else None
+        app_id, at = st.APP_ID, (lambda v: st.txn_version(v, REGISTRY))
+    else:
+        projection = {p.name: p for p in (STREAM_CATALOG, EVENT_TYPE_DAILY)}.get(name)
+        if projection is None or not tables.is_delta_table(path):
+            return None, False
+        app_id, at = projection.app_id, (lambda v: v)
+    read = tables.transaction_version(path, app_id)
+    if read is None:
+        return None, False  # never built: its first update builds it whole anyway
+    if int(read) >= at(erased_at):
+        return None, False
+    if int(read) == at(before):
+        return (app_id, at(erased_at)), False
+    return None, True
 
 
 def _lock_everything(session: OffsetSession, wait_seconds: float, progress: Callable[[str], None]) -> None:
@@ -108,54 +116,72 @@ def erase_tenant(
         raise TenantRefused("erase", tenant, "the empty tenant is every event of a store without tenants", "Name one.")
     done = Erasure(tenant)
     with connect(settings.pg_dsn, autocommit=True) as conn:
-        part = tenants.find_partition(conn, source, tenant)
-        recorded = tenants.erasures(conn, source.consumer).get(tenant)
-        if part is None and tenants.store_has_rows(conn, source, tenant):
-            raise TenantRefused(
-                "erase", tenant, f"its events in {source.label} are not in a partition of their own",
-                "es_pipeline erases a tenant from the store by dropping its partition (PARTITION BY LIST on the tenant "
-                "column). Delete its rows with the framework's own tools, then run `tenant erase` again: it then "
-                "erases the lake.")
-        if part is None and recorded is None:
-            progress(f"tenant {tenant!r} has no partition in {source.label}: erasing it from the lake")
-
+        _refuse_unless_erasable(conn, settings, tenant, progress)  # before any lock: changes nothing
         extractor = Extractor(settings.pg_dsn, None, settings.warehouse, source=source)
         everything = SliceRange(0, NUM_SLICES - 1)
         with extractor.session(everything, run_id="tenant-erase") as session:
             progress("taking every slice's lock (running `events` runs finish their pass first)")
             _lock_everything(session, wait_seconds, progress)
             done.replayed_batches = extractor.settle(session, everything, run_id="tenant-erase").replayed_batches
-
-            if part is not None:
-                done.partition, done.store_events = part.qualified, tenants.count_events(conn, part)
-            tenants.record_start(conn, source.consumer, tenant, done.partition, done.store_events)
-            if part is not None:
-                progress(f"dropping {part.qualified} ({done.store_events:,} events)")
-                tenants.drop(conn, part)
-            if source.native:
-                done.store_rows = tenants.delete_native_rows(conn, source.schema, tenant)
-            else:
-                done.store_rows = {"es_pipeline.snapshots": tenants.delete_snapshot_rows(conn, source.consumer, tenant)}
-
-            events_path = tables.table_path(settings.warehouse, "events")
-            before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1
-            deleted = lake_erase.delete_tenant(events_path, tenant)
-            erased_at = deleted[1] if deleted else before
-            done.lake_rows["events"] = deleted[0] if deleted else 0
-            for name in LAKE_TABLES[1:]:
-                path = tables.table_path(settings.warehouse, name)
-                with one_at_a_time(settings.pg_dsn, name):
-                    advance = _advance(name, path, before, erased_at) if deleted and before >= 0 else None
-                    gone = lake_erase.delete_tenant(path, tenant, advance=advance)
-                    done.lake_rows[name] = gone[0] if gone else 0
-                    if deleted and advance is None and name != "snapshots" and tables.is_delta_table(path):
-                        done.rebuilt.append(name)
-                    done.files_purged += lake_erase.purge(path)
-            done.files_purged += lake_erase.purge(events_path)
-            left = {name: lake_erase.leftovers(tables.table_path(settings.warehouse, name), tenant) for name in LAKE_TABLES}
-            left = {k: v for k, v in left.items() if v}
-            if left:  # never recorded as finished: running the erasure again deletes and purges again
-                raise RuntimeError(f"tenant {tenant!r}: files still hold its rows after the purge: {left}")
-            tenants.record_finish(conn, source.consumer, tenant, done.lake_rows)
+            _refuse_unless_erasable(conn, settings, tenant, lambda _: None)  # again, now no run can change anything
+            _erase_store(conn, settings, tenant, done, progress)
+            _erase_lake(conn, settings, tenant, done)
     return done
 
+
+def _refuse_unless_erasable(conn: psycopg.Connection, settings: Settings, tenant: str,
+                            progress: Callable[[str], None]) -> None:
+    source = settings.source
+    part = tenants.find_partition(conn, source, tenant)  # refuses a name the column would spell otherwise
+    if part is None and tenants.store_has_rows(conn, source, tenant):
+        raise TenantRefused(
+            "erase", tenant, f"its events in {source.label} are not in a partition of their own",
+            "es_pipeline erases a tenant from the store by dropping its partition (PARTITION BY LIST on the tenant "
+            "column). Delete its rows with the framework's own tools, then run `tenant erase` again: it then "
+            "erases the lake.")
+    if part is None and tenant not in tenants.erasures(conn, source.consumer):
+        progress(f"tenant {tenant!r} has no partition in {source.label}: erasing it from the lake")
+
+
+def _erase_store(conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure,
+                 progress: Callable[[str], None]) -> None:
+    """Steps 3 and 4: the erasure recorded as started, the partition dropped, the native store's `streams` rows."""
+    source = settings.source
+    part = tenants.find_partition(conn, source, tenant)
+    if part is not None:
+        done.partition, done.store_events = part.qualified, tenants.count_events(conn, part)
+    tenants.record_start(conn, source.consumer, tenant, done.partition, done.store_events)
+    if part is not None:
+        progress(f"dropping {part.qualified} ({done.store_events:,} events)")
+        tenants.drop(conn, part, tenant)
+    if source.native:
+        done.store_rows = tenants.delete_stream_rows(conn, source.schema, tenant)
+
+
+def _erase_lake(conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure) -> None:
+    """Steps 5 to 7, each table in its turn, and the store's snapshots in the turn of the lake's."""
+    source, warehouse = settings.source, settings.warehouse
+    events_path = tables.table_path(warehouse, "events")
+    with one_at_a_time(settings.pg_dsn, "events"):  # no compaction meanwhile: its files would be purged
+        before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1
+        deleted = lake_erase.delete_tenant(events_path, tenant)
+        erased_at = deleted[1] if deleted else before
+        done.lake_rows["events"] = deleted[0] if deleted else 0
+        done.files_purged += lake_erase.purge(events_path)
+    for name in tables.TABLES[1:]:
+        path = tables.table_path(warehouse, name)
+        with one_at_a_time(settings.pg_dsn, name):
+            advance, lagging = _projection_after(name, path, before, erased_at) if deleted else (None, False)
+            gone = lake_erase.delete_tenant(path, tenant, advance=advance)
+            done.lake_rows[name] = gone[0] if gone else 0
+            if lagging:
+                done.rebuilt.append(name)
+            done.files_purged += lake_erase.purge(path)
+            if name == "snapshots":  # after the lake's: a take in this turn cannot write them back again
+                table, n = tenants.delete_snapshot_rows(conn, source, tenant)
+                done.store_rows[table] = n
+    left = {name: found for name in tables.TABLES
+            if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}
+    if left:  # not recorded as finished: running the erasure again deletes and purges again
+        raise ErasureIncomplete(tenant, left)
+    tenants.record_finish(conn, source.consumer, tenant, done.lake_rows)

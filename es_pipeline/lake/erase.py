@@ -59,10 +59,12 @@ def delete_tenant(path: str, tenant: str, *, advance: tuple[str, int] | None = N
 
 
 def purge(path: str) -> int:
-    """Remove every file the table no longer references, at once, and its change data files; the count removed."""
+    """Remove every file the table no longer references, at once (those of older versions, and those no version
+    ever referenced: a killed writer's), and its change data files; the count removed. Only while no writer of
+    the table is at work (its turn, or the slice locks for `events`): a file being written would go too."""
     if not tables.is_delta_table(path):
         return 0
-    removed = len(DeltaTable(path).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False))
+    removed = len(DeltaTable(path).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False, full=True))
     fs, root = tables.filesystem(path)
     listed = fs.get_file_info(pafs.FileSelector(f"{root}/_change_data", recursive=True, allow_not_found=True))
     for info in listed:

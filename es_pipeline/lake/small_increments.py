@@ -168,7 +168,7 @@ def update_stream_state(
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
-        return st.StateResult(now, prev, 0, 0, (), 0, 0) if st._txn_version(now, REGISTRY) == int(read) else None
+        return st.StateResult(now, prev, 0, 0, (), 0, 0) if st.txn_version(now, REGISTRY) == int(read) else None
     read_rows = feed.rows(prev, _READ_COLUMNS)
     if read_rows is None:
         return None
@@ -193,7 +193,7 @@ def update_stream_state(
         "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
     turn.confirm(state_path, st.APP_ID, int(read))
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in st.KEY), source_alias="u", target_alias="t",
-                commit_properties=_commit_properties(st.APP_ID, st._txn_version(now, REGISTRY))) \
+                commit_properties=_commit_properties(st.APP_ID, st.txn_version(now, REGISTRY))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
     parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
     return st.StateResult(now, prev, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,

@@ -73,7 +73,7 @@ def folded_version(state_path: str) -> tuple[int, int] | None:
     return None if read is None else (int(table.version()), int(read) // _REVISION_SLOTS)
 
 
-def _txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
+def txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
     return events_version * _REVISION_SLOTS + min(_REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
 
 
@@ -284,7 +284,7 @@ def _update_stream_state(
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, APP_ID, read)
-        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=_txn_version(now, REGISTRY))
+        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=txn_version(now, REGISTRY))
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),

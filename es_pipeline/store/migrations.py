@@ -259,9 +259,6 @@ DO $$ BEGIN
         GRANT USAGE ON SCHEMA es_pipeline TO es_pipeline_snapshots;
         GRANT SELECT, INSERT, UPDATE ON es_pipeline.snapshots TO es_pipeline_snapshots;
     END IF;
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_extractor') THEN
-        GRANT SELECT, INSERT, UPDATE, DELETE ON es_pipeline.snapshots TO es_pipeline_extractor;
-    END IF;
 END $$;
 """,
     ),
@@ -286,13 +283,14 @@ def layout_sql(tenants: bool) -> dict[str, sql.Composable]:
 
 
 def has_tenants(conn: psycopg.Connection, schema: str) -> bool | None:
-    """Whether the store's `events` is partitioned by tenant; None when there is no `events` yet."""
+    """Whether the store's `events` has the `tenant` column, which only the layout partitioned by tenant has (the
+    table is made so by migration 1); None when there is no `events` yet."""
     row = conn.execute(
-        "SELECT c.relkind, EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'tenant'"
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'tenant'"
         " AND NOT a.attisdropped) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = %s AND c.relname = 'events'", (schema,),
     ).fetchone()
-    return None if row is None else bool(row[1])
+    return None if row is None else bool(row[0])
 
 
 # What an existing table must look like for us to adopt it instead of refusing.

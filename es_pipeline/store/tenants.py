@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 
 import psycopg
@@ -38,7 +39,8 @@ class Partition:
 
 
 def partition_name(tenant: str) -> str:
-    """`events_t_<readable part>_<hash>`: at most 63 bytes whatever the tenant, and two tenants never share one."""
+    """`events_t_<readable part>_<hash>`: at most 63 bytes whatever the tenant. Two tenants would share a name only
+    if their readable parts and 32-bit hashes matched: `tenant add` then finds the name taken and fails, safely."""
     readable = re.sub(r"[^a-z0-9]+", "_", tenant.lower()).strip("_")[:32]
     return f"events_t_{readable}_{hashlib.sha1(tenant.encode()).hexdigest()[:8]}"
 
@@ -66,16 +68,21 @@ def find_partition(conn: psycopg.Connection, source: Source, tenant: str) -> Par
     key = partition_key(conn, source)
     if key is None:
         return None
-    _, type_ = key
+    column, type_ = key
     try:
         bound = conn.execute(
-            sql.SQL("SELECT format('FOR VALUES IN (%%L)', CAST(%s AS {})::text)").format(sql.SQL(type_)),  # type: ignore[arg-type]
-            (tenant,),
+            sql.SQL("SELECT CAST(%s AS {})::text, format('FOR VALUES IN (%%L)', CAST(%s AS {})::text)").format(
+                sql.SQL(type_), sql.SQL(type_)),  # type: ignore[arg-type]  # a type name from the catalog
+            (tenant, tenant),
         ).fetchone()
     except psycopg.errors.DataError:  # not a value of the column's type (a uuid column, a name): no such partition
         conn.rollback()
         return None
     assert bound is not None
+    if bound[0] != tenant:  # a cast that truncates (varchar(n)) or respells (uuid): another tenant, or another name
+        raise TenantRefused("erase", tenant, f"the tenant column {column} is {type_}, in which it reads {bound[0]!r}",
+                            "Name the tenant as the lake shows it (`es-pipeline sql \"SELECT DISTINCT tenant FROM events\"`).")
+    bound = (bound[1],)
     row = conn.execute(
         "SELECT n.nspname, c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -101,6 +108,10 @@ def add(conn: psycopg.Connection, source: Source, tenant: str) -> tuple[Partitio
     if not tenant:
         raise TenantRefused("add", tenant, "the empty tenant is the tenant of a store without tenants",
                                 "Name the tenant.")
+    unfinished = [t for t, (_, finished) in erasures(conn, source.consumer).items() if t == tenant and not finished]
+    if unfinished:
+        raise TenantRefused("add", tenant, "its erasure has not finished (es_pipeline.tenant_erasures)",
+                            f"Run `es-pipeline tenant erase {tenant} --yes` again to finish it, then add the tenant.")
     existing = find_partition(conn, source, tenant)
     if existing is not None:
         return existing, False
@@ -122,56 +133,78 @@ def count_events(conn: psycopg.Connection, part: Partition) -> int:
     return int(row[0]) if row else 0
 
 
-def drop(conn: psycopg.Connection, part: Partition) -> None:
-    """Detach and drop the tenant's partition (and its sub-partitions) in one transaction."""
-    with conn.transaction():
-        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-        conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(
-            sql.Identifier(part.schema, part.parent), sql.Identifier(part.schema, part.name)))
-        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(part.schema, part.name)))
+DROP_ATTEMPTS = 6  # each waits up to LOCK_TIMEOUT for the table's readers, then tries again a moment later
 
 
-def delete_native_rows(conn: psycopg.Connection, schema: str, tenant: str) -> dict[str, int]:
-    """The native store's other tenant-keyed tables: `streams` and `snapshots` rows of `tenant`, deleted."""
-    done: dict[str, int] = {}
-    with conn.transaction():
-        for table in ("streams", "snapshots"):
-            cur = conn.execute(sql.SQL("DELETE FROM {} WHERE tenant = %s").format(sql.Identifier(schema, table)), (tenant,))
-            done[table] = cur.rowcount
-    return done
+def drop(conn: psycopg.Connection, part: Partition, tenant: str) -> None:
+    """Detach and drop the tenant's partition (and its sub-partitions) in one transaction. Detaching locks the
+    parent: a long reader (a check's scan) makes it wait, for `LOCK_TIMEOUT` at a time, never queueing writers."""
+    for attempt in range(DROP_ATTEMPTS):
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+                conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(
+                    sql.Identifier(part.schema, part.parent), sql.Identifier(part.schema, part.name)))
+                conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(part.schema, part.name)))
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt == DROP_ATTEMPTS - 1:
+                raise TenantRefused("erase", tenant, f"{part.schema}.{part.parent} stayed locked by other sessions",
+                                    "See pg_locks for long transactions on it, then run `tenant erase` again.") from None
+            time.sleep(1.0 + attempt)
 
 
-def delete_snapshot_rows(conn: psycopg.Connection, consumer: str, tenant: str) -> int:
-    """An adopted store's snapshots of `tenant` in `es_pipeline.snapshots` (the native store's: `delete_native_rows`)."""
-    if conn.execute("SELECT to_regclass('es_pipeline.snapshots')").fetchone() in (None, (None,)):
-        return 0
-    cur = conn.execute("DELETE FROM es_pipeline.snapshots WHERE consumer = %s AND tenant = %s", (consumer, tenant))
-    return cur.rowcount
+def delete_stream_rows(conn: psycopg.Connection, schema: str, tenant: str) -> dict[str, int]:
+    """The native store's `streams` rows of `tenant` (its snapshots: `delete_snapshot_rows`)."""
+    cur = conn.execute(sql.SQL("DELETE FROM {} WHERE tenant = %s").format(sql.Identifier(schema, "streams")), (tenant,))
+    return {f"{schema}.streams": cur.rowcount}
+
+
+def delete_snapshot_rows(conn: psycopg.Connection, source: Source, tenant: str) -> tuple[str, int]:
+    """The store's snapshots of `tenant`: the native store's `<schema>.snapshots`, or an adopted store's rows in
+    `es_pipeline.snapshots`; (the table, rows deleted). Run in the lake snapshots' turn, after them."""
+    table = sql.Identifier(source.schema if source.native else "es_pipeline", "snapshots")
+    name = table.as_string(None).replace('"', "")
+    if not _exists(conn, table.as_string(None)):
+        return name, 0
+    mine = sql.SQL("" if source.native else "consumer = %(consumer)s AND ")
+    cur = conn.execute(sql.SQL("DELETE FROM {} WHERE {}tenant = %(tenant)s").format(table, mine),
+                       {"consumer": source.consumer, "tenant": tenant})
+    return name, cur.rowcount
+
+
+def _exists(conn: psycopg.Connection, table: str) -> bool:
+    row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+    return row is not None and row[0] is not None
 
 
 # -- the record of erasures (es_pipeline.tenant_erasures) ------------------------------------------------------
 
 def record_start(conn: psycopg.Connection, consumer: str, tenant: str, partition: str | None, store_events: int) -> None:
-    """Written before anything is removed: a `tenant erase` cut short is finished by running it again."""
+    """Written before anything is removed: a `tenant erase` cut short is finished by running it again. A record
+    there already (a run cut short, or a finished erasure run again) keeps what it says."""
     conn.execute(
         "INSERT INTO es_pipeline.tenant_erasures (consumer, tenant, partition, store_events) VALUES (%s, %s, %s, %s) "
-        "ON CONFLICT (consumer, tenant) DO UPDATE SET finished_at = NULL, "
+        "ON CONFLICT (consumer, tenant) DO UPDATE SET "
         "partition = coalesce(tenant_erasures.partition, excluded.partition), "
-        "store_events = coalesce(tenant_erasures.store_events, excluded.store_events)",
+        "store_events = CASE WHEN tenant_erasures.partition IS NULL THEN excluded.store_events "
+        "                    ELSE tenant_erasures.store_events END",
         (consumer, tenant, partition, store_events),
     )
 
 
 def record_finish(conn: psycopg.Connection, consumer: str, tenant: str, lake_rows: dict[str, int]) -> None:
+    """The first finish records the rows removed; running a finished erasure again changes nothing of it."""
     conn.execute(
-        "UPDATE es_pipeline.tenant_erasures SET lake_rows = %s::jsonb, finished_at = now() "
-        "WHERE consumer = %s AND tenant = %s", (json.dumps(lake_rows), consumer, tenant),
+        "UPDATE es_pipeline.tenant_erasures SET lake_rows = CASE WHEN finished_at IS NULL THEN %s::jsonb "
+        "ELSE lake_rows END, finished_at = coalesce(finished_at, now()) WHERE consumer = %s AND tenant = %s",
+        (json.dumps(lake_rows), consumer, tenant),
     )
 
 
 def erasures(conn: psycopg.Connection, consumer: str) -> dict[str, tuple[str | None, bool]]:
     """tenant -> (its partition's name, finished) for every erasure recorded for `consumer`."""
-    if conn.execute("SELECT to_regclass('es_pipeline.tenant_erasures')").fetchone() in (None, (None,)):
+    if not _exists(conn, "es_pipeline.tenant_erasures"):
         return {}
     rows = conn.execute(
         "SELECT tenant, partition, finished_at IS NOT NULL FROM es_pipeline.tenant_erasures WHERE consumer = %s",
@@ -182,7 +215,7 @@ def erasures(conn: psycopg.Connection, consumer: str) -> dict[str, tuple[str | N
 
 def forget_erasure(conn: psycopg.Connection, consumer: str, tenant: str) -> None:
     """A tenant added again after its erasure is a new tenant: its old record would hide a lost partition."""
-    if conn.execute("SELECT to_regclass('es_pipeline.tenant_erasures')").fetchone() not in (None, (None,)):
+    if _exists(conn, "es_pipeline.tenant_erasures"):
         conn.execute("DELETE FROM es_pipeline.tenant_erasures WHERE consumer = %s AND tenant = %s", (consumer, tenant))
 
 

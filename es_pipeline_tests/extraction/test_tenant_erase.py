@@ -16,7 +16,7 @@ import pytest
 
 from es_pipeline.defs.events.checks import reconcile
 from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
-from es_pipeline.extraction.erase import LAKE_TABLES, erase_tenant
+from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.status import status_report
@@ -98,6 +98,17 @@ def _project(spark: Any, warehouse: Path, store: StoreDsn) -> None:
     take_snapshots(spark, warehouse, EventStore(store.snapshots, "es"), threshold=1)
 
 
+def _seeded_lake(store: StoreDsn, spark: Any, warehouse: Path) -> None:
+    """Three carts of one event in each tenant, extracted, projected and snapshotted: up to date everywhere."""
+    writer = EventStore(store.writer)
+    for t in TENANTS:
+        for n in range(1, 4):
+            writer.append(f"cart-{n}", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": n})], 0, tenant=t)
+    for r in split(4):
+        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
+    _project(spark, warehouse, store)
+
+
 def _store_events(dsn: str) -> dict[tuple[str, str, int], str]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("SELECT tenant, stream_id, version, payload::text FROM es.events").fetchall()
@@ -127,11 +138,7 @@ def _assert_lake_equals_store(spark: Any, warehouse: Path, dsn: str) -> None:
 def test_erasing_a_tenant_under_load_leaves_the_others_exactly_once(
     store: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
-    # Every lake table and the store's snapshots hold each tenant before the load starts.
-    _seed(store)
-    for r in split(4):
-        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
-    _project(spark, warehouse, store)
+    _seeded_lake(store, spark, warehouse)  # every lake table and the store's snapshots hold each tenant
 
     stop_writers, stop_extraction = threading.Event(), threading.Event()
     refused: list[str] = []
@@ -159,7 +166,7 @@ def test_erasing_a_tenant_under_load_leaves_the_others_exactly_once(
     assert done.partition == f"es.{tenants.partition_name(GONE)}"
     assert in_store is not None and done.store_events >= in_store[0] > 0
     assert done.lake_rows["events"] > 0 and done.lake_rows["stream_state"] > 0
-    assert done.store_rows["snapshots"] > 0 and done.store_rows["streams"] > 0
+    assert done.store_rows["es.snapshots"] > 0 and done.store_rows["es.streams"] > 0
 
     extract = Extractor(store.extractor, None, warehouse, source=SOURCE)
     for r in split(4):
@@ -175,7 +182,7 @@ def test_erasing_a_tenant_under_load_leaves_the_others_exactly_once(
                               "FROM es_pipeline.tenant_erasures WHERE tenant = %s", (GONE,)).fetchone()
     assert record is not None and record[0] == done.partition and record[3]
     assert record[2]["events"] == done.lake_rows["events"]
-    for name in LAKE_TABLES:  # no Parquet file under any table holds a row of it: data, old versions, change data
+    for name in tables.TABLES:  # no Parquet file under any table holds a row of it: data, old versions, change data
         path = str(warehouse / name)
         assert lake_erase.data_files(path), name
         assert lake_erase.leftovers(path, GONE) == [], name
@@ -186,21 +193,12 @@ def test_erasing_a_tenant_under_load_leaves_the_others_exactly_once(
     assert again.partition is None and not any(again.lake_rows.values())
 
 
-def _seed(store: StoreDsn) -> None:
-    """Three carts of one event in each tenant."""
-    writer = EventStore(store.writer)
-    for t in TENANTS:
-        for n in range(1, 4):
-            writer.append(f"cart-{n}", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": n})], 0, tenant=t)
 
 
 def test_an_up_to_date_projection_goes_on_from_the_erasure_and_a_shared_table_is_refused(
     store: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
-    _seed(store)
-    for r in split(2):
-        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
-    _project(spark, warehouse, store)
+    _seeded_lake(store, spark, warehouse)
     done = erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
     assert done.rebuilt == [] and done.lake_rows["stream_catalog"] == 3 and done.store_events == 3
     # The next updates are increments after the erasure's version, not rebuilds.
@@ -234,3 +232,39 @@ def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, spark:
     check = reconcile(spark, warehouse, store.extractor, SOURCE, None)
     assert not check.passed
     assert check.metadata["tenants_lost"].value == "initech (2 events; dropped outside `tenant erase`)"
+
+
+class Killed(Exception):
+    """Stands for the erasure's process dying at that point."""
+
+
+def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
+    store: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _seeded_lake(store, spark, warehouse)
+    real = lake_erase.delete_tenant
+
+    def dies_at_stream_catalog(path: str, tenant: str, **kw: Any) -> Any:
+        if path.endswith("stream_catalog"):
+            raise Killed(path)
+        return real(path, tenant, **kw)
+
+    monkeypatch.setattr(lake_erase, "delete_tenant", dies_at_stream_catalog)
+    with pytest.raises(Killed):  # after the store's partition and the lake's events and stream_state rows went
+        erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
+    monkeypatch.setattr(lake_erase, "delete_tenant", real)
+    with psycopg.connect(store, autocommit=True) as conn:
+        assert tenants.find_partition(conn, SOURCE, GONE) is None
+        with pytest.raises(TenantRefused, match="its erasure has not finished"):
+            tenants.add(conn, SOURCE, GONE)
+        assert tenants.missing(conn, SOURCE, {GONE: 3}) == {}  # recorded: not reported as lost
+    again = erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
+    assert again.partition is None and again.lake_rows["stream_catalog"] == 3 and again.lake_rows["events"] == 0
+    for name in tables.TABLES:
+        assert lake_erase.leftovers(str(warehouse / name), GONE) == [], name
+    with psycopg.connect(store) as conn:
+        assert conn.execute("SELECT partition IS NOT NULL, store_events, finished_at IS NOT NULL "
+                            "FROM es_pipeline.tenant_erasures").fetchone() == (True, 3, True)
+    update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
+    update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    _assert_lake_equals_store(spark, warehouse, store)

@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from es_pipeline.extraction.erase import LAKE_TABLES, erase_tenant
+from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import tables
 from es_pipeline.lake.small_snapshots import not_in_store_small
@@ -60,7 +60,7 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
     lake = lake_erase.tenant_counts(tables.table_path(warehouse, "events"))
     assert set(lake) == {"acme", "initech"}
     assert sum(lake.values()) == sum(_source_rows(dsn, source).values())
-    for name in LAKE_TABLES:
+    for name in tables.TABLES:
         assert lake_erase.leftovers(tables.table_path(warehouse, name), "globex") == [], name
 
 
