@@ -1,7 +1,7 @@
 """What the sensor asks Postgres, and how it decides (pure). No Dagster here.
 
-The probe is one statement that answers: which slices have a committed event with
-`W(slice) <= tx_id < H`? Its cost must not grow with the table, so it reads the *tail*:
+The probe answers: which slices have a committed event with `W(slice) <= tx_id < H`? Its cost must not
+grow with the table, so it reads the *tail* (one statement in the steady state, a second only for step 3):
 
 1. the newest events, `lo <= tx_id < H` with `lo` the lowest watermark, from the end of the index
    on the transaction order (`events_tx_order_idx`), at most `tail_rows` of them (one index descent

@@ -31,7 +31,7 @@ def build_new_events_sensor(
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(
-            "Each tick asks Postgres, in one statement that reads the newest events from the end of a transaction-order "
+            "Each tick asks Postgres, reading the newest events from the end of a transaction-order "
             "index (its cost does not grow with the table), which slice ranges have committed "
             "events at or above their watermark and below the horizon, and requests one run per such range "
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
