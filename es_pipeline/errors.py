@@ -336,7 +336,7 @@ class TenantRefused(EsPipelineError):
         super().__init__(f"cannot {action} tenant {tenant!r}: {reason}. Nothing was changed. {todo}")
 
 
-class ErasureIncomplete(EsPipelineError):
+class ErasureIncomplete(EsPipelineError, Retryable):
     """Files still hold an erased tenant's rows after the purge; the erasure is not recorded as finished."""
 
     def __init__(self, tenant: str, files: dict[str, list[str]]) -> None:
