@@ -238,6 +238,7 @@ class Killed(Exception):
     """Stands for the erasure's process dying at that point."""
 
 
+@pytest.mark.slow  # once, on the suite's PostgreSQL
 def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
     store: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
