@@ -29,17 +29,12 @@ class EventStoreResource(dg.ConfigurableResource):
         """Where the events are read, and how (docs/sources.md)."""
         return mapping.load(self.source or None, self.schema_name)
 
-    def _snapshots_of(self) -> str:
-        """An adopted store's snapshots go to es_pipeline.snapshots, under its consumer ("": the native store's own)."""
-        source = self.events_source()
-        return "" if source.native else source.consumer
-
     def store(self) -> EventStore:
-        return EventStore(self.dsn, self.schema_name, snapshots_of=self._snapshots_of())
+        return EventStore.for_source(self.dsn, self.events_source())
 
     def snapshot_store(self) -> EventStore:
         """The store as the snapshot write-back reaches it."""
-        return EventStore(self.snapshot_dsn or self.dsn, self.schema_name, snapshots_of=self._snapshots_of())
+        return EventStore.for_source(self.snapshot_dsn or self.dsn, self.events_source())
 
 
 class WarehouseResource(dg.ConfigurableResource):

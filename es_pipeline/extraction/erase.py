@@ -42,6 +42,7 @@ from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
+from es_pipeline.store.event_store import EventStore
 
 LOCK_CHUNK = 16  # slices locked at a time while waiting for running `events` runs
 
@@ -123,14 +124,16 @@ def erase_tenant(
             progress("taking every slice's lock (running `events` runs finish their pass first)")
             _lock_everything(session, wait_seconds, progress)
             done.replayed_batches = extractor.settle(session, everything, run_id="tenant-erase").replayed_batches
-            _refuse_unless_erasable(conn, settings, tenant, lambda _: None)  # again, now no run can change anything
-            _erase_store(conn, settings, tenant, done, progress)
+            part = _refuse_unless_erasable(conn, settings, tenant, lambda _: None)  # again: no run changes it now
+            _erase_store(conn, settings, tenant, part, done, progress)
             _erase_lake(conn, settings, tenant, done)
     return done
 
 
 def _refuse_unless_erasable(conn: psycopg.Connection, settings: Settings, tenant: str,
-                            progress: Callable[[str], None]) -> None:
+                            progress: Callable[[str], None]) -> tenants.Partition | None:
+    """The tenant's partition (None: its events are gone from the store already); `TenantRefused` where the
+    store cannot be erased by dropping one."""
     source = settings.source
     part = tenants.find_partition(conn, source, tenant)  # refuses a name the column would spell otherwise
     if part is None and tenants.store_has_rows(conn, source, tenant):
@@ -141,13 +144,13 @@ def _refuse_unless_erasable(conn: psycopg.Connection, settings: Settings, tenant
             "erases the lake.")
     if part is None and tenant not in tenants.erasures(conn, source.consumer):
         progress(f"tenant {tenant!r} has no partition in {source.label}: erasing it from the lake")
+    return part
 
 
-def _erase_store(conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure,
-                 progress: Callable[[str], None]) -> None:
+def _erase_store(conn: psycopg.Connection, settings: Settings, tenant: str, part: tenants.Partition | None,
+                 done: Erasure, progress: Callable[[str], None]) -> None:
     """Steps 3 and 4: the erasure recorded as started, the partition dropped, the native store's `streams` rows."""
     source = settings.source
-    part = tenants.find_partition(conn, source, tenant)
     if part is not None:
         done.partition, done.store_events = part.qualified, tenants.count_events(conn, part)
     tenants.record_start(conn, source.consumer, tenant, done.partition, done.store_events)
@@ -178,8 +181,8 @@ def _erase_lake(conn: psycopg.Connection, settings: Settings, tenant: str, done:
                 done.rebuilt.append(name)
             done.files_purged += lake_erase.purge(path)
             if name == "snapshots":  # after the lake's: a take in this turn cannot write them back again
-                table, n = tenants.delete_snapshot_rows(conn, source, tenant)
-                done.store_rows[table] = n
+                store = EventStore.for_source(settings.pg_dsn, source)
+                done.store_rows[store.snapshots_table.as_string(conn).replace('"', "")] = store.delete_snapshots(tenant, conn)
     left = {name: found for name in tables.TABLES
             if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}
     if left:  # not recorded as finished: running the erasure again deletes and purges again

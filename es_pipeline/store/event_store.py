@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from es_pipeline.errors import ConcurrencyError, InvalidAppend, UnknownTenant
+from es_pipeline.source.mapping import Source
 from es_pipeline.store.conninfo import connect
 from es_pipeline.store.migrations import has_tenants
 
@@ -118,6 +119,12 @@ class EventStore:
         self.snapshots_table = sql.Identifier("es_pipeline" if snapshots_of else schema, "snapshots")
         # The rows of this store in the snapshots table, as a condition and as the values of an insert.
         self._mine = sql.SQL("consumer = %(consumer)s AND " if snapshots_of else "")
+
+    @classmethod
+    def for_source(cls, dsn: str, source: Source) -> EventStore:
+        """The store that `source` is read from, its snapshots written back where they belong: the native store's
+        `<schema>.snapshots`, or, for an adopted store, its own rows of `es_pipeline.snapshots`."""
+        return cls(dsn, source.schema, snapshots_of="" if source.native else source.consumer)
 
     def partitioned_by_tenant(self, conn: psycopg.Connection | None = None) -> bool:
         """Whether this store was created partitioned by tenant (`ES_PIPELINE_SOURCE=es-tenants`)."""
@@ -325,6 +332,14 @@ class EventStore:
                     state = fold(state, event)
                     version = event.version
         return state, version
+
+    def delete_snapshots(self, tenant: str, conn: psycopg.Connection) -> int:
+        """Delete every snapshot of `tenant` (`tenant erase`), in the caller's transaction; the rows deleted."""
+        if not self.has_snapshots_table():
+            return 0
+        cur = conn.execute(sql.SQL("DELETE FROM {} WHERE {}tenant = %(tenant)s").format(self.snapshots_table, self._mine),
+                           {"consumer": self.snapshots_of, "tenant": tenant})
+        return cur.rowcount
 
     def write_snapshots(self, snapshots: Iterable[Snapshot], conn: psycopg.Connection | None = None) -> int:
         """Upsert snapshots; an older version never overwrites a newer one of the same revision."""

@@ -108,8 +108,7 @@ def add(conn: psycopg.Connection, source: Source, tenant: str) -> tuple[Partitio
     if not tenant:
         raise TenantRefused("add", tenant, "the empty tenant is the tenant of a store without tenants",
                                 "Name the tenant.")
-    unfinished = [t for t, (_, finished) in erasures(conn, source.consumer).items() if t == tenant and not finished]
-    if unfinished:
+    if erasures(conn, source.consumer).get(tenant) is False:
         raise TenantRefused("add", tenant, "its erasure has not finished (es_pipeline.tenant_erasures)",
                             f"Run `es-pipeline tenant erase {tenant} --yes` again to finish it, then add the tenant.")
     existing = find_partition(conn, source, tenant)
@@ -160,19 +159,6 @@ def delete_stream_rows(conn: psycopg.Connection, schema: str, tenant: str) -> di
     return {f"{schema}.streams": cur.rowcount}
 
 
-def delete_snapshot_rows(conn: psycopg.Connection, source: Source, tenant: str) -> tuple[str, int]:
-    """The store's snapshots of `tenant`: the native store's `<schema>.snapshots`, or an adopted store's rows in
-    `es_pipeline.snapshots`; (the table, rows deleted). Run in the lake snapshots' turn, after them."""
-    table = sql.Identifier(source.schema if source.native else "es_pipeline", "snapshots")
-    name = table.as_string(None).replace('"', "")
-    if not _exists(conn, table.as_string(None)):
-        return name, 0
-    mine = sql.SQL("" if source.native else "consumer = %(consumer)s AND ")
-    cur = conn.execute(sql.SQL("DELETE FROM {} WHERE {}tenant = %(tenant)s").format(table, mine),
-                       {"consumer": source.consumer, "tenant": tenant})
-    return name, cur.rowcount
-
-
 def _exists(conn: psycopg.Connection, table: str) -> bool:
     row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
     return row is not None and row[0] is not None
@@ -202,15 +188,14 @@ def record_finish(conn: psycopg.Connection, consumer: str, tenant: str, lake_row
     )
 
 
-def erasures(conn: psycopg.Connection, consumer: str) -> dict[str, tuple[str | None, bool]]:
-    """tenant -> (its partition's name, finished) for every erasure recorded for `consumer`."""
+def erasures(conn: psycopg.Connection, consumer: str) -> dict[str, bool]:
+    """tenant -> whether its erasure finished, for every erasure recorded for `consumer`."""
     if not _exists(conn, "es_pipeline.tenant_erasures"):
         return {}
     rows = conn.execute(
-        "SELECT tenant, partition, finished_at IS NOT NULL FROM es_pipeline.tenant_erasures WHERE consumer = %s",
-        (consumer,),
+        "SELECT tenant, finished_at IS NOT NULL FROM es_pipeline.tenant_erasures WHERE consumer = %s", (consumer,),
     ).fetchall()
-    return {str(t): (p, bool(f)) for t, p, f in rows}
+    return {str(t): bool(f) for t, f in rows}
 
 
 def forget_erasure(conn: psycopg.Connection, consumer: str, tenant: str) -> None:
