@@ -21,6 +21,7 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
 from es_pipeline.source import mapping
 from es_pipeline.store.adopt import adopt
+from es_pipeline_tests.support.lakecheck import extract_while
 from es_pipeline_tests.support.roles import StoreDsn, create_login
 
 WORKERS, STREAMS, EVENTS = 8, 25, 80  # 16,000 events, a few seconds of appending
@@ -67,12 +68,8 @@ def test_emmett_store_is_extracted_exactly_once_while_eight_node_writers_append(
     assert len(adopted.indexes) == 2 * 4  # two indexes: on emt_messages, its default partition, and its 2 leaves
 
     extractor = Extractor(dsn.extractor, None, warehouse, source=source)  # es_pipeline's least-privilege login
-    runs = 0
-    while any(w.poll() is None for w in writers) or runs == 0:
-        extractor.run(SliceRange(0, 1023), run_id=f"run-{runs}")
-        runs += 1
+    runs = extract_while(extractor, lambda: any(w.poll() is None for w in writers))
     appended = sum(emmett.finished(w) for w in writers)
-    extractor.run(SliceRange(0, 1023), run_id="final")
 
     assert appended == WORKERS * STREAMS * EVENTS
     store, lake = _store_rows(dsn), _lake_rows(warehouse)

@@ -14,12 +14,12 @@ from psycopg import sql
 
 from es_pipeline.dev import pekko_client as pekko
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
 from es_pipeline.source import mapping
 from es_pipeline.store import roles
 from es_pipeline.store.adopt import adopt
 from es_pipeline_tests.source.test_presets import PEKKO_JDBC_DDL, _lake_keys, _source_rows
+from es_pipeline_tests.support.lakecheck import extract_while
 from es_pipeline_tests.support.roles import StoreDsn
 
 WORKERS, ENTITIES, EVENTS, PAUSE_MS = 2, 20, 30, 150  # 1,200 events over about 5 s per JVM
@@ -65,12 +65,8 @@ def test_pekko_jdbc_application_writes_while_its_journal_is_adopted_and_extracte
     assert len(adopted.indexes) == 2
 
     extractor = Extractor(dsn.extractor, None, warehouse, source=source)  # es_pipeline's least-privilege login
-    runs = 0
-    while any(w.poll() is None for w in writers) or runs == 0:
-        extractor.run(SliceRange(0, 1023), run_id=f"run-{runs}")
-        runs += 1
+    runs = extract_while(extractor, lambda: any(w.poll() is None for w in writers))
     written = sum(pekko.finished(w) for w in writers)
-    extractor.run(SliceRange(0, 1023), run_id="final")
 
     assert written == WORKERS * ENTITIES * EVENTS
     rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()

@@ -21,11 +21,11 @@ from deltalake import DeltaTable
 
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
 from es_pipeline.source import mapping
 from es_pipeline.source.mapping import Source
 from es_pipeline.store.adopt import adopt
+from es_pipeline_tests.support.lakecheck import extract_while
 from es_pipeline_tests.support.roles import StoreDsn
 
 WRITERS, STREAMS_EACH, EVENTS_EACH = 6, 5, 40
@@ -226,13 +226,9 @@ def _lands_once(dsn: StoreDsn, ddl: str, source: Source, append: Append, warehou
     adopted = adopt(dsn, source, echo=lambda _: None)  # while the writers append
     assert adopted.indexes
     extractor = Extractor(dsn.extractor, None, warehouse, source=source)
-    runs = 0
-    while any(t.is_alive() for t in threads) or runs == 0:
-        extractor.run(SliceRange(0, 1023), run_id=f"run-{runs}")
-        runs += 1
+    runs = extract_while(extractor, lambda: any(t.is_alive() for t in threads))
     for t in threads:
         t.join()
-    extractor.run(SliceRange(0, 1023), run_id="final")
     assert runs >= 2, "the writers finished before a second extraction: the test saw no concurrency"
     assert not adopt(dsn, source, echo=lambda _: None).changed  # adopting twice changes nothing
     rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()

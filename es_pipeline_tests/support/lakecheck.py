@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -19,6 +20,19 @@ def extract_all(dsn: str, spark: Any, warehouse: tables.Location, n_ranges: int 
 
     ex = Extractor(dsn, spark, warehouse, **kw)
     return sum(ex.run(r).rows for r in split(n_ranges))
+
+
+def extract_while(extractor: Extractor, busy: Callable[[], bool]) -> int:
+    """Extract every slice over and over while `busy()` (writers still at work; at least once), then once more
+    after; the runs made while busy."""
+    from es_pipeline.extraction.slices import SliceRange
+
+    runs = 0
+    while busy() or runs == 0:
+        extractor.run(SliceRange(0, 1023), run_id=f"run-{runs}")
+        runs += 1
+    extractor.run(SliceRange(0, 1023), run_id="final")
+    return runs
 
 
 def source_events(dsn: str, schema: str = "es") -> dict[Key, str]:
