@@ -54,7 +54,7 @@ class Erasure:
     tenant: str
     partition: str | None = None  # the dropped partition (None: the events were already gone from the store)
     store_events: int = 0
-    store_rows: dict[str, int] = field(default_factory=dict)  # the native store's streams and snapshots
+    store_rows: dict[str, int] = field(default_factory=dict)  # per store table: streams (native), snapshots
     lake_rows: dict[str, int] = field(default_factory=dict)  # per lake table
     files_purged: int = 0
     rebuilt: list[str] = field(default_factory=list)  # projections that lagged: rebuilt whole by their next update
