@@ -226,8 +226,18 @@ class EventStore:
                 sql.SQL("SELECT version FROM {}.streams WHERE {}stream_id = %(id)s").format(self._s, t_key),
                 {"id": stream_id, "tenant": tenant},
             ).fetchone()
+            if tenant and actual is None and not self._has_partition(conn, tenant):
+                raise UnknownTenant(tenant, f"{self.schema}.events")  # erased: its streams went with it
             raise ConcurrencyError(stream_id, expected_version, actual[0] if actual else NO_STREAM)
         return new_version
+
+    def _has_partition(self, conn: psycopg.Connection, tenant: str) -> bool:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(%s) AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES IN (%%L)', %s::text))",
+            (sql.Identifier(self.schema, "events").as_string(conn), tenant),
+        ).fetchone()
+        return bool(row and row[0])
 
     @staticmethod
     def _append_params(

@@ -65,6 +65,13 @@ def test_appends_name_a_tenant_that_exists(tenant_store: str) -> None:
         store.append("s", "t", [NewEvent("E", {})], 0, tenant="initech")
     with pytest.raises(InvalidAppend, match="partitioned by tenant: pass the stream's tenant"):
         store.append("s", "t", [NewEvent("E", {})], 0)
+    # A stream of a tenant whose partition and streams were dropped (an erasure): told so, not a version conflict.
+    store.append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
+    with psycopg.connect(tenant_store, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE es.{tenants.partition_name('acme')}")
+        conn.execute("DELETE FROM es.streams WHERE tenant = 'acme'")
+    with pytest.raises(UnknownTenant, match="tenant add acme"):
+        store.append("s", "t", [NewEvent("E", {})], 1, tenant="acme")
     with psycopg.connect(tenant_store) as conn:  # the refused appends claimed no stream either
         assert conn.execute("SELECT count(*) FROM es.streams").fetchone() == (0,)
 
