@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 State = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
+    """One event as a reducer sees it (a named tuple: made once per event folded, so it must be cheap)."""
+
     stream_id: str
     version: int
     event_type: str

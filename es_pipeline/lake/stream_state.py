@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import pyarrow as pa
 from deltalake import DeltaTable
 
@@ -77,36 +79,58 @@ def txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
     return events_version * _REVISION_SLOTS + min(_REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
 
 
+def _loads(text: str) -> Any:
+    """A payload or a state as the reducers read it: orjson, or json for what orjson refuses (integers past
+    64 bits, NaN), so that both take the same documents and a bad one fails as json's error."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _timestamp(micros: int | None) -> datetime | None:
+    return None if micros is None else _EPOCH + timedelta(microseconds=micros)
+
+
 class _StreamFold:
-    """One stream's fold within a partition: its prior row (if any), then its events in version order."""
+    """One stream's fold within a partition: its prior row (if any), then its events in version order.
+    Times travel as microseconds since the epoch (a datetime per event would cost as much as the fold)."""
+
+    __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
+                 "last_at", "skipped", "folded", "parked", "error")
 
     def __init__(
         self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
     ) -> None:
         self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
         self.reducer, self.skip_unknown = reducer, skip_unknown
+        self.fold = reducer.fold if reducer is not None else None
         self.state: dict[str, Any] = {}
         self.version = 0
-        self.last_at: Any = None
+        self.last_at: int | None = None
         self.skipped = 0
         self.folded = 0
         self.parked: list[dict[str, Any]] = []
         self.error: str | None = None
 
-    def prior(self, state: str, version: int, last_at: Any, skipped: int | None) -> None:
-        self.state, self.version, self.last_at, self.skipped = json.loads(state), version, last_at, skipped or 0
+    def prior(self, state: str, version: int, last_at: int | None, skipped: int | None) -> None:
+        self.state, self.version, self.last_at, self.skipped = _loads(state), version, last_at, skipped or 0
 
-    def event(self, v: int, event_type: str, payload: str, recorded_at: Any) -> None:
+    def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
         if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
             return  # after an error, or already folded, or a duplicate of a parked event
         if v != self.version + 1 or self.parked:
-            self.parked.append({"version": v, "event_type": event_type, "payload": payload, "recorded_at": recorded_at})
+            self.parked.append({"version": v, "event_type": event_type, "payload": payload,
+                                "recorded_at": _timestamp(recorded_at)})
             return
-        event = Event(self.stream_id, v, event_type, json.loads(payload))
+        event = Event(self.stream_id, v, event_type, _loads(payload))
         try:
-            if self.reducer is None:
+            if self.fold is None:
                 raise UnknownEventType(event)
-            self.state = self.reducer.fold(self.state, event)
+            self.state = self.fold(self.state, event)
         except UnknownEventType as exc:
             if not self.skip_unknown:
                 self.error = json.dumps([self.stream_id, v, event_type, str(exc)])
@@ -132,6 +156,7 @@ class _StreamFold:
 
 
 _OUT_BATCH_ROWS = 5_000
+_IN_COLUMNS = ("stream_id", "tenant", "stream_type", "version", "event_type", "payload", "is_prior", "prior_skipped")
 
 
 def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
@@ -146,6 +171,7 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
         schema = _fold_out_arrow_schema()
         out: list[tuple[Any, ...]] = []
         current: _StreamFold | None = None
+        sid_now = tenant_now = None
 
         def flush() -> Any:
             columns = list(zip(*out, strict=True))
@@ -156,20 +182,22 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
             return batch
 
         for batch in batches:
-            c = batch.to_pydict()
-            for i in range(batch.num_rows):
-                sid, tenant = c["stream_id"][i], c["tenant"][i]
-                if current is None or current.stream_id != sid or current.tenant != tenant:
+            at = batch.column("recorded_at").cast(pa.int64()).to_pylist()
+            columns = [batch.column(name).to_pylist() for name in _IN_COLUMNS]
+            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, recorded_at in zip(
+                *columns, at, strict=True
+            ):
+                if sid != sid_now or tenant != tenant_now:
                     if current is not None:
                         out.append(current.row())
                         if len(out) >= _OUT_BATCH_ROWS:
                             yield flush()
-                    stype = c["stream_type"][i]
+                    sid_now, tenant_now = sid, tenant
                     current = _StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
-                if c["is_prior"][i]:
-                    current.prior(c["payload"][i], c["version"][i], c["recorded_at"][i], c["prior_skipped"][i])
+                if is_prior:
+                    current.prior(payload, version, recorded_at, prior_skipped)  # type: ignore[union-attr]
                 else:
-                    current.event(c["version"][i], c["event_type"][i], c["payload"][i], c["recorded_at"][i])
+                    current.event(version, event_type, payload, recorded_at)  # type: ignore[union-attr]
         if current is not None:
             out.append(current.row())
         if out:
