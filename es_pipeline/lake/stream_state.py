@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -27,7 +28,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake import small_increments as small
-from es_pipeline.lake import tables
+from es_pipeline.lake import tables, whole_fold
 from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
 from es_pipeline.lake.reducers import revisions as current_revisions
 from es_pipeline.lake.serial import Turn, one_at_a_time
@@ -182,8 +183,11 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
             return batch
 
         for batch in batches:
+            n = batch.num_rows
             at = batch.column("recorded_at").cast(pa.int64()).to_pylist()
-            columns = [batch.column(name).to_pylist() for name in _IN_COLUMNS]
+            # A batch without the prior-row columns (lake/whole_fold.py: no state yet) has only events.
+            columns = [batch.column(name).to_pylist() if name in batch.schema.names else repeat(None, n)
+                       for name in _IN_COLUMNS]
             for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, recorded_at in zip(
                 *columns, at, strict=True
             ):
@@ -220,10 +224,12 @@ def update_stream_state(
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
-    if Spark is needed: a small increment is folded without a JVM (lake/small_increments.py) unless told not to."""
+    if Spark is needed: a small increment (lake/small_increments.py) and a first build of a lake that fits
+    (lake/whole_fold.py) are folded without a JVM unless told not to."""
     with one_at_a_time(store_dsn, "stream_state") as turn:
         if small_increments:
-            done = small.update_stream_state(warehouse, skip_unknown, turn)
+            done = small.update_stream_state(warehouse, skip_unknown, turn) or whole_fold.first_build(
+                warehouse, skip_unknown, turn)
             if done is not None:
                 return done
         spark = tables.session_of(spark)

@@ -39,10 +39,10 @@ def _newest_commit_engine(path: Path) -> str:
     return "delta-rs" if "delta-rs" in str(newest.get("clientVersion", "")) else str(newest.get("engineInfo"))
 
 
-def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn) -> list[Any]:
-    return [update_stream_state(spark, warehouse, store_dsn=dsn.extractor),
-            update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor),
-            update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)]
+def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn, **kw: Any) -> list[Any]:
+    return [update_stream_state(spark, warehouse, store_dsn=dsn.extractor, **kw),
+            update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor, **kw),
+            update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor, **kw)]
 
 
 def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_source(
@@ -53,7 +53,7 @@ def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_
     store = EventStore(dsn.writer)
     run_workload(store, streams=30, events=300, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=1)
     extract_all(dsn.extractor, None, warehouse)
-    _update_all(spark, warehouse, dsn)
+    _update_all(spark, warehouse, dsn, small_increments=False)  # stream_state's would be in-process (whole_fold)
     assert all(_newest_commit_engine(warehouse / t).startswith("Apache-Spark") for t in PROJECTIONS)
     for round_ in range(3):
         moved = 0

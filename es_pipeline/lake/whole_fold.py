@@ -1,0 +1,131 @@
+"""`stream_state`'s first build without a JVM: every event folded by this machine's cores.
+
+A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
+every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
+(bench/results/state_rebuild.md). Up to `WHOLE_BYTES` of Parquet it is done here instead:
+
+1. the table's current files read by pyarrow (one version of `events`, the one the build records);
+2. split by slice (a stream lives in one slice) over one forked process per core; each sorts its share by
+   stream and version and folds it with the same `_fold_partitions` Spark's workers run;
+3. the rows written by delta-rs under the same Delta transaction id (app id, version) Spark's MERGE
+   carries, inside the table's turn, so either engine goes on from what the other folded.
+
+Anything else returns None and Spark does it: a larger table, a state already built (increments, reducer
+revision rebuilds), a change feed vacuumed away, `events` with deletion vectors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from datetime import UTC, datetime
+from multiprocessing import get_context
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable, write_deltalake
+
+from es_pipeline.lake import small_increments as small
+from es_pipeline.lake import tables
+from es_pipeline.lake.reducers import REGISTRY, Reducer
+from es_pipeline.lake.serial import Turn
+from es_pipeline.source import payloads
+
+if TYPE_CHECKING:
+    from es_pipeline.lake.stream_state import StateResult
+
+WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here
+ONE_PROCESS_ROWS = 200_000  # below, one process: a fork costs more than it saves
+_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]
+
+# What a forked worker inherits: the events read, the fold's arguments, and the slice bounds of the shares
+# (set before the fork, cleared after).
+_SHARED: tuple[pa.Table, dict[str, Reducer], bool, list[int]] | None = None
+
+
+def state_schema() -> pa.Schema:
+    """`stream_state`'s columns as Arrow types, in the order of `stream_state.STATE_DDL`."""
+    return pa.schema([
+        ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
+        ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
+        ("skipped", pa.int32()), ("updated_at", pa.timestamp("us", tz="UTC")), ("tenant", pa.string()),
+    ])
+
+
+def first_build(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> StateResult | None:
+    """Build `stream_state` from every event here, or None: Spark's to do (see the module)."""
+    from es_pipeline.errors import ReducerError
+    from es_pipeline.lake import stream_state as st
+
+    events_path = tables.table_path(warehouse, "events")
+    state_path = tables.table_path(warehouse, "stream_state")
+    if not tables.is_delta_table(events_path):
+        return None
+    if tables.is_delta_table(state_path):
+        state = DeltaTable(state_path)
+        if state.transaction_version(st.APP_ID) is not None or small._row_count(state):
+            return None  # built already: an increment, or a revision rebuild, is Spark's or the small path's
+    events = DeltaTable(events_path)
+    if "deletionVectors" in (events.protocol().writer_features or []):
+        return None  # its files alone are not its rows
+    adds = pa.table(events.get_add_actions(flatten=True))
+    if adds.num_rows and int(pc.sum(adds["size_bytes"]).as_py() or 0) > WHOLE_BYTES:
+        return None
+    now = int(events.version())
+    columns = [c for c in [*_COLUMNS, "payload_encoding", "slice"] if tables.has_columns(events, [c])]
+    rows = payloads.for_reducers(tables.tenant_filled(small._files(events_path, events).to_table(columns=columns)))
+    out = _fold(rows, dict(REGISTRY), skip_unknown)
+    errors = pc.drop_null(out["error"])
+    if len(errors):
+        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
+        raise ReducerError(stream_id, version, event_type, reason)
+    updates = out.drop_columns(["error", "folded"]).append_column(
+        "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
+    schema = state_schema()
+    tables.ensure_table_arrow(state_path, schema, comment="es_pipeline: current state per stream")
+    turn.confirm(state_path, st.APP_ID, None)
+    write_deltalake(state_path, updates.select(schema.names).cast(schema), mode="append",
+                    commit_properties=small._commit_properties(st.APP_ID, st.txn_version(now, REGISTRY)))
+    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
+    return st.StateResult(now, -1, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
+                          int(pc.sum(out["skipped"]).as_py() or 0))
+
+
+def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
+    """Every stream of `rows` folded: in this process, or split by slice over one forked process per core."""
+    global _SHARED
+    shares = 1 if rows.num_rows < ONE_PROCESS_ROWS or "slice" not in rows.column_names else (os.cpu_count() or 1)
+    bounds: list[int] = []
+    if shares > 1:  # the slices seen, cut into `shares` spans of as many slices each
+        low, high = (int(v.as_py()) for v in pc.min_max(rows["slice"]).values())
+        bounds = [low + (high + 1 - low) * i // shares for i in range(shares + 1)]
+    _SHARED = (rows, registry, skip_unknown, bounds)
+    try:
+        if shares == 1:
+            return _fold_share(0)
+        # Fork: each worker reads its share of the rows this process holds, without copying them to it.
+        with ProcessPoolExecutor(max_workers=shares, mp_context=get_context("fork")) as pool:
+            return pa.concat_tables(pool.map(_fold_share, range(shares)))
+    finally:
+        _SHARED = None
+
+
+def _fold_share(share: int) -> pa.Table:
+    """The fold of one share of the rows (its span of slices; all of them without `bounds`), sorted by stream
+    and version."""
+    from es_pipeline.lake import stream_state as st
+
+    assert _SHARED is not None
+    rows, registry, skip_unknown, bounds = _SHARED
+    if bounds:
+        lo, hi = bounds[share], bounds[share + 1]
+        rows = rows.filter(pc.and_(pc.greater_equal(rows["slice"], lo), pc.less(rows["slice"], hi)))
+    n = rows.num_rows
+    rows = rows.select(_COLUMNS).combine_chunks()  # one chunk per column: a take from it is cheaper
+    order = pc.sort_indices(rows, [("tenant", "ascending"), ("stream_id", "ascending"), ("version", "ascending")])
+    fold = st._fold_partitions(registry, skip_unknown)  # no prior rows here: without `is_prior`, none is
+    chunk = 65_536
+    batches = (rows.take(order[i:i + chunk]).to_batches()[0] for i in range(0, n, chunk))
+    return pa.Table.from_batches(list(fold(b for b in batches if b.num_rows)), schema=st._fold_out_arrow_schema())
