@@ -28,8 +28,9 @@ from es_pipeline.store.conninfo import connect
 CHANNEL = "es_events"
 POLL_SECONDS = 2.0  # at most this long between probes, notifications or not
 GATHER_SECONDS = 1.0  # after a notification, this long at least: the commits around it are taken in one pass
-PASS_GAP = 3.0  # a pass begins this long after the previous one began, at least: under a steady trickle,
-# a pass every 3 s (commit→lake p50 ≈ 1.5 s + the pass) instead of one per notification and gathering gap
+PASS_GAP = 4.0  # a pass begins this long after the previous one began, at least: under a steady trickle,
+# a pass every 4 s (commit→lake p50 ≈ 2 s + the pass) instead of one per notification and gathering gap;
+# 3 s measured 0.102 cores at 20 events/s, over the goal of 0.10 (docs/decisions.md, "Tailing runs")
 
 
 @dataclass
