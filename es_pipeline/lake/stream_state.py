@@ -90,6 +90,12 @@ def _loads(text: str) -> Any:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
+
+
+def _unknown(state: dict[str, Any], event: Event) -> dict[str, Any]:
+    """The fold of a stream type no reducer is registered for."""
+    raise UnknownEventType(event)
 
 
 def _timestamp(micros: int | None) -> datetime | None:
@@ -108,7 +114,7 @@ class _StreamFold:
     ) -> None:
         self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
         self.reducer, self.skip_unknown = reducer, skip_unknown
-        self.fold = reducer.fold if reducer is not None else None
+        self.fold = reducer.fold if reducer is not None else _unknown
         self.state: dict[str, Any] = {}
         self.version = 0
         self.last_at: int | None = None
@@ -121,17 +127,17 @@ class _StreamFold:
         self.state, self.version, self.last_at, self.skipped = _loads(state), version, last_at, skipped or 0
 
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
-        if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
-            return  # after an error, or already folded, or a duplicate of a parked event
-        if v != self.version + 1 or self.parked:
-            self.parked.append({"version": v, "event_type": event_type, "payload": payload,
-                                "recorded_at": _timestamp(recorded_at)})
+        """Fold one event, or park it (a gap before it), or pass it by (folded already, or after an error).
+        Run for every event of a rebuild: the next version of a stream with nothing parked goes straight on."""
+        if v != self.version + 1 or self.parked or self.error is not None:
+            self._off_the_run(v, event_type, payload, recorded_at)
             return
-        event = Event(self.stream_id, v, event_type, _loads(payload))
         try:
-            if self.fold is None:
-                raise UnknownEventType(event)
-            self.state = self.fold(self.state, event)
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            data = json.loads(payload)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+        try:
+            self.state = self.fold(self.state, _new_event(Event, (self.stream_id, v, event_type, data)))
         except UnknownEventType as exc:
             if not self.skip_unknown:
                 self.error = json.dumps([self.stream_id, v, event_type, str(exc)])
@@ -145,6 +151,12 @@ class _StreamFold:
             return
         self.version, self.last_at = v, recorded_at
         self.folded += 1
+
+    def _off_the_run(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
+        if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
+            return  # after an error, or already folded, or a duplicate of a parked event
+        self.parked.append({"version": v, "event_type": event_type, "payload": payload,
+                            "recorded_at": _timestamp(recorded_at)})
 
     def row(self) -> tuple[Any, ...]:
         return (
@@ -198,10 +210,11 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
                             yield flush()
                     sid_now, tenant_now = sid, tenant
                     current = _StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
+                    fold_event = current.event
                 if is_prior:
                     current.prior(payload, version, recorded_at, prior_skipped)  # type: ignore[union-attr]
                 else:
-                    current.event(version, event_type, payload, recorded_at)  # type: ignore[union-attr]
+                    fold_event(version, event_type, payload, recorded_at)
         if current is not None:
             out.append(current.row())
         if out:
