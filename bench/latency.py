@@ -37,6 +37,7 @@ from es_pipeline.dev.stack import dagster_stack
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.extraction.probe import TAIL_ROWS, probe
 from es_pipeline.extraction.slices import split
+from es_pipeline.extraction.tail import PASS_GAP
 from es_pipeline.store.conninfo import connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 
@@ -243,7 +244,8 @@ def latency(commits: int) -> None:
                "whose horizon passed its tx id): sensor_wait = its run created − commit; queue = run STARTING "
                "(dequeued and launched) − created; launch = run START (its process has loaded the code) − "
                "STARTING; pass_wait = the pass's start − START (a tailing run waiting for the NOTIFY, the 1 s "
-               "that gathers commits or the rest of the 3 s since the last pass began, the probe); spark = getting a Spark session (0: none by default); "
+               f"that gathers commits or the rest of the {PASS_GAP:.0f} s since the last pass began, the probe); "
+               "spark = getting a Spark session (0: none by default); "
                "read/write = the pass; other = the rest (horizon, offsets, Dagster logging, the lake poller's "
                "0.25 s). Each piece is clipped at the commit, so a run that started before it counts from it. "
                "The runs report every pass here (ES_PIPELINE_REPORT_SECONDS=0; 30 s by default), so that each "
