@@ -196,6 +196,16 @@ def _delivered(warehouse: Path, expected: int, *, timeout: float, poll: float) -
     return _lake_rows(warehouse), time.monotonic() - started
 
 
+def _run_facts(record: Any) -> dict[str, Any]:
+    """What a run in the window was: its job, assets, tags that say why, status and seconds (to attribute cost)."""
+    run = record.dagster_run
+    ended = record.end_time or time.time()
+    return {"job": run.job_name, "assets": sorted(k.to_user_string() for k in (run.asset_selection or ())),
+            "status": run.status.value, "seconds": round(ended - (record.start_time or ended), 1),
+            "tags": {k: v for k, v in run.tags.items() if k.startswith(("dagster/partition", "dagster/schedule",
+                     "dagster/sensor", "dagster/auto", "es_pipeline/"))}}
+
+
 def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str, Any]:
     name = f"bench_steady_{label.replace(' ', '_')}"
     dsn = fresh_database(name)
@@ -212,13 +222,16 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             cores = _busy_cores(seconds, sampler.sleep)
             by_part = sampler.cores_by_part(seconds)
             log.info("[%s] %s: cores by part %s", NAME, label, by_part)
-            runs = len(instance.get_run_records()) - before
+            records = instance.get_run_records()
+            runs = len(records) - before
+            window = [_run_facts(r) for r in records[:runs]]  # newest first: the runs created in the phase
+            log.info("[%s] %s: runs %s", NAME, label, window)
             stop.set()
             thread.join()
             expected = _store_rows(dsn)
             delivered, _ = _delivered(stack.warehouse, expected, timeout=180, poll=1.0)
         return {"label": label, "busy_cores": cores, "runs": runs, "events": expected, "delivered": delivered,
-                "by_part": by_part, "warmup_s": warmup}
+                "by_part": by_part, "warmup_s": warmup, "runs_in_window": window}
     finally:
         drop_database(name)
 
@@ -275,7 +288,8 @@ def run(seconds: float, rate: float, keep_up_seconds: float) -> dict[str, Any]:
         figures[p["label"]] = {"busy_cores": round(p["busy_cores"], 3), "es_pipeline_cores": round(share, 3),
                                "runs": p["runs"], "runs_per_hour": round(per_hour, 1), "events": p["events"],
                                "delivered": p["delivered"], "cores_by_part": p.get("by_part"),
-                               "warmup_s": round(p.get("warmup_s") or 0.0, 1)}
+                               "warmup_s": round(p.get("warmup_s") or 0.0, 1),
+                               "runs_in_window": p.get("runs_in_window")}
     rows.append([fast["label"], f"{fast['busy_cores']:.2f}", f"{100 * (fast['busy_cores'] - alone['busy_cores']):.0f}%",
                  "—", f"{fast['events']:,}", f"{fast['delivered']:,}"])
     figures[fast["label"]] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in fast.items() if k != "label"}
