@@ -59,7 +59,8 @@ def test_the_storage_keeps_a_few_connections_over_many_statements_and_instances(
             with _instance(tmp_path / "home") as again:
                 _statements(again, 5)
         after = _backends(pg_server, database)
-        assert after == first, f"255 statements over 6 instances opened no new connection: {len(after - first)} new"
+        # None opened since (one of the first may have closed: a pool retires a connection it no longer needs).
+        assert after and not after - first, f"255 statements over 6 instances opened {len(after - first)} new connections"
         assert len(after) <= 3 * storage.POOL_SIZE, "at most a few per storage"
 
         with psycopg.connect(pg_server, autocommit=True) as conn:  # the server drops them all (a restart, a timeout)
