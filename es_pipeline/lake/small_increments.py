@@ -26,7 +26,6 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction
 
-from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables
 from es_pipeline.lake.reducers import REGISTRY
 from es_pipeline.lake.reducers import revisions as current_revisions
@@ -185,19 +184,12 @@ def update_stream_state(
     rows = _fold_input(new, prior)
     out = pa.Table.from_batches(list(st._fold_partitions(dict(REGISTRY), skip_unknown)(rows.to_batches())),
                                 schema=st._fold_out_arrow_schema())
-    errors = pc.drop_null(out["error"])
-    if len(errors):
-        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
-        raise ReducerError(stream_id, version, event_type, reason)
-    updates = out.drop_columns(["error", "folded"]).append_column(
-        "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
+    updates = st.arrow_updates(out)
     turn.confirm(state_path, st.APP_ID, int(read))
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in st.KEY), source_alias="u", target_alias="t",
                 commit_properties=_commit_properties(st.APP_ID, st.txn_version(now, REGISTRY))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
-    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
-    return st.StateResult(now, prev, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
-                          int(pc.sum(out["skipped"]).as_py() or 0))
+    return st.arrow_result(out, now, prev)
 
 
 def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:

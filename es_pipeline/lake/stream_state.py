@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from es_pipeline.errors import ReducerError
@@ -229,6 +230,24 @@ def _fold_out_arrow_schema() -> Any:
         ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
         ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
     ])
+
+
+def arrow_updates(out: pa.Table) -> pa.Table:
+    """The rows to commit from a fold done in this process (the small increment's, the first build's): its
+    first error raised as `ReducerError`, else its rows without the fold's own columns, stamped now."""
+    errors = pc.drop_null(out["error"])
+    if len(errors):
+        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
+        raise ReducerError(stream_id, version, event_type, reason)
+    return out.drop_columns(["error", "folded"]).append_column(
+        "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
+
+
+def arrow_result(out: pa.Table, events_version: int, previous: int) -> StateResult:
+    """The figures of a fold done in this process."""
+    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
+    return StateResult(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
+                       int(pc.sum(out["skipped"]).as_py() or 0))
 
 
 def update_stream_state(

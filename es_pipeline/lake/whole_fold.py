@@ -16,10 +16,8 @@ revision rebuilds), a change feed vacuumed away, `events` with deletion vectors.
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ProcessPoolExecutor
-from datetime import UTC, datetime
 from multiprocessing import get_context
 from typing import TYPE_CHECKING
 
@@ -56,7 +54,6 @@ def state_schema() -> pa.Schema:
 
 def first_build(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> StateResult | None:
     """Build `stream_state` from every event here, or None: Spark's to do (see the module)."""
-    from es_pipeline.errors import ReducerError
     from es_pipeline.lake import stream_state as st
 
     events_path = tables.table_path(warehouse, "events")
@@ -74,23 +71,17 @@ def first_build(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> S
     if adds.num_rows and int(pc.sum(adds["size_bytes"]).as_py() or 0) > WHOLE_BYTES:
         return None
     now = int(events.version())
-    columns = [c for c in [*_COLUMNS, "payload_encoding", "slice"] if tables.has_columns(events, [c])]
+    held = set(events.schema().to_arrow().names)
+    columns = [c for c in [*_COLUMNS, "payload_encoding", "slice"] if c in held]
     rows = payloads.for_reducers(tables.tenant_filled(small._files(events_path, events).to_table(columns=columns)))
     out = _fold(rows, dict(REGISTRY), skip_unknown)
-    errors = pc.drop_null(out["error"])
-    if len(errors):
-        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
-        raise ReducerError(stream_id, version, event_type, reason)
-    updates = out.drop_columns(["error", "folded"]).append_column(
-        "updated_at", pa.array([datetime.now(UTC)] * out.num_rows, pa.timestamp("us", tz="UTC")))
+    updates = st.arrow_updates(out)
     schema = state_schema()
     tables.ensure_table_arrow(state_path, schema, comment="es_pipeline: current state per stream")
     turn.confirm(state_path, st.APP_ID, None)
     write_deltalake(state_path, updates.select(schema.names).cast(schema), mode="append",
                     commit_properties=small._commit_properties(st.APP_ID, st.txn_version(now, REGISTRY)))
-    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
-    return st.StateResult(now, -1, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
-                          int(pc.sum(out["skipped"]).as_py() or 0))
+    return st.arrow_result(out, now, -1)
 
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
