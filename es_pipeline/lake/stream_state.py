@@ -17,6 +17,7 @@ events wait in the row's `parked` column, and are folded when the gap fills.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
@@ -139,19 +140,53 @@ class _StreamFold:
             data = json.loads(payload)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
         try:
             self.state = self.fold(self.state, _new_event(Event, (self.stream_id, v, event_type, data)))
-        except UnknownEventType as exc:
-            if not self.skip_unknown:
-                self.error = json.dumps([self.stream_id, v, event_type, str(exc)])
-                return
-            self.skipped += 1
-        except KeyError as exc:
-            self.error = json.dumps([self.stream_id, v, event_type, f"the payload has no field {exc}"])
-            return
         except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
-            self.error = json.dumps([self.stream_id, v, event_type, f"{type(exc).__name__}: {exc}"])
-            return
+            if not self._failed(exc, v, event_type):
+                return
         self.version, self.last_at = v, recorded_at
         self.folded += 1
+
+    def events(self, run: Iterator[tuple[int, str, str, int | None]]) -> None:
+        """Every event of `run` (this stream's, in version order) as `event` folds them, the stream's figures
+        kept in locals while each event is the next version (a first build's every event but a gap's)."""
+        if not self.parked and self.error is None:
+            state, version, last_at, folded = self.state, self.version, self.last_at, self.folded
+            fold, stream_id = self.fold, self.stream_id
+            off: tuple[int, str, str, int | None] | None = None
+            for v, event_type, payload, recorded_at in run:
+                if v != version + 1:
+                    off = (v, event_type, payload, recorded_at)
+                    break
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    data = json.loads(payload)
+                try:
+                    state = fold(state, _new_event(Event, (stream_id, v, event_type, data)))
+                except Exception as exc:  # noqa: BLE001 - as in `event`
+                    if not self._failed(exc, v, event_type):
+                        break
+                version, last_at, folded = v, recorded_at, folded + 1
+            self.state, self.version, self.last_at, self.folded = state, version, last_at, folded
+            if off is not None:
+                self.event(*off)
+        for rest in run:  # after a gap or an error: one by one
+            self.event(*rest)
+
+    def _failed(self, exc: Exception, v: int, event_type: str) -> bool:
+        """A reducer's failure on event `v`: True if the event is skipped (an unknown type, skipped by
+        policy: the stream goes on past it), else False with the stream's error set (it stops there)."""
+        if isinstance(exc, UnknownEventType):
+            if self.skip_unknown:
+                self.skipped += 1
+                return True
+            reason = str(exc)
+        elif isinstance(exc, KeyError):
+            reason = f"the payload has no field {exc}"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        self.error = json.dumps([self.stream_id, v, event_type, reason])
+        return False
 
     def _off_the_run(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
         if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
@@ -188,10 +223,7 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
         sid_now = tenant_now = None
 
         def flush() -> Any:
-            columns = list(zip(*out, strict=True))
-            batch = pa.RecordBatch.from_arrays(
-                [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema
-            )
+            batch = fold_out_batch(out, schema)
             out.clear()
             return batch
 
@@ -222,6 +254,13 @@ def _fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type:
             yield flush()
 
     return run
+
+
+def fold_out_batch(rows: list[tuple[Any, ...]], schema: pa.Schema) -> pa.RecordBatch:
+    """The rows of `_StreamFold.row` as one Arrow batch of the fold's output schema."""
+    columns = list(zip(*rows, strict=True))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema)
 
 
 def _fold_out_arrow_schema() -> Any:
