@@ -38,6 +38,7 @@ from es_pipeline.lake.whole_fold import WHOLE_BYTES
 INCREMENTAL = "state_incremental"
 REBUILD = "state_rebuild"
 GOAL_RATIO = 1.3
+FLOOR_RUNS = 3
 
 
 def _extract(dsn: str, work: Path, run_id: str) -> int:
@@ -151,11 +152,15 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
             F.max("recorded_at").alias("last_event_at"),
         ).write.format("delta").mode("overwrite").save(str(work / "groupby")))
 
-    log.info("[%s] plain groupBy floor (once to warm the JVM, then timed)", REBUILD)
+    log.info("[%s] plain groupBy floor (once to warm the JVM, then the fastest of %d)", REBUILD, FLOOR_RUNS)
     floor_job()
-    t0 = time.perf_counter()
-    floor_job()
-    floor = Timing("plain Spark groupBy aggregate → Delta ← baseline", events, time.perf_counter() - t0)
+    floor_seconds = []
+    for _ in range(FLOOR_RUNS):  # it varied 3.0-4.7 s from one run to the next: the fastest is the strict floor
+        t0 = time.perf_counter()
+        floor_job()
+        floor_seconds.append(time.perf_counter() - t0)
+    floor = Timing("plain Spark groupBy aggregate → Delta ← baseline (fastest of 3)", events, min(floor_seconds),
+                   {"runs_s": [round(x, 2) for x in floor_seconds]})
 
     state_path = lake / "stream_state"
     log.info("[%s] full fold, the default path (in-process up to %d MiB of events)", REBUILD, WHOLE_BYTES >> 20)
@@ -188,9 +193,10 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
         "goals": [Goal("full fold (default path) / groupBy floor, events/s", fold.rate / floor.rate, ">=", 0.5)],
         "notes": [
             "Floor: `groupBy(stream_id)` with first type, max version, count, payload bytes and last time, "
-            "written to Delta (no Python). Folds: `update_stream_state` on an empty `stream_state`, every event "
+            f"written to Delta (no Python); the fastest of {FLOOR_RUNS} runs after a warm-up one. Folds: `update_stream_state` on an empty `stream_state`, every event "
             "through its reducer. Default: `events`' files read by pyarrow, split by slice over one forked "
-            "process per core, each sorting its share and folding it, the rows written by delta-rs (tables up "
+            "process per core, each ordering its share by stream (dictionary codes, not strings) and folding it "
+            "stream by stream, the rows written by delta-rs (tables up "
             f"to {WHOLE_BYTES >> 20} MiB of Parquet; larger ones go to Spark). Spark: partitioned by stream, "
             "sorted by version, folded by `mapInArrow`, then the MERGE. Same session, same lake; the state "
             "table is removed between the two folds.",
