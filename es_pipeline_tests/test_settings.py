@@ -59,6 +59,14 @@ def test_settings_read_the_values_given() -> None:
     assert (s.report_seconds, Settings.from_env({"ES_PIPELINE_REPORT_SECONDS": "0"}).report_seconds) == (30, 0)
 
 
+def test_the_sensor_ticks_less_often_by_default_where_runs_tail() -> None:
+    """Tailing runs take the commits themselves: the sensor's default tick is 15 s with them, 5 s without;
+    a value given is kept either way."""
+    assert Settings.from_env({}).sensor_interval_seconds == 15
+    assert Settings.from_env({"ES_PIPELINE_TAIL_SECONDS": "0"}).sensor_interval_seconds == 5
+    assert Settings.from_env({"ES_PIPELINE_SENSOR_INTERVAL": "3"}).sensor_interval_seconds == 3
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [("536870912", 512 << 20), ("512MB", 512 << 20), ("2GiB", 2 << 30), ("64m", 64 << 20), ("1 G", 1 << 30)],

@@ -65,7 +65,7 @@ def wait_port(port: int, timeout: float) -> None:
 
 @contextmanager
 def dagster_stack(
-    *, admin_dsn: str, dsn: str, tmp: Path, slice_ranges: int = 2, sensor_interval: int = 2, connect: bool = True,
+    *, admin_dsn: str, dsn: str, tmp: Path, slice_ranges: int = 2, sensor_interval: int | None = 2, connect: bool = True,
     automation: bool = False, max_runtime_seconds: int | None = None, extra_env: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
     """Dagster daemon (sensor on, run queue with tag limits) with its storage in a fresh database.
@@ -91,13 +91,14 @@ def dagster_stack(
         "ES_PIPELINE_PG_DSN": dsn,
         "ES_PIPELINE_WAREHOUSE": str(warehouse),
         "ES_PIPELINE_SLICE_RANGES": str(slice_ranges),
-        "ES_PIPELINE_SENSOR_INTERVAL": str(sensor_interval),
         "ES_PIPELINE_SPARK_MASTER": "local[2]",
         "ES_PIPELINE_AUTOMATION": "on" if automation else "off",
         # One pass per run unless asked (extra_env): the loop its callers test is the sensor's run per range.
         "ES_PIPELINE_TAIL_SECONDS": "0",
         "PYSPARK_PYTHON": sys.executable,
     })
+    if sensor_interval is not None:  # else the default (es_pipeline/settings.py), as make dev has it
+        env["ES_PIPELINE_SENSOR_INTERVAL"] = str(sensor_interval)
     env.update(extra_env or {})
     procs: list[subprocess.Popen[bytes]] = []
     logs = tmp / "logs"

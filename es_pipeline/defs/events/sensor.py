@@ -35,7 +35,7 @@ def build_new_events_sensor(
             "index (its cost does not grow with the table), which slice ranges have committed "
             "events at or above their watermark and below the horizon, and requests one run per such range "
             "(run_key = range:horizon). The cursor remembers the horizon last requested per range: a hint, "
-            "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5). With "
+            "never the truth. Interval: ES_PIPELINE_SENSOR_INTERVAL seconds (default 5, or 15 with tailing runs). With "
             "ES_PIPELINE_TAIL_SECONDS > 0 it requests instead one run over every range, which tails them for that "
             "long (woken by NOTIFY es_events); none while that run is queued or far from its end, and the next "
             "one as it nears its end (queued behind it, it starts as soon as that one ends)."
