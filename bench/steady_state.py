@@ -177,7 +177,7 @@ HOURLY = {"lake_checks_job": "lake_checks_schedule", "delta_maintenance_job": "d
 
 def _dagster(stack: Any, *args: str) -> None:
     """The dagster CLI against the stack's own instance and code server."""
-    subprocess.run([str(Path(sys.executable).parent / "dagster"), *args, "-w", str(stack.home.parent / "workspace.yaml")],
+    subprocess.run([str(Path(sys.executable).parent / "dagster"), *args, "-w", str(stack.dagster_home.parent / "workspace.yaml")],
                    env=stack.env, check=True, capture_output=True, timeout=120)
 
 
