@@ -4,18 +4,19 @@ import dagster as dg
 
 from es_pipeline.defs.events.checks import CHECKS as EVENTS_CHECKS
 from es_pipeline.defs.projections.checks import CHECKS as PROJECTIONS_CHECKS
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, WarehouseResource
 from es_pipeline.defs.snapshots.checks import CHECKS as SNAPSHOTS_CHECKS
 from es_pipeline.lake.maintenance import maintain
 
 CHECKS = [*EVENTS_CHECKS, *PROJECTIONS_CHECKS, *SNAPSHOTS_CHECKS]
 
 
-@dg.op(description="OPTIMIZE (compaction) then VACUUM RETAIN 168 HOURS on every Delta table of the warehouse.")
+@dg.op(description="Compaction then vacuum (168 hours kept) of every Delta table of the warehouse, each in its "
+       "update's turn, by delta-rs (no Spark).")
 def delta_maintenance(
-    context: dg.OpExecutionContext, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.OpExecutionContext, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> None:
-    for table, metrics in maintain(spark.spark_session, warehouse.root, store_dsn=event_store.dsn).items():
+    for table, metrics in maintain(warehouse.root, store_dsn=event_store.dsn).items():
         context.log.info(f"{table}: compacted {metrics['files_removed']} files into {metrics['files_added']}")
 
 
