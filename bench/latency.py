@@ -72,6 +72,7 @@ def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.E
         time.sleep(0.25)
 
 
+SENSOR_INTERVAL = "default (5 one pass per run, 15 tailing)"  # the stacks run make dev's sensor interval
 PIECES = ("total", "sensor_wait", "queue", "launch", "pass_wait", "spark", "read", "write", "other")
 
 
@@ -83,7 +84,7 @@ def _phase(commits: int, *, tail: int, rate: float) -> dict[str, Any]:
     store = EventStore(dsn)
     try:
         with tempfile.TemporaryDirectory(dir=WORK_ROOT if WORK_ROOT.exists() else None) as tmp, \
-                dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5,
+                dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=None,
                               extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail), "ES_PIPELINE_REPORT_SECONDS": "0"}) as stack:
             os.environ["DAGSTER_HOME"], os.environ["DAGSTER_PG_URL"] = stack.env["DAGSTER_HOME"], stack.env["DAGSTER_PG_URL"]
             instance = dg.DagsterInstance.get()
@@ -233,7 +234,7 @@ def latency(commits: int) -> None:
         "commit_to_lake_latency",
         title="commit → Delta latency: one run per pass vs tailing runs, with the pieces",
         facts=machine_facts(),
-        parameters={"probe_commits_per_phase": commits, "slice_ranges": 8, "sensor_interval_s": 5,
+        parameters={"probe_commits_per_phase": commits, "slice_ranges": 8, "sensor_interval_s": SENSOR_INTERVAL,
                     "tail_seconds": tail, "events_writer": "delta-rs (no Spark in events runs)"},
         columns=["phase", "events/s achieved", "probes seen", "p50 s", "p95 s", "p50 ratio", *[f"{k} (mean s)" for k in PIECES[1:]],
                  "not seen"],
@@ -291,7 +292,7 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
     tail = 300
     try:
         with tempfile.TemporaryDirectory(dir=WORK_ROOT if WORK_ROOT.exists() else None) as tmp, \
-                dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=5,
+                dagster_stack(admin_dsn=admin_dsn(), dsn=dsn, tmp=Path(tmp), slice_ranges=8, sensor_interval=None,
                               automation=True, extra_env={"ES_PIPELINE_TAIL_SECONDS": str(tail)}) as stack:
             os.environ["DAGSTER_HOME"], os.environ["DAGSTER_PG_URL"] = stack.env["DAGSTER_HOME"], stack.env["DAGSTER_PG_URL"]
             instance = dg.DagsterInstance.get()
@@ -345,7 +346,7 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
         title="commit → projection latency under the make-dev loop with a tailing run",
         facts=machine_facts(),
         parameters={"probe_commits": commits, "background_events_per_s": rate, "slice_ranges": 8,
-                    "tail_seconds": tail, "projections_gap_s": PROJECTIONS_GAP, "automation": "on", "warmup_s": round(warmup, 1)},
+                    "sensor_interval_s": SENSOR_INTERVAL, "tail_seconds": tail, "projections_gap_s": PROJECTIONS_GAP, "automation": "on", "warmup_s": round(warmup, 1)},
         columns=["projection", "probes folded", "p50 s", "p95 s", "of which commit → lake p50 s",
                  "lake → projection p50 s", "not folded"],
         rows=rows, figures=figures, goals=goals,
