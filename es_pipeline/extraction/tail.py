@@ -7,7 +7,8 @@ commit below a still-open transaction becomes extractable only when that one end
 sensor's probe whether any slice of its range has something below the horizon, and only then runs a
 pass. Each pass is an ordinary `Extractor.run`: pending batch, Delta txn, offsets; the guarantee and its
 tests are those of any run. The slice locks are held from the first pass to the last, so a hand
-materialization of the range meanwhile fails fast naming this run. It ends at its deadline; the sensor then starts the next one.
+materialization of the range meanwhile fails fast naming this run. It ends at its deadline; near it, the
+sensor has queued the next run, which starts when this one ends.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from es_pipeline.store.conninfo import connect
 CHANNEL = "es_events"
 POLL_SECONDS = 2.0  # at most this long between probes, notifications or not
 GATHER_SECONDS = 1.0  # after a notification, this long at least: the commits around it are taken in one pass
-PASS_GAP = 4.0  # a pass begins this long after the previous one began, at least: under a steady trickle,
-# a pass every 4 s (commit→lake p50 ≈ 2 s + the pass) instead of one per notification and gathering gap;
-# 3 s measured 0.102 cores at 20 events/s, over the goal of 0.10 (docs/decisions.md, "Tailing runs")
+PASS_GAP = 2.5  # a pass begins this long after the previous one began, at least: under a steady trickle,
+# a pass every 2.5 s (commit→lake p50 ≈ 1.3 s + the pass) instead of one per notification and gathering gap
+# (docs/decisions.md, "Tailing runs")
 
 
 @dataclass
@@ -57,8 +58,8 @@ def _listener(dsn: str) -> Iterator[psycopg.Connection | None]:
 
 
 def _wait(listener: psycopg.Connection | None, seconds: float, *, gather: float = GATHER_SECONDS) -> None:
-    """Until a notification arrives or `seconds` pass; then `gather` seconds (at most `seconds`) that take the
-    commits around it into the same pass."""
+    """Until a notification arrives or `seconds` pass; then `gather` seconds, even past `seconds`, that take
+    the commits around it into the same pass."""
     if seconds <= 0:
         return
     if listener is None:
@@ -68,9 +69,15 @@ def _wait(listener: psycopg.Connection | None, seconds: float, *, gather: float 
         break
     else:
         return
-    time.sleep(max(0.0, min(gather, seconds)))
+    time.sleep(max(0.0, gather))
     for _ in listener.notifies(timeout=0.001):  # drain what arrived meanwhile
         pass
+
+
+def _gather(began: float, now: float, left: float) -> float:
+    """Seconds to wait after a notification: GATHER_SECONDS, or up to PASS_GAP after the last pass began,
+    but not past the run's deadline (`left` seconds away)."""
+    return min(left, max(GATHER_SECONDS, began + PASS_GAP - now))
 
 
 def tail(
@@ -95,7 +102,7 @@ def tail(
             left = deadline - clock()
             if left <= 0:
                 break
-            _wait(listener, min(poll_seconds, left), gather=max(GATHER_SECONDS, began + PASS_GAP - clock()))
+            _wait(listener, min(poll_seconds, left), gather=_gather(began, clock(), left))
             out.probes += 1
             found = probe(probe_conn, extractor.events_source, extractor.consumer)
             if not any(s in found.ready_slices for s in slice_range.slices):
