@@ -1,4 +1,5 @@
-"""`new_events_sensor`: a run per slice range with new committed events."""
+"""`new_events_sensor`: with tailing runs (the default), one run over every range, and the next one queued near its
+end; with `ES_PIPELINE_TAIL_SECONDS=0`, a run per slice range with new committed events."""
 
 import time
 
