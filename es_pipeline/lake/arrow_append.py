@@ -13,7 +13,7 @@ with statistics from the files' footers: delta-rs is the one engine that commits
 put-if-absent on object storage, so no commit of one writer can overwrite another's (docs/decisions.md).
 
 A run killed before the commit leaves Parquet files that no commit names: readers never see them,
-and `VACUUM` (the `lake_maintenance` job) deletes them once older than the retention.
+and `VACUUM` (`delta_maintenance_job`) deletes them once older than the retention.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over th
 (bench/results/state_rebuild.md). Up to `WHOLE_BYTES` of Parquet it is done here instead:
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records);
-2. split by slice (a stream lives in one slice) over one forked process per core; each sorts its share by
-   stream and version and folds it with the same `_fold_partitions` Spark's workers run;
+2. split by slice (a stream lives in one slice) over one forked process per core (one process below
+   `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
+   and folds it stream by stream with `_StreamFold.events` (the same reducers and rules as Spark's workers);
 3. the rows written by delta-rs under the same Delta transaction id (app id, version) Spark's MERGE
    carries, inside the table's turn, so either engine goes on from what the other folded.
 
