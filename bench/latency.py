@@ -245,7 +245,7 @@ def latency(commits: int) -> None:
                "whose horizon passed its tx id): sensor_wait = its run created − commit; queue = run STARTING "
                "(dequeued and launched) − created; launch = run START (its process has loaded the code) − "
                "STARTING; pass_wait = the pass's start − START (a tailing run waiting for the NOTIFY, the 1 s "
-               f"that gathers commits or the rest of the {PASS_GAP:.0f} s since the last pass began, the probe); "
+               f"that gathers commits or the rest of the {PASS_GAP:g} s since the last pass began, the probe); "
                "spark = getting a Spark session (0: none by default); "
                "read/write = the pass; other = the rest (horizon, offsets, Dagster logging, the lake poller's "
                "0.25 s). Each piece is clipped at the commit, so a run that started before it counts from it. "
