@@ -154,9 +154,11 @@ def _writer(
                         time.sleep(delay)  # hold the transaction open: commits land out of tx_id order
                     if rollback:
                         raise psycopg.Rollback()
-            except psycopg.OperationalError:
+            except (psycopg.OperationalError, psycopg.Rollback) as exc:
                 if stop.is_set():
                     break
+                if isinstance(exc, psycopg.Rollback):  # its ROLLBACK failed: the connection is gone, nothing committed
+                    raise psycopg.OperationalError("the connection was lost while rolling back (nothing committed)") from exc
                 raise
             if rollback:
                 report.rollbacks += 1

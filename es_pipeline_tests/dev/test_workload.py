@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psycopg
 
 from es_pipeline.dev.workload import run_workload
@@ -30,3 +33,29 @@ def test_eight_writers_with_rollbacks_commit_exactly_what_they_report(dsn: str) 
     assert report.rollbacks > 0
     assert versions_ok, "versions are 1..n per stream, no gaps"
     assert out_of_order > 0, "some transaction committed before a lower tx_id did"
+
+
+def test_a_connection_lost_before_a_rollback_is_a_database_error_not_a_stray_rollback(dsn: str) -> None:
+    """A server crash while a writer holds a transaction it means to roll back: psycopg's ROLLBACK fails and
+    its `Rollback` would escape (not a `psycopg.Error`: the crash drill's writers died of it). The workload
+    raises `OperationalError` instead, which callers that ride out a crash already catch."""
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            run_workload(EventStore(dsn), streams=1, events=10, writers=1, rollback_rate=0.999, max_commit_delay=2.0)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what escaped
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        deadline = time.monotonic() + 20
+        while writer.is_alive() and time.monotonic() < deadline:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+                          " AND pid <> pg_backend_pid() AND state = 'idle in transaction'"
+                          " AND state_change < clock_timestamp() - interval '0.3 s'")  # in its hold, past the append
+            time.sleep(0.05)
+    writer.join(10)
+    assert not writer.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], psycopg.OperationalError), errors
