@@ -37,8 +37,9 @@ def test_eight_writers_with_rollbacks_commit_exactly_what_they_report(dsn: str) 
 
 def test_a_connection_lost_before_a_rollback_is_a_database_error_not_a_stray_rollback(dsn: str) -> None:
     """A server crash while a writer holds a transaction it means to roll back: psycopg's ROLLBACK fails and
-    its `Rollback` would escape (not a `psycopg.Error`: the crash drill's writers died of it). The workload
-    raises `OperationalError` instead, which callers that ride out a crash already catch."""
+    a raised `Rollback` would escape (not a `psycopg.Error`: the crash drill's writers died of it). The workload
+    rolls back at the block's end instead, so the lost connection surfaces as `OperationalError`, which
+    callers that ride out a crash already catch."""
     errors: list[BaseException] = []
 
     def write() -> None:
