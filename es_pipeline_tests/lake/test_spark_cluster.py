@@ -73,8 +73,9 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     dsn: StoreDsn, s3: S3Server, cluster: SparkCluster, tmp_path: Path
 ) -> None:
     """Dagster's runs attach to a Spark Connect server whose driver runs on the cluster: the executors read
-    the backfill over JDBC and write its Parquet files to S3 (delta-rs commits them), then the projections,
-    the checks run on the cluster too, and the maintenance job (delta-rs) compacts the lake on S3. The lake equals the store, event by event."""
+    the backfill over JDBC and write its Parquet files to S3 (delta-rs commits them), then the projections
+    and the checks run on the cluster too, and the maintenance job (delta-rs) compacts the lake on S3. The
+    lake equals the store, event by event."""
     bulk_load(dsn, events=6000, streams=60, events_per_tx=500)
     run_workload(EventStore(dsn.writer), streams=30, events=600, writers=2, rollback_rate=0.1, max_commit_delay=0)
     warehouse = f"{s3.bucket('lake')}/dagster-cluster-{os.getpid()}"
