@@ -94,7 +94,7 @@ def _tick(dsn: str, tenants: int) -> dict[str, Any]:
             sql.SQL("EXPLAIN (ANALYZE, SUMMARY) ") + probe_statement(source), {"consumer": source.consumer}))
 
     def ask(c: psycopg.Connection) -> frozenset[int]:
-        check_source(c, source.consumer)
+        check_source(c, source.consumer, source)
         return probe(c, source, source.consumer).ready_slices
 
     def new_connection_tick() -> frozenset[int]:

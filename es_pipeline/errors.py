@@ -198,6 +198,53 @@ class XidSpaceWentBack(EsPipelineError):
         )
 
 
+class FutureTransactionIds(EsPipelineError):
+    """The store holds rows whose `tx_id` this cluster has not assigned yet: they were written by another cluster."""
+
+    def __init__(self, consumer: str, table: str, top: int, next_xid: int, *, fresh: bool) -> None:
+        self.consumer, self.table, self.top, self.next_xid, self.fresh = consumer, table, top, next_xid, fresh
+        super().__init__(
+            f"{table} holds events with transaction ids up to {top}, at or above {next_xid}, the next id this "
+            "PostgreSQL cluster will assign: they were written by another cluster (a dump restored into a new "
+            "cluster, before or after es_pipeline met the store; a copy job or logical-replication apply that "
+            "carried tx_id; an attached partition). Read by the horizon they would stay invisible until the "
+            f"counter passes them. Nothing was written. Run `es-pipeline offsets rebase` (consumer {consumer!r}): "
+            "it brings every such event into the lake exactly once. See docs/operations.md, "
+            "\"A store with a past\"."
+        )
+
+
+class LakeAheadOfOffsets(EsPipelineError):
+    """The lake holds events at or above their slice's watermark in batches that PostgreSQL has no record of."""
+
+    def __init__(self, path: str, consumer: str, events: int, slices: list[int], batches: list[int]) -> None:
+        self.path, self.consumer, self.events, self.slices, self.batches = path, consumer, events, slices, batches
+        shown = ", ".join(str(s) for s in slices[:8]) + (" …" if len(slices) > 8 else "")
+        super().__init__(
+            f"the Delta table at {path} holds {events} event(s) of slice(s) {shown} at or above the watermarks "
+            f"of consumer {consumer!r}, in batch(es) {', '.join(str(b) for b in batches[:5])} that PostgreSQL has "
+            "no pending or committed record of: PostgreSQL is behind the lake (a failover to a replica that was "
+            "behind, a point-in-time restore, or synchronous_commit off). Extracting on would write those events "
+            "twice. Nothing was written. See docs/operations.md, \"The lake and PostgreSQL disagree\"."
+        )
+
+
+class LakeHoldsAnotherSource(EsPipelineError):
+    """A consumer would bind to an `events` table that holds another consumer's (or another store's) events."""
+
+    def __init__(self, path: str, consumer: str, other: str | None) -> None:
+        self.path, self.consumer, self.other = path, consumer, other
+        whose = (f"the events of consumer {other!r} (another source, or the same one under another name: a "
+                 "renamed schema or table)" if other else
+                 "events that no consumer of this store has recorded (another store's lake?)")
+        super().__init__(
+            f"the Delta table at {path} holds {whose}; consumer {consumer!r} would extract its whole history into it "
+            "again, every event twice. One warehouse holds one source. Nothing was written. Point "
+            "ES_PIPELINE_WAREHOUSE at a lake of its own, or, if the source was renamed, see docs/operations.md, "
+            "\"One source per warehouse\"."
+        )
+
+
 class RebaseRefused(EsPipelineError):
     """The lake holds events the store does not: the store is older than the lake, a rebase cannot be exact."""
 

@@ -30,9 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from es_pipeline.errors import ConfigError, LakeStoreDiverged
+from es_pipeline.errors import ConfigError, FutureTransactionIds, LakeAheadOfOffsets, LakeStoreDiverged
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import Batch, OffsetSession
+from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
 from es_pipeline.lake.tables import Location
@@ -171,7 +172,8 @@ class Extractor:
         """The connections and slice locks of a run over `slice_range`; `run` opens one per call unless
         given this, which a tailing run keeps for all its passes (extraction/tail.py)."""
         try:
-            with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}") as session:
+            with OffsetSession(self.dsn, self.consumer, run_id=run_id, label=f"events {slice_range.key}",
+                               source=self.events_source) as session:
                 yield session
         finally:
             self._small_reads.close()
@@ -235,7 +237,12 @@ class Extractor:
         """A session's first pass: lock, check the store and the lake, replay what a crashed run left."""
         # A standby, or a store whose transaction ids are not the ones the offsets count (restored
         # elsewhere), is refused before anything is created: it would look caught up for ever.
-        session.check_source()
+        try:
+            session.check_source()
+        except FutureTransactionIds as exc:
+            if not self._rebase_with_nothing_to_lose(exc):
+                raise
+            session.check_source()
         session.lock(slice_range.slices, slice_range.key)
         self._step("locked", None)
         # A table with nothing but its creation counts as new too: a run refused after creating it
@@ -246,14 +253,58 @@ class Extractor:
         # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
         session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
         replays = session.pending_overlapping(slice_range.slices)
-        # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything.
-        for app in sorted({app_id, *(p.app_id for p in replays)}):
+        # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything. First by
+        # content, whichever app id wrote it; then every app id of the consumer whose runs our locks exclude.
+        self._check_lake_below_watermarks(session, slice_range.slices)
+        apps = {app_id, *(p.app_id for p in replays),
+                *(a for a in session.lake_commit_apps() if _app_overlaps(a, self.consumer, slice_range))}
+        for app in sorted(apps):
             session.check_lake_commits(app, self._delta().transaction_version(app), self.events_path)
         for pending in replays:
             session.lock(pending.slices, slice_range.key)  # a batch of an older range split
             self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
             self._write_batch(session, pending, result, replay=True)
             result.replayed_batches += 1
+
+    def _rebase_with_nothing_to_lose(self, exc: FutureTransactionIds) -> bool:
+        """Rebase at once (extraction/rebase.py) where nothing can be lost or repeated: the consumer has never
+        extracted anything and the lake holds no event. Whether it did."""
+        if not exc.fresh or tables.holds_rows(self.events_path):
+            return False
+        done = rebase(self.dsn, self.events_source, self.consumer, self.events_path)
+        if done is not None:
+            self.progress(
+                f"{self.events_source.label} holds events written by another cluster (transaction ids up to {exc.top}, "
+                f"this cluster's next is {exc.next_xid}: restored before es_pipeline met it); nothing extracted yet, so "
+                f"rebased at once: every event is read by key below transaction {done.rebased_below}")
+        return True
+
+    def _check_lake_below_watermarks(self, session: OffsetSession, slices: Sequence[int]) -> None:
+        """`LakeAheadOfOffsets` when the lake holds an event of `slices` at or above its slice's watermark outside
+        a pending batch: a batch whose offsets PostgreSQL lost (a failover, a restore), by whatever app id it was
+        written. Exempt: the restored events a rebase brings early (batch 0) and, until the watermarks pass its
+        mark, the events extracted before it. Only the files whose statistics reach the lowest watermark are read.
+
+        The lake is read before the offsets: a batch in that version is, when they are read, either below its
+        watermarks or still pending (our slice locks keep any other run from committing on these slices)."""
+        table = self._delta()
+        marks = session.watermarks(slices)
+        pending = session.pending_ids()
+        floor = max(min(marks.values()), session.rebased_below or 0)
+        held = table.to_pyarrow_dataset().to_table(
+            columns=["slice", "tx_id", "batch_id"],
+            filter=pc.field("slice").isin(list(slices)) & (pc.field("tx_id") >= floor),
+        )
+        if held.num_rows == 0:
+            return
+        by_slice = pa.array([marks.get(s, 0) for s in range(max(slices) + 1)], pa.int64())
+        above = pc.greater_equal(held["tx_id"], pc.take(by_slice, held["slice"]))
+        known = pc.or_(pc.equal(held["batch_id"], 0), pc.is_in(held["batch_id"], pa.array(sorted(pending), pa.int64())))
+        stray = held.filter(pc.and_(above, pc.invert(pc.fill_null(known, False))))
+        if stray.num_rows:
+            raise LakeAheadOfOffsets(
+                self.events_path, self.consumer, stray.num_rows, sorted(set(stray["slice"].to_pylist())),
+                sorted({int(b) for b in stray["batch_id"].to_pylist() if b is not None}))
 
     def settle(self, session: OffsetSession, slice_range: SliceRange, run_id: str = "manual") -> ExtractResult:
         """A session's first pass without the extraction: lock, check, replay what a crashed run left pending
@@ -377,15 +428,16 @@ class Extractor:
         which would hold them back until the new ids caught up. Every row read is committed, and rows
         the lake holds are left out by key, so reading them early, or again later when the horizon
         passes them, brings each once; the watermarks do not move for them. They go in chunks of
-        `CATCHUP_SLICES` slices, each a Delta transaction of its own (app id of its slices, version =
-        the rebase mark), with the locks checked just before: a chunk written twice lands once.
+        `CATCHUP_SLICES` slices, each a Delta transaction of its own, with the locks checked just before: a chunk
+        written twice lands once. Its app id names the cluster, the mark and the slices, so that each move of the
+        store (A to B, later B to C) catches up anew rather than finding its chunks done by the last move's.
         """
         below = session.rebased_below
         rows = 0
         for i in range(0, len(slices), CATCHUP_SLICES):
             chunk = slices[i:i + CATCHUP_SLICES]
             if below is not None and horizon < below:
-                app = f"es_pipeline.{self.consumer}.rebase.{chunk[0]:04d}-{chunk[-1]:04d}"
+                app = f"es_pipeline.{self.consumer}.rebase.{session.cluster}.{below}.{chunk[0]:04d}-{chunk[-1]:04d}"
                 span = Batch(self.consumer, app, tuple(chunk), (horizon,) * len(chunk), below, 0)
                 stream = tables.without_events_in_lake(self._rows(span, None, [0.0]), self.events_path)
                 rows += self._append(stream, span, before_commit=partial(session.verify_locks, chunk)) or 0
@@ -467,6 +519,19 @@ class Extractor:
         eta = (total - done) / rate if rate > 0 else float("inf")
         pct = 100.0 * done / total if total else 100.0
         self.progress(f"events: {done:,}/{total:,} ({pct:.0f}%), {rate:,.0f} events/s, ETA {eta:.0f} s")
+
+
+def _app_overlaps(app_id: str, consumer: str, slice_range: SliceRange) -> bool:
+    """Whether `app_id` is a range's of `consumer` (`app_id_for`) that shares a slice with `slice_range`: its runs need
+    a lock that ours holds, so its record and the lake's cannot move while we compare them."""
+    prefix = app_id_for(consumer, "")
+    if not app_id.startswith(prefix):
+        return False
+    try:
+        other = SliceRange.from_key(app_id[len(prefix):])
+    except ValueError:
+        return False
+    return other.lo <= slice_range.hi and slice_range.lo <= other.hi
 
 
 def _counting(rows: Iterator[pa.RecordBatch], by_slice: dict[int, int]) -> Iterator[pa.RecordBatch]:

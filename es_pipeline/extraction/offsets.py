@@ -20,6 +20,8 @@ import psycopg
 from psycopg import sql
 
 from es_pipeline.errors import (
+    FutureTransactionIds,
+    LakeHoldsAnotherSource,
     LakeNotEmpty,
     LakeOffsetsMismatch,
     LakeStoreDiverged,
@@ -78,9 +80,12 @@ class OffsetSession:
     that the holder still holds every slice's lock (`_verify_locks`).
     """
 
-    def __init__(self, dsn: str, consumer: str, *, run_id: str, label: str) -> None:
+    def __init__(
+        self, dsn: str, consumer: str, *, run_id: str, label: str, source: Source | str | None = None
+    ) -> None:
         self.dsn = dsn
         self.consumer = consumer
+        self.source = as_source(source) if source is not None else None  # what `check_source` reads
         self.run_id = run_id
         self.label = label
         self.namespace = lock_namespace(consumer)
@@ -212,6 +217,8 @@ class OffsetSession:
         ).fetchone()
         assert row is not None
         recorded_id, recorded_path, inserted = row
+        if inserted and not created_now:
+            self._refuse_another_source(table_id, path)
         if recorded_id == table_id and not (inserted and created_now):
             if recorded_path != path:  # the same table, moved: remember where it is now
                 self.conn.execute("UPDATE es_pipeline.sinks SET path = %s WHERE consumer = %s", (path, self.consumer))
@@ -229,9 +236,23 @@ class OffsetSession:
                 (table_id, path, self.consumer),
             )
 
+    def _refuse_another_source(self, table_id: str, path: str) -> None:
+        """`LakeHoldsAnotherSource` when the table this consumer is binding to for the first time holds events:
+        another consumer's (bound to it), or, with no consumer bound, another store's."""
+        other = self.conn.execute(
+            "SELECT consumer FROM es_pipeline.sinks WHERE table_id = %s AND consumer <> %s ORDER BY consumer LIMIT 1",
+            (table_id, self.consumer),
+        ).fetchone()
+        if other is not None:
+            raise LakeHoldsAnotherSource(path, self.consumer, str(other[0]))
+        if tables.holds_rows(path):
+            raise LakeHoldsAnotherSource(path, self.consumer, None)
+
     def check_source(self) -> None:
         """Refuse a store whose transaction ids are not the ones the offsets count (see `check_source`)."""
-        self.cluster = check_source(self.conn, self.consumer)
+        if self.source is None:
+            raise ValueError("this session was opened without its source: it cannot check the store")
+        self.cluster = check_source(self.conn, self.consumer, self.source)
 
     # -- the lake's record of batches against ours ---------------------------------------------------
 
@@ -240,24 +261,24 @@ class OffsetSession:
 
         They agree when the table's is the recorded one, or a batch still pending (written to Delta, then
         a crash before its watermarks advanced). Anything else means PostgreSQL or the lake went back in
-        time, and `LakeStoreDiverged` stops the run before it writes. Where nothing is recorded yet (a
-        store migrated from a release without this record) the table's batch is adopted if PostgreSQL
-        has issued that batch id; after `offsets rebase` (which forgets the record) it is adopted as is.
+        time, and `LakeStoreDiverged` stops the run before it writes. Where nothing is recorded for the app id
+        (a store migrated from a release without this record, or after `offsets rebase`, which forgets it) the
+        table's batch is adopted: the caller has checked first that the lake holds no event above the watermarks
+        outside a pending batch (`Extractor`), which a batch whose offsets were lost would (a sequence value alone
+        proves nothing: PostgreSQL WAL-logs its sequences 32 values ahead, so a failover keeps ids it lost).
         """
         row = self.conn.execute(
             "SELECT (SELECT batch_id FROM es_pipeline.lake_commits WHERE app_id = %(a)s), "
-            " (SELECT array_agg(batch_id) FROM es_pipeline.pending_batches WHERE app_id = %(a)s), "
-            " (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END"
-            "  FROM es_pipeline.pending_batches_batch_id_seq)",
+            " (SELECT array_agg(batch_id) FROM es_pipeline.pending_batches WHERE app_id = %(a)s)",
             {"a": app_id},
         ).fetchone()
         assert row is not None
-        recorded, pending, issued = row[0], set(row[1] or ()), int(row[2])
+        recorded, pending = row[0], set(row[1] or ())
         if in_lake == recorded or in_lake in pending:
             return
-        if recorded is None and in_lake is not None and (in_lake <= issued or self.rebased_below is not None):
-            # After a rebase the sequence may be behind the lake's batch ids: move it past them, so that
-            # no new batch can take an id Delta would skip as done.
+        if recorded is None and in_lake is not None:
+            # The sequence may be behind the lake's batch ids (a rebase, a restore, a failover): move it past
+            # them, so that no new batch can take an id Delta would skip as done.
             self.conn.execute("SELECT setval('es_pipeline.pending_batches_batch_id_seq', greatest(%s, "
                               "(SELECT last_value FROM es_pipeline.pending_batches_batch_id_seq)))", (in_lake,))
             self._record_lake_commit(app_id, in_lake)
@@ -271,6 +292,15 @@ class OffsetSession:
             "WHERE c.batch_id < excluded.batch_id",
             (app_id, self.consumer, batch_id),
         )
+
+    def lake_commit_apps(self) -> list[str]:
+        """Every Delta app id this consumer has recorded a committed batch of (every range layout, every run kind)."""
+        return [str(a) for (a,) in self.conn.execute(
+            "SELECT app_id FROM es_pipeline.lake_commits WHERE consumer = %s ORDER BY app_id", (self.consumer,))]
+
+    def pending_ids(self) -> set[int]:
+        """The batch ids of this consumer's pending batches."""
+        return set(pending_batch_ids(self.conn, self.consumer))
 
     def catchup_slices(self, slices: Sequence[int]) -> list[int]:
         """The slices of these whose first run since a rebase is still to come (see extraction/rebase.py)."""
@@ -361,26 +391,36 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
                 (SELECT max(upper_bound::text::bigint) FROM es_pipeline.pending_batches WHERE consumer = %(c)s)),
        (SELECT source_cluster FROM es_pipeline.sinks WHERE consumer = %(c)s),
        (SELECT system_identifier::text FROM pg_control_system()),
-       pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'
+       pg_is_in_recovery(), current_setting('transaction_read_only') = 'on',
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+       (SELECT rebased_below::text::bigint FROM es_pipeline.sinks WHERE consumer = %(c)s),
+       -- The highest tx_id stored: one descent of the index on the transaction order (the probe's).
+       (SELECT e.tx_id::text::bigint FROM {events} e ORDER BY e.tx_id::text::bigint DESC LIMIT 1)
 """
 
 
-def check_source(conn: psycopg.Connection, consumer: str) -> str:
+def check_source(conn: psycopg.Connection, consumer: str, source: Source | str) -> str:
     """The store's cluster identity, after checking that the offsets of `consumer` count its transaction ids.
 
-    Raises `ReadOnlyStore` on a hot standby or a read-only role, `SourceChanged` when the offsets were recorded on another cluster (a dump restored elsewhere,
-    a logical replica), and `XidSpaceWentBack` when a watermark or pending batch lies above the horizon
-    (the transaction ids went back). Either way every new event would look extracted already: loss.
+    Raises `ReadOnlyStore` on a hot standby or a read-only role, `SourceChanged` when the offsets were recorded on
+    another cluster (a dump restored elsewhere, a logical replica), `XidSpaceWentBack` when a watermark or pending
+    batch lies above the horizon (the transaction ids went back), and `FutureTransactionIds` when `source` holds a
+    row at or above the next transaction id this cluster will assign and at or above any rebase mark: rows another cluster wrote, which the horizon would hide until the counter passes
+    them. Each would make new or restored events look extracted already, or never extractable: loss.
     """
-    row = conn.execute(_SOURCE, {"c": consumer}).fetchone()
+    source = as_source(source)
+    row = conn.execute(sql.SQL(_SOURCE).format(events=source.relation_sql()), {"c": consumer}).fetchone()
     assert row is not None
     horizon, top, recorded, current, standby, read_only = int(row[0]), row[1], row[2], str(row[3]), row[4], row[5]
+    next_xid, mark, highest = int(row[6]), row[7], row[8]
     if standby or read_only:
         raise ReadOnlyStore("a hot standby" if standby else "the role's transactions are read-only")
     if recorded is not None and recorded != current:
         raise SourceChanged(consumer, recorded, current)
     if top is not None and int(top) > horizon:
         raise XidSpaceWentBack(consumer, int(top), horizon)
+    if highest is not None and int(highest) >= max(next_xid, int(mark or 0)):
+        raise FutureTransactionIds(consumer, source.label, int(highest), next_xid, fresh=not top)
     return current
 
 
@@ -468,6 +508,21 @@ def rebased_below(conn: psycopg.Connection, consumer: str) -> int | None:
     row = conn.execute("SELECT rebased_below::text::bigint FROM es_pipeline.sinks WHERE consumer = %s",
                        (consumer,)).fetchone()
     return None if row is None or row[0] is None else int(row[0])
+
+
+def events_from_another_cluster(conn: psycopg.Connection, source: Source | str, consumer: str) -> int:
+    """How many events of the store lie at or above both the next transaction id this cluster will assign and the
+    consumer's rebase mark: written by another cluster, not yet rebased (`check_source`). An index range scan of
+    those rows only."""
+    row = conn.execute(
+        sql.SQL(
+            "SELECT count(*) FROM {} e WHERE e.tx_id::text::bigint >= greatest("
+            "pg_snapshot_xmax(pg_current_snapshot())::text::bigint, "
+            "(SELECT rebased_below::text::bigint FROM es_pipeline.sinks WHERE consumer = %s))"
+        ).format(as_source(source).relation_sql()),
+        (consumer,),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def counts_below_watermarks(

@@ -6,7 +6,8 @@ grow with the table, so it reads the *tail* (one statement in the steady state, 
 1. the newest events, `lo <= tx_id < H` with `lo` the lowest watermark, from the end of the index
    on the transaction order (`events_tx_order_idx`), at most `tail_rows` of them (one index descent
    plus the rows read);
-2. a slice with a tail event at or above its own watermark is ready;
+2. a slice with a tail event at or above its own watermark is ready, and so is one whose first run since a
+   rebase is still to come (`es_pipeline.rebase_catchup`);
 3. if the tail was cut short at `tx_id = t`, the slices whose watermark is at or below `t` are not
    fully covered by it: each of them gets its own index probe on `(slice, tx_id)` (the old,
    1024-probe plan, now only for lagging slices, e.g. before the first run of a range).
@@ -56,7 +57,10 @@ WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS h),
      from_tail AS MATERIALIZED (
          SELECT t.slice FROM (SELECT slice, max(tx) AS top FROM tail GROUP BY slice) t
          LEFT JOIN es_pipeline.offsets o ON o.consumer = {consumer} AND o.slice = t.slice
-         WHERE t.top >= coalesce(o.watermark::text::bigint, 0))
+         WHERE t.top >= coalesce(o.watermark::text::bigint, 0)
+         -- A slice whose first run since a rebase is to come is ready, new events or not: that run brings the
+         -- restored events above the horizon (extraction/rebase.py), which no probe below the horizon sees.
+         UNION SELECT slice FROM es_pipeline.rebase_catchup WHERE consumer = {consumer})
 SELECT (SELECT h::text::bigint FROM h),
        -- NULL when the tail holds every event in [lo, H); else its lowest tx, which it may hold only in part.
        (SELECT CASE WHEN count(*) = {tail_rows} THEN min(tx) END FROM tail),

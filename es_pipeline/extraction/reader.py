@@ -211,9 +211,12 @@ def _fetch_arrow(dsn: str, query: str) -> pa.Table:
 
 
 def event_keys(dsn: str, source: Source | str) -> pa.Table:
-    """(stream_id, version, recorded_at as UTC microseconds) of every event in the store (for a rebase)."""
-    keys = _fetch_arrow(dsn, f"SELECT e.stream_id, e.version, e.recorded_at FROM {as_source(source).relation()} e")
+    """(tenant, stream_id, version, recorded_at as UTC microseconds) of every event in the store (for a rebase)."""
+    keys = _fetch_arrow(
+        dsn, f"SELECT coalesce(e.tenant, '') AS tenant, e.stream_id, e.version, e.recorded_at "
+             f"FROM {as_source(source).relation()} e")
     return pa.table({
+        "tenant": keys["tenant"].cast(pa.string()),
         "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
         "recorded_at": keys["recorded_at"].cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()),
     })

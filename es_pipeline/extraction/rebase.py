@@ -3,14 +3,22 @@
 A dump restored into a new cluster (or a cut-over to a logical replica) keeps the rows and their `tx_id`
 values, but the new cluster counts transaction ids from elsewhere: new events get ids below, between and
 above the restored ones, so no watermark can separate what the lake holds from what it lacks. Runs refuse
-such a store (`offsets.check_source`). A rebase makes it safe again:
+such a store (`offsets.check_source`): offsets recorded on another cluster, or rows whose `tx_id` this cluster
+has not assigned yet (a store restored before es_pipeline met it, a copy job, an attached partition). A rebase
+makes it safe again:
 
-1. under every slice lock, check that each event of the lake is in the store, with the same key and
-   `recorded_at`; if not, the store is older than the lake and nothing is changed (`RebaseRefused`);
+1. under every slice lock, check that each event of the lake is in the store, with the same key
+   (tenant, stream id, version) and `recorded_at`; if not, the store is older than the lake and nothing is
+   changed (`RebaseRefused`);
 2. forget the watermarks, pending batches and lake commits, record the new cluster, and set the mark
    `rebased_below` past every transaction id in the store and the horizon (`offsets.mark_rebased`);
 3. the next runs read the store from the start; a batch that starts below the mark leaves out, by key,
-   the events the lake holds already (`Extractor`), and above the mark runs are as before.
+   the events the lake holds already (`Extractor`), and above the mark runs are as before. The first run on
+   each slice also reads the restored events above the horizon at once (`Extractor._catch_up`), in Delta
+   transactions named by the cluster and the mark, so that every later move catches up anew.
+
+Where the consumer has extracted nothing and the lake is empty (a store restored before its first extraction,
+or a lake rebuilt after `offsets reset`), the first run rebases by itself: there is nothing to compare.
 
 It costs one read of every key in the lake and in the store, and one pass over the store.
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from es_pipeline.errors import RebaseRefused, SourceChanged, XidSpaceWentBack
+from es_pipeline.errors import FutureTransactionIds, RebaseRefused, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, check_source, mark_rebased
 from es_pipeline.extraction.slices import NUM_SLICES
@@ -38,16 +46,16 @@ class Rebase:
 def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> Rebase | None:
     """Rebase `consumer` onto the store's cluster; None if its offsets already count this cluster's ids."""
     source = as_source(source)
-    with OffsetSession(dsn, consumer, run_id="offsets-rebase", label="offsets rebase") as session:
+    with OffsetSession(dsn, consumer, run_id="offsets-rebase", label="offsets rebase", source=source) as session:
         session.lock(range(NUM_SLICES), "all slices")
         try:
-            check_source(session.conn, consumer)
+            check_source(session.conn, consumer, source)
             return None
-        except (SourceChanged, XidSpaceWentBack):
+        except (SourceChanged, XidSpaceWentBack, FutureTransactionIds):
             pass
         lake_keys = tables.event_keys(events_path)
         missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, source))
         if missing.num_rows:
-            raise RebaseRefused(events_path, missing.num_rows, f"{missing['stream_id'][0]}@{missing['version'][0]}")
+            raise RebaseRefused(events_path, missing.num_rows, tables.key_label(missing, 0))
         cluster, below, n = mark_rebased(session.conn, source, consumer)
         return Rebase(cluster, below, lake_keys.num_rows, n)

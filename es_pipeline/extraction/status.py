@@ -62,7 +62,7 @@ def format_table(rows: list[RangeStatus], oldest_open_tx: float) -> str:
 def status_report(settings: Settings) -> str:
     """The status table of every range of `settings`, at one horizon."""
     consumer = settings.source.consumer
-    with OffsetSession(settings.pg_dsn, consumer, run_id="status", label="status") as s:
+    with OffsetSession(settings.pg_dsn, consumer, run_id="status", label="status", source=settings.source) as s:
         s.check_source()  # a moved store would show nothing to do: say so instead
         horizon = s.horizon()
         rows = [range_status(s.conn, settings.source, consumer, r, horizon) for r in split(settings.slice_ranges)]

@@ -261,25 +261,46 @@ def table_id(path: str) -> str:
 
 # -- events by key, for `offsets rebase` -------------------------------------------------------------
 
-KEY = ["stream_id", "version"]
+# An event's key in the lake and in the store: a stream id is unique within its tenant only ('' without tenants).
+KEY = ["tenant", "stream_id", "version"]
+_KEY_SCHEMA = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("version", pa.int32())])
 
 
 def event_keys(path: str) -> pa.Table:
-    """(stream_id, version, recorded_at as UTC microseconds) of every event in the `events` table at `path`."""
+    """(tenant, stream_id, version, recorded_at as UTC microseconds) of every event in the `events` table at `path`."""
     if not is_delta_table(path):
-        return pa.table({"stream_id": pa.array([], pa.string()), "version": pa.array([], pa.int32()),
-                         "recorded_at": pa.array([], pa.int64())})
-    keys = DeltaTable(path).to_pyarrow_dataset().to_table(columns=[*KEY, "recorded_at"])
-    return keys.set_column(2, "recorded_at", pc.cast(keys["recorded_at"], pa.timestamp("us", tz="UTC")).cast(pa.int64()))
+        return pa.table({**{f.name: pa.array([], f.type) for f in _KEY_SCHEMA}, "recorded_at": pa.array([], pa.int64())})
+    table = DeltaTable(path)
+    wanted = [c for c in [*KEY, "recorded_at"] if has_columns(table, [c])]
+    keys = table.to_pyarrow_dataset().to_table(columns=wanted)
+    return pa.table({
+        "tenant": keys_tenant(keys),
+        "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
+        "recorded_at": pc.cast(keys["recorded_at"], pa.timestamp("us", tz="UTC")).cast(pa.int64()),
+    })
+
+
+def keys_tenant(rows: pa.Table) -> pa.Array | pa.ChunkedArray:
+    """The `tenant` column of `rows` as the key has it: '' where it is NULL or absent (a lake from before tenants)."""
+    if "tenant" not in rows.column_names:
+        return pa.array([""] * rows.num_rows, pa.string())
+    return pc.fill_null(rows["tenant"].cast(pa.string()), "")
+
+
+def key_label(rows: pa.Table, i: int) -> str:
+    """`tenant/stream@version` (or `stream@version` without a tenant) of row `i`: how messages name an event."""
+    tenant = str(keys_tenant(rows)[i])
+    return f"{tenant + '/' if tenant else ''}{rows['stream_id'][i]}@{rows['version'][i]}"
 
 
 def anti_join_keys(left: pa.Table, right: pa.Table) -> pa.Table:
-    """The rows of `left` with no row of the same (stream_id, version, recorded_at) in `right`."""
+    """The rows of `left` with no row of the same (tenant, stream_id, version, recorded_at) in `right`."""
     return left.join(right, keys=[*KEY, "recorded_at"], join_type="left anti")
 
 
 def without_events_in_lake(batches: Iterable[pa.RecordBatch], path: str) -> Iterator[pa.RecordBatch]:
-    """The events of `batches` whose (stream_id, version) the `events` table at `path` does not hold, streamed."""
+    """The events of `batches` whose (tenant, stream_id, version) the `events` table at `path` does not hold,
+    streamed."""
     if not is_delta_table(path):
         yield from batches
         return
@@ -289,12 +310,15 @@ def without_events_in_lake(batches: Iterable[pa.RecordBatch], path: str) -> Iter
             continue
         # The slice filter lets the scan skip the files of other slices (min/max statistics on `slice`).
         held = lake.to_table(
-            columns=KEY, filter=pc.field("slice").isin(pc.unique(batch["slice"]))
+            columns=[c for c in KEY if c in lake.schema.names],
+            filter=pc.field("slice").isin(pc.unique(batch["slice"]))
             & pc.field("stream_id").isin(pc.unique(batch["stream_id"])),
         )
         if held.num_rows == 0:
             yield batch
             continue
-        rows = pa.Table.from_batches([batch])
+        held = pa.table([keys_tenant(held), held["stream_id"].cast(pa.string()), held["version"].cast(pa.int32())],
+                        schema=_KEY_SCHEMA)
+        rows = tenant_filled(pa.Table.from_batches([batch]))  # NULL and '' are the same tenant: none
         kept = rows.join(held.cast(rows.select(KEY).schema), keys=KEY, join_type="left anti")
         yield from kept.select(rows.column_names).to_batches()

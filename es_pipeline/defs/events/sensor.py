@@ -10,10 +10,16 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
-from es_pipeline.errors import EsPipelineError, ReadOnlyStore, SourceChanged, XidSpaceWentBack
+from es_pipeline.errors import (
+    EsPipelineError,
+    FutureTransactionIds,
+    ReadOnlyStore,
+    SourceChanged,
+    XidSpaceWentBack,
+)
 from es_pipeline.extraction.offsets import check_source
 from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe
-from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.store.conninfo import KeptConnection
 
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
@@ -56,11 +62,19 @@ def build_new_events_sensor(
             kept = store_connections.setdefault(event_store.dsn, KeptConnection(event_store.dsn, "es_pipeline sensor"))
 
             def ask(conn: psycopg.Connection) -> Probe:
-                check_source(conn, source.consumer)
+                try:
+                    check_source(conn, source.consumer, source)
+                except FutureTransactionIds as exc:
+                    if not exc.fresh:
+                        raise
+                    # Nothing extracted yet: a run rebases by itself where the lake is empty (or says why not),
+                    # so every range is asked for, though the restored events all lie above the horizon.
+                    found = probe(conn, source, source.consumer)
+                    return Probe(found.horizon, frozenset(range(NUM_SLICES)))
                 return probe(conn, source, source.consumer)
 
             found = kept.run(ask)
-        except (ReadOnlyStore, SourceChanged, XidSpaceWentBack) as exc:
+        except (ReadOnlyStore, SourceChanged, XidSpaceWentBack, FutureTransactionIds) as exc:
             return dg.SkipReason(f"no run was requested: {exc}")
         except (EsPipelineError, psycopg.Error) as exc:
             return dg.SkipReason(f"could not read the event store, so nothing was decided: {exc}")
