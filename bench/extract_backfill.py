@@ -31,7 +31,7 @@ from es_pipeline.extraction.extractor import DEFAULT_BATCH_EVENTS, Extractor
 from es_pipeline.extraction.reader import EVENT_COLUMNS, EVENTS_ARROW_SCHEMA
 from es_pipeline.lake import tables
 from es_pipeline.source.mapping import native
-from es_pipeline.store.conninfo import adbc_dsn
+from es_pipeline.store.conninfo import adbc_dsn, resolved
 
 NAME = "extract_backfill"
 TITLE = "backfill of a whole event table into Delta"
@@ -87,7 +87,7 @@ def jdbc_frame(spark: Any, dsn: str, *, limit: int | None = None) -> Any:
     """The events through Spark's JDBC source (same casts), with the two columns the Extractor adds."""
     from pyspark.sql import functions as F
 
-    url, props = jdbc_url(dsn)
+    url, props = jdbc_url(resolved(dsn))
     query = select_events() + (f" LIMIT {int(limit)}" if limit is not None else "")
     df = spark.read.jdbc(url, f"({query}) AS events", properties={**props, "fetchsize": str(JDBC_FETCH_SIZE)})
     return df.withColumn("event_date", F.to_date("recorded_at")).withColumn("batch_id", F.lit(0).cast("bigint"))
