@@ -214,13 +214,16 @@ class FutureTransactionIds(EsPipelineError):
         )
 
 
-class LakeAheadOfOffsets(EsPipelineError):
-    """The lake holds events at or above their slice's watermark in batches that PostgreSQL has no record of."""
+class LakeAheadOfOffsets(LakeStoreDiverged):
+    """The lake holds events at or above their slice's watermark in batches that PostgreSQL has no record of:
+    `LakeStoreDiverged` found by the lake's content, whichever app id wrote them."""
 
     def __init__(self, path: str, consumer: str, events: int, slices: list[int], batches: list[int]) -> None:
         self.path, self.consumer, self.events, self.slices, self.batches = path, consumer, events, slices, batches
+        self.app_id, self.in_lake, self.in_store = "", max(batches, default=None), None
         shown = ", ".join(str(s) for s in slices[:8]) + (" …" if len(slices) > 8 else "")
-        super().__init__(
+        EsPipelineError.__init__(  # the message is built from the content, not from an app id
+            self,
             f"the Delta table at {path} holds {events} event(s) of slice(s) {shown} at or above the watermarks "
             f"of consumer {consumer!r}, in batch(es) {', '.join(str(b) for b in batches[:5])} that PostgreSQL has "
             "no pending or committed record of: PostgreSQL is behind the lake (a failover to a replica that was "

@@ -238,14 +238,18 @@ class OffsetSession:
 
     def _refuse_another_source(self, table_id: str, path: str) -> None:
         """`LakeHoldsAnotherSource` when the table this consumer is binding to for the first time holds events:
-        another consumer's (bound to it), or, with no consumer bound, another store's."""
+        another consumer's (bound to it), or, with no consumer bound and nothing extracted by this one, another
+        store's. (A consumer with watermarks and no record is one from before the record: its lake is adopted.)"""
         other = self.conn.execute(
             "SELECT consumer FROM es_pipeline.sinks WHERE table_id = %s AND consumer <> %s ORDER BY consumer LIMIT 1",
             (table_id, self.consumer),
         ).fetchone()
         if other is not None:
             raise LakeHoldsAnotherSource(path, self.consumer, str(other[0]))
-        if tables.holds_rows(path):
+        extracted = self.conn.execute(
+            "SELECT 1 FROM es_pipeline.offsets WHERE consumer = %s AND watermark > '0'::xid8 LIMIT 1", (self.consumer,),
+        ).fetchone()
+        if extracted is None and tables.holds_rows(path):
             raise LakeHoldsAnotherSource(path, self.consumer, None)
 
     def check_source(self) -> None:
@@ -452,9 +456,13 @@ def mark_rebased(conn: psycopg.Connection, source: Source | str, consumer: str) 
         n = conn.execute("DELETE FROM es_pipeline.offsets WHERE consumer = %s", (consumer,)).rowcount
         conn.execute("DELETE FROM es_pipeline.pending_batches WHERE consumer = %s", (consumer,))
         conn.execute("DELETE FROM es_pipeline.lake_commits WHERE consumer = %s", (consumer,))
+        # A consumer that never bound a table (rows restored before its first run) gets its record now, bound to
+        # no table (''): its first run binds the lake as it would a fresh start's, keeping the mark.
         conn.execute(
-            "UPDATE es_pipeline.sinks SET source_cluster = %s, rebased_below = %s::text::xid8 WHERE consumer = %s",
-            (cluster, str(below), consumer),
+            "INSERT INTO es_pipeline.sinks (consumer, table_id, path, source_cluster, rebased_below) "
+            "VALUES (%s, '', '', %s, %s::text::xid8) ON CONFLICT (consumer) DO UPDATE "
+            "SET source_cluster = excluded.source_cluster, rebased_below = excluded.rebased_below",
+            (consumer, cluster, str(below)),
         )
         conn.execute(
             "INSERT INTO es_pipeline.rebase_catchup (consumer, slice) SELECT %s, s FROM generate_series(0, %s) AS s "

@@ -63,3 +63,32 @@ def assert_exactly_once(spark: Any, warehouse: tables.Location, dsn: str) -> int
     wrong = [k for k in expected if expected[k] != got[k]]
     assert not wrong, f"{len(wrong)} payloads differ, e.g. {wrong[:3]}"
     return len(expected)
+
+
+def assert_exactly_once_by_key(warehouse: tables.Location, dsn: str, source: Any = "es") -> int:
+    """Without Spark: the lake holds each event of the store once, by (tenant, stream id, version), with the same
+    payload; returns the count. Two tenants' streams of one id are two streams."""
+    from deltalake import DeltaTable
+
+    from es_pipeline.source.mapping import as_source
+
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            f"SELECT coalesce(e.tenant, ''), e.stream_id, e.version, e.payload FROM {as_source(source).relation()} e"  # type: ignore[arg-type]
+        ).fetchall()
+    expected = {(str(t), str(s), int(v)): p for t, s, v, p in rows}
+    lake = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table(
+        columns=["tenant", "stream_id", "version", "payload"])
+    got = list(zip([t or "" for t in lake["tenant"].to_pylist()], lake["stream_id"].to_pylist(),
+                   lake["version"].to_pylist(), lake["payload"].to_pylist(), strict=True))
+    counts = Counter((t, s, v) for t, s, v, _ in got)
+    duplicates = [k for k, n in counts.items() if n > 1]
+    assert not duplicates, f"{len(duplicates)} events duplicated in the lake, e.g. {sorted(duplicates)[:3]}"
+    held = {(t, s, v): p for t, s, v, p in got}
+    missing = expected.keys() - held.keys()
+    extra = held.keys() - expected.keys()
+    assert not missing, f"{len(missing)} of {len(expected)} events missing from the lake, e.g. {sorted(missing)[:3]}"
+    assert not extra, f"{len(extra)} events in the lake that the store does not hold, e.g. {sorted(extra)[:3]}"
+    wrong = [k for k in expected if expected[k] != held[k]]
+    assert not wrong, f"{len(wrong)} payloads differ, e.g. {wrong[:3]}"
+    return len(expected)
