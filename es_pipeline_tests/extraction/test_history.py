@@ -147,6 +147,7 @@ def test_a_second_move_catches_up_as_the_first_did(
     _burn(dsn, 3000)
     _append(dsn, 150, 1)
     extract_all(dsn.extractor, None, warehouse)
+    _append(dsn, 100, 5)  # committed on A, not extracted yet: B's catch-up brings these (its chunks commit)
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
     with ExitStack() as stack:
         b_admin = stack.enter_context(another_cluster("move-b"))
@@ -157,22 +158,25 @@ def test_a_second_move_catches_up_as_the_first_did(
         monkeypatch.setenv("ES_PIPELINE_PG_DSN", b.extractor)
         assert main(["offsets", "rebase"]) == 0
         extract_all(b.extractor, None, warehouse)
-        assert assert_exactly_once_by_key(warehouse, b) == 250
+        assert assert_exactly_once_by_key(warehouse, b) == 350
         _burn(b, 3000)  # B's own ids run ahead of C's, as A's did of B's
-        _append(b, 100, 3)
-        extract_all(b.extractor, None, warehouse)
+        with psycopg.connect(b) as conn:
+            tail_after = int(conn.execute("SELECT max(global_position) FROM es.events").fetchone()[0])
+        _append(b, 100, 3)  # committed on B, not extracted yet: the move to C must bring these too
 
         c_admin = stack.enter_context(another_cluster("move-c"))
         c_db = restore(dump(b, tmp_path / "b.dump"), c_admin, "es_c")
         c = StoreDsn.of(c_db, stack.enter_context(login_roles(c_admin)))
         _append(c, 50, 4)
-        top, next_xid = _ids(c)
-        assert top >= next_xid, "the drill needs B's ids above C's counter"
+        with psycopg.connect(c) as conn:
+            above = conn.execute("SELECT count(*) FROM es.events WHERE global_position > %s "
+                                 "AND tx_id >= pg_snapshot_xmax(pg_current_snapshot())", (tail_after,)).fetchone()
+        assert above is not None and above[0] > 0, "the drill needs B's own ids above C's counter"
         monkeypatch.setenv("ES_PIPELINE_PG_DSN", c.extractor)
         assert main(["offsets", "rebase"]) == 0
         # One pass, with the restored tail still above C's horizon: the catch-up brings it now.
         extract_all(c.extractor, None, warehouse)
-        assert assert_exactly_once_by_key(warehouse, c) == 400
+        assert assert_exactly_once_by_key(warehouse, c) == 500
 
 
 @contextmanager
@@ -233,3 +237,32 @@ def test_a_consumer_never_binds_to_a_lake_another_source_filled(
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER SCHEMA es2 RENAME TO es")
     assert assert_exactly_once_by_key(warehouse, dsn) == 100
+
+
+def test_what_the_lake_holds_is_known_by_tenant_stream_and_version(tmp_path: Path) -> None:
+    """Below a rebase mark, a batch leaves out the events the lake holds: acme's order-1@1 there must not hide
+    globex's order-1@1, nor a lake from before tenants (tenant NULL) hide anything but its own."""
+    import pyarrow as pa
+
+    from es_pipeline.extraction.extractor import EVENTS_LAKE_ARROW_SCHEMA
+    from es_pipeline.lake import tables
+    from es_pipeline.lake.arrow_append import append_batches
+
+    def rows(tenants_: list[str | None]) -> pa.RecordBatch:
+        n = len(tenants_)
+        cols = {f.name: pa.nulls(n, f.type) for f in EVENTS_LAKE_ARROW_SCHEMA}
+        cols.update(tenant=pa.array(tenants_, pa.string()), stream_id=pa.array(["order-1"] * n),
+                    version=pa.array(range(1, n + 1), pa.int32()), slice=pa.array([7] * n, pa.int32()),
+                    tx_id=pa.array([1] * n, pa.int64()), payload=pa.array(["{}"] * n))
+        return pa.RecordBatch.from_pydict(cols, schema=EVENTS_LAKE_ARROW_SCHEMA)
+
+    path = str(tmp_path / "events")
+    tables.ensure_table_arrow(path, EVENTS_LAKE_ARROW_SCHEMA)
+    append_batches([rows(["acme", None])], EVENTS_LAKE_ARROW_SCHEMA, path, app_id="t", version=1,
+                   table=DeltaTable(path))
+    kept = pa.Table.from_batches(list(tables.without_events_in_lake(iter([rows(["globex", "globex", ""])]), path)))
+    # globex's two are new; the third (no tenant, version 3) is new too; acme@1 and the tenant-less @2 are held.
+    assert sorted(zip(kept["tenant"].to_pylist(), kept["version"].to_pylist(), strict=True)) == [
+        ("", 3), ("globex", 1), ("globex", 2)]
+    again = list(tables.without_events_in_lake(iter([rows(["acme", ""])]), path))
+    assert sum(b.num_rows for b in again) == 0, "acme@1 and the tenant-less @2 are in the lake already"

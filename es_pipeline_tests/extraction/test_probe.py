@@ -129,3 +129,20 @@ def test_probe_plan_reads_the_tail_in_the_steady_state(dsn: str) -> None:
         assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == {EventStore(dsn).slice_of("cart-new")}
     assert "Index Scan Backward using events_tx_order_idx" in plan, plan
     assert "events_slice_tx_idx" not in plan, plan
+
+
+def test_slices_awaiting_their_catch_up_are_ready_without_new_events(dsn: str) -> None:
+    """After a rebase, a slice whose restored events all lie above the horizon has nothing below it: the probe
+    must still ask for its first run, or (one run per range) the catch-up would wait for new writes for ever."""
+    store = EventStore(dsn)
+    store.append("cart-a", "cart", [NewEvent("ItemAdded", {})], 0)
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO es_pipeline.offsets (consumer, slice, watermark) "
+                     "SELECT %s, s, pg_snapshot_xmin(pg_current_snapshot()) FROM generate_series(0, 1023) s",
+                     (EVENTS_CONSUMER,))
+        assert probe(conn, "es", EVENTS_CONSUMER).ready_slices == set(), "every event is below the watermarks"
+        conn.execute("INSERT INTO es_pipeline.rebase_catchup (consumer, slice) VALUES (%s, 5), (%s, 700)",
+                     (EVENTS_CONSUMER, EVENTS_CONSUMER))
+        found = probe(conn, "es", EVENTS_CONSUMER)
+    assert found.ready_slices == {5, 700}
+    assert [k for k, _ in decide(RANGES, found, {}).requests] == ["0000-0127", "0640-0767"]
