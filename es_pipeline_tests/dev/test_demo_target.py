@@ -24,9 +24,13 @@ def test_a_foreign_store_is_refused(dsn: str) -> None:
 
 
 def test_any_database_of_the_local_server_is_the_demos() -> None:
+    """Accepted (no ForeignDemoTarget) exactly where host and port are the local server's: the same DSN with
+    another local port configured is refused."""
     ensure_local_target(Settings.from_env({}))
-    ensure_local_target(Settings.from_env({"ES_PIPELINE_PG_DSN": "postgresql://postgres@localhost:6000/x",
-                                           "ES_PIPELINE_LOCAL_PG_PORT": "6000"}))
+    elsewhere = "postgresql://postgres@localhost:6000/x"
+    ensure_local_target(Settings.from_env({"ES_PIPELINE_PG_DSN": elsewhere, "ES_PIPELINE_LOCAL_PG_PORT": "6000"}))
+    with pytest.raises(ForeignDemoTarget, match="localhost:6000/x"):
+        ensure_local_target(Settings.from_env({"ES_PIPELINE_PG_DSN": elsewhere, "ES_PIPELINE_LOCAL_PG_PORT": "6001"}))
 
 
 @pytest.mark.parametrize("args", [["demo", "load", "--events", "10"], ["demo", "run"], ["demo", "load", "--check"]])

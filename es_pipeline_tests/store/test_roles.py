@@ -55,11 +55,13 @@ def test_each_role_does_its_part_and_no_more(dsn: str, role_dsns: dict[str, str]
     # Extraction, status, the probe and the checks' queries, all as the extractor.
     assert migrate(extractor) == [], "an up-to-date store needs no CREATE from the extractor"
     warehouse = tmp_path / "warehouse"
-    assert Extractor(extractor, None, warehouse).run(SliceRange(0, 1023)).rows == 40
+    extracted = Extractor(extractor, None, warehouse).run(SliceRange(0, 1023))
+    assert extracted.rows == 40
     settings = Settings.from_env({"ES_PIPELINE_PG_DSN": extractor, "ES_PIPELINE_SLICE_RANGES": "2"})
     assert "0512-1023" in status_report(settings)
     with psycopg.connect(extractor) as conn:
-        assert probe(conn, "es", offsets.EVENTS_CONSUMER) is not None
+        found = probe(conn, "es", offsets.EVENTS_CONSUMER)  # everything extracted: nothing ready
+        assert found.ready_slices == frozenset() and found.horizon >= extracted.horizon
         assert sum(offsets.counts_below_watermarks(conn, "es", offsets.EVENTS_CONSUMER).values()) == 40
     assert len(source_events(extractor)) == 40
     assert _denied(extractor, "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
