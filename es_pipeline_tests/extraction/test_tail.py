@@ -84,10 +84,11 @@ def test_the_gathering_after_a_notification_outlasts_the_poll(dsn: StoreDsn) -> 
         writer.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
         started = time.monotonic()
         _wait(listener, 0.5, gather=1.5)
-        assert 1.5 <= time.monotonic() - started < 2.5
+        # Lower bounds only where a busy machine could stretch the time: the gathering outlasted the poll.
+        assert 1.5 <= time.monotonic() - started < 15
         started = time.monotonic()
-        _wait(listener, 0.5, gather=1.5)  # nothing notified: the poll ends the wait
-        assert 0.5 <= time.monotonic() - started < 1.2
+        _wait(listener, 0.5, gather=6.0)  # nothing notified: the poll ends the wait, with no gathering after it
+        assert 0.5 <= time.monotonic() - started < 6.0
 
 
 def test_gathering_spaces_the_passes_and_stops_at_the_deadline() -> None:
