@@ -228,7 +228,7 @@ def as_source(source: Source | str) -> Source:
 def load(spec: str | None, native_schema: str = "es") -> Source:
     """The source that `ES_PIPELINE_SOURCE` names: a preset, `preset:schema`, or a TOML file."""
     text = (spec or "es").strip()
-    if text.endswith(".toml"):
+    if text.endswith(".toml") or (text.split(":")[0] not in PRESETS and Path(text).is_file()):
         return from_toml(Path(text))
     name, _, schema = text.partition(":")
     if name not in PRESETS:
@@ -261,9 +261,17 @@ def from_toml(path: Path) -> Source:
     if unknown:
         raise ConfigError(f"{path}: [source]", ", ".join(unknown),
                           f"only these keys: table, preset, columns, {', '.join(sorted(_TOML_KEYS - {'schema', 'table'}))}")
+    if "schema" in body:
+        raise ConfigError(f"{path}: schema", str(body["schema"]),
+                          f'no schema key: the schema goes in table = "schema.{table}"')
     base = body.pop("preset", None)
-    columns = tuple(str(c) for c in body.pop("columns", ()))
-    values: dict[str, Any] = {k: str(v) for k, v in body.items()}
+    columns = _names(path, "columns", body.pop("columns", []))
+    if "also_reads" in body:
+        body["also_reads"] = _names(path, "also_reads", body["also_reads"])
+    for key, value in body.items():
+        if key != "also_reads" and not isinstance(value, str):
+            raise ConfigError(f"{path}: {key}", repr(value), 'a string: a column name or SQL expression, e.g. "version"')
+    values: dict[str, Any] = dict(body)
     missing = [k for k in ("stream_id", "version", "event_type", "payload", "recorded_at") if k not in values]
     if base is not None:
         if base not in PRESETS or base in ("es", "es-tenants"):
@@ -275,6 +283,13 @@ def from_toml(path: Path) -> Source:
         raise ConfigError(f"{path}: [source]", "missing " + ", ".join(missing),
                           "an expression for each of stream_id, version, event_type, payload, recorded_at")
     return Source(name=str(path), schema=schema or "public", table=table, columns=columns, **values)
+
+
+def _names(path: Path, key: str, value: object) -> tuple[str, ...]:
+    """A TOML list of names, checked: one bare string would become a tuple of its characters."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"{path}: {key}", repr(value), f'a list of names, e.g. {key} = ["Streams"]')
+    return tuple(value)
 
 
 def slug(source: Source) -> str:

@@ -299,15 +299,29 @@ def test_custom_toml_over_a_tenant_partitioned_table(dsn: StoreDsn, warehouse: P
     assert {"Event_acme_es_slice_tx", "Event_acme_es_tx_order", "Event_es_slice_tx"} <= indexes
 
 
+_FIVE = "stream_id = 'id'\nversion = 'v'\nevent_type = 't'\npayload = 'p'\nrecorded_at = 'at'\n"
+
+
 @pytest.mark.parametrize("text, complaint", [
     ("[source]\ntable = ''\n", 'the events table as "schema.table"'),
     ("[source]\ntable = 'a.b'\nstream_id = 'id'\n", "missing version, event_type, payload, recorded_at"),
     ("[source]\ntable = 'a.b'\nstream_idd = 'id'\n", "only these keys"),
     ("[nothing]\n", "a [source] table"),
     ("[source\n", "a valid TOML file"),
+    ("[source]\ntable = 'a.b'\nschema = 'a'\n", 'no schema key: the schema goes in table = "schema.b"'),
+    (f"[source]\ntable = 'a.b'\n{_FIVE}also_reads = 'Streams'\n", 'a list of names, e.g. also_reads = ["Streams"]'),
+    (f"[source]\ntable = 'a.b'\n{_FIVE}columns = [1]\n", "a list of names"),
+    ("[source]\ntable = 'a.b'\nstream_id = 'id'\nversion = 1\n", "a string: a column name or SQL expression"),
 ])
 def test_a_bad_toml_mapping_is_refused_with_what_to_write(tmp_path: Path, text: str, complaint: str) -> None:
     path = tmp_path / "m.toml"
     path.write_text(text)
     with pytest.raises(Exception, match=complaint.replace("[", r"\[")):
         mapping.load(str(path))
+
+
+def test_a_mapping_file_is_read_whatever_its_name_ends_in(tmp_path: Path) -> None:
+    path = tmp_path / "store.mapping"
+    path.write_text(f"[source]\ntable = 'app.events'\n{_FIVE}also_reads = ['Streams']\n")
+    source = mapping.load(str(path))
+    assert (source.schema, source.table, source.also_reads) == ("app", "events", ("Streams",))
