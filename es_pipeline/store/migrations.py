@@ -262,6 +262,20 @@ DO $$ BEGIN
 END $$;
 """,
     ),
+    Migration(
+        10,
+        "the extractor writes only what extraction writes: the snapshots and the erasure record are read-only to it",
+        """
+-- Others read es_pipeline.snapshots (the write-back's) and tenant_erasures (`tenant erase`'s, run as the owner) as
+-- the truth: a run of the extractor has no business changing them (docs/security.md).
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_extractor') THEN
+        REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON es_pipeline.tenant_erasures, es_pipeline.snapshots
+            FROM es_pipeline_extractor;
+    END IF;
+END $$;
+""",
+    ),
 )
 
 

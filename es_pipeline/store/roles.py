@@ -7,7 +7,8 @@ Four group roles (NOLOGIN); a DBA grants one to each login role (`GRANT es_pipel
   the store fills with the writing transaction's id), reads and versions streams, loads snapshots.
   No UPDATE or DELETE of events (the append-only trigger refuses them anyway).
 - `es_pipeline_extractor`: es_pipeline's runs, sensor, checks and `status`. Reads the store; writes
-  only es_pipeline's own tables (offsets, pending batches, sinks, lake commits); `pg_read_all_stats`,
+  only the tables extraction writes (offsets, pending batches, sinks, lake commits, rebase catch-up) and
+  only reads es_pipeline's others (snapshots, the erasure record); `pg_read_all_stats`,
   so that the age of other roles' open transactions (what holds the horizon back) is seen, not 0.
 - `es_pipeline_snapshots`: the snapshot write-back. Writes `snapshots` and nothing else.
 
@@ -30,6 +31,9 @@ EXTRACTOR = "es_pipeline_extractor"
 SNAPSHOTS = "es_pipeline_snapshots"
 ROLES = (OWNER, WRITER, EXTRACTOR, SNAPSHOTS)
 OWN_SCHEMA = "es_pipeline"  # es_pipeline's own tables (offsets, pending batches, sinks, lake commits)
+# es_pipeline's own tables that extraction writes, and those it only reads (the write-back's, `tenant erase`'s).
+EXTRACTION_TABLES = ("offsets", "pending_batches", "sinks", "lake_commits", "rebase_catchup")
+OTHERS_TABLES = ("snapshots", "tenant_erasures")
 # The columns a writer may set; tx_id, global_position, slice and recorded_at are the store's.
 WRITER_EVENT_COLUMNS = ("stream_id", "stream_type", "version", "event_type", "payload", "metadata")
 
@@ -71,7 +75,18 @@ def extractor_own_statements() -> list[sql.Composed]:
     own, extractor = sql.Identifier(OWN_SCHEMA), sql.Identifier(EXTRACTOR)
     return [
         sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(own, extractor),
-        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}").format(own, extractor),
+        # Reads all of them; writes only what extraction writes. The snapshots and the erasure record are others'
+        # truth (the write-back's, `tenant erase`'s, run as the owner): read-only here, also where granted before.
+        sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(own, extractor),
+        sql.SQL(
+            "DO $$ DECLARE t text; BEGIN "
+            "FOREACH t IN ARRAY ARRAY[{writes}] LOOP IF to_regclass('es_pipeline.' || t) IS NOT NULL THEN "
+            "EXECUTE format('GRANT INSERT, UPDATE, DELETE ON es_pipeline.%I TO {role}', t); END IF; END LOOP; "
+            "FOREACH t IN ARRAY ARRAY[{reads}] LOOP IF to_regclass('es_pipeline.' || t) IS NOT NULL THEN "
+            "EXECUTE format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON es_pipeline.%I FROM {role}', t); END IF; "
+            "END LOOP; END $$"
+        ).format(writes=sql.SQL(", ").join(sql.Literal(t) for t in EXTRACTION_TABLES),
+                 reads=sql.SQL(", ").join(sql.Literal(t) for t in OTHERS_TABLES), role=sql.SQL(EXTRACTOR)),
         # UPDATE: setval, when a lake adopted after a restore carries batch ids above the sequence
         sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(own, extractor),
         sql.SQL("GRANT pg_read_all_stats TO {}").format(extractor),

@@ -68,6 +68,14 @@ def test_each_role_does_its_part_and_no_more(dsn: str, role_dsns: dict[str, str]
                               "VALUES ('x', 't', 1, 'E', '{}')"), "the extractor cannot write the store"
     assert _denied(extractor, "INSERT INTO es.snapshots (stream_id, stream_type, version, state, revision) "
                               "VALUES ('x', 't', 1, '{}', 1)")
+    # es_pipeline's tables that others read as the truth: read, never written, by the extractor.
+    assert _denied(extractor, "INSERT INTO es_pipeline.snapshots (consumer, stream_id, stream_type, version, state, "
+                              "revision) VALUES ('events', 'x', 't', 1, '{}', 1)"), "the write-back's table"
+    assert _denied(extractor, "UPDATE es_pipeline.snapshots SET revision = 2"), "the write-back's table"
+    assert _denied(extractor, "UPDATE es_pipeline.tenant_erasures SET finished_at = now()"), "the erasure record"
+    assert _denied(extractor, "DELETE FROM es_pipeline.tenant_erasures"), "the erasure record"
+    with psycopg.connect(extractor) as conn:
+        conn.execute("SELECT count(*) FROM es_pipeline.snapshots, es_pipeline.tenant_erasures").fetchone()
 
     # The lag figure sees a writer's open transaction (pg_read_all_stats), as a superuser would.
     opened, release = threading.Event(), threading.Event()
