@@ -23,8 +23,9 @@ from es_pipeline.settings import PROJECT_ROOT, Settings, local_pg_dsn
 from es_pipeline.store.migrations import migrate
 
 BENCH_DIR = PROJECT_ROOT / "bench"
-WORK_ROOT = BENCH_DIR / "work"  # git-ignored scratch: lakes, Spark warehouse
-RESULTS_DIR = BENCH_DIR / "results"
+WORK_ROOT = Path(os.environ.get("BENCH_WORK") or BENCH_DIR / "work")  # git-ignored scratch: lakes, Spark warehouse
+# BENCH_RESULTS: elsewhere than the committed results (the smoke run of `make test` writes to a temporary folder).
+RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS") or BENCH_DIR / "results")
 
 SCHEMA = "es"
 SPARK_MASTER = "local[2]"

@@ -16,6 +16,7 @@ import psycopg
 
 from bench.common import SCHEMA, Timing
 from es_pipeline.extraction.reader import EVENT_COLUMNS
+from es_pipeline.source.mapping import native
 from es_pipeline.store.conninfo import parse
 
 VIEW = "bench_dlt_events"
@@ -28,7 +29,8 @@ def dlt_delta(dsn: str, work: Path) -> Timing:
 
     os.environ.setdefault("RUNTIME__DLTHUB_TELEMETRY", "false")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{VIEW} AS SELECT {EVENT_COLUMNS} FROM {SCHEMA}.events e")
+        conn.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{VIEW} AS SELECT {EVENT_COLUMNS} "
+                     f"FROM {native(SCHEMA).relation()} e")  # the columns es_pipeline reads, as it reads them
     p = parse(dsn)  # the benchmark's own database: host, port, user and dbname, no password
     url = f"postgresql+psycopg2://{p['user']}@{p['host']}:{p['port']}/{p['dbname']}"
     url += f"?passfile={p['passfile']}" if p.get("passfile") else ""  # the local server's password file

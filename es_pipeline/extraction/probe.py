@@ -135,6 +135,7 @@ def decide(
     found: Probe,
     cursor: Mapping[str, int],
     queued: Iterable[str] = (),
+    failed: Mapping[str, tuple[int, str]] = {},  # noqa: B006 - read only
 ) -> Decision:
     """One run request per range with new committed events, unless one is already waiting.
 
@@ -144,6 +145,9 @@ def decide(
       horizon other than the remembered one is asked for.
     - A range whose run is still queued (not started, so it has not read H yet) gets no second
       request: that run will see these events. So a backlog of ticks queues at most one run per range.
+    - A range whose last run failed at this very horizon (`failed`: range -> (horizon, run id)) is asked
+      again, under a run key naming that run (the plain one is used, and Dagster runs a key once): in a
+      quiet store the horizon does not move, and its committed events would otherwise wait for ever.
     """
     waiting = set(queued)
     new_cursor = dict(cursor)
@@ -153,12 +157,20 @@ def decide(
             continue
         if r.key in waiting:
             decision.skipped[r.key] = "a run is already queued"
+        elif failed.get(r.key, (None, ""))[0] == found.horizon:
+            decision.requests.append((r.key, retry_key(f"{r.key}:{found.horizon}", failed[r.key][1])))
+            new_cursor[r.key] = found.horizon
         elif cursor.get(r.key) == found.horizon:
             decision.skipped[r.key] = f"already requested at horizon {found.horizon}"
         else:
             decision.requests.append((r.key, f"{r.key}:{found.horizon}"))
             new_cursor[r.key] = found.horizon
     return decision
+
+
+def retry_key(run_key: str, failed_run_id: str) -> str:
+    """The run key that asks again after the run `failed_run_id` failed at the same horizon."""
+    return f"{run_key}:after-{failed_run_id[:8]}"
 
 
 def parse_cursor(text: str | None) -> dict[str, int]:

@@ -37,6 +37,17 @@ def test_decide(ready: set[int], cursor: dict[str, int], queued: set[str], expec
         assert d.cursor[k] == 100
 
 
+def test_a_range_whose_run_failed_at_this_horizon_is_asked_again_under_a_new_key() -> None:
+    """In a quiet store the horizon does not move: after a failed run, the cursor and the run key (Dagster runs
+    a key once) would keep its events waiting for ever."""
+    found = Probe(100, frozenset({5, 130}))
+    d = decide(RANGES, found, {"0000-0127": 100, "0128-0255": 100}, failed={"0000-0127": (100, "abcdef123456")})
+    assert d.requests == [("0000-0127", "0000-0127:100:after-abcdef12")]
+    assert d.skipped == {"0128-0255": "already requested at horizon 100"}
+    older = decide(RANGES, found, {"0000-0127": 100}, failed={"0000-0127": (90, "abcdef123456")})
+    assert older.requests == [("0128-0255", "0128-0255:100")], "a failure at another horizon changes nothing"
+
+
 @pytest.mark.parametrize("text", [None, "", "not json", "[1,2]", '{"0000-0127": "x"}'])
 def test_an_unreadable_cursor_counts_as_empty(text: str | None) -> None:
     assert parse_cursor(text) == {} or parse_cursor(text) == {}

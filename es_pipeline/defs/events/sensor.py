@@ -18,7 +18,7 @@ from es_pipeline.errors import (
     XidSpaceWentBack,
 )
 from es_pipeline.extraction.offsets import check_source
-from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe
+from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe, retry_key
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.store.conninfo import KeptConnection
 
@@ -84,12 +84,17 @@ def build_new_events_sensor(
                 filters=dg.RunsFilter(job_name=job.name, statuses=WAITING), limit=len(ranges) * 4
             )
         }
-        decision = decide(ranges, found, parse_cursor(context.cursor), queued)
+        failed = _failed_last(context.instance, job.name, limit=len(ranges) * 4)
+        whole = SliceRange(ranges[0].lo, ranges[-1].hi).key
+        decision = decide(ranges, found, parse_cursor(context.cursor), queued,
+                          failed if tail_seconds <= 0 else {r.key: failed[whole] for r in ranges if whole in failed})
         cursor = format_cursor(decision.cursor)
         if not decision.requests:
             return dg.SensorResult(skip_reason=dg.SkipReason(decision.skip_reason()), cursor=cursor)
         if tail_seconds > 0:
-            return dg.SensorResult(run_requests=[tailing_request(ranges, found.horizon, tail_seconds)], cursor=cursor)
+            after = failed[whole][1] if failed.get(whole, (None, ""))[0] == found.horizon else None
+            return dg.SensorResult(run_requests=[tailing_request(ranges, found.horizon, tail_seconds, after=after)],
+                                   cursor=cursor)
         return dg.SensorResult(
             run_requests=[
                 dg.RunRequest(partition_key=key, run_key=run_key, tags={
@@ -100,6 +105,28 @@ def build_new_events_sensor(
         )
 
     return new_events_sensor
+
+
+RETRY_AFTER_SECONDS = 60.0  # a run that failed is asked again at the same horizon once it ended this long ago
+
+
+def _failed_last(instance: dg.DagsterInstance, job_name: str, *, limit: int) -> dict[str, tuple[int, str]]:
+    """Per range (its tag), (horizon, run id) of its newest run where that run failed or was canceled at least
+    RETRY_AFTER_SECONDS ago: the ranges `decide` asks again at the same horizon (a retry a minute at most)."""
+    out: dict[str, tuple[int, str]] = {}
+    seen: set[str] = set()
+    for record in instance.get_run_records(filters=dg.RunsFilter(job_name=job_name), limit=limit):
+        run = record.dagster_run
+        key = run.tags.get(RANGE_TAG) or run.tags.get("dagster/partition", "")
+        if key in seen:
+            continue
+        seen.add(key)
+        ended = record.end_time or 0.0
+        horizon = run.tags.get("es_pipeline/horizon", "")
+        if (run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED) and horizon.isdigit()
+                and ended and time.time() - ended >= RETRY_AFTER_SECONDS):
+            out[key] = (int(horizon), run.run_id)
+    return out
 
 
 def _tailing_busy(instance: dg.DagsterInstance, job_name: str, tail_seconds: int, *, handoff: float) -> str | None:
@@ -118,10 +145,14 @@ def _tailing_busy(instance: dg.DagsterInstance, job_name: str, tail_seconds: int
     return None
 
 
-def tailing_request(ranges: list[SliceRange], horizon: int, tail_seconds: int) -> dg.RunRequest:
+def tailing_request(
+    ranges: list[SliceRange], horizon: int, tail_seconds: int, *, after: str | None = None
+) -> dg.RunRequest:
     """One run over every range (a partition range, first key to last): its passes take all the store's new
-    commits in one Delta commit and one offsets transaction each, where a run per range would make as many."""
+    commits in one Delta commit and one offsets transaction each, where a run per range would make as many.
+    `after`: the run that failed at this horizon, which this one retries (its own run key)."""
     whole = SliceRange(ranges[0].lo, ranges[-1].hi)
-    return dg.RunRequest(run_key=f"tail:{horizon}", tags={
+    key = f"tail:{horizon}"
+    return dg.RunRequest(run_key=retry_key(key, after) if after else key, tags={
         ASSET_PARTITION_RANGE_START_TAG: ranges[0].key, ASSET_PARTITION_RANGE_END_TAG: ranges[-1].key,
         RANGE_TAG: whole.key, TAIL_TAG: str(tail_seconds), "es_pipeline/horizon": str(horizon)})
