@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 
+from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.source import payloads
 from es_pipeline.source.mapping import Source, as_source
@@ -246,7 +247,12 @@ def conform(source: Source, record_batch: pa.RecordBatch) -> pa.RecordBatch:
     """A batch as read, in EVENTS_ARROW_SCHEMA: binary payloads decoded (source.payloads), types cast."""
     if source.decodes_payloads:
         record_batch = payloads.decode_column(record_batch)
-    return record_batch.cast(EVENTS_ARROW_SCHEMA)
+    try:
+        return record_batch.cast(EVENTS_ARROW_SCHEMA)  # safe: a value past the lake's type is refused, never wrapped
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise SourceNotServable(source.label, [f"a value does not fit the lake's column ({exc})"],
+                                "The lake's version is an int (at most 2,147,483,647): map a narrower column, or "
+                                "keep such streams out with the mapping's filter (docs/sources.md).") from None
 
 
 @dataclass(frozen=True)

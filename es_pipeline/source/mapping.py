@@ -54,6 +54,9 @@ class Source:
     tenant: str = NO_TENANT
     slice: str = ""  # default: hashed_slice(stream_id)
     filter: str = "true"  # which rows are events (e.g. not deletion markers)
+    # The zone a `timestamp without time zone` recorded_at is written in ("UTC", "Europe/Paris"): never guessed
+    # from the session's zone (`source adopt` refuses such a column without it).
+    recorded_at_zone: str = ""
     # The table's columns the mapping reads: `adopt` names the missing ones. tx_id is checked on its own.
     columns: tuple[str, ...] = ()
     # Other tables of the same schema the expressions read (the extractor role is granted SELECT on them too).
@@ -118,9 +121,16 @@ class Source:
             f"{payload} AS payload",
             f"{encoding} AS payload_encoding",
             f"coalesce(({self.metadata})::text, '{{}}') AS metadata",
-            f"({self.recorded_at})::timestamptz AS recorded_at",
+            f"{self.recorded_at_sql()} AS recorded_at",
             f"({self.tenant})::text AS tenant",
         ])
+
+    def recorded_at_sql(self) -> str:
+        """`recorded_at` as a timestamptz, a zone-less column read in its declared zone (never the session's)."""
+        if self.recorded_at_zone:
+            zone = self.recorded_at_zone.replace("'", "''")
+            return f"(({self.recorded_at})::timestamp AT TIME ZONE '{zone}')"
+        return f"({self.recorded_at})::timestamptz"
 
     @property
     def decodes_payloads(self) -> bool:

@@ -10,7 +10,13 @@ What it does, each step skipped when already done (so a second run changes nothi
    `(slice, tx_id)` for the batches and `(tx_id::text::bigint)` for the sensor's probe. A partitioned table
    gets them `ON ONLY` itself, built per partition, then attached;
 4. creates es_pipeline's own tables (offsets, pending batches, sinks) in the `es_pipeline` schema;
-5. where `es-pipeline db roles` made the extractor role, lets it read the table (SELECT, nothing more)
+5. adds the guard the native store has, as far as the framework allows: a row inserted with a `tx_id` that is
+   not its own transaction's (`INSERT … SELECT *` from an archive, a copy job) gets its own, and a row an
+   UPDATE makes an event under the mapping's `filter` gets the updating transaction's (a draft published):
+   either would otherwise lie below a watermark, skipped for good. The framework's own inserts, which take
+   the column's default or `pg_current_xact_id()`, never call it (a `WHEN` clause); where the column is
+   not a plain name, or the framework's rows cannot be told apart, nothing is added (docs/sources.md);
+6. where `es-pipeline db roles` made the extractor role, lets it read the table (SELECT, nothing more)
    and use es_pipeline's own tables.
 
 docs/sources.md says what each preset needs and what this changes.
@@ -40,10 +46,11 @@ class Adoption:
 
     added: list[str] = field(default_factory=list)  # columns
     indexes: list[str] = field(default_factory=list)  # indexes built (one per partition, and their parents)
+    guards: list[str] = field(default_factory=list)  # triggers created
 
     @property
     def changed(self) -> bool:
-        return bool(self.added or self.indexes)
+        return bool(self.added or self.indexes or self.guards)
 
 
 def index_name(table: str, kind: str) -> str:
@@ -75,6 +82,28 @@ def check(conn: psycopg.Connection, source: Source) -> list[str]:
         problems.append(f"{source.schema}.{source.table} has no column {', '.join(missing)}")
     if source.tx_id in cols and cols[source.tx_id] != "xid8":
         problems.append(f"its column {source.tx_id} is {cols[source.tx_id]}, not xid8")
+    return problems
+
+
+_TIMESTAMP = 1114  # PostgreSQL's type oid of `timestamp without time zone`
+
+
+def typed_problems(conn: psycopg.Connection, source: Source) -> list[str]:
+    """What the types of the mapping's expressions would make es_pipeline guess (empty: nothing): a
+    `timestamp without time zone` recorded_at with no `recorded_at_zone` (read in the session's zone, every time
+    would shift by hours on a non-UTC server), or a zone given for one that has its zone. (A `bigint` version
+    is read as is and refused by the lake's `int` past 2,147,483,647, never wrapped: `reader.conform`.)"""
+    cur = conn.execute(  # type: ignore[call-overload]  # the mapping's expressions, from the operator's file
+        f"SELECT ({source.recorded_at}) FROM {source.qualified_table} t LIMIT 0")
+    recorded = cur.description[0].type_code if cur.description else None
+    problems = []
+    if recorded == _TIMESTAMP and not source.recorded_at_zone:
+        problems.append(f"its recorded_at ({source.recorded_at}) is a timestamp without time zone: say which zone "
+                        'the framework writes it in, recorded_at_zone = "UTC" (or its zone), rather than let the '
+                        "session's zone be guessed")
+    if recorded != _TIMESTAMP and source.recorded_at_zone:
+        problems.append(f"recorded_at_zone is for a timestamp without time zone, and recorded_at "
+                        f"({source.recorded_at}) has its zone already: leave recorded_at_zone out")
     return problems
 
 
@@ -115,6 +144,9 @@ def adopt(dsn: str, source: Source, *, echo: Callable[[str], None] = print) -> A
             conn.execute(f"EXPLAIN SELECT * FROM {source.relation()} e LIMIT 0")  # type: ignore[arg-type]
         except psycopg.Error as exc:
             raise _refuse(source, [f"its mapping does not read the table: {str(exc).splitlines()[0]}"]) from None
+        problems = typed_problems(conn, source)
+        if problems:
+            raise _refuse(source, problems)
         for kind, expression in (("slice_tx", f"({source.slice}), {source.tx_id}"),
                                  ("tx_order", f"({source.tx_id}::text::bigint)")):
             _index(conn, source.schema, source.table, index_name(source.table, kind), expression, done, echo)
@@ -122,8 +154,55 @@ def adopt(dsn: str, source: Source, *, echo: Callable[[str], None] = print) -> A
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             for own in own_tables_statements():
                 conn.execute(own)
+        _guard(conn, source, done, echo)
         _grant_reads(conn, source, echo)
     return done
+
+
+# The guard's one function, for every adopted table: its arguments are the tx_id column and the mapping's filter.
+GUARD_FUNCTION = """
+CREATE OR REPLACE FUNCTION es_pipeline.adopted_tx_id_guard() RETURNS trigger LANGUAGE plpgsql AS $guard$
+DECLARE
+    was_event boolean;
+    is_event boolean;
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        EXECUTE format('SELECT (%s) FROM (SELECT ($1).*) t', TG_ARGV[1]) INTO was_event USING OLD;
+        EXECUTE format('SELECT (%s) FROM (SELECT ($1).*) t', TG_ARGV[1]) INTO is_event USING NEW;
+        IF is_event IS NOT TRUE OR was_event IS TRUE THEN
+            RETURN NEW;  -- not made an event by this update: its id stays (an extracted row is never re-read)
+        END IF;
+    END IF;
+    RETURN jsonb_populate_record(NEW, jsonb_build_object(TG_ARGV[0], pg_current_xact_id()::text));
+END
+$guard$
+"""
+
+
+def _guard(conn: psycopg.Connection, source: Source, done: Adoption, echo: Callable[[str], None]) -> None:
+    """The triggers of step 5 (see the module's docstring), each created once."""
+    if not source.tx_id.isidentifier():
+        return
+    table = sql.Identifier(source.schema, source.table).as_string(conn)
+    column = sql.Identifier(source.tx_id).as_string(conn)
+    args = f"{sql.Literal(source.tx_id).as_string(conn)}, {sql.Literal(source.filter).as_string(conn)}"
+    wanted = [(index_name(source.table, "tx_guard"),
+               f"BEFORE INSERT ON {table} FOR EACH ROW WHEN (NEW.{column} IS DISTINCT FROM pg_current_xact_id())")]
+    if source.filter.strip().lower() != "true":
+        wanted.append((index_name(source.table, "event_guard"), f"BEFORE UPDATE ON {table} FOR EACH ROW"))
+    existing = {str(n) for (n,) in conn.execute(
+        "SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND NOT tgisinternal", (table,))}
+    todo = [(name, when) for name, when in wanted if name not in existing]
+    if not todo:
+        return
+    with conn.transaction():
+        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+        _run(conn, GUARD_FUNCTION.strip(), echo)
+        for name, when in todo:
+            _run(conn, f"CREATE TRIGGER {sql.Identifier(name).as_string(conn)} {when} "
+                       f"EXECUTE FUNCTION es_pipeline.adopted_tx_id_guard({args})", echo)
+            done.guards.append(f"{source.schema}.{source.table}: {name}")
 
 
 def _grant_reads(conn: psycopg.Connection, source: Source, echo: Callable[[str], None]) -> None:
