@@ -98,3 +98,42 @@ def test_adopt_refuses_a_table_without_the_columns_it_reads(dsn: StoreDsn) -> No
         adopt(dsn, mapping.emmett("nowhere"), echo=lambda _: None)
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = 'half'").fetchone() == (0,)
+
+
+def test_an_emmett_store_restored_before_adoption_is_extracted_whole(
+    dsn: StoreDsn, emmett_app: str, warehouse: Path, tmp_path: Path,
+) -> None:
+    """Emmett's `transaction_id` keeps the old cluster's ids through a dump and restore: adopted and extracted on
+    the new cluster for the first time, every message is in the lake once (the first run rebases by itself)."""
+    from contextlib import ExitStack
+
+    from es_pipeline_tests.support.cluster import another_cluster, dump, restore
+    from es_pipeline_tests.support.roles import login_roles
+
+    with psycopg.connect(dsn, autocommit=True) as conn:  # years of traffic on the old cluster
+        for _ in range(3000):
+            conn.execute("SELECT pg_current_xact_id()")
+    assert emmett.finished(emmett.start_appending(emmett_app, "boot", 1, 3)) == 3  # Emmett creates its tables
+    writers = [emmett.start_appending(emmett_app, f"old{w}", 10, 20, per_append=1 + w) for w in range(2)]
+    assert sum(emmett.finished(w) for w in writers) == 400
+    old = dump(dsn, tmp_path / "emmett.dump")
+    with ExitStack() as stack:
+        admin = stack.enter_context(another_cluster("emmett-restore"))
+        db = restore(old, admin, "emmett_restored")
+        store = StoreDsn.of(db, stack.enter_context(login_roles(admin)))
+        # The application carries on there (as the cluster's owner: its own login stayed on the old cluster).
+        assert emmett.finished(emmett.start_appending(store, "new", 5, 20, per_append=2)) == 100
+        source = mapping.emmett()
+        adopt(store, source, echo=lambda _: None)
+        with psycopg.connect(store) as conn:
+            row = conn.execute("SELECT count(*) FROM emt_messages WHERE "
+                               "transaction_id >= pg_snapshot_xmax(pg_current_snapshot())").fetchone()
+        assert row is not None and row[0] > 0, "the drill needs restored ids above the new cluster's counter"
+        extractor = Extractor(store.extractor, None, warehouse, source=source)
+        extractor.run(SliceRange(0, 1023))
+        assert emmett.finished(emmett.start_appending(store, "after", 2, 10)) == 20
+        extractor.run(SliceRange(0, 1023), run_id="after")
+        store_rows, lake = _store_rows(store), _lake_rows(warehouse)
+        assert sum(store_rows.values()) == 523
+        assert max(lake.values()) == 1, "a message landed twice"
+        assert lake == store_rows
