@@ -146,8 +146,10 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
         if done is None:
             print(f"nothing to rebase: the offsets of consumer {args.consumer!r} count this cluster's transaction ids")
         else:
-            print(f"rebased consumer {args.consumer!r} onto cluster {done.cluster}: all {done.lake_events:,} events of "
-                  f"the lake are in the store; forgot {done.forgotten_slices} slice watermarks. The next runs read the "
+            held = (f"all {done.lake_events:,} events of the lake are in the store" if not done.deleted else
+                    f"the {done.lake_events - done.deleted:,} events of the lake that the store still holds are in it "
+                    f"({done.deleted:,} more its framework has deleted since: they cannot be checked)")
+            print(f"rebased consumer {args.consumer!r} onto cluster {done.cluster}: {held}; forgot {done.forgotten_slices} slice watermarks. The next runs read the "
                   f"store again and leave out, by key, the events the lake holds (below transaction {done.rebased_below}).")
         return 0
     try:

@@ -25,7 +25,10 @@ It costs one read of every key in the lake and in the store, and one pass over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from es_pipeline.errors import FutureTransactionIds, RebaseRefused, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction import reader
@@ -39,8 +42,9 @@ from es_pipeline.source.mapping import Source, as_source
 class Rebase:
     cluster: str
     rebased_below: int  # batches starting below this transaction id leave out what the lake holds
-    lake_events: int  # events in the lake, every one found in the store
+    lake_events: int  # events in the lake, every one found in the store but those `deleted`
     forgotten_slices: int
+    deleted: int = 0  # events of the lake the store no longer holds: its framework deleted them (`deletes_events`)
 
 
 def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> Rebase | None:
@@ -54,8 +58,28 @@ def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> R
         except (SourceChanged, XidSpaceWentBack, FutureTransactionIds):
             pass
         lake_keys = tables.event_keys(events_path)
-        missing = tables.anti_join_keys(lake_keys, reader.event_keys(dsn, source))
+        missing, deleted = lake_not_in_store(lake_keys, dsn, source)
         if missing.num_rows:
             raise RebaseRefused(events_path, missing.num_rows, tables.key_label(missing, 0))
         cluster, below, n = mark_rebased(session.conn, source, consumer)
-        return Rebase(cluster, below, lake_keys.num_rows, n)
+        return Rebase(cluster, below, lake_keys.num_rows, n, deleted)
+
+
+def lake_not_in_store(lake_keys: pa.Table, dsn: str, source: Source) -> tuple[pa.Table, int]:
+    """The lake's events the store does not hold (by key and `recorded_at`), and how many more the store's
+    framework has deleted since (`Source.deletes_events`), which cannot be checked.
+
+    A framework that deletes events (Pekko's `deleteEventsTo`) deletes a prefix of a stream and may keep its
+    last deleted row as a marker: so the store is read with its deleted rows (the mapping's filter left out),
+    and a lake event below the lowest version the store still holds of its stream is the framework's deletion.
+    One above it that the store lacks still refuses the rebase: the store is older than the lake."""
+    if not source.deletes_events:
+        return tables.anti_join_keys(lake_keys, reader.event_keys(dsn, source)), 0
+    store = reader.event_keys(dsn, replace(source, filter="true"))
+    missing = tables.anti_join_keys(lake_keys, store)
+    if missing.num_rows == 0:
+        return missing, 0
+    lowest = store.group_by(["tenant", "stream_id"]).aggregate([("version", "min")])
+    joined = missing.join(lowest, keys=["tenant", "stream_id"], join_type="left outer")
+    gone = pc.or_(pc.is_null(joined["version_min"]), pc.less(joined["version"], joined["version_min"]))
+    return joined.filter(pc.invert(gone)).select(missing.column_names), int(pc.sum(gone.cast(pa.int64())).as_py() or 0)

@@ -57,6 +57,9 @@ class Source:
     # The zone a `timestamp without time zone` recorded_at is written in ("UTC", "Europe/Paris"): never guessed
     # from the session's zone (`source adopt` refuses such a column without it).
     recorded_at_zone: str = ""
+    # The framework deletes old events of a stream (Pekko's `deleteEventsTo`): the lake keeps what it extracted
+    # before, so a rebase and the checks compare it with what the store still holds (extraction/rebase.py).
+    deletes_events: bool = False
     # The table's columns the mapping reads: `adopt` names the missing ones. tx_id is checked on its own.
     columns: tuple[str, ...] = ()
     # Other tables of the same schema the expressions read (the extractor role is granted SELECT on them too).
@@ -179,7 +182,7 @@ def pekko_r2dbc(schema: str = "public") -> Source:
         name="pekko-r2dbc", schema=schema, table="event_journal",
         stream_id="persistence_id", stream_type="entity_type", version="seq_nr",
         event_type="coalesce(nullif(event_ser_manifest, ''), entity_type)", payload="event_payload",
-        payload_format="bytes", recorded_at="db_timestamp", slice="slice", filter="NOT deleted",
+        payload_format="bytes", recorded_at="db_timestamp", slice="slice", filter="NOT deleted", deletes_events=True,
         metadata=("jsonb_build_object('ser_id', event_ser_id, 'ser_manifest', event_ser_manifest, "
                   "'writer', writer, 'tags', tags, 'meta_ser_id', meta_ser_id, 'meta_ser_manifest', meta_ser_manifest, "
                   "'meta_payload', encode(meta_payload, 'base64'))"),
@@ -198,6 +201,7 @@ def pekko_jdbc(schema: str = "public") -> Source:
         event_type="coalesce(nullif(event_ser_manifest, ''), nullif(adapter_manifest, ''), 'event')",
         payload="event_payload", payload_format="bytes",
         recorded_at="to_timestamp(write_timestamp / 1000.0)", global_position="ordering", filter="NOT deleted",
+        deletes_events=True,
         metadata=("jsonb_build_object('ser_id', event_ser_id, 'ser_manifest', event_ser_manifest, "
                   "'adapter_manifest', adapter_manifest, 'writer', writer, 'meta_ser_id', meta_ser_id, "
                   "'meta_ser_manifest', meta_ser_manifest, 'meta_payload', encode(meta_payload, 'base64'))"),
@@ -278,8 +282,10 @@ def from_toml(path: Path) -> Source:
     columns = _names(path, "columns", body.pop("columns", []))
     if "also_reads" in body:
         body["also_reads"] = _names(path, "also_reads", body["also_reads"])
+    if not isinstance(body.get("deletes_events", False), bool):
+        raise ConfigError(f"{path}: deletes_events", repr(body["deletes_events"]), "true or false")
     for key, value in body.items():
-        if key != "also_reads" and not isinstance(value, str):
+        if key not in ("also_reads", "deletes_events") and not isinstance(value, str):
             raise ConfigError(f"{path}: {key}", repr(value), 'a string: a column name or SQL expression, e.g. "version"')
     values: dict[str, Any] = dict(body)
     missing = [k for k in ("stream_id", "version", "event_type", "payload", "recorded_at") if k not in values]

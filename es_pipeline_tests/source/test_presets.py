@@ -14,6 +14,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -325,3 +326,57 @@ def test_a_mapping_file_is_read_whatever_its_name_ends_in(tmp_path: Path) -> Non
     path.write_text(f"[source]\ntable = 'app.events'\n{_FIVE}also_reads = ['Streams']\n")
     source = mapping.load(str(path))
     assert (source.schema, source.table, source.also_reads) == ("app", "events", ("Streams",))
+
+
+def test_a_pekko_journal_that_deleted_events_is_rebased_and_reconciled_by_what_it_holds(
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`deleteEventsTo` takes events out of the store that the lake keeps: a rebase checks the lake against what
+    the store still holds and says how many it cannot check, and the reconcile check passes on the same terms."""
+    import dagster as dg
+
+    from es_pipeline.cli import main
+    from es_pipeline.defs.events.checks import events_reconcile_with_source
+    from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+    from es_pipeline.extraction.slices import SliceRange
+
+    source = mapping.pekko_jdbc()
+    rng = random.Random(7)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(PEKKO_JDBC_DDL)
+        for s in range(3):
+            for v in range(1, 11):
+                _jdbc(conn, "w", f"c{s}", v, rng)
+    adopt(dsn, source, echo=lambda _: None)
+    extractor = Extractor(dsn.extractor, None, warehouse, source=source)
+    extractor.run(SliceRange(0, 1023))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # deleteEventsTo(5), as pekko-persistence-jdbc's journal DAO does it: mark up to 5, delete below the mark.
+        conn.execute("UPDATE event_journal SET deleted = true WHERE persistence_id = 'Cart|c0' AND sequence_number <= 5")
+        conn.execute("DELETE FROM event_journal WHERE persistence_id = 'Cart|c0' AND sequence_number < 5")
+        # The offsets then meet another cluster (as after a restore elsewhere): a rebase is asked for.
+        conn.execute("UPDATE es_pipeline.sinks SET source_cluster = 'another cluster'")
+    for key, value in {"ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse),
+                       "ES_PIPELINE_SOURCE": "pekko-jdbc"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["offsets", "rebase"]) == 0
+    assert "the 26 events of the lake that the store still holds are in it (4 more" in capsys.readouterr().out
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for v in (11, 12):
+            _jdbc(conn, "w", "c1", v, rng)
+    extractor.run(SliceRange(0, 1023), run_id="after")
+
+    lake = Counter(zip(*DeltaTable(str(warehouse / "events")).to_pyarrow_table(
+        columns=["stream_id", "version"]).to_pydict().values(), strict=True))
+    with psycopg.connect(dsn) as conn:
+        held = Counter(conn.execute(f"SELECT stream_id, version FROM {source.relation()} e").fetchall())  # type: ignore[arg-type]
+    assert max(lake.values()) == 1, "an event landed twice"
+    assert lake - held == Counter({("Cart|c0", v): 1 for v in range(1, 6)}), "the lake keeps what was deleted"
+    assert not held - lake, "every event the store holds is in the lake"
+    resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=str(warehouse)),
+                 "event_store": EventStoreResource(dsn=dsn.extractor, source="pekko-jdbc")}
+    result = events_reconcile_with_source(dg.build_asset_check_context(),  # type: ignore[operator]
+                                          **{k: v for k, v in resources.items()
+                                             if k in events_reconcile_with_source.required_resource_keys})
+    assert result.passed, result.metadata
+    assert result.metadata["deleted_by_the_framework_unchecked"].value == 5
