@@ -7,16 +7,18 @@ In this order, each step safe to run again (a cut-short erasure is finished by r
 3. record the erasure as started (`es_pipeline.tenant_erasures`);
 4. drop the tenant's partition (detach, then drop: no DELETE, nothing for the append-only guard to refuse);
    in the native store also its `streams` and `snapshots` rows (an adopted store: `es_pipeline.snapshots`);
-5. delete its rows from `events` (still under the slice locks), then from `stream_state`, `stream_catalog`,
-   `event_type_daily` and `snapshots`, each in its turn (`serial.one_at_a_time`): the writers of every table
-   are held off while its rows and files go. A projection that was up to date with `events` records the
-   erasure's version with its DELETE and goes on from there; one that lagged is rebuilt whole by its next
+5. delete its rows from `events`, purge its files (`lake/erase.py`: vacuum with no retention, change data
+   removed) and check that none still holds the tenant, under the slice locks (no append can write a file the
+   purge would take for unreferenced); then release the locks, so that extraction goes on;
+6. the same for `stream_state`, `stream_catalog`, `event_type_daily` and `snapshots`, each in its turn
+   (`serial.one_at_a_time`, which a long rebuild may hold: extraction no longer waits for it): the writers of
+   each table are held off while its rows and files go. A projection that was up to date with `events` records
+   the erasure's version with its DELETE and goes on from there; one that lagged is rebuilt whole by its next
    update (the change data it would have read is purged);
-6. purge the files (`lake/erase.py`: vacuum with no retention, change data removed) and check that no
-   Parquet file under any table still holds a row of the tenant;
-7. record the erasure as finished.
-Other tenants are untouched: their events wait in the store while the locks are held and are extracted
-by the next runs, once each (`es_pipeline_tests/extraction/test_tenant_erase.py`).
+7. record the erasure as finished, unless a Parquet file under any table still holds a row of the tenant.
+Other tenants are untouched: their events wait in the store while the locks are held (the store's drop and
+the `events` delete and purge) and are extracted by the next runs, once each
+(`es_pipeline_tests/extraction/test_tenant_erase.py`).
 """
 
 from __future__ import annotations
@@ -126,7 +128,11 @@ def erase_tenant(
             done.replayed_batches = extractor.settle(session, everything, run_id="tenant-erase").replayed_batches
             part = _refuse_unless_erasable(conn, settings, tenant, lambda _: None)  # again: no run changes it now
             _erase_store(conn, settings, tenant, part, done, progress)
-            _erase_lake(conn, settings, tenant, done)
+            before, erased_at, left = _erase_events(conn, settings, tenant, done)
+        # The slice locks are released: the other tenants' events flow again while the projections, each in its
+        # turn (which a long rebuild may hold), lose the tenant's rows. Extraction never touches them.
+        progress("the tenant is out of the store and of `events`: extraction goes on while the projections follow")
+        _erase_projections(conn, settings, tenant, done, before, erased_at, left)
     return done
 
 
@@ -161,16 +167,31 @@ def _erase_store(conn: psycopg.Connection, settings: Settings, tenant: str, part
         done.store_rows = tenants.delete_stream_rows(conn, source.schema, tenant)
 
 
-def _erase_lake(conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure) -> None:
-    """Steps 5 to 7, each table in its turn, and the store's snapshots in the turn of the lake's."""
-    source, warehouse = settings.source, settings.warehouse
-    events_path = tables.table_path(warehouse, "events")
-    with one_at_a_time(settings.pg_dsn, "events"):  # no compaction meanwhile: its files would be purged
+def _erase_events(
+    conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure,
+) -> tuple[int, int | None, dict[str, list[str]]]:
+    """Steps 5 to 6 for `events`, under every slice lock (held by the caller) and the table's turn: no append and
+    no compaction can write a file the purge would take for unreferenced. Returns (the version before the DELETE,
+    the DELETE's version or None, the files still holding the tenant)."""
+    events_path = tables.table_path(settings.warehouse, "events")
+    with one_at_a_time(settings.pg_dsn, "events"):
         before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1
         deleted = lake_erase.delete_tenant(events_path, tenant)
-        erased_at = deleted[1] if deleted else before
         done.lake_rows["events"] = deleted[0] if deleted else 0
         done.files_purged += lake_erase.purge(events_path)
+        found = lake_erase.leftovers(events_path, tenant)
+    return before, (deleted[1] if deleted else None), ({"events": found} if found else {})
+
+
+def _erase_projections(
+    conn: psycopg.Connection, settings: Settings, tenant: str, done: Erasure,
+    before: int, erased_at: int | None, left: dict[str, list[str]],
+) -> None:
+    """Steps 5 to 7 for the projections, each table in its turn, and the store's snapshots in the turn of the
+    lake's; then the erasure recorded as finished, unless a file of any table still holds the tenant."""
+    source, warehouse = settings.source, settings.warehouse
+    deleted = erased_at is not None
+    erased_at = before if erased_at is None else erased_at
     for name in tables.TABLES[1:]:
         path = tables.table_path(warehouse, name)
         with one_at_a_time(settings.pg_dsn, name):
@@ -183,8 +204,8 @@ def _erase_lake(conn: psycopg.Connection, settings: Settings, tenant: str, done:
             if name == "snapshots":  # after the lake's: a take in this turn cannot write them back again
                 store = EventStore.for_source(settings.pg_dsn, source)
                 done.store_rows[store.snapshots_table.as_string(conn).replace('"', "")] = store.delete_snapshots(tenant, conn)
-    left = {name: found for name in tables.TABLES
-            if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}
+    left = {**left, **{name: found for name in tables.TABLES[1:]
+                       if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}}
     if left:  # not recorded as finished: running the erasure again deletes and purges again
         raise ErasureIncomplete(tenant, left)
     tenants.record_finish(conn, source.consumer, tenant, done.lake_rows)

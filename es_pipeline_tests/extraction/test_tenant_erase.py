@@ -269,3 +269,47 @@ def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
     update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
     update_stream_state(spark, warehouse, store_dsn=store.extractor)
     _assert_lake_equals_store(spark, warehouse, store)
+
+
+def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
+    store: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    """The slice locks are held for the store's drop and the `events` delete and purge, not for the projections'
+    turns: while a long update holds `stream_state`'s turn, the other tenants' events are extracted."""
+    from es_pipeline.extraction.slices import SliceRange
+    from es_pipeline.lake.serial import one_at_a_time
+
+    _seeded_lake(store, spark, warehouse)
+    held, release, events_done = threading.Event(), threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def hold_the_turn() -> None:  # what a Spark rebuild of stream_state does for tens of seconds
+        with one_at_a_time(str(store), "stream_state"):
+            held.set()
+            release.wait(120)
+
+    def erase() -> None:
+        try:
+            outcome["done"] = erase_tenant(_settings(store, warehouse), GONE, wait_seconds=60, progress=lambda line: (
+                events_done.set() if "extraction goes on" in line else None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = exc
+
+    holder, eraser = threading.Thread(target=hold_the_turn), threading.Thread(target=erase)
+    holder.start()
+    assert held.wait(30)
+    eraser.start()
+    try:
+        assert events_done.wait(60), outcome
+        EventStore(store.writer).append("late-1", "cart", [NewEvent("ItemAdded", {"qty": 1})], 0, tenant="acme")
+        result = Extractor(store.extractor, None, warehouse, source=SOURCE).run(SliceRange(0, 1023))
+        assert result.rows == 1, "extracted while the erasure waits"
+        assert eraser.is_alive(), "the erasure still waits for stream_state's turn"
+    finally:
+        release.set()
+        holder.join()
+        eraser.join(120)
+    assert "error" not in outcome, outcome
+    assert outcome["done"].lake_rows["stream_state"] > 0
+    _project(spark, warehouse, store)
+    _assert_lake_equals_store(spark, warehouse, store)
