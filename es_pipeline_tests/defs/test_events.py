@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pytest
 
 from es_pipeline.definitions import build_definitions
 from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG, build_events_asset
@@ -179,3 +180,36 @@ def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
     assert folded == 40
     catalog = tables.read(spark, str(warehouse / "stream_catalog")).agg({"events": "sum"}).first()[0]
     assert catalog == 100
+
+
+def test_the_sensor_asks_again_after_a_run_failed_at_the_same_horizon(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a quiet store the horizon stands still: after a failed run the cursor and the run key (Dagster runs a key
+    once) would keep the range's committed events waiting for ever. The sensor asks again, under a new key."""
+    from dagster._core.test_utils import create_run_for_test
+
+    from es_pipeline.defs.events import sensor as sensor_module
+    from es_pipeline.defs.events.asset import RANGE_TAG
+
+    monkeypatch.setattr(sensor_module, "RETRY_AFTER_SECONDS", 0.0)
+    defs = _defs(settings, spark)
+    sensor = defs.resolve_sensor_def("new_events_sensor")
+    run_workload(EventStore(dsn.writer), streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
+    with dg.instance_for_test() as instance:
+        def tick(cursor: str | None) -> dg.SensorResult:
+            result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                    resources={"event_store": defs.resources["event_store"]}))
+            assert isinstance(result, dg.SensorResult)
+            return result
+
+        first = tick(None)
+        asked = {r.partition_key: r for r in first.run_requests or []}
+        assert sorted(asked) == ["0000-0511", "0512-1023"]
+        horizon = asked["0000-0511"].tags["es_pipeline/horizon"]
+        assert not tick(first.cursor).run_requests, "same horizon: asked already"
+        failed = create_run_for_test(instance, job_name="events_job", status=dg.DagsterRunStatus.FAILURE,
+                                     tags={RANGE_TAG: "0000-0511", "es_pipeline/horizon": horizon})
+        again = tick(first.cursor).run_requests or []
+        assert [(r.partition_key, r.run_key) for r in again] == [
+            ("0000-0511", f"0000-0511:{horizon}:after-{failed.run_id[:8]}")]

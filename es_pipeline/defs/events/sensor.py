@@ -121,10 +121,10 @@ def _failed_last(instance: dg.DagsterInstance, job_name: str, *, limit: int) -> 
         if key in seen:
             continue
         seen.add(key)
-        ended = record.end_time or 0.0
+        ended = record.end_time or record.update_timestamp.timestamp()
         horizon = run.tags.get("es_pipeline/horizon", "")
         if (run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED) and horizon.isdigit()
-                and ended and time.time() - ended >= RETRY_AFTER_SECONDS):
+                and time.time() - ended >= RETRY_AFTER_SECONDS):
             out[key] = (int(horizon), run.run_id)
     return out
 
