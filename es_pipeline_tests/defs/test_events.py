@@ -190,7 +190,6 @@ def test_the_sensor_asks_again_after_a_run_failed_at_the_same_horizon(
     from dagster._core.test_utils import create_run_for_test
 
     from es_pipeline.defs.events import sensor as sensor_module
-    from es_pipeline.defs.events.asset import RANGE_TAG
 
     monkeypatch.setattr(sensor_module, "RETRY_AFTER_SECONDS", 0.0)
     defs = _defs(settings, spark)

@@ -58,6 +58,7 @@ def _version(warehouse: Path) -> int:
     return DeltaTable(str(warehouse / "events")).version()
 
 
+@pytest.mark.slow  # clusters of their own: once, on the suite's PostgreSQL (pg_versions skips it)
 def test_a_store_restored_before_its_first_extraction_is_extracted_whole(
     dsn: StoreDsn, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -141,6 +142,7 @@ def test_rows_copied_in_with_their_tx_id_are_refused_then_rebased_tenant_by_tena
     assert "nothing to rebase" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # clusters of their own: once, on the suite's PostgreSQL (pg_versions skips it)
 def test_a_second_move_catches_up_as_the_first_did(
     dsn: StoreDsn, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -193,6 +195,7 @@ def _standby_copy(data: Path, port: int, copy: Path) -> Iterator[None]:
     local_server.start(port, data)
 
 
+@pytest.mark.slow  # clusters of their own: once, on the suite's PostgreSQL (pg_versions skips it)
 def test_a_failover_that_lost_a_batch_is_refused_by_every_app_id(warehouse: Path) -> None:
     with ExitStack() as stack:
         c = stack.enter_context(cluster("failover"))

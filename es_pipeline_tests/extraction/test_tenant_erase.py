@@ -271,6 +271,7 @@ def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
     _assert_lake_equals_store(spark, warehouse, store)
 
 
+@pytest.mark.slow  # once, on the suite's PostgreSQL
 def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
     store: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
