@@ -258,8 +258,9 @@ class Extractor:
         self._check_lake_below_watermarks(session, slice_range.slices)
         apps = {app_id, *(p.app_id for p in replays),
                 *(a for a in session.lake_commit_apps() if _app_overlaps(a, self.consumer, slice_range))}
+        table = self._delta()  # brought up to date once (the content check above did): one log listing per run
         for app in sorted(apps):
-            session.check_lake_commits(app, self._delta().transaction_version(app), self.events_path)
+            session.check_lake_commits(app, table.transaction_version(app), self.events_path)
         for pending in replays:
             session.lock(pending.slices, slice_range.key)  # a batch of an older range split
             self.progress(f"replaying pending batch {pending.batch_id} left by a crashed run")
