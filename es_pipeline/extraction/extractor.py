@@ -255,10 +255,10 @@ class Extractor:
         replays = session.pending_overlapping(slice_range.slices)
         # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything. First by
         # content, whichever app id wrote it; then every app id of the consumer whose runs our locks exclude.
-        self._check_lake_below_watermarks(session, slice_range.slices)
+        table = self._delta()  # brought up to date once: one log listing for both checks
+        self._check_lake_below_watermarks(session, slice_range.slices, table)
         apps = {app_id, *(p.app_id for p in replays),
                 *(a for a in session.lake_commit_apps() if _app_overlaps(a, self.consumer, slice_range))}
-        table = self._delta()  # brought up to date once (the content check above did): one log listing per run
         for app in sorted(apps):
             session.check_lake_commits(app, table.transaction_version(app), self.events_path)
         for pending in replays:
@@ -280,7 +280,7 @@ class Extractor:
                 f"rebased at once: every event is read by key below transaction {done.rebased_below}")
         return True
 
-    def _check_lake_below_watermarks(self, session: OffsetSession, slices: Sequence[int]) -> None:
+    def _check_lake_below_watermarks(self, session: OffsetSession, slices: Sequence[int], table: DeltaTable) -> None:
         """`LakeAheadOfOffsets` when the lake holds an event of `slices` at or above its slice's watermark outside
         a pending batch: a batch whose offsets PostgreSQL lost (a failover, a restore), by whatever app id it was
         written. Exempt: the restored events a rebase brings early (batch 0) and, until the watermarks pass its
@@ -288,7 +288,6 @@ class Extractor:
 
         The lake is read before the offsets: a batch in that version is, when they are read, either below its
         watermarks or still pending (our slice locks keep any other run from committing on these slices)."""
-        table = self._delta()
         marks = session.watermarks(slices)
         pending = session.pending_ids()
         floor = max(min(marks.values()), session.rebased_below or 0)
