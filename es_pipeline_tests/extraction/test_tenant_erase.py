@@ -302,7 +302,8 @@ def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
     eraser.start()
     try:
         assert events_done.wait(60), outcome
-        EventStore(store.writer).append("late-1", "cart", [NewEvent("ItemAdded", {"qty": 1})], 0, tenant="acme")
+        late = NewEvent("ItemAdded", {"sku": "sku-1", "qty": 1, "unit_price": 2.5})
+        EventStore(store.writer).append("late-1", "cart", [late], 0, tenant="acme")
         result = Extractor(store.extractor, None, warehouse, source=SOURCE).run(SliceRange(0, 1023))
         assert result.rows == 1, "extracted while the erasure waits"
         assert eraser.is_alive(), "the erasure still waits for stream_state's turn"

@@ -274,8 +274,11 @@ def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
     assert {r["stream_type"] for r in rows} == {"Cart"}
     assert all(r["global_position"] is not None for r in rows)
     # A schema tool that drops what it does not know (Marten's) takes tx_id away: adopt will not add it back.
+    # (A plain DROP COLUMN is refused: adopt's guard depends on the column; such a tool cascades.)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("ALTER TABLE event_journal DROP COLUMN tx_id")
+        with pytest.raises(psycopg.errors.DependentObjectsStillExist):
+            conn.execute("ALTER TABLE event_journal DROP COLUMN tx_id")
+        conn.execute("ALTER TABLE event_journal DROP COLUMN tx_id CASCADE")
     with pytest.raises(SourceNotServable, match="tx_id is gone"):
         adopt(dsn, source, echo=lambda _: None)
 
