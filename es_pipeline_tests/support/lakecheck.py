@@ -50,19 +50,7 @@ def lake_events(spark: Any, warehouse: tables.Location) -> list[tuple[str, int, 
 
 def assert_exactly_once(spark: Any, warehouse: tables.Location, dsn: str) -> int:
     """The lake holds each committed event once, with the same payload; returns the count."""
-    expected = source_events(dsn)
-    rows = lake_events(spark, warehouse)
-    counts = Counter((s, v) for s, v, _ in rows)
-    duplicates = [k for k, n in counts.items() if n > 1]
-    assert not duplicates, f"{len(duplicates)} events duplicated in the lake, e.g. {duplicates[:3]}"
-    got = {(s, v): p for s, v, p in rows}
-    missing = expected.keys() - got.keys()
-    extra = got.keys() - expected.keys()
-    assert not missing, f"{len(missing)} committed events missing from the lake, e.g. {sorted(missing)[:3]}"
-    assert not extra, f"{len(extra)} events in the lake that never committed, e.g. {sorted(extra)[:3]}"
-    wrong = [k for k in expected if expected[k] != got[k]]
-    assert not wrong, f"{len(wrong)} payloads differ, e.g. {wrong[:3]}"
-    return len(expected)
+    return _same_events(source_events(dsn), [((s, v), p) for s, v, p in lake_events(spark, warehouse)])
 
 
 def assert_exactly_once_by_key(warehouse: tables.Location, dsn: str, source: Any = "es") -> int:
@@ -76,19 +64,23 @@ def assert_exactly_once_by_key(warehouse: tables.Location, dsn: str, source: Any
         rows = conn.execute(
             f"SELECT coalesce(e.tenant, ''), e.stream_id, e.version, e.payload FROM {as_source(source).relation()} e"  # type: ignore[arg-type]
         ).fetchall()
-    expected = {(str(t), str(s), int(v)): p for t, s, v, p in rows}
     lake = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table(
         columns=["tenant", "stream_id", "version", "payload"])
-    got = list(zip([t or "" for t in lake["tenant"].to_pylist()], lake["stream_id"].to_pylist(),
-                   lake["version"].to_pylist(), lake["payload"].to_pylist(), strict=True))
-    counts = Counter((t, s, v) for t, s, v, _ in got)
-    duplicates = [k for k, n in counts.items() if n > 1]
-    assert not duplicates, f"{len(duplicates)} events duplicated in the lake, e.g. {sorted(duplicates)[:3]}"
-    held = {(t, s, v): p for t, s, v, p in got}
-    missing = expected.keys() - held.keys()
-    extra = held.keys() - expected.keys()
-    assert not missing, f"{len(missing)} of {len(expected)} events missing from the lake, e.g. {sorted(missing)[:3]}"
+    held = zip([t or "" for t in lake["tenant"].to_pylist()], lake["stream_id"].to_pylist(),
+               lake["version"].to_pylist(), lake["payload"].to_pylist(), strict=True)
+    return _same_events({(str(t), str(s), int(v)): p for t, s, v, p in rows}, [((t, s, v), p) for t, s, v, p in held])
+
+
+def _same_events(expected: dict[Any, Any], rows: list[tuple[Any, Any]]) -> int:
+    """Each key of `expected` once among the lake's (key, payload) `rows`, with its payload, and nothing else."""
+    counts = Counter(k for k, _ in rows)
+    duplicates = sorted(k for k, n in counts.items() if n > 1)
+    assert not duplicates, f"{len(duplicates)} events duplicated in the lake, e.g. {duplicates[:3]}"
+    got = dict(rows)
+    missing = expected.keys() - got.keys()
+    extra = got.keys() - expected.keys()
+    assert not missing, f"{len(missing)} of {len(expected)} committed events missing from the lake, e.g. {sorted(missing)[:3]}"
     assert not extra, f"{len(extra)} events in the lake that the store does not hold, e.g. {sorted(extra)[:3]}"
-    wrong = [k for k in expected if expected[k] != held[k]]
+    wrong = [k for k in expected if expected[k] != got[k]]
     assert not wrong, f"{len(wrong)} payloads differ, e.g. {wrong[:3]}"
     return len(expected)
