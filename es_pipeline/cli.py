@@ -29,6 +29,7 @@ from es_pipeline.settings import PROJECT_ROOT, Settings
 from es_pipeline.source.mapping import describe
 from es_pipeline.store import roles, tenants
 from es_pipeline.store.adopt import adopt
+from es_pipeline.store.conninfo import connect
 from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.migrations import migrate
 
@@ -160,6 +161,11 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
               "new ones), then run this again.", file=sys.stderr)
         return 1
     print(f"forgot {n} slice watermarks of consumer {args.consumer!r}; the next runs extract from the beginning")
+    with connect(settings.pg_dsn, autocommit=True) as conn:
+        foreign = offsets.events_from_another_cluster(conn, settings.source, args.consumer)
+    if foreign:  # never silent: the rows the horizon would hide (docs/operations.md, "A store with a past")
+        print(f"the store holds {foreign:,} events whose transaction ids this cluster has not assigned yet (written by "
+              "another cluster): the next run rebases by itself, the lake being empty, and takes them once each")
     return 0
 
 

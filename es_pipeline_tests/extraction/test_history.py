@@ -92,6 +92,7 @@ def test_a_store_restored_before_its_first_extraction_is_extracted_whole(
         # The runbook's "rebuild the lake" on this cluster, while the restored ids are still ahead of it.
         shutil.rmtree(warehouse / "events")
         assert main(["offsets", "reset"]) == 0
+        assert "this cluster has not assigned yet" in capsys.readouterr().out, "reset says what the next run will do"
         assert main(["extract"]) == 0
         assert assert_exactly_once_by_key(warehouse, store) == 600
         assert _ids(store)[0] >= _ids(store)[1], "the restored ids were still ahead: the rebuild was the hard case"
