@@ -51,7 +51,10 @@ def filesystem(location: Location) -> tuple[pafs.FileSystem, str]:
 def _log_names(path: str) -> list[str]:
     """The file names in the table's `_delta_log` (none when it does not exist)."""
     fs, root = filesystem(path)
-    listed = fs.get_file_info(pafs.FileSelector(f"{root}/_delta_log", allow_not_found=True))
+    try:
+        listed = fs.get_file_info(pafs.FileSelector(f"{root}/_delta_log", allow_not_found=True))
+    except FileNotFoundError:  # seen while another process creates the table: the folder comes and goes
+        return []
     return [info.base_name for info in listed if info.type == pafs.FileType.File]
 
 
