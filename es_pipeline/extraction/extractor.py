@@ -32,7 +32,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.errors import ConfigError, FutureTransactionIds, LakeAheadOfOffsets, LakeStoreDiverged
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import Batch, OffsetSession
+from es_pipeline.extraction.offsets import Batch, OffsetSession, pending_batch_ids
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
@@ -289,7 +289,7 @@ class Extractor:
         The lake is read before the offsets: a batch in that version is, when they are read, either below its
         watermarks or still pending (our slice locks keep any other run from committing on these slices)."""
         marks = session.watermarks(slices)
-        pending = session.pending_ids()
+        pending = pending_batch_ids(session.conn, self.consumer)
         floor = max(min(marks.values()), session.rebased_below or 0)
         held = table.to_pyarrow_dataset().to_table(
             columns=["slice", "tx_id", "batch_id"],

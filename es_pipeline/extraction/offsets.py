@@ -302,10 +302,6 @@ class OffsetSession:
         return [str(a) for (a,) in self.conn.execute(
             "SELECT app_id FROM es_pipeline.lake_commits WHERE consumer = %s ORDER BY app_id", (self.consumer,))]
 
-    def pending_ids(self) -> set[int]:
-        """The batch ids of this consumer's pending batches."""
-        return set(pending_batch_ids(self.conn, self.consumer))
-
     def catchup_slices(self, slices: Sequence[int]) -> list[int]:
         """The slices of these whose first run since a rebase is still to come (see extraction/rebase.py)."""
         return [int(s) for (s,) in self.conn.execute(
@@ -409,8 +405,9 @@ def check_source(conn: psycopg.Connection, consumer: str, source: Source | str) 
     Raises `ReadOnlyStore` on a hot standby or a read-only role, `SourceChanged` when the offsets were recorded on
     another cluster (a dump restored elsewhere, a logical replica), `XidSpaceWentBack` when a watermark or pending
     batch lies above the horizon (the transaction ids went back), and `FutureTransactionIds` when `source` holds a
-    row at or above the next transaction id this cluster will assign and at or above any rebase mark: rows another cluster wrote, which the horizon would hide until the counter passes
-    them. Each would make new or restored events look extracted already, or never extractable: loss.
+    row at or above the next transaction id this cluster will assign and at or above any rebase mark: rows another
+    cluster wrote, which the horizon would hide until the counter passes them. Each would make new or restored
+    events look extracted already, or never extractable: loss.
     """
     source = as_source(source)
     row = conn.execute(sql.SQL(_SOURCE).format(events=source.relation_sql()), {"c": consumer}).fetchone()
