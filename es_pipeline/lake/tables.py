@@ -273,9 +273,8 @@ def event_keys(path: str) -> pa.Table:
     """(tenant, stream_id, version, recorded_at as UTC microseconds) of every event in the `events` table at `path`."""
     if not is_delta_table(path):
         return pa.table({**{f.name: pa.array([], f.type) for f in _KEY_SCHEMA}, "recorded_at": pa.array([], pa.int64())})
-    table = DeltaTable(path)
-    wanted = [c for c in [*KEY, "recorded_at"] if has_columns(table, [c])]
-    keys = table.to_pyarrow_dataset().to_table(columns=wanted)
+    dataset = DeltaTable(path).to_pyarrow_dataset()
+    keys = dataset.to_table(columns=[c for c in [*KEY, "recorded_at"] if c in dataset.schema.names])
     return pa.table({
         "tenant": keys_tenant(keys),
         "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
@@ -286,7 +285,7 @@ def event_keys(path: str) -> pa.Table:
 def keys_tenant(rows: pa.Table) -> pa.Array | pa.ChunkedArray:
     """The `tenant` column of `rows` as the key has it: '' where it is NULL or absent (a lake from before tenants)."""
     if "tenant" not in rows.column_names:
-        return pa.array([""] * rows.num_rows, pa.string())
+        return pa.repeat(pa.scalar("", pa.string()), rows.num_rows)
     return pc.fill_null(rows["tenant"].cast(pa.string()), "")
 
 
