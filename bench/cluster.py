@@ -24,6 +24,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from shop.domain import domain as SHOP
+
 from bench.common import (
     ALL_SLICES,
     EVENTS_PER_STREAM,
@@ -56,7 +58,7 @@ def _backfill(extractor: Extractor, run_id: str) -> tuple[float, ExtractResult]:
 
 def _rebuild(spark: Any, lake: str) -> tuple[float, StateResult]:
     t0 = time.perf_counter()
-    result = update_stream_state(spark, lake)
+    result = update_stream_state(spark, lake, domain=SHOP)
     return time.perf_counter() - t0, result
 
 

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shop.domain import domain as SHOP
+
 from bench.common import (
     ALL_SLICES,
     EVENTS_PER_STREAM,
@@ -47,7 +49,7 @@ def _extract(dsn: str, work: Path, run_id: str) -> int:
 
 def _fold(spark: Any, work: Path, *, small: bool = True) -> tuple[float, StateResult]:
     t0 = time.perf_counter()
-    result = update_stream_state(spark, work / "lake", small_increments=small)
+    result = update_stream_state(spark, work / "lake", domain=SHOP, small_increments=small)
     return time.perf_counter() - t0, result
 
 

@@ -398,3 +398,11 @@ class ErasureIncomplete(EsPipelineError, Retryable):
             f"The erasure is not recorded as finished: run `es-pipeline tenant erase {tenant} --yes` again, which "
             "deletes and purges again; if the files remain, remove them by hand (no table version references them)."
         )
+
+
+class DomainError(EsPipelineError):
+    """A team's domain (ES_PIPELINE_DOMAIN: its reducers and the rest) cannot be loaded or does not add up."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        self.reason, self.fix = reason, fix
+        super().__init__(f"{reason}. {fix}")

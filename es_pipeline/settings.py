@@ -8,6 +8,7 @@ variables is in README.md ("Settings"). Below everything but the source mappings
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,7 @@ class Settings:
     source_spec: str = ""  # ES_PIPELINE_SOURCE as given ("" when unset)
     dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
     events_writer: str = "delta-rs"
-    sensor_interval_seconds: int = 5
+    sensor_interval_seconds: int = 15  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
     automation: bool = True
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT
     batch_events: int = DEFAULT_BATCH_EVENTS
@@ -88,6 +89,8 @@ class Settings:
     tail_seconds: int = DEFAULT_TAIL_SECONDS
     # A tailing run reports its passes to Dagster at most this often, gathered (0: each pass on its own).
     report_seconds: int = DEFAULT_REPORT_SECONDS
+    # The team's domain (reducers): the modules ES_PIPELINE_DOMAIN names, loaded by `es_pipeline.domain.load`.
+    domain_modules: tuple[str, ...] = ()
 
     @property
     def source(self) -> Source:
@@ -132,6 +135,7 @@ class Settings:
             jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
+            domain_modules=_modules(env, "ES_PIPELINE_DOMAIN"),
         )
 
 
@@ -169,6 +173,19 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
     if value < 1 << 20:
         raise ConfigError(name, text, "a size of at least 1MB")
     return value
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
+
+
+def _modules(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Python modules, comma-separated, each `package.module` or `package.module:attribute` (imported later)."""
+    text = env.get(name, "")
+    found = tuple(part.strip() for part in text.split(",") if part.strip())
+    for part in found:
+        if not _MODULE.fullmatch(part):
+            raise ConfigError(name, text, "Python modules, comma-separated, e.g. shop.domain or shop.domain:domain")
+    return found
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:

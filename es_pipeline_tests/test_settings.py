@@ -73,3 +73,11 @@ def test_the_sensor_ticks_less_often_by_default_where_runs_tail() -> None:
 )
 def test_batch_bytes_take_a_unit(text: str, size: int) -> None:
     assert Settings.from_env({"ES_PIPELINE_BATCH_BYTES": text}).batch_bytes == size
+
+
+def test_the_settings_defaults_are_what_an_empty_environment_gives() -> None:
+    from_env = Settings.from_env({"ES_PIPELINE_PG_DSN": "postgresql://h/db", "ES_PIPELINE_WAREHOUSE": "/tmp/w"})
+    made = Settings(pg_dsn="postgresql://h/db", warehouse=from_env.warehouse)
+    differ = {f: (getattr(made, f), getattr(from_env, f)) for f in made.__dataclass_fields__
+              if getattr(made, f) != getattr(from_env, f) and f != "pg_dsn_from_env"}
+    assert not differ, differ

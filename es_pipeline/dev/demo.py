@@ -6,6 +6,7 @@ import time
 
 from es_pipeline.dev import emmett_client
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake import tables
@@ -93,7 +94,8 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         print(f"   {res.range_key:<10} {res.rows:>8,} {res.batches:>8} {res.horizon:>10} {res.events_behind:>9,} {res.total_seconds:>8.1f}")
 
     t0 = time.monotonic()
-    state = update_stream_state(spark, settings.warehouse, store_dsn=settings.pg_dsn)
+    state = update_stream_state(spark, settings.warehouse, domain=load_domain(settings.domain_modules),
+                                store_dsn=settings.pg_dsn)
     update_stream_catalog(spark, settings.warehouse, store_dsn=settings.pg_dsn)
     update_event_type_daily(spark, settings.warehouse, store_dsn=settings.pg_dsn)
     print(f"   projections: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "

@@ -38,7 +38,6 @@ from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import stream_state as st
 from es_pipeline.lake import tables
 from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.reducers import REGISTRY
 from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT
@@ -69,15 +68,21 @@ def _projection_after(name: str, path: str, before: int, erased_at: int) -> tupl
     the erasure's version and goes on from there. Already past the erasure (it folded it meanwhile): nothing to
     record. Behind: its change feed across the erasure is purged, so it is rebuilt."""
     if name == "stream_state":
-        app_id, at = st.APP_ID, (lambda v: st.txn_version(v, REGISTRY))
+        app_id = st.APP_ID
     else:
         projection = {p.name: p for p in (STREAM_CATALOG, EVENT_TYPE_DAILY)}.get(name)
         if projection is None or not tables.is_delta_table(path):
             return None, False
-        app_id, at = projection.app_id, (lambda v: v)
+        app_id = projection.app_id
     read = tables.transaction_version(path, app_id)
     if read is None:
         return None, False  # never built: its first update builds it whole anyway
+    if name == "stream_state":  # its txn versions carry the reducers' revisions it folded with: kept as they are
+        def at(v: int) -> int:
+            return st.txn_version_after(int(read), v)
+    else:
+        def at(v: int) -> int:
+            return v
     if int(read) >= at(erased_at):
         return None, False
     if int(read) == at(before):

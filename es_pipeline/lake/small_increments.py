@@ -26,9 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction
 
+from es_pipeline.domain import Domain
 from es_pipeline.lake import tables
-from es_pipeline.lake.reducers import REGISTRY
-from es_pipeline.lake.reducers import revisions as current_revisions
 from es_pipeline.lake.serial import Turn, turn_if_free
 from es_pipeline.source import payloads
 
@@ -147,7 +146,7 @@ def update_projection(
 
 
 def update_stream_state(
-    warehouse: tables.Location, skip_unknown: bool, turn: Turn, feed: Feed | None = None
+    warehouse: tables.Location, domain: Domain, skip_unknown: bool, turn: Turn, feed: Feed | None = None
 ) -> StateResult | None:
     """`stream_state`'s increment folded here and merged by delta-rs; None: not here (see the module).
     `feed`: `events`' change feed shared with other increments (else read here)."""
@@ -167,27 +166,25 @@ def update_stream_state(
     if "deletionVectors" in (state.protocol().writer_features or []):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
-        return st.StateResult(now, prev, 0, 0, (), 0, 0) if st.txn_version(now, REGISTRY) == int(read) else None
+        return st.StateResult(now, prev, 0, 0, (), 0, 0) if st.txn_version(now, domain.reducers) == int(read) else None
     read_rows = feed.rows(prev, _READ_COLUMNS)
     if read_rows is None:
         return None
     new = payloads.for_reducers(tables.tenant_filled(read_rows))
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
     whole = _files(state_path, state).to_table()
-    revisions = current_revisions()
     kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
-    if any(t in revisions and revisions[t] != r for t, r in zip(kinds["stream_type"].to_pylist(),
-                                                                 kinds["revision"].to_pylist(), strict=True)):
-        return None  # a reducer revision bump: Spark rebuilds those types
+    if st.stale_types(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(), strict=True), domain):
+        return None  # a reducer added, bumped or removed: Spark rebuilds those types
     prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
                                 pc.is_valid(whole["parked"])))
     rows = _fold_input(new, prior)
-    out = pa.Table.from_batches(list(st._fold_partitions(dict(REGISTRY), skip_unknown)(rows.to_batches())),
+    out = pa.Table.from_batches(list(st._fold_partitions(dict(domain.reducers), skip_unknown)(rows.to_batches())),
                                 schema=st._fold_out_arrow_schema())
     updates = st.arrow_updates(out)
     turn.confirm(state_path, st.APP_ID, int(read))
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in st.KEY), source_alias="u", target_alias="t",
-                commit_properties=_commit_properties(st.APP_ID, st.txn_version(now, REGISTRY))) \
+                commit_properties=_commit_properties(st.APP_ID, st.txn_version(now, domain.reducers))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
     return st.arrow_result(out, now, prev)
 
@@ -227,7 +224,9 @@ def _fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
                          ("version", "ascending")])
 
 
-def follow(warehouse: tables.Location, store: str | psycopg.Connection) -> dict[str, ProjectionResult | StateResult]:
+def follow(
+    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain
+) -> dict[str, ProjectionResult | StateResult]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
     this way), from one read of `events`' change feed. A projection whose turn another update holds, or
     that needs Spark, is left out: its automation's run does it. `store`: the store's DSN, or a
@@ -240,7 +239,7 @@ def follow(warehouse: tables.Location, store: str | psycopg.Connection) -> dict[
     feed = Feed(events_path, [*_READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
     done: dict[str, ProjectionResult | StateResult] = {}
     with turn_if_free(store, "stream_state") as turn:
-        state = update_stream_state(warehouse, False, turn, feed) if turn is not None else None
+        state = update_stream_state(warehouse, domain, False, turn, feed) if turn is not None else None
         if state is not None:
             done["stream_state"] = state
     for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):

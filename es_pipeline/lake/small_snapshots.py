@@ -103,7 +103,8 @@ def _due(state: pa.Table, last: pa.Table, threshold: int) -> pa.Table:
     grown = pc.and_kleene(pc.is_null(last_version), pc.greater_equal(version, threshold))
     grown = pc.or_kleene(grown, pc.greater_equal(pc.subtract(version, last_version), threshold))
     revised = pc.not_equal(j["last_revision"], j["revision"])
-    due = j.filter(pc.and_kleene(pc.greater(version, 0), pc.or_kleene(grown, revised)))  # null: not due (as Spark)
+    # A stream without state (its type has no reducer) has nothing to snapshot; null: not due (as Spark).
+    due = j.filter(pc.and_kleene(pc.and_kleene(pc.greater(version, 0), pc.is_valid(j["state"])), pc.or_kleene(grown, revised)))
     taken_at = pa.array([datetime.now(UTC)] * due.num_rows, SCHEMA.field("taken_at").type)
     return due.select(_COLUMNS[:-1]).append_column("taken_at", taken_at).append_column("tenant", due["tenant"]).cast(SCHEMA)
 

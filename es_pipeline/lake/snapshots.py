@@ -74,7 +74,7 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
     due = (
         state.join(last, KEY, "left")
         .where(
-            (F.col("version") > 0)
+            (F.col("version") > 0) & F.col("state").isNotNull()  # no state: its type has no reducer
             & (
                 F.col("last").isNull()
                 & (F.col("version") >= threshold)

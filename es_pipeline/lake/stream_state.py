@@ -28,11 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
+from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake import small_increments as small
 from es_pipeline.lake import tables, whole_fold
-from es_pipeline.lake.reducers import REGISTRY, Event, Reducer, UnknownEventType
-from es_pipeline.lake.reducers import revisions as current_revisions
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.tables import Location
 
@@ -60,6 +59,7 @@ class StateResult:
     rebuilt_types: tuple[str, ...]
     parked_streams: int
     skipped_unknown: int
+    without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
 
 
 # The Delta txn version of a stream_state commit encodes the events table version folded and the
@@ -82,6 +82,21 @@ def txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
     return events_version * _REVISION_SLOTS + min(_REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
 
 
+def next_txn_version(events_version: int, registry: dict[str, Reducer], read: int | None) -> int:
+    """The txn version of a commit at `events_version` after one of txn version `read`: `txn_version`, unless that
+    is not above `read` at the same events version (a reducer removed: the sum went down, and Delta would skip the
+    commit as done), then one above `read`, within that events version's slots."""
+    version = txn_version(events_version, registry)
+    if read is not None and version <= read and read // _REVISION_SLOTS == events_version:
+        version = min(read + 1, events_version * _REVISION_SLOTS + _REVISION_SLOTS - 1)
+    return version
+
+
+def txn_version_after(read: int, events_version: int) -> int:
+    """The txn version of a commit at `events_version` by the reducers that committed txn version `read`."""
+    return events_version * _REVISION_SLOTS + read % _REVISION_SLOTS
+
+
 def _loads(text: str) -> Any:
     """A payload or a state as the reducers read it: orjson, or json for what orjson refuses (integers past
     64 bits, NaN), so that both take the same documents and a bad one fails as json's error."""
@@ -93,11 +108,6 @@ def _loads(text: str) -> Any:
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
-
-
-def _unknown(state: dict[str, Any], event: Event) -> dict[str, Any]:
-    """The fold of a stream type no reducer is registered for."""
-    raise UnknownEventType(event)
 
 
 def _timestamp(micros: int | None) -> datetime | None:
@@ -116,7 +126,7 @@ class _StreamFold:
     ) -> None:
         self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
         self.reducer, self.skip_unknown = reducer, skip_unknown
-        self.fold = reducer.fold if reducer is not None else _unknown
+        self.fold = reducer.fold if reducer is not None else None  # None: no state, the versions alone
         self.state: dict[str, Any] = {}
         self.version = 0
         self.last_at: int | None = None
@@ -125,14 +135,19 @@ class _StreamFold:
         self.parked: list[dict[str, Any]] = []
         self.error: str | None = None
 
-    def prior(self, state: str, version: int, last_at: int | None, skipped: int | None) -> None:
-        self.state, self.version, self.last_at, self.skipped = _loads(state), version, last_at, skipped or 0
+    def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None) -> None:
+        self.state = _loads(state) if state is not None and self.fold is not None else {}
+        self.version, self.last_at, self.skipped = version, last_at, skipped or 0
 
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
         """Fold one event, or park it (a gap before it), or pass it by (folded already, or after an error).
         Run for every event of a rebuild: the next version of a stream with nothing parked goes straight on."""
         if v != self.version + 1 or self.parked or self.error is not None:
             self._off_the_run(v, event_type, payload, recorded_at)
+            return
+        if self.fold is None:  # no reducer: the stream's versions and times alone
+            self.version, self.last_at = v, recorded_at
+            self.folded += 1
             return
         try:
             data = orjson.loads(payload)
@@ -149,9 +164,20 @@ class _StreamFold:
     def events(self, run: Iterator[tuple[int, str, str, int | None]]) -> None:
         """Every event of `run` (this stream's, in version order) as `event` folds them, the stream's figures
         kept in locals while each event is the next version (a first build's every event but a gap's)."""
-        if not self.parked and self.error is None:
+        if not self.parked and self.error is None and self.fold is None:
+            version, last_at, folded = self.version, self.last_at, self.folded
+            for v, event_type, payload, recorded_at in run:
+                if v != version + 1:
+                    self.version, self.last_at, self.folded = version, last_at, folded
+                    self.event(v, event_type, payload, recorded_at)
+                    break
+                version, last_at, folded = v, recorded_at, folded + 1
+            else:
+                self.version, self.last_at, self.folded = version, last_at, folded
+        elif not self.parked and self.error is None:
             state, version, last_at, folded = self.state, self.version, self.last_at, self.folded
             fold, stream_id = self.fold, self.stream_id
+            assert fold is not None
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
                 if v != version + 1:
@@ -197,7 +223,7 @@ class _StreamFold:
     def row(self) -> tuple[Any, ...]:
         return (
             self.stream_id, self.stream_type, self.version,
-            json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
+            None if self.fold is None else json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
             self.reducer.revision if self.reducer else 0,
             json.dumps(self.parked, default=str) if self.parked else None,
             self.skipped, self.folded, self.error, self.tenant,
@@ -285,12 +311,21 @@ def arrow_updates(out: pa.Table) -> pa.Table:
 def arrow_result(out: pa.Table, events_version: int, previous: int) -> StateResult:
     """The figures of a fold done in this process."""
     parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
+    without = int(pc.sum(pc.equal(out["revision"], 0)).as_py() or 0)
     return StateResult(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
-                       int(pc.sum(out["skipped"]).as_py() or 0))
+                       int(pc.sum(out["skipped"]).as_py() or 0), without)
+
+
+def stale_types(kinds: Any, domain: Domain) -> list[str]:
+    """The stream types of (stream_type, revision) pairs that `stream_state` holds whose reducer's revision is no
+    longer the row's: a bumped, added (rows of revision 0) or removed reducer (rows of its revision, now none).
+    They are rebuilt from `events`, each type alone."""
+    revisions = domain.revisions()
+    return sorted({t for t, r in kinds if revisions.get(t, 0) != (r or 0)})
 
 
 def update_stream_state(
-    spark: Any, warehouse: Location, *, skip_unknown: bool = False, store_dsn: str | None = None,
+    spark: Any, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
     small_increments: bool = True,
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
@@ -299,23 +334,23 @@ def update_stream_state(
     (lake/whole_fold.py) are folded without a JVM unless told not to."""
     with one_at_a_time(store_dsn, "stream_state") as turn:
         if small_increments:
-            done = small.update_stream_state(warehouse, skip_unknown, turn) or whole_fold.first_build(
-                warehouse, skip_unknown, turn)
+            done = small.update_stream_state(warehouse, domain, skip_unknown, turn) or whole_fold.first_build(
+                warehouse, domain, skip_unknown, turn)
             if done is not None:
                 return done
         spark = tables.session_of(spark)
         try:
-            return _update_stream_state(spark, warehouse, skip_unknown, turn)
+            return _update_stream_state(spark, warehouse, domain, skip_unknown, turn)
         except tables.spark_errors() as exc:
             if not tables.change_feed_gone(exc):
                 raise
             # The files of the commits since the last update were vacuumed (it lagged past the retention):
             # fold every event instead; the fold skips versions a stream's state already has.
-            return _update_stream_state(spark, warehouse, skip_unknown, turn, whole=True)
+            return _update_stream_state(spark, warehouse, domain, skip_unknown, turn, whole=True)
 
 
 def _update_stream_state(
-    spark: Any, warehouse: Location, skip_unknown: bool, turn: Turn, *, whole: bool = False
+    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, *, whole: bool = False
 ) -> StateResult:
     from pyspark.sql import functions as F
 
@@ -328,13 +363,8 @@ def _update_stream_state(
     now = tables.table_version(spark, events_path)
     read = tables.transaction_version(state_path, APP_ID)
     prev = -1 if read is None else read // _REVISION_SLOTS
-    revisions = current_revisions()
     state = tables.read(spark, state_path)
-
-    stale = [
-        r["stream_type"] for r in state.select("stream_type", "revision").distinct().collect()
-        if r["stream_type"] in revisions and revisions[r["stream_type"]] != r["revision"]
-    ]
+    stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
     cols = ["stream_id", "stream_type", "version", "event_type",
@@ -374,7 +404,7 @@ def _update_stream_state(
     folded = (
         rows.repartition(*KEY)
         .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
-        .mapInArrow(_fold_partitions(dict(REGISTRY), skip_unknown), _FOLD_OUT)
+        .mapInArrow(_fold_partitions(dict(domain.reducers), skip_unknown), _FOLD_OUT)
         .cache()
     )
     try:
@@ -382,6 +412,7 @@ def _update_stream_state(
         stats = folded.agg(
             F.count("*").alias("streams"), F.sum(F.when(F.col("parked").isNotNull(), 1).otherwise(0)).alias("parked"),
             F.sum("skipped").alias("skipped"), F.sum("folded").alias("folded"), F.min("error").alias("error"),
+            F.sum(F.when(F.col("revision") == 0, 1).otherwise(0)).alias("without_reducer"),
         ).first()
         if stats["error"] is not None:
             stream_id, version, event_type, reason = json.loads(stats["error"])
@@ -389,8 +420,8 @@ def _update_stream_state(
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, APP_ID, read)
-        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=txn_version(now, REGISTRY))
+        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=next_txn_version(now, domain.reducers, read))
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
-                       int(stats["parked"] or 0), int(stats["skipped"] or 0))
+                       int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0))

@@ -28,9 +28,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
+from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake import small_increments as small
 from es_pipeline.lake import tables
-from es_pipeline.lake.reducers import REGISTRY, Reducer
 from es_pipeline.lake.serial import Turn
 from es_pipeline.source import payloads
 
@@ -56,7 +56,7 @@ def state_schema() -> pa.Schema:
     ])
 
 
-def first_build(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> StateResult | None:
+def first_build(warehouse: tables.Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
     """Build `stream_state` from every event here, or None: Spark's to do (see the module)."""
     from es_pipeline.lake import stream_state as st
 
@@ -78,13 +78,13 @@ def first_build(warehouse: tables.Location, skip_unknown: bool, turn: Turn) -> S
     held = set(events.schema().to_arrow().names)
     columns = [c for c in [*_COLUMNS, "payload_encoding", "slice"] if c in held]
     rows = payloads.for_reducers(tables.tenant_filled(small._files(events_path, events).to_table(columns=columns)))
-    out = _fold(rows, dict(REGISTRY), skip_unknown)
+    out = _fold(rows, dict(domain.reducers), skip_unknown)
     updates = st.arrow_updates(out)
     schema = state_schema()
     tables.ensure_table_arrow(state_path, schema, comment="es_pipeline: current state per stream")
     turn.confirm(state_path, st.APP_ID, None)
     write_deltalake(state_path, updates.select(schema.names).cast(schema), mode="append",
-                    commit_properties=small._commit_properties(st.APP_ID, st.txn_version(now, REGISTRY)))
+                    commit_properties=small._commit_properties(st.APP_ID, st.txn_version(now, domain.reducers)))
     return st.arrow_result(out, now, -1)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events import checks as events_checks
 from es_pipeline.defs.maintenance.jobs import CHECKS
@@ -47,7 +48,7 @@ def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
 ) -> None:
     run_workload(EventStore(dsn.writer), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(settings.pg_dsn, spark, warehouse).run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     r = _resources(settings)
     for check in CHECKS:
         assert _run(check, r).passed, check.check_key.name
@@ -81,7 +82,7 @@ def test_checks_beside_a_partitions_materialization_check_that_partition_only(
 
     run_workload(EventStore(dsn.writer), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
     two = replace(settings, slice_ranges=2)
-    events = build_events_asset(slice_ranges_partitions(2), two)
+    events = build_events_asset(slice_ranges_partitions(2), two, SHOP)
     checks = list(events_checks.CHECKS)
     instance = dg.DagsterInstance.ephemeral()
     first = dg.materialize([events, *checks], partition_key="0000-0511", resources=_resources(two), instance=instance)
@@ -141,7 +142,7 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     extractor = Extractor(settings.pg_dsn, spark, warehouse)
     extractor.run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     assert extractor.run(SliceRange(0, 1023)).rows == 100
     r = _resources(settings)

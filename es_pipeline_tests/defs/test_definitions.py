@@ -23,10 +23,11 @@ def test_defs_load_with_the_designed_names() -> None:
 def test_the_projections_follow_events_while_a_tailing_run_is_in_progress() -> None:
     """Plain `eager()` waits while any dependency is in progress, and a tailing `events` run always is:
     the projections would never update. Theirs is eager without that wait, the rest of it kept."""
-    from es_pipeline.defs.projections.assets import AFTER_EVENTS, ASSETS
+    from es_pipeline.defs.projections.assets import AFTER_EVENTS, build_projection_assets
+    from es_pipeline.domain import NO_DOMAIN
 
     eager = dg.AutomationCondition.eager()
     waits = ~dg.AutomationCondition.any_deps_in_progress()
     assert waits in eager.children and waits not in AFTER_EVENTS.children
     assert [c for c in eager.children if c != waits] == list(AFTER_EVENTS.children)
-    assert all(a.automation_conditions_by_key[a.key] == AFTER_EVENTS for a in ASSETS)
+    assert all(a.automation_conditions_by_key[a.key] == AFTER_EVENTS for a in build_projection_assets(NO_DOMAIN))

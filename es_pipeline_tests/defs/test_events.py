@@ -10,8 +10,8 @@ from typing import Any
 
 import dagster as dg
 import pytest
+from shop.domain import domain as SHOP
 
-from es_pipeline.definitions import build_definitions
 from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG, build_events_asset
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import tailing_request
@@ -20,6 +20,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.lake import tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
@@ -28,7 +29,7 @@ from es_pipeline_tests.support.roles import StoreDsn
 
 def _defs(settings: Settings, spark: Any) -> dg.Definitions:
     """Two ranges, one pass per run (the tailing sensor has its own test)."""
-    return build_definitions(replace(settings, slice_ranges=2, tail_seconds=0))
+    return build_definitions(replace(settings, slice_ranges=2, tail_seconds=0), SHOP)
 
 
 def test_sensor_requests_one_run_per_range_with_new_events_and_skips_when_none(
@@ -70,7 +71,7 @@ def test_materializing_every_partition_puts_each_event_in_the_lake_once(
 ) -> None:
     run_workload(EventStore(dsn.writer), streams=100, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01)
     defs = _defs(settings, spark)
-    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2))
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2), SHOP)
     # The Spark resource's getOrCreate() returns the test session's one session: no second JVM.
     resources = dict(defs.resources)
     with dg.instance_for_test() as instance:
@@ -87,9 +88,9 @@ def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, wareho
     settings = Settings.from_env({"ES_PIPELINE_PG_DSN": empty_dsn, "ES_PIPELINE_WAREHOUSE": str(warehouse),
                                   "ES_PIPELINE_SLICE_RANGES": "1"})
     settings = replace(settings, pg_dsn_from_env=False)  # the DSN as a value: no environment needed
-    events = build_events_asset(slice_ranges_partitions(1), settings)
+    events = build_events_asset(slice_ranges_partitions(1), settings, SHOP)
     with dg.instance_for_test() as instance:
-        res = dg.materialize([events], partition_key="0000-1023", resources=build_definitions(settings).resources,
+        res = dg.materialize([events], partition_key="0000-1023", resources=build_definitions(settings, SHOP).resources,
                              instance=instance, raise_on_error=False)
     assert not res.success
     failure = res.get_step_failure_events()[0].step_failure_data
@@ -101,7 +102,7 @@ def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, wareho
 def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_the_next_as_it_ends(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
-    defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60))
+    defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60), SHOP)
     sensor = defs.resolve_sensor_def("new_events_sensor")
     run_workload(EventStore(dsn.writer), streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     with dg.instance_for_test() as instance:
@@ -135,7 +136,7 @@ def test_a_tailing_run_reports_its_passes_per_partition_with_their_own_rows(
     store = EventStore(dsn.writer)
     run_workload(store, streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     defs = _defs(settings, spark)
-    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2))
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2), SHOP)
     tags = {**tailing_request(split(2), 0, 6).tags}
     later = threading.Timer(3.0, lambda: run_workload(store, streams=50, events=40, writers=1, rollback_rate=0,
                                                       max_commit_delay=0))
@@ -161,10 +162,10 @@ def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
     store = EventStore(dsn.writer)
     run_workload(store, streams=20, events=60, writers=1, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     update_stream_catalog(spark, warehouse)
     update_event_type_daily(spark, warehouse)
-    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2, automation=True))
+    events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2, automation=True), SHOP)
     later = threading.Timer(2.0, lambda: run_workload(store, streams=20, events=40, writers=1, rollback_rate=0,
                                                       max_commit_delay=0))
     with dg.instance_for_test() as instance:

@@ -9,14 +9,15 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+from shop.domain import domain as SHOP
 
-from es_pipeline.definitions import build_definitions
-from es_pipeline.defs.projections.assets import stream_state
+from es_pipeline.defs.projections.assets import build_stream_state_asset
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.checks import snapshots_match_store
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import tables
+from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -42,8 +43,8 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
 ) -> None:
     run_workload(EventStore(dsn.writer), streams=60, events=900, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(settings.pg_dsn, spark, warehouse)
-    defs = build_definitions(settings)
-    assets = [stream_state, snapshots]
+    defs = build_definitions(settings, SHOP)
+    assets = [build_stream_state_asset(SHOP), snapshots]
     resources = dict(defs.resources)
     config = {"ops": {"snapshots": {"config": {"threshold": 5}}}}
     with dg.instance_for_test() as instance:

@@ -14,13 +14,13 @@ from deltalake import DeltaTable
 from psycopg.conninfo import conninfo_to_dict
 
 from es_pipeline.cli import main
-from es_pipeline.definitions import build_definitions
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore, SourceChanged, XidSpaceWentBack
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
+from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events.checks import reconcile
 from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
@@ -92,7 +93,7 @@ def _extract_until(stop: threading.Event, extractor: Extractor, errors: list[Bas
 
 
 def _project(spark: Any, warehouse: Path, store: StoreDsn) -> None:
-    update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
     update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
     update_event_type_daily(spark, warehouse, store_dsn=store.extractor)
     take_snapshots(spark, warehouse, EventStore(store.snapshots, "es"), threshold=1)
@@ -203,7 +204,7 @@ def test_an_up_to_date_projection_goes_on_from_the_erasure_and_a_shared_table_is
     assert done.rebuilt == [] and done.lake_rows["stream_catalog"] == 3 and done.store_events == 3
     # The next updates are increments after the erasure's version, not rebuilds.
     catalog = update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    state = update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    state = update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
     assert catalog.previous_events_version >= 0 and state.previous_events_version >= 0
     _assert_lake_equals_store(spark, warehouse, store)
 
@@ -267,7 +268,7 @@ def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
         assert conn.execute("SELECT partition IS NOT NULL, store_events, finished_at IS NOT NULL "
                             "FROM es_pipeline.tenant_erasures").fetchone() == (True, 3, True)
     update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    update_stream_state(spark, warehouse, store_dsn=store.extractor)
+    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
     _assert_lake_equals_store(spark, warehouse, store)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
@@ -28,7 +29,7 @@ def test_every_table_is_queryable_by_name_with_time_travel_and_readable_by_delta
     ex.run(SliceRange(0, 1023))
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     ex.run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     update_stream_catalog(spark, warehouse)
     update_event_type_daily(spark, warehouse)
     take_snapshots(spark, warehouse, store, threshold=5)

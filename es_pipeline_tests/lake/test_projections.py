@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import tables
@@ -132,7 +133,7 @@ def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: StoreDsn, spark:
     extract_all(dsn.extractor, spark, warehouse)
     update_stream_catalog(spark, warehouse)
     update_event_type_daily(spark, warehouse)
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     for seed in (2, 3):  # commits the projections have not read yet
         run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
         extract_all(dsn.extractor, spark, warehouse)
@@ -148,6 +149,6 @@ def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: StoreDsn, spark:
     assert catalog.previous_events_version == -1 and daily.previous_events_version == -1, "rebuilt whole"
     _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
-    update_stream_state(spark, warehouse)  # folds every event again; the fold skips what each state has
+    update_stream_state(spark, warehouse, domain=SHOP)  # folds every event again; the fold skips what each state has
     state = {r["stream_id"]: r["version"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
     assert state == {k: v[3] for k, v in source_catalog(dsn).items()}

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events.checks import (
     events_no_duplicates,
@@ -238,7 +239,7 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     run_workload(EventStore(dsn.writer), streams=50, events=800, writers=2, rollback_rate=0.1, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
     assert assert_exactly_once(spark, warehouse, dsn) == 800
-    update_stream_state(spark, warehouse, store_dsn=dsn.extractor)
+    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
     update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor)
     update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
     streams = {s for s, _ in source_events(dsn)}
@@ -257,7 +258,7 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     # The projections go on from their compaction by delta-rs: Spark's next increments read and merge into them.
     run_workload(EventStore(dsn.writer), streams=50, events=200, writers=2, rollback_rate=0.0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, store_dsn=dsn.extractor, small_increments=False)
+    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor, small_increments=False)
     update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
     daily = tables.read(spark, tables.table_path(warehouse, "event_type_daily")).groupBy().sum("events").first()
     assert daily is not None and daily[0] == 1000

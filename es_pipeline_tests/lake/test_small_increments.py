@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake import small_increments
@@ -40,7 +41,7 @@ def _newest_commit_engine(path: Path) -> str:
 
 
 def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn, **kw: Any) -> list[Any]:
-    return [update_stream_state(spark, warehouse, store_dsn=dsn.extractor, **kw),
+    return [update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor, **kw),
             update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor, **kw),
             update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor, **kw)]
 
@@ -114,11 +115,11 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
             run_workload(store, streams=20, events=60, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
             extract_all(dsn.extractor, None, warehouse)
             if behind:  # stream_state alone moves on: the others now stand a version behind it
-                update_stream_state(_no_spark, warehouse, store_dsn=dsn.extractor)
+                update_stream_state(_no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
                 run_workload(store, streams=20, events=30, writers=1, rollback_rate=0, max_commit_delay=0, seed=8)
                 extract_all(dsn.extractor, None, warehouse)
             reads.clear()
-            done = small_increments.follow(warehouse, conn)
+            done = small_increments.follow(warehouse, conn, SHOP)
             assert set(done) == set(PROJECTIONS)
             assert len(reads) == (2 if behind else 1), reads
             assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE

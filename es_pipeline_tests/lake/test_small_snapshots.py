@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
@@ -57,7 +58,7 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         run_workload(EventStore(dsn.writer), streams=40, events=400, writers=2, rollback_rate=0, max_commit_delay=0,
                      seed=round_)
         Extractor(dsn.extractor, spark, small).run(SliceRange(0, 1023))
-        update_stream_state(spark, small)
+        update_stream_state(spark, small, domain=SHOP)
         # The same stream_state, log and all, beside it (one store feeds one lake: its offsets say which).
         shutil.rmtree(big / "stream_state", ignore_errors=True)
         shutil.copytree(small / "stream_state", big / "stream_state")

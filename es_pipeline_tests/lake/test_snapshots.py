@@ -10,11 +10,12 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import DemoStream, next_events
+from es_pipeline.domain import Event
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake.reducers import REGISTRY, Event
 from es_pipeline.lake.snapshots import take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, RecordedEvent
@@ -47,7 +48,7 @@ def test_load_from_snapshot_plus_later_events_equals_full_replay(
         k = max(1, int(len(events) * split_at))
         s.version = store.append(s.stream_id, s.stream_type, events[:k], 0)
     Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     take_snapshots(spark, warehouse, store, threshold=threshold)
     for s, events in zip(streams, plans, strict=True):  # the rest arrives after the snapshot
         rest = events[s.version:]
@@ -55,7 +56,7 @@ def test_load_from_snapshot_plus_later_events_equals_full_replay(
             s.version = store.append(s.stream_id, s.stream_type, rest, s.version)
 
     for s in streams:
-        reducer = REGISTRY[s.stream_type]
+        reducer = SHOP.reducers[s.stream_type]
 
         def fold(state: dict[str, Any], e: RecordedEvent, reducer: Any = reducer) -> dict[str, Any]:
             return reducer.fold(state, Event(e.stream_id, e.version, e.event_type, e.payload))

@@ -6,15 +6,16 @@ import json
 import random
 
 import pytest
+from shop.domain import domain as SHOP
 
-from es_pipeline.lake.reducers import REGISTRY, Event, Reducer
+from es_pipeline.domain import Event, Reducer
 from es_pipeline.lake.stream_state import _StreamFold
 
 
 def _boom(state: dict, event: Event) -> dict:
     if event.event_type == "Boom":
         raise ValueError("no")
-    return REGISTRY["account"].fold(state, event)
+    return SHOP.reducers["account"].fold(state, event)
 
 
 _TYPES = [("Deposited", {"amount": 2.5}), ("Withdrawn", {"amount": 1.25}), ("Frozen", {"amount": 1}),
@@ -48,7 +49,7 @@ def test_a_run_folds_as_one_event_at_a_time(seed: int, skip_unknown: bool) -> No
 
 def test_a_run_after_prior_state_and_a_parked_event() -> None:
     """A stream with a prior row and a parked event (an increment's case) goes one by one from the start."""
-    reducer = REGISTRY["account"]
+    reducer = SHOP.reducers["account"]
     rows = []
     for fold in (_StreamFold("", "s", "account", reducer, False), _StreamFold("", "s", "account", reducer, False)):
         fold.prior(json.dumps({"balance": 1.0, "status": "open"}), 3, 0, 0)
@@ -63,7 +64,16 @@ def test_a_run_after_prior_state_and_a_parked_event() -> None:
     assert rows[0] == rows[1]
 
 
-def test_an_unknown_stream_type_fails_in_a_run_as_one_by_one() -> None:
-    run = _StreamFold("", "s", "nobody", None, False)
-    run.events(iter([(1, "X", "{}", None), (2, "Y", "{}", None)]))
-    assert run.error is not None and json.loads(run.error)[:3] == ["s", 1, "X"]
+def test_a_stream_type_without_a_reducer_keeps_its_versions_and_times_alone_as_a_run_and_one_by_one() -> None:
+    events = [(1, "X", "{}", 10), (2, "Y", "not json", 20), (4, "Z", "{}", 40), (3, "Y", "{}", 30), (5, "X", "{}", 50)]
+    one_by_one, as_a_run = _StreamFold("", "s", "nobody", None, False), _StreamFold("", "s", "nobody", None, False)
+    for e in events:
+        one_by_one.event(*e)
+    as_a_run.events(iter(events))
+    assert as_a_run.row() == one_by_one.row()
+    row = as_a_run.row()
+    # (stream, type, version, state, last event at, revision, parked, skipped, folded, error, tenant)
+    assert row[2:6] == (2, None, 20, 0) and json.loads(row[6])[0]["version"] == 4 and row[9] is None
+    in_order = _StreamFold("", "s", "nobody", None, False)
+    in_order.events(iter(sorted(events)))
+    assert in_order.row()[2:7] == (5, None, 50, 0, None) and in_order.row()[8] == 5

@@ -9,11 +9,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import reducers, tables, whole_fold
-from es_pipeline.lake.reducers import REGISTRY, Event, Reducer
+from es_pipeline.lake import tables, whole_fold
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -29,7 +30,7 @@ def full_replay(dsn: StoreDsn) -> dict[str, tuple[int, dict[str, Any]]]:
         ).fetchall()
     for stream_id, stream_type, version, event_type, payload in rows:
         _, state = out.get(stream_id, (0, {}))
-        out[stream_id] = (version, REGISTRY[stream_type].fold(state, Event(stream_id, version, event_type, payload)))
+        out[stream_id] = (version, SHOP.reducers[stream_type].fold(state, Event(stream_id, version, event_type, payload)))
     return out
 
 
@@ -43,13 +44,14 @@ def first_build(request: pytest.FixtureRequest, spark: Any, monkeypatch: pytest.
     """`update_stream_state` with its first build on Spark, or in-process (lake/whole_fold.py: forked even for a
     few events, and with no Spark session to fall back on)."""
     if request.param == "spark":
-        return lambda warehouse, **kw: update_stream_state(spark, warehouse, small_increments=False, **kw)
+        return lambda warehouse, **kw: update_stream_state(spark, warehouse, **{"domain": SHOP, **kw},
+                                                           small_increments=False)
     monkeypatch.setattr(whole_fold, "ONE_PROCESS_ROWS", 0)
 
     def no_spark() -> Any:
         raise AssertionError("the first build asked for Spark")
 
-    return lambda warehouse, **kw: update_stream_state(no_spark, warehouse, **kw)
+    return lambda warehouse, **kw: update_stream_state(no_spark, warehouse, **{"domain": SHOP, **kw})
 
 
 def test_incremental_state_equals_full_replay_after_many_increments_with_concurrent_writers(
@@ -57,18 +59,18 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=10)
     extract_all(dsn.extractor, spark, warehouse)
-    update_stream_state(spark, warehouse)  # warm: the Python workers and the table exist
+    update_stream_state(spark, warehouse, domain=SHOP)  # warm: the Python workers and the table exist
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
         streams=200, events=3000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
     writers.start()
     increments = 0
     while writers.is_alive():
         extract_all(dsn.extractor, spark, warehouse)
-        update_stream_state(spark, warehouse)
+        update_stream_state(spark, warehouse, domain=SHOP)
         increments += 1
     writers.join()
     extract_all(dsn.extractor, spark, warehouse)
-    last = update_stream_state(spark, warehouse)
+    last = update_stream_state(spark, warehouse, domain=SHOP)
     assert increments >= 2 and last.previous_events_version > 0, "the state was built incrementally"
     expected = full_replay(dsn)
     got = lake_state(spark, warehouse)
@@ -81,25 +83,27 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
 def test_a_retried_update_folds_nothing_twice(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=50, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, spark, warehouse)
-    first = update_stream_state(spark, warehouse)
-    again = update_stream_state(spark, warehouse)
+    first = update_stream_state(spark, warehouse, domain=SHOP)
+    again = update_stream_state(spark, warehouse, domain=SHOP)
     assert first.events_folded == 300 and again.events_folded == 0
     assert {k: v[0] for k, v in lake_state(spark, warehouse).items()} == {k: v[0] for k, v in full_replay(dsn).items()}
 
 
 def test_a_revision_bump_rebuilds_that_stream_type_alone(
-    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
     run_workload(EventStore(dsn), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, spark, warehouse)
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     before = {r["stream_id"]: r["updated_at"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
 
     def cart_v2(state: dict[str, Any], event: Event) -> dict[str, Any]:
-        return {**reducers.cart(state, event), "events_seen": int(state.get("events_seen", 0)) + 1}
+        return {**SHOP.reducers["cart"].fold(state, event), "events_seen": int(state.get("events_seen", 0)) + 1}
 
-    monkeypatch.setitem(REGISTRY, "cart", Reducer("cart", 2, cart_v2))
-    result = update_stream_state(spark, warehouse)
+    v2 = Domain("shop v2")
+    v2.add(Reducer("cart", 2, cart_v2))
+    v2.add(SHOP.reducers["account"])
+    result = update_stream_state(spark, warehouse, domain=v2)
     assert result.rebuilt_types == ("cart",)
     rows = {r["stream_id"]: r for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
     carts = [r for r in rows.values() if r["stream_type"] == "cart"]
@@ -155,7 +159,7 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
     assert first.parked_streams == 1
     assert lake_state(spark, warehouse)["acc-g"][0] == 1
     put(2, "Deposited", {"amount": 10})
-    second = update_stream_state(spark, warehouse)
+    second = update_stream_state(spark, warehouse, domain=SHOP)
     assert second.parked_streams == 0
     version, state, _ = lake_state(spark, warehouse)["acc-g"]
     assert version == 3 and state["balance"] == 8.0
@@ -181,12 +185,13 @@ def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: A
     put("a", 1, "Opened", {"owner": "a", "currency": "EUR"})
     put("b", 1, "Opened", {"owner": "b", "currency": "USD"})
     put(None, 1, "Opened", {"owner": "none", "currency": "CHF"})
-    for update in (update_stream_state, update_stream_catalog, update_event_type_daily):
-        update(spark, warehouse, small_increments=False)  # the first build is Spark's
+    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # the first build is Spark's
+    for update in (update_stream_catalog, update_event_type_daily):
+        update(spark, warehouse, small_increments=False)
     put("a", 2, "Deposited", {"amount": 10})
     put("b", 2, "Deposited", {"amount": 5})
     put("b", 3, "Deposited", {"amount": 1})
-    assert update_stream_state(spark, warehouse, small_increments=small).events_folded == 3
+    assert update_stream_state(spark, warehouse, domain=SHOP, small_increments=small).events_folded == 3
     update_stream_catalog(spark, warehouse, small_increments=small)
     update_event_type_daily(spark, warehouse, small_increments=small)
 
@@ -207,14 +212,64 @@ def test_a_stream_state_made_before_tenants_takes_the_column_and_keeps_its_rows(
     tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
     spark.createDataFrame([(1, 1, "acc-o", "account", 1, 1, "Opened", json.dumps({"owner": "o", "currency": "EUR"}),
                             "{}", None, None, 1, None, None)], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
-    update_stream_state(spark, warehouse, small_increments=False)
+    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
     state_path = str(warehouse / "stream_state")
     old = tables.read(spark, state_path).drop("tenant")  # what a release before tenants left
     old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(state_path)
     assert not tables.has_columns(state_path, ["tenant"])
     spark.createDataFrame([(2, 2, "acc-o", "account", 2, 1, "Deposited", json.dumps({"amount": 3}), "{}", None, None, 2,
                             "json", "")], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
-    update_stream_state(spark, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP)
     rows = tables.read(spark, state_path).collect()
     assert [(r["tenant"], r["stream_id"], r["version"], json.loads(r["state"])["balance"]) for r in rows] == [
         ("", "acc-o", 2, 3.0)]
+
+
+def _invoice_domain() -> Domain:
+    """A second team's domain: invoices, which the shop has no reducer for."""
+    billing = Domain("billing")
+
+    @billing.reducer("invoice", revision=1)
+    def invoice(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        if event.event_type == "Issued":
+            return {"amount": event.payload["amount"], "paid": False}
+        return {**state, "paid": True}
+
+    return Domain.merged([SHOP, billing])
+
+
+def test_a_stream_type_without_a_reducer_has_rows_without_state_until_a_reducer_folds_it_from_the_start(
+    dsn: StoreDsn, spark: Any, warehouse: Path, first_build: Any
+) -> None:
+    store = EventStore(dsn)
+    store.append("inv-1", "invoice", [NewEvent("Issued", {"amount": 10}), NewEvent("Paid", {})], 0)
+    store.append("inv-2", "invoice", [NewEvent("Issued", {"amount": 5})], 0)
+    store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "a", "unit_price": 2.0})], 0)
+    extract_all(dsn.extractor, spark, warehouse)
+    built = first_build(warehouse)
+    assert (built.streams_updated, built.without_reducer, built.events_folded) == (3, 2, 4)
+    path = str(warehouse / "stream_state")
+
+    def rows() -> dict[str, Any]:
+        return {r["stream_id"]: r for r in tables.read(spark, path).collect()}
+
+    inv = rows()["inv-1"]
+    assert (inv["version"], inv["state"], inv["revision"], inv["stream_type"]) == (2, None, 0, "invoice")
+    assert inv["last_event_at"] is not None and rows()["cart-1"]["revision"] == 1
+    store.append("inv-2", "invoice", [NewEvent("Paid", {})], 1)
+    extract_all(dsn.extractor, spark, warehouse)
+    increment = update_stream_state(spark, warehouse, domain=SHOP)  # the small increment
+    assert (increment.events_folded, increment.without_reducer) == (1, 1)
+    assert (rows()["inv-2"]["version"], rows()["inv-2"]["state"]) == (2, None)
+    cart_at = rows()["cart-1"]["updated_at"]
+
+    added = update_stream_state(spark, warehouse, domain=_invoice_domain())  # a reducer for invoices: that type, from v1
+    assert added.rebuilt_types == ("invoice",) and added.without_reducer == 0
+    after = rows()
+    assert {s: (after[s]["revision"], json.loads(after[s]["state"])) for s in ("inv-1", "inv-2")} == {
+        "inv-1": (1, {"amount": 10, "paid": True}), "inv-2": (1, {"amount": 5, "paid": True})}
+    assert after["cart-1"]["updated_at"] == cart_at
+    removed = update_stream_state(spark, warehouse, domain=SHOP)  # the reducer gone again: its streams back to rows without state
+    assert removed.rebuilt_types == ("invoice",)
+    assert {(r["stream_id"], r["state"], r["revision"]) for r in rows().values() if r["stream_type"] == "invoice"} == {
+        ("inv-1", None, 0), ("inv-2", None, 0)}

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
@@ -50,9 +51,9 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     spark_lake = tmp_path / "spark-lake"
     shutil.copytree(warehouse / "events", spark_lake / "events")
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
-    built = update_stream_state(_no_spark, warehouse)
+    built = update_stream_state(_no_spark, warehouse, domain=SHOP)
     assert (built.previous_events_version, built.events_folded, built.streams_updated) == (-1, 4000, len(expected))
-    by_spark = update_stream_state(spark, spark_lake, small_increments=False)
+    by_spark = update_stream_state(spark, spark_lake, domain=SHOP, small_increments=False)
     assert (by_spark.events_folded, by_spark.streams_updated) == (4000, len(expected))
     assert _rows(warehouse / "stream_state") == _rows(spark_lake / "stream_state")
     assert tables.transaction_version(str(warehouse / "stream_state"), stream_state.APP_ID) == \
@@ -61,10 +62,10 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
 
     run_workload(store, streams=300, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=32)
     extract_all(dsn.extractor, spark, warehouse)
-    assert update_stream_state(_no_spark, warehouse).events_folded == 600  # the small increment, from the build
+    assert update_stream_state(_no_spark, warehouse, domain=SHOP).events_folded == 600  # the small increment, from the build
     run_workload(store, streams=300, events=300, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=33)
     extract_all(dsn.extractor, spark, warehouse)
-    assert update_stream_state(spark, warehouse, small_increments=False).events_folded == 300  # and Spark's
+    assert update_stream_state(spark, warehouse, domain=SHOP, small_increments=False).events_folded == 300  # and Spark's
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
     assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == expected
 
@@ -75,7 +76,7 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
     extract_all(dsn.extractor, spark, warehouse)
     monkeypatch.setattr(whole_fold, "WHOLE_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
-        update_stream_state(_no_spark, warehouse)
-    assert update_stream_state(spark, warehouse).events_folded == 200
+        update_stream_state(_no_spark, warehouse, domain=SHOP)
+    assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200
     newest = DeltaTable(str(warehouse / "stream_state")).history(1)[0]
     assert "delta-rs" not in str(newest.get("clientVersion", "")), "Spark committed the first build"

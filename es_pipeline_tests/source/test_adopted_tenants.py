@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from shop.domain import domain as SHOP
 
 from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.lake import erase as lake_erase
@@ -37,7 +38,7 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
     (tmp_path / "event.toml").write_text(SEED_TOML)
     source = mapping.load(str(tmp_path / "event.toml"))
     _lands_once(dsn, SEED_DDL, source, _cart, warehouse)
-    update_stream_state(spark, warehouse, store_dsn=dsn.extractor)
+    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
     snapshots = EventStore(dsn.snapshots, snapshots_of=source.consumer)  # as the write-back's own login
     taken = take_snapshots(spark, warehouse, snapshots, threshold=1)
     with psycopg.connect(dsn) as conn:

@@ -10,6 +10,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 
 from es_pipeline.defs.projections.assets import projection_metadata, state_metadata
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.domain import Domain
 from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
 from es_pipeline.extraction.offsets import OffsetSession
@@ -27,9 +28,12 @@ RANGE_TAG = "es_pipeline/slice_range"
 TAIL_TAG = "es_pipeline/tail_seconds"
 
 
-def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) -> dg.AssetsDefinition:
+def build_events_asset(
+    partitions: dg.PartitionsDefinition, settings: Settings, domain: Domain
+) -> dg.AssetsDefinition:
     """The asset over `partitions`. The resources say where (store, lake, Spark); `settings` say how
-    (the writer, and the read path that the Spark master implies)."""
+    (the writer, and the read path that the Spark master implies); `domain`: the reducers a tailing run's
+    `stream_state` increments fold with."""
 
     @dg.asset(
         name="events",
@@ -63,7 +67,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
                 if tail_seconds > 0:
                     return _tail(context, extractor, slice_range, session, tail_seconds, keys,
                                  report_seconds=settings.report_seconds,
-                                 follow=here.pg_dsn if settings.automation else None)
+                                 follow=here.pg_dsn if settings.automation else None, domain=domain)
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
@@ -83,7 +87,7 @@ def build_events_asset(partitions: dg.PartitionsDefinition, settings: Settings) 
 
 def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
-    tail_seconds: float, keys: list[str], *, report_seconds: float, follow: str | None,
+    tail_seconds: float, keys: list[str], *, report_seconds: float, follow: str | None, domain: Domain,
 ) -> dg.MaterializeResult:
     """Passes over `slice_range` for `tail_seconds`, reported as materializations of the partitions they
     brought events to (`_Reports`: at most every `report_seconds`, each with the rows of the passes since the
@@ -95,7 +99,7 @@ def _tail(
     materializations of those projections right after the report of `events`; what needs Spark, or
     fails, is left to the automation's runs."""
     reports = _Reports(context, keys, report_seconds)
-    projections = _Projections(context, extractor.warehouse, follow)
+    projections = _Projections(context, extractor.warehouse, follow, domain)
 
     def on_pass(result: ExtractResult) -> None:
         reported = reports.add(result)
@@ -185,7 +189,10 @@ class _Projections:
     one materialization per projection logged after each report of `events` (`flush`), so that the
     automation sees the projections handled after their dependency (else it would start their runs)."""
 
-    def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None) -> None:
+    def __init__(
+        self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None, domain: Domain
+    ) -> None:
+        self.domain = domain
         self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
         self.last = 0.0
         self.failed = False
@@ -206,7 +213,7 @@ class _Projections:
         try:
             if self.conn is None or self.conn.closed:
                 self.conn = lock_transaction(self.store_dsn, application_name="es_pipeline tail projections")
-            done = small_increments.follow(self.warehouse, self.conn)
+            done = small_increments.follow(self.warehouse, self.conn, self.domain)
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
             self.failed = True
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")

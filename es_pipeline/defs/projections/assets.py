@@ -3,6 +3,7 @@
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.domain import Domain
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import StateResult, update_stream_state
 
@@ -54,22 +55,36 @@ def projection_metadata(r: ProjectionResult) -> dict[str, int | bool]:
 def state_metadata(r: StateResult) -> dict[str, int | str]:
     return {"events_folded": r.events_folded, "streams_updated": r.streams_updated,
             "events_table_version": r.events_version, "parked_streams": r.parked_streams,
-            "skipped_unknown_events": r.skipped_unknown, "rebuilt_types": ", ".join(r.rebuilt_types) or "-"}
+            "skipped_unknown_events": r.skipped_unknown, "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
+            "streams_without_reducer": r.without_reducer}
 
 
-@dg.asset(
-    deps=["events"],
-    kinds={"spark", "delta"},
-    owners=["team:data-engineering"],
-    tags={"layer": "projection"},
-    automation_condition=AFTER_EVENTS,
-    description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
-    "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
-    "from their previous state; a reducer revision bump rebuilds that type alone.",
-)
-def stream_state(spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
-    r = update_stream_state(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
-    return dg.MaterializeResult(metadata=state_metadata(r))
+def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
+    """`stream_state`, folded by `domain`'s reducers (a stream type without one: its rows have no state)."""
+    types = ", ".join(sorted(domain.reducers)) or "none"
+
+    @dg.asset(
+        deps=["events"],
+        kinds={"spark", "delta"},
+        owners=["team:data-engineering"],
+        tags={"layer": "projection"},
+        automation_condition=AFTER_EVENTS,
+        description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
+        "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
+        "from their previous state; a reducer revision bump rebuilds that type alone. A stream type without a "
+        f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).",
+    )
+    def stream_state(
+        spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    ) -> dg.MaterializeResult:
+        r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain, store_dsn=event_store.dsn)
+        return dg.MaterializeResult(metadata=state_metadata(r))
+
+    return stream_state
 
 
-ASSETS = [stream_catalog, event_type_daily, stream_state]
+def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
+    return [stream_catalog, event_type_daily, build_stream_state_asset(domain)]
+
+
+NAMES = ("stream_catalog", "event_type_daily", "stream_state")

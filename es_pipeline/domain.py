@@ -1,0 +1,151 @@
+"""A team's domain, in the team's own package: the reducers that fold its streams into `stream_state`.
+
+es_pipeline holds no domain of its own. A team writes one in its package, built from this module alone:
+
+    # shop/domain.py
+    from es_pipeline.domain import Domain, Event, State, UnknownEventType
+
+    domain = Domain("shop")
+
+    @domain.reducer("order", revision=1)
+    def order(state: State, event: Event) -> State:
+        if event.event_type == "OrderPlaced":
+            return {**state, "status": "placed", "total": event.payload["total"]}
+        raise UnknownEventType(event)
+
+and names the module in `ES_PIPELINE_DOMAIN=shop.domain` (several, comma-separated: one domain per package,
+merged; two that fold the same stream type are refused). docs/domain.md walks through it.
+
+A reducer's `revision`: bump it when its logic changes, and `stream_state` rebuilds that stream type (alone)
+from `events`, and new snapshots are taken. A stream type with no reducer is no error: its streams get their
+row (version, times, type) with no state, and a reducer added later folds them from their first event (its
+revision differs from the row's 0).
+
+Policy for an event type a reducer does not know: the run fails naming stream, version and type
+(`UnknownEventType`); with `skip_unknown=True` the event is skipped and counted instead. A reducer that
+raises, or a payload missing a field (`KeyError`), fails the run naming the stream, version and field;
+nothing of that run is committed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from es_pipeline.errors import DomainError
+
+State = dict[str, Any]
+
+
+class Event(NamedTuple):
+    """One event as a reducer sees it (a named tuple: made once per event folded, so it must be cheap)."""
+
+    stream_id: str
+    version: int
+    event_type: str
+    payload: dict[str, Any]
+
+
+class UnknownEventType(Exception):
+    """Raised by a reducer for an event type it has no case for (the policy: the module docstring)."""
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        super().__init__(f"no reducer case for event type {event.event_type!r}")
+
+
+Fold = Callable[[State, Event], State]
+
+
+@dataclass(frozen=True)
+class Reducer:
+    stream_type: str
+    revision: int
+    fold: Fold
+    domain: str = ""  # the name of the domain that registered it (for messages)
+
+
+class Domain:
+    """What a team registers: reducers by stream type. Made once per package, at import."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reducers: dict[str, Reducer] = {}
+
+    def __repr__(self) -> str:
+        return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
+
+    def reducer(self, stream_type: str, *, revision: int) -> Callable[[Fold], Fold]:
+        """Register the decorated function as the reducer of `stream_type` (see the module docstring)."""
+        if not isinstance(revision, int) or isinstance(revision, bool) or not 0 < revision < 1000:
+            raise DomainError(f"the reducer of {stream_type!r} in domain {self.name!r} has revision {revision!r}",
+                              "A revision is a whole number from 1 to 999: start at 1, add one when its logic changes.")
+
+        def register(fn: Fold) -> Fold:
+            self.add(Reducer(stream_type, revision, fn, self.name))
+            return fn
+
+        return register
+
+    def add(self, reducer: Reducer) -> None:
+        held = self.reducers.get(reducer.stream_type)
+        if held is not None and held.fold is not reducer.fold:
+            raise DomainError(
+                f"two reducers fold stream type {reducer.stream_type!r}: {_name(held)} (domain {held.domain!r}) "
+                f"and {_name(reducer)} (domain {reducer.domain!r})",
+                "A stream type has one reducer: remove one, or name one of the modules in ES_PIPELINE_DOMAIN only.")
+        self.reducers[reducer.stream_type] = reducer
+
+    def revisions(self) -> dict[str, int]:
+        return {t: r.revision for t, r in self.reducers.items()}
+
+    @classmethod
+    def merged(cls, domains: Iterable[Domain]) -> Domain:
+        """One domain holding what each of `domains` registered (refused where two register the same stream type)."""
+        listed = list(domains)
+        out = cls(" + ".join(d.name for d in listed) or "none")
+        for d in listed:
+            for r in d.reducers.values():
+                out.add(r)
+        return out
+
+
+def _name(reducer: Reducer) -> str:
+    fn = reducer.fold
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+NO_DOMAIN = Domain("none")  # a store's events, with no reducer: every stream's row without state
+
+
+def load(modules: Sequence[str]) -> Domain:
+    """The domain that `modules` register (each module's `Domain` objects, or the one its `:attribute` names),
+    merged; `NO_DOMAIN` for none. Imports them: what a module registers at import is registered then."""
+    found: list[Domain] = []
+    for spec in modules:
+        name, _, attribute = spec.partition(":")
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise DomainError(
+                f"ES_PIPELINE_DOMAIN names module {name!r}, which cannot be imported ({exc})",
+                "Install the team's package into es_pipeline's environment (`uv pip install -e path/to/package`, "
+                "or a dependency of the project) and check the module's name.") from exc
+        if attribute:
+            value = getattr(module, attribute, None)
+            if not isinstance(value, Domain):
+                raise DomainError(f"ES_PIPELINE_DOMAIN names {spec!r}, which is not a Domain ({type(value).__name__})",
+                                  f"Name a module, or a `Domain` object in it (`{name}:domain`).")
+            found.append(value)
+            continue
+        held = [v for v in vars(module).values() if isinstance(v, Domain)]
+        unique = list({id(d): d for d in held}.values())
+        if not unique:
+            raise DomainError(f"module {name!r} (ES_PIPELINE_DOMAIN) holds no Domain",
+                              "Make one there (`domain = Domain(\"name\")`) and register the reducers on it.")
+        found.extend(unique)
+    if not found:
+        return NO_DOMAIN
+    return found[0] if len(found) == 1 else Domain.merged(found)

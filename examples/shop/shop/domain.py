@@ -1,0 +1,54 @@
+"""The shop's domain: how its carts and accounts fold into `stream_state`.
+
+Built from es_pipeline's public API (`es_pipeline.domain`) alone; es_pipeline finds it through
+`ES_PIPELINE_DOMAIN=shop.domain`, or the code location in `shop/definitions.py` names it.
+"""
+
+from __future__ import annotations
+
+from es_pipeline.domain import Domain, Event, State, UnknownEventType
+
+domain = Domain("shop")
+
+
+@domain.reducer("cart", revision=1)
+def cart(state: State, event: Event) -> State:
+    items: dict[str, int] = dict(state.get("items", {}))
+    prices: dict[str, float] = dict(state.get("prices", {}))
+    p = event.payload
+    if event.event_type == "ItemAdded":
+        items[p["sku"]] = items.get(p["sku"], 0) + int(p.get("qty", 1))
+        if "unit_price" in p:
+            prices[p["sku"]] = float(p["unit_price"])
+        status = "open"
+    elif event.event_type == "ItemRemoved":
+        items.pop(p["sku"], None)
+        prices.pop(p["sku"], None)
+        status = "open"
+    elif event.event_type == "CheckedOut":
+        status = "checked_out"
+    else:
+        raise UnknownEventType(event)
+    total = round(sum(q * prices.get(sku, 0.0) for sku, q in items.items()), 2)
+    return {"items": items, "prices": prices, "total": total, "status": status}
+
+
+@domain.reducer("account", revision=1)
+def account(state: State, event: Event) -> State:
+    balance = float(state.get("balance", 0.0))
+    s = dict(state)
+    p = event.payload
+    if event.event_type == "Opened":
+        s.update(owner=p["owner"], currency=p["currency"], status="open", balance=0.0, overdraft_attempts=0)
+    elif event.event_type == "Deposited":
+        s["balance"] = round(balance + float(p["amount"]), 2)
+    elif event.event_type == "Withdrawn":
+        amount = float(p["amount"])
+        if amount > balance:
+            s["overdraft_attempts"] = int(s.get("overdraft_attempts", 0)) + 1
+        s["balance"] = round(balance - amount, 2)
+    elif event.event_type == "Closed":
+        s["status"] = "closed"
+    else:
+        raise UnknownEventType(event)
+    return s
