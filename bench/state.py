@@ -34,7 +34,8 @@ from bench.extract_incremental import append_increment
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake import tables
-from es_pipeline.lake.stream_state import StateResult, update_stream_state
+from es_pipeline.lake.fold import StateResult
+from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.lake.whole_fold import WHOLE_BYTES
 
 INCREMENTAL = "state_incremental"
@@ -127,7 +128,7 @@ def run_incremental(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str,
         "notes": [
             f"Each increment: {sizes.increment:,} account events on new streams (10 per transaction), extracted "
             "(not timed), then `update_stream_state` timed end to end. Spark: the change feed of the new `events` "
-            "commit, the fold (`mapInArrow` per partition), the MERGE. Arrow + delta-rs (lake/small_increments.py, "
+            "commit, the fold (`mapInArrow` per partition), the MERGE. Arrow + delta-rs (lake/stream_state.py's small increment, "
             "the default up to 200,000 new events): the change feed read by delta-rs, the state table read whole, "
             f"the same fold in this process, a delta-rs MERGE. Median of {sizes.repeats} each.",
         ],

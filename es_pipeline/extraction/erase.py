@@ -37,6 +37,7 @@ from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import stream_state as st
 from es_pipeline.lake import tables
+from es_pipeline.lake.fold import txn_version_after
 from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.settings import Settings
@@ -79,7 +80,7 @@ def _projection_after(name: str, path: str, before: int, erased_at: int) -> tupl
         return None, False  # never built: its first update builds it whole anyway
     if name == "stream_state":  # its txn versions carry the reducers' revisions it folded with: kept as they are
         def at(v: int) -> int:
-            return st.txn_version_after(int(read), v)
+            return txn_version_after(int(read), v)
     else:
         def at(v: int) -> int:
             return v

@@ -1,118 +1,24 @@
-"""Read models over the Delta `events` table: Spark, or for a small increment Arrow and delta-rs (no Dagster here)."""
+"""The built-in projections of `events` that need no domain: `stream_catalog` and `event_type_daily` (additive
+aggregates, lake/aggregate.py), and `follow`, every projection's small increment for a tailing run."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pyarrow as pa
 
-from es_pipeline.lake import small_increments as small
+from es_pipeline.domain import Domain
 from es_pipeline.lake import tables
-from es_pipeline.lake.serial import Turn, one_at_a_time
+from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
+from es_pipeline.lake.feed import Feed
+from es_pipeline.lake.fold import READ_COLUMNS, StateResult
+from es_pipeline.lake.serial import turn_if_free
+from es_pipeline.lake.stream_state import small_increment
+from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProjectionResult:
-    rows: int  # rows of the table after the run
-    events_version: int  # the `events` table version now folded in
-    previous_events_version: int  # -1: the table was (re)built from the whole of `events`
-    events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
-    keys_updated: int  # rows inserted or updated by this run
-
-
-@dataclass(frozen=True)
-class _Projection:
-    """An additive aggregate of `events`, kept incrementally.
-
-    Each run aggregates only the rows that the `events` commits since the last run added (Delta's
-    change data feed) and merges them in: counts add up, first/last times take the min/max. The
-    `events` version folded in is the MERGE's own Delta transaction id (`txnAppId`/`txnVersion`),
-    committed atomically with the rows, so a retry or a crash never counts an event twice. The
-    first run, or one on a table with no such id, builds from the whole table instead.
-    """
-
-    name: str
-    key: tuple[str, ...]
-    aggregate: Callable[[Any], Any]  # events frame -> one row per key
-    aggregate_arrow: Callable[[pa.Table], pa.Table]  # the same over Arrow rows (lake/small_increments.py)
-    columns: tuple[str, ...]  # the events columns both aggregates read
-    updates: dict[str, str]  # per column, how the row (t) takes an increment (u): Spark SQL and DataFusion alike
-
-    @property
-    def app_id(self) -> str:
-        return f"es_pipeline.{self.name}"
-
-    @property
-    def merge_set(self) -> str:
-        """The UPDATE SET clause of Spark's MERGE."""
-        return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
-
-    def update(
-        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
-    ) -> ProjectionResult:
-        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
-
-        `spark`: a session, or a function that returns one, called only if Spark is needed: a small
-        increment is aggregated and merged without a JVM (lake/small_increments.py) unless told not to."""
-        with one_at_a_time(store_dsn, self.name) as turn:
-            if small_increments:
-                done = small.update_projection(self, warehouse, turn)
-                if done is not None:
-                    return done
-            return self._update(tables.session_of(spark), warehouse, turn)
-
-    def _update(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
-        events_path = tables.table_path(warehouse, "events")
-        path = tables.table_path(warehouse, self.name)
-        now = tables.table_version(spark, events_path)
-        prev = tables.transaction_version(path, self.app_id)
-        if prev is not None and not tables.has_columns(path, self.key):
-            prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
-        if prev is not None and prev >= now:
-            return ProjectionResult(_count(spark, path), now, prev, 0, 0)
-        if prev is not None:
-            agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
-            try:
-                n, read = _figures(agg)
-                turn.confirm(path, self.app_id, prev)
-                tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
-                return ProjectionResult(_count(spark, path), now, prev, read, n)
-            except tables.spark_errors() as exc:
-                if not tables.change_feed_gone(exc):
-                    raise
-                # The files of those commits were vacuumed (the projection lagged past the retention):
-                # the increment cannot be read, so the table is built whole, as on a first run.
-                log.warning("%s: the change feed after version %s is gone (vacuumed); rebuilding", self.name, prev)
-            finally:
-                agg.unpersist()
-        # First run, a table of an older es_pipeline, or a change feed vacuumed away: build it whole.
-        agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
-        try:
-            n, read = _figures(agg)
-            turn.confirm(path, self.app_id, prev)
-            (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-             .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
-        finally:
-            agg.unpersist()
-        return ProjectionResult(_count(spark, path), now, -1, read, n)
-
-
-def _count(spark: Any, path: str) -> int:
-    return int(tables.read(spark, path).count())
-
-
-def _figures(agg: Any) -> tuple[int, int]:
-    """(keys, events) of an aggregate, in one job."""
-    from pyspark.sql import functions as F
-
-    row = agg.agg(F.count(F.lit(1)).alias("keys"), F.sum("events").alias("events")).first()
-    return int(row["keys"] or 0), int(row["events"] or 0)
+_AT = pa.timestamp("us", tz="UTC")
 
 
 # Every projection is keyed by tenant first; `tenant` is their last column, where a table of an older
@@ -152,9 +58,11 @@ def _daily_arrow(events: pa.Table) -> pa.Table:
                      "events": g["count_all"].cast(pa.int64()), "tenant": g["tenant"]})
 
 
-STREAM_CATALOG = _Projection(
-    name="stream_catalog",
-    key=("tenant", "stream_id"),
+STREAM_CATALOG = Aggregate(
+    Table("stream_catalog", pa.schema([
+        ("stream_id", pa.string()), ("stream_type", pa.string()), ("first_event_at", _AT), ("version", pa.int32()),
+        ("events", pa.int64()), ("last_event_at", _AT), ("tenant", pa.string())]),
+        key=("tenant", "stream_id"), comment="one row per stream: type, first and last event, count, version"),
     aggregate=_catalog,
     aggregate_arrow=_catalog_arrow,
     columns=("tenant", "stream_id", "stream_type", "recorded_at", "version"),
@@ -164,9 +72,11 @@ STREAM_CATALOG = _Projection(
     },
 )
 
-EVENT_TYPE_DAILY = _Projection(
-    name="event_type_daily",
-    key=("tenant", "stream_type", "event_type", "event_date"),
+EVENT_TYPE_DAILY = Aggregate(
+    Table("event_type_daily", pa.schema([
+        ("stream_type", pa.string()), ("event_type", pa.string()), ("event_date", pa.date32()),
+        ("events", pa.int64()), ("tenant", pa.string())]),
+        key=("tenant", "stream_type", "event_type", "event_date"), comment="events per stream type, event type and day"),
     aggregate=_daily,
     aggregate_arrow=_daily_arrow,
     columns=("tenant", "stream_type", "event_type", "event_date"),
@@ -186,3 +96,27 @@ def update_event_type_daily(
 ) -> ProjectionResult:
     """Stream type x event type x day: count (incremental)."""
     return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
+
+
+def follow(
+    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain
+) -> dict[str, ProjectionResult | StateResult]:
+    """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
+    this way), from one read of `events`' change feed. A projection whose turn another update holds, or
+    that needs Spark, is left out: its automation's run does it. `store`: the store's DSN, or a
+    `lock_transaction` connection kept for the turns."""
+    events_path = tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(events_path):
+        return {}
+    events_feed = Feed(events_path, [*READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
+    done: dict[str, ProjectionResult | StateResult] = {}
+    with turn_if_free(store, "stream_state") as turn:
+        state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
+        if state is not None:
+            done["stream_state"] = state
+    for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
+        with turn_if_free(store, projection.name) as turn:
+            result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None
+            if result is not None:
+                done[projection.name] = result
+    return done

@@ -7,12 +7,12 @@ every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over th
 1. the table's current files read by pyarrow (one version of `events`, the one the build records);
 2. split by slice (a stream lives in one slice) over one forked process per core (one process below
    `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
-   and folds it stream by stream with `_StreamFold.events` (the same reducers and rules as Spark's workers);
-3. the rows written by delta-rs under the same Delta transaction id (app id, version) Spark's MERGE
-   carries, inside the table's turn, so either engine goes on from what the other folded.
+   and folds it stream by stream with `StreamFold.events` (the same reducers and rules as Spark's workers);
+3. the output returned to lake/stream_state.py, which writes it with delta-rs under the same Delta
+   transaction id (app id, version) Spark's MERGE carries, inside the table's turn, so either engine goes on
+   from what the other folded.
 
-Anything else returns None and Spark does it: a larger table, a state already built (increments, reducer
-revision rebuilds), a change feed vacuumed away, `events` with deletion vectors.
+A larger table, or `events` with deletion vectors, returns None, and Spark does it.
 """
 
 from __future__ import annotations
@@ -22,70 +22,39 @@ from bisect import bisect_left
 from concurrent.futures import ProcessPoolExecutor
 from itertools import islice
 from multiprocessing import get_context
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
-from es_pipeline.lake import small_increments as small
-from es_pipeline.lake import tables
-from es_pipeline.lake.serial import Turn
+from es_pipeline.lake import feed, tables
+from es_pipeline.lake.fold import FOLD_COLUMNS, FOLD_OUT, StreamFold, fold_out_batch
 from es_pipeline.source import payloads
-
-if TYPE_CHECKING:
-    from es_pipeline.lake.stream_state import StateResult
 
 WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here
 ONE_PROCESS_ROWS = 200_000  # below, one process: a fork costs more than it saves
 CHUNK = 65_536  # events taken and turned into Python objects at a time (whole streams)
-_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]
 
 # What a forked worker inherits: the events read, the fold's arguments, and the slice bounds of the shares
 # (set before the fork, cleared after).
 _SHARED: tuple[pa.Table, dict[str, Reducer], bool, list[int]] | None = None
 
 
-def state_schema() -> pa.Schema:
-    """`stream_state`'s columns as Arrow types, in the order of `stream_state.STATE_DDL`."""
-    return pa.schema([
-        ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
-        ("last_event_at", pa.timestamp("us", tz="UTC")), ("revision", pa.int32()), ("parked", pa.string()),
-        ("skipped", pa.int32()), ("updated_at", pa.timestamp("us", tz="UTC")), ("tenant", pa.string()),
-    ])
-
-
-def first_build(warehouse: tables.Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
-    """Build `stream_state` from every event here, or None: Spark's to do (see the module)."""
-    from es_pipeline.lake import stream_state as st
-
-    events_path = tables.table_path(warehouse, "events")
-    state_path = tables.table_path(warehouse, "stream_state")
-    if not tables.is_delta_table(events_path):
-        return None
-    if tables.is_delta_table(state_path):
-        state = DeltaTable(state_path)
-        if state.transaction_version(st.APP_ID) is not None or small._row_count(state):
-            return None  # built already: an increment, or a revision rebuild, is Spark's or the small path's
+def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa.Table, int] | None:
+    """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
+    read), or None: Spark's to do (see the module)."""
     events = DeltaTable(events_path)
-    if "deletionVectors" in (events.protocol().writer_features or []):
+    if feed.has_deletion_vectors(events):
         return None  # its files alone are not its rows
     adds = pa.table(events.get_add_actions(flatten=True))
     if adds.num_rows and int(pc.sum(adds["size_bytes"]).as_py() or 0) > WHOLE_BYTES:
         return None
     now = int(events.version())
     held = set(events.schema().to_arrow().names)
-    columns = [c for c in [*_COLUMNS, "payload_encoding", "slice"] if c in held]
-    rows = payloads.for_reducers(tables.tenant_filled(small._files(events_path, events).to_table(columns=columns)))
-    out = _fold(rows, dict(domain.reducers), skip_unknown)
-    updates = st.arrow_updates(out)
-    schema = state_schema()
-    tables.ensure_table_arrow(state_path, schema, comment="es_pipeline: current state per stream")
-    turn.confirm(state_path, st.APP_ID, None)
-    write_deltalake(state_path, updates.select(schema.names).cast(schema), mode="append",
-                    commit_properties=small._commit_properties(st.APP_ID, st.txn_version(now, domain.reducers)))
-    return st.arrow_result(out, now, -1)
+    columns = [c for c in [*FOLD_COLUMNS, "payload_encoding", "slice"] if c in held]
+    rows = payloads.for_reducers(tables.tenant_filled(feed.files(events_path, events).to_table(columns=columns)))
+    return _fold(rows, dict(domain.reducers), skip_unknown), now
 
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
@@ -112,9 +81,7 @@ def _fold_share(share: int) -> pa.Table:
 
     The rows are ordered by stream and version without sorting strings: the share's tenants and stream ids
     become dictionary codes, and the codes are sorted. Then `CHUNK` events at a time (whole streams) are
-    taken in that order and folded stream by stream (`_StreamFold.events`)."""
-    from es_pipeline.lake import stream_state as st
-
+    taken in that order and folded stream by stream (`StreamFold.events`)."""
     assert _SHARED is not None
     rows, registry, skip_unknown, bounds = _SHARED
     ids = None
@@ -144,12 +111,11 @@ def _fold_share(share: int) -> pa.Table:
         run = zip(*(column.slice(lo, n).to_pylist() for column in events), strict=True)
         for k in range(first, end):
             stream_type = heads[2][k]
-            fold = st._StreamFold(heads[1][k], heads[0][k], stream_type, registry.get(stream_type), skip_unknown)
+            fold = StreamFold(heads[1][k], heads[0][k], stream_type, registry.get(stream_type), skip_unknown)
             fold.events(islice(run, starts[k + 1] - starts[k]))
             out.append(fold.row())
         first = end
-    schema = st._fold_out_arrow_schema()
-    return pa.Table.from_batches([st.fold_out_batch(out, schema)] if out else [], schema=schema)
+    return pa.Table.from_batches([fold_out_batch(out)] if out else [], schema=FOLD_OUT)
 
 
 def _codes(values: pa.Array) -> pa.Array:

@@ -1,4 +1,5 @@
-"""Small increments of the projections (lake/small_increments.py): no Spark, delta-rs commits, same tables."""
+"""Small increments of the projections (the Arrow paths of lake/stream_state.py and lake/aggregate.py, and
+`follow`): no Spark, delta-rs commits, same tables."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.lake import small_increments
+from es_pipeline.lake import feed
 from es_pipeline.lake.maintenance import compact_with_delta_rs
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.projections import follow, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction
 from es_pipeline.store.event_store import EventStore
@@ -83,7 +84,7 @@ def test_an_increment_over_the_small_limit_goes_to_spark(
     run_workload(store, streams=10, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=3)
     extract_all(dsn.extractor, None, warehouse)
     _update_all(spark, warehouse, dsn)
-    monkeypatch.setattr(small_increments, "SMALL_INCREMENT", 40)
+    monkeypatch.setattr(feed, "SMALL_INCREMENT", 40)
     run_workload(store, streams=10, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=4)
     extract_all(dsn.extractor, None, warehouse)
     state, catalog, daily = _update_all(spark, warehouse, dsn)
@@ -103,13 +104,13 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
     extract_all(dsn.extractor, None, warehouse)
     _update_all(spark, warehouse, dsn)
     reads: list[int] = []
-    real = small_increments.new_rows
+    real = feed.new_rows
 
     def counted(events: Any, after: int, upto: int, columns: list[str]) -> Any:
         reads.append(after)
         return real(events, after, upto, columns)
 
-    monkeypatch.setattr(small_increments, "new_rows", counted)
+    monkeypatch.setattr(feed, "new_rows", counted)
     with lock_transaction(dsn.extractor, application_name="test follow") as conn:
         for seed, behind in ((6, False), (7, True)):
             run_workload(store, streams=20, events=60, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
@@ -119,7 +120,7 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
                 run_workload(store, streams=20, events=30, writers=1, rollback_rate=0, max_commit_delay=0, seed=8)
                 extract_all(dsn.extractor, None, warehouse)
             reads.clear()
-            done = small_increments.follow(warehouse, conn, SHOP)
+            done = follow(warehouse, conn, SHOP)
             assert set(done) == set(PROJECTIONS)
             assert len(reads) == (2 if behind else 1), reads
             assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE

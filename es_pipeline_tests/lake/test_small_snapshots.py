@@ -16,8 +16,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
-from es_pipeline.lake.small_snapshots import latest
-from es_pipeline.lake.snapshots import APP_ID, take_snapshots
+from es_pipeline.lake.snapshots import APP_ID, latest, take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn

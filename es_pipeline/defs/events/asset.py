@@ -16,8 +16,8 @@ from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_ext
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import tail
-from es_pipeline.lake import small_increments
-from es_pipeline.lake.stream_state import StateResult
+from es_pipeline.lake.fold import StateResult
+from es_pipeline.lake.projections import follow
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import lock_transaction
@@ -184,7 +184,7 @@ _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated") 
 
 
 class _Projections:
-    """The projections a tailing run keeps fresh (lake/small_increments.py `follow`), their turns taken on
+    """The projections a tailing run keeps fresh (lake/projections.py `follow`), their turns taken on
     one connection to the store kept for the run. Their updates are reported as the passes are: gathered,
     one materialization per projection logged after each report of `events` (`flush`), so that the
     automation sees the projections handled after their dependency (else it would start their runs)."""
@@ -213,7 +213,7 @@ class _Projections:
         try:
             if self.conn is None or self.conn.closed:
                 self.conn = lock_transaction(self.store_dsn, application_name="es_pipeline tail projections")
-            done = small_increments.follow(self.warehouse, self.conn, self.domain)
+            done = follow(self.warehouse, self.conn, self.domain)
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
             self.failed = True
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")

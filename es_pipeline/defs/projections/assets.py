@@ -4,8 +4,9 @@ import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.domain import Domain
+from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import StateResult, update_stream_state
+from es_pipeline.lake.stream_state import update_stream_state
 
 # Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
 # and reports each pass as a materialization; the projections read a committed version of `events` anyway.

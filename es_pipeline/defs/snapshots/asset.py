@@ -24,7 +24,7 @@ def snapshots(
     config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
     # The write-back goes through the snapshot writer's own login when ES_PIPELINE_SNAPSHOT_DSN names one.
-    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/small_snapshots.py).
+    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/snapshots.py).
     r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(), threshold=config.threshold)
     return dg.MaterializeResult(metadata={
         "dagster/row_count": r.taken, "written_back": r.written_back, "stream_state_version": r.state_version,

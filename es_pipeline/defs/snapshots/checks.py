@@ -3,8 +3,7 @@
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
-from es_pipeline.lake.small_snapshots import not_in_store_small
-from es_pipeline.lake.snapshots import not_in_store
+from es_pipeline.lake.snapshots import not_in_store, not_in_store_small
 
 
 @dg.asset_check(

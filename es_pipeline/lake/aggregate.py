@@ -1,0 +1,161 @@
+"""`Aggregate`: a table of additive aggregates of `events` (counts add up, first/last times take the min/max),
+kept incrementally by Spark, or for a small increment by pyarrow and delta-rs (no Dagster here).
+
+The built-in ones, `stream_catalog` and `event_type_daily`, are in lake/projections.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from es_pipeline.lake import feed, tables
+from es_pipeline.lake.feed import Feed
+from es_pipeline.lake.serial import Turn, one_at_a_time
+from es_pipeline.lake.table import Table
+from es_pipeline.lake.tables import Location
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProjectionResult:
+    rows: int  # rows of the table after the run
+    events_version: int  # the `events` table version now folded in
+    previous_events_version: int  # -1: the table was (re)built from the whole of `events`
+    events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
+    keys_updated: int  # rows inserted or updated by this run
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """An additive aggregate of `events`, kept incrementally: `table`, and how its rows are computed and merged.
+
+    Each run aggregates only the rows that the `events` commits since the last run added (Delta's
+    change data feed) and merges them in: counts add up, first/last times take the min/max. The
+    `events` version folded in is the MERGE's own Delta transaction id (`txnAppId`/`txnVersion`),
+    committed atomically with the rows, so a retry or a crash never counts an event twice. The
+    first run, or one on a table with no such id, builds from the whole table instead.
+    """
+
+    table: Table
+    aggregate: Callable[[Any], Any]  # events frame -> one row per key, in the table's columns
+    aggregate_arrow: Callable[[pa.Table], pa.Table]  # the same over Arrow rows (the small increment's)
+    columns: tuple[str, ...]  # the events columns both aggregates read
+    updates: dict[str, str]  # per column, how the row (t) takes an increment (u): Spark SQL and DataFusion alike
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return self.table.key
+
+    @property
+    def app_id(self) -> str:
+        return self.table.app_id
+
+    @property
+    def merge_set(self) -> str:
+        """The UPDATE SET clause of Spark's MERGE."""
+        return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
+
+    def update(
+        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+    ) -> ProjectionResult:
+        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
+
+        `spark`: a session, or a function that returns one, called only if Spark is needed: a small
+        increment is aggregated and merged without a JVM (`small_increment`) unless told not to."""
+        with one_at_a_time(store_dsn, self.name) as turn:
+            if small_increments:
+                done = self.small_increment(warehouse, turn)
+                if done is not None:
+                    return done
+            return self._update_with_spark(tables.session_of(spark), warehouse, turn)
+
+    def small_increment(
+        self, warehouse: Location, turn: Turn, events_feed: Feed | None = None
+    ) -> ProjectionResult | None:
+        """The increment aggregated by pyarrow and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events);
+        None: Spark's to do (a first build, a larger increment, a change feed vacuumed away). `events_feed`:
+        `events`' change feed shared with other increments (else read here)."""
+        events_path = tables.table_path(warehouse, "events")
+        path = self.table.path(warehouse)
+        if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+            return None
+        target = DeltaTable(path)
+        prev = target.transaction_version(self.app_id)
+        if prev is None or not tables.has_columns(target, self.key):
+            return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
+        events_feed = events_feed or Feed(events_path, list(self.columns))
+        now = events_feed.version
+        if prev >= now:
+            return ProjectionResult(feed.row_count(target), now, int(prev), 0, 0)
+        rows = events_feed.rows(int(prev), list(self.columns))
+        if rows is None:
+            return None
+        agg = self.aggregate_arrow(rows)
+        turn.confirm(path, self.app_id, int(prev))
+        if agg.num_rows:
+            target.merge(agg, predicate=" AND ".join(f"t.{k} = u.{k}" for k in self.key), source_alias="u",
+                         target_alias="t", commit_properties=feed.commit_properties(self.app_id, now)) \
+                .when_matched_update(self.updates).when_not_matched_insert_all().execute()
+        else:  # nothing added (only compaction since): record the version all the same
+            target.create_write_transaction([], mode="append", schema=target.schema(),
+                                            commit_properties=feed.commit_properties(self.app_id, now))
+        target.update_incremental()
+        return ProjectionResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
+
+    def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
+        events_path = tables.table_path(warehouse, "events")
+        path = self.table.path(warehouse)
+        now = tables.table_version(spark, events_path)
+        prev = tables.transaction_version(path, self.app_id)
+        if prev is not None and not tables.has_columns(path, self.key):
+            prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
+        if prev is not None and prev >= now:
+            return ProjectionResult(_count(spark, path), now, prev, 0, 0)
+        if prev is not None:
+            agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
+            try:
+                n, read = _figures(agg)
+                turn.confirm(path, self.app_id, prev)
+                tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
+                return ProjectionResult(_count(spark, path), now, prev, read, n)
+            except tables.spark_errors() as exc:
+                if not tables.change_feed_gone(exc):
+                    raise
+                # The files of those commits were vacuumed (the projection lagged past the retention):
+                # the increment cannot be read, so the table is built whole, as on a first run.
+                log.warning("%s: the change feed after version %s is gone (vacuumed); rebuilding", self.name, prev)
+            finally:
+                agg.unpersist()
+        # First run, a table of an older es_pipeline, or a change feed vacuumed away: build it whole.
+        agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
+        try:
+            n, read = _figures(agg)
+            turn.confirm(path, self.app_id, prev)
+            (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+             .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
+        finally:
+            agg.unpersist()
+        return ProjectionResult(_count(spark, path), now, -1, read, n)
+
+
+def _count(spark: Any, path: str) -> int:
+    return int(tables.read(spark, path).count())
+
+
+def _figures(agg: Any) -> tuple[int, int]:
+    """(keys, events) of an aggregate, in one job."""
+    from pyspark.sql import functions as F
+
+    row = agg.agg(F.count(F.lit(1)).alias("keys"), F.sum("events").alias("events")).first()
+    return int(row["keys"] or 0), int(row["events"] or 0)

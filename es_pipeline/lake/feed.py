@@ -1,0 +1,93 @@
+"""Reading Delta tables without a JVM: `events`' change feed since a version, a table's files, its row count.
+
+What the Arrow paths of every table share (lake/stream_state.py, lake/aggregate.py, lake/snapshots.py): the
+rows that the `events` commits after a version added, read by delta-rs from Delta's change data feed (which
+leaves out compaction's rewrites); a table's current files as one pyarrow dataset; the Delta transaction
+an update commits with.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import CommitProperties, DeltaTable, Transaction
+
+from es_pipeline.lake import tables
+
+SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
+
+
+def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str]) -> pa.Table | None:
+    """The rows that the `events` commits after..upto (inclusive) added, or None when they number more than
+    `SMALL_INCREMENT` or cannot be read (their files vacuumed): then Spark takes the update."""
+    try:
+        feed = pa.RecordBatchReader.from_stream(events.load_cdf(
+            starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"]))
+        batches, rows = [], 0
+        for batch in feed:
+            rows += batch.num_rows
+            if rows > SMALL_INCREMENT:
+                return None
+            batches.append(batch)
+    except Exception as exc:  # noqa: BLE001 - a vacuumed file goes to Spark's rebuild; anything else re-raises
+        if tables.change_feed_gone(exc):
+            return None
+        raise
+    table = plain(pa.Table.from_batches(batches, schema=feed.schema))
+    return table.filter(pc.equal(table["_change_type"], "insert")).select(columns)
+
+
+class Feed:
+    """`events`' change feed up to its version now, read once for several increments (a tailing run folds
+    the three projections one after another, usually from the same version): each asks for the rows after
+    its own version, in its own columns. The table's log is loaded once."""
+
+    def __init__(self, events_path: str, columns: list[str]) -> None:
+        self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
+        self.version = self.table.version()
+        self._after: int | None = None
+        self._rows: pa.Table | None = None
+
+    def rows(self, after: int, columns: list[str]) -> pa.Table | None:
+        """The rows the commits after..version added (None: more than `SMALL_INCREMENT`, or vacuumed)."""
+        if self._after is None or after < self._after:
+            self._after = after
+            self._rows = new_rows(self.table, after, self.version, [*self.columns, "_commit_version"])
+        if self._rows is None:
+            return None
+        rows = self._rows
+        if after > self._after:
+            rows = rows.filter(pc.greater(rows["_commit_version"], after))
+        return rows.select(columns)
+
+
+def plain(table: pa.Table) -> pa.Table:
+    """delta-rs reads strings as `string_view`, which pyarrow's kernels do not all take: plain strings."""
+    return table.cast(plain_schema(table.schema))
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([pa.field(f.name, pa.string(), f.nullable) if f.type == pa.string_view() else f for f in schema])
+
+
+def files(path: str, table: DeltaTable) -> ds.Dataset:
+    """The table's current Parquet files as a pyarrow dataset of one schema (plain strings)."""
+    fs, _ = tables.filesystem(path)
+    names = [uri.split("://", 1)[1] if "://" in uri else uri for uri in table.file_uris()]
+    # One schema for every file, with plain strings: delta-rs writes string_view into its files' Arrow schema.
+    return ds.dataset(names, format="parquet", filesystem=fs, schema=plain_schema(pa.schema(table.schema().to_arrow())))
+
+
+def row_count(table: DeltaTable) -> int:
+    adds = pa.table(table.get_add_actions(flatten=True))
+    return int(pc.sum(adds["num_records"]).as_py() or 0) if adds.num_rows else 0
+
+
+def commit_properties(app_id: str, version: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(app_id, version)])
+
+
+def has_deletion_vectors(table: DeltaTable) -> bool:
+    """Whether the table may mark rows deleted without rewriting their files: then its files alone are not its rows."""
+    return "deletionVectors" in (table.protocol().writer_features or [])

@@ -1,0 +1,338 @@
+"""The per-stream fold: each stream's events, in version order, through its type's reducer (no Delta here).
+
+What `stream_state` keeps (lake/stream_state.py) is made here, the same way on every engine: Spark's
+Python workers (`fold_partitions`, a `mapInArrow` function), a small increment in this process, and the
+first build's forked processes (lake/whole_fold.py) all fold with `StreamFold`:
+
+- a stream's versions can reach the lake out of order (two transactions whose xids are in the other order
+  than their commits), so only the contiguous run after the folded version is applied; later events wait
+  in the row's `parked` column, and are folded when the gap fills;
+- a stream type with no reducer keeps its versions and times alone (no state, revision 0);
+- a reducer's failure stops its stream there, named (`error`), and the update commits nothing.
+
+The fold's output (`FOLD_OUT`) is `stream_state`'s row without `updated_at`, plus the fold's own
+`folded` (events folded) and `error` columns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from itertools import repeat
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
+from es_pipeline.errors import ReducerError
+
+_UTC_MICROS = pa.timestamp("us", tz="UTC")
+FOLD_OUT = pa.schema([
+    ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
+    ("last_event_at", _UTC_MICROS), ("revision", pa.int32()), ("parked", pa.string()),
+    ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
+])
+# `stream_state`'s columns: the fold's output without its own columns, stamped when committed.
+STATE_SCHEMA = pa.schema([*(f for f in FOLD_OUT if f.name not in ("folded", "error", "tenant")),
+                          pa.field("updated_at", _UTC_MICROS), FOLD_OUT.field("tenant")])
+FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]  # of events
+READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
+
+
+@dataclass(frozen=True)
+class StateResult:
+    events_version: int
+    previous_events_version: int
+    events_folded: int
+    streams_updated: int
+    rebuilt_types: tuple[str, ...]
+    parked_streams: int
+    skipped_unknown: int
+    without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
+
+
+# The Delta txn version of a stream_state commit encodes the events table version folded and the
+# sum of the reducer revisions, so that a revision bump with no new events still commits (Delta
+# skips a txn version it has seen) while a replay of the same work does not.
+REVISION_SLOTS = 1000
+
+
+
+def txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
+    return events_version * REVISION_SLOTS + min(REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
+
+
+def next_txn_version(events_version: int, registry: dict[str, Reducer], read: int | None) -> int:
+    """The txn version of a commit at `events_version` after one of txn version `read`: `txn_version`, unless that
+    is not above `read` at the same events version (a reducer removed: the sum went down, and Delta would skip the
+    commit as done), then one above `read`, within that events version's slots."""
+    version = txn_version(events_version, registry)
+    if read is not None and version <= read and read // REVISION_SLOTS == events_version:
+        version = min(read + 1, events_version * REVISION_SLOTS + REVISION_SLOTS - 1)
+    return version
+
+
+def txn_version_after(read: int, events_version: int) -> int:
+    """The txn version of a commit at `events_version` by the reducers that committed txn version `read`."""
+    return events_version * REVISION_SLOTS + read % REVISION_SLOTS
+
+
+def _loads(text: str) -> Any:
+    """A payload or a state as the reducers read it: orjson, or json for what orjson refuses (integers past
+    64 bits, NaN), so that both take the same documents and a bad one fails as json's error."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
+
+
+def _timestamp(micros: int | None) -> datetime | None:
+    return None if micros is None else _EPOCH + timedelta(microseconds=micros)
+
+
+class StreamFold:
+    """One stream's fold within a partition: its prior row (if any), then its events in version order.
+    Times travel as microseconds since the epoch (a datetime per event would cost as much as the fold)."""
+
+    __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
+                 "last_at", "skipped", "folded", "parked", "error")
+
+    def __init__(
+        self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
+    ) -> None:
+        self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
+        self.reducer, self.skip_unknown = reducer, skip_unknown
+        self.fold = reducer.fold if reducer is not None else None  # None: no state, the versions alone
+        self.state: dict[str, Any] = {}
+        self.version = 0
+        self.last_at: int | None = None
+        self.skipped = 0
+        self.folded = 0
+        self.parked: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None) -> None:
+        self.state = _loads(state) if state is not None and self.fold is not None else {}
+        self.version, self.last_at, self.skipped = version, last_at, skipped or 0
+
+    def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
+        """Fold one event, or park it (a gap before it), or pass it by (folded already, or after an error).
+        Run for every event of a rebuild: the next version of a stream with nothing parked goes straight on."""
+        if v != self.version + 1 or self.parked or self.error is not None:
+            self._off_the_run(v, event_type, payload, recorded_at)
+            return
+        if self.fold is None:  # no reducer: the stream's versions and times alone
+            self.version, self.last_at = v, recorded_at
+            self.folded += 1
+            return
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            data = json.loads(payload)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+        try:
+            self.state = self.fold(self.state, _new_event(Event, (self.stream_id, v, event_type, data)))
+        except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
+            if not self._failed(exc, v, event_type):
+                return
+        self.version, self.last_at = v, recorded_at
+        self.folded += 1
+
+    def events(self, run: Iterator[tuple[int, str, str, int | None]]) -> None:
+        """Every event of `run` (this stream's, in version order) as `event` folds them, the stream's figures
+        kept in locals while each event is the next version (a first build's every event but a gap's)."""
+        if not self.parked and self.error is None and self.fold is None:
+            version, last_at, folded = self.version, self.last_at, self.folded
+            for v, event_type, payload, recorded_at in run:
+                if v != version + 1:
+                    self.version, self.last_at, self.folded = version, last_at, folded
+                    self.event(v, event_type, payload, recorded_at)
+                    break
+                version, last_at, folded = v, recorded_at, folded + 1
+            else:
+                self.version, self.last_at, self.folded = version, last_at, folded
+        elif not self.parked and self.error is None:
+            state, version, last_at, folded = self.state, self.version, self.last_at, self.folded
+            fold, stream_id = self.fold, self.stream_id
+            assert fold is not None
+            off: tuple[int, str, str, int | None] | None = None
+            for v, event_type, payload, recorded_at in run:
+                if v != version + 1:
+                    off = (v, event_type, payload, recorded_at)
+                    break
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    data = json.loads(payload)
+                try:
+                    state = fold(state, _new_event(Event, (stream_id, v, event_type, data)))
+                except Exception as exc:  # noqa: BLE001 - as in `event`
+                    if not self._failed(exc, v, event_type):
+                        break
+                version, last_at, folded = v, recorded_at, folded + 1
+            self.state, self.version, self.last_at, self.folded = state, version, last_at, folded
+            if off is not None:
+                self.event(*off)
+        for rest in run:  # after a gap or an error: one by one
+            self.event(*rest)
+
+    def _failed(self, exc: Exception, v: int, event_type: str) -> bool:
+        """A reducer's failure on event `v`: True if the event is skipped (an unknown type, skipped by
+        policy: the stream goes on past it), else False with the stream's error set (it stops there)."""
+        if isinstance(exc, UnknownEventType):
+            if self.skip_unknown:
+                self.skipped += 1
+                return True
+            reason = str(exc)
+        elif isinstance(exc, KeyError):
+            reason = f"the payload has no field {exc}"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        self.error = json.dumps([self.stream_id, v, event_type, reason])
+        return False
+
+    def _off_the_run(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
+        if self.error is not None or v <= self.version or (self.parked and self.parked[-1]["version"] >= v):
+            return  # after an error, or already folded, or a duplicate of a parked event
+        self.parked.append({"version": v, "event_type": event_type, "payload": payload,
+                            "recorded_at": _timestamp(recorded_at)})
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.stream_id, self.stream_type, self.version,
+            None if self.fold is None else json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
+            self.reducer.revision if self.reducer else 0,
+            json.dumps(self.parked, default=str) if self.parked else None,
+            self.skipped, self.folded, self.error, self.tenant,
+        )
+
+
+_OUT_BATCH_ROWS = 5_000
+_IN_COLUMNS = ("stream_id", "tenant", "stream_type", "version", "event_type", "payload", "is_prior", "prior_skipped")
+
+
+def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
+    """The fold as a `mapInArrow` function, shipped to the Python workers with the reducers captured.
+
+    Its input is partitioned by stream and sorted by (stream, prior row first, version), so one
+    pass over the Arrow batches meets each stream's rows together, in order: plain Python per
+    event, one Arrow batch out per few thousand streams (no pandas frame per stream).
+    """
+
+    def run(batches):  # type: ignore[no-untyped-def]
+        schema = FOLD_OUT
+        out: list[tuple[Any, ...]] = []
+        current: StreamFold | None = None
+        sid_now = tenant_now = None
+
+        def flush() -> Any:
+            batch = fold_out_batch(out, schema)
+            out.clear()
+            return batch
+
+        for batch in batches:
+            n = batch.num_rows
+            at = batch.column("recorded_at").cast(pa.int64()).to_pylist()
+            # A batch without the prior-row columns (lake/whole_fold.py: no state yet) has only events.
+            columns = [batch.column(name).to_pylist() if name in batch.schema.names else repeat(None, n)
+                       for name in _IN_COLUMNS]
+            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, recorded_at in zip(
+                *columns, at, strict=True
+            ):
+                if sid != sid_now or tenant != tenant_now:
+                    if current is not None:
+                        out.append(current.row())
+                        if len(out) >= _OUT_BATCH_ROWS:
+                            yield flush()
+                    sid_now, tenant_now = sid, tenant
+                    current = StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
+                    fold_event = current.event
+                if is_prior:
+                    current.prior(payload, version, recorded_at, prior_skipped)  # type: ignore[union-attr]
+                else:
+                    fold_event(version, event_type, payload, recorded_at)
+        if current is not None:
+            out.append(current.row())
+        if out:
+            yield flush()
+
+    return run
+
+
+def fold_out_batch(rows: list[tuple[Any, ...]], schema: pa.Schema = FOLD_OUT) -> pa.RecordBatch:
+    """The rows of `StreamFold.row` as one Arrow batch of the fold's output schema."""
+    columns = list(zip(*rows, strict=True))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(list(col), type=f.type) for col, f in zip(columns, schema, strict=True)], schema=schema)
+
+
+def arrow_updates(out: pa.Table) -> pa.Table:
+    """The rows to commit from a fold done in this process (the small increment's, the first build's): its
+    first error raised as `ReducerError`, else its rows without the fold's own columns, stamped now."""
+    errors = pc.drop_null(out["error"])
+    if len(errors):
+        stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
+        raise ReducerError(stream_id, version, event_type, reason)
+    rows = out.drop_columns(["error", "folded"])
+    return rows.append_column("updated_at", pa.array([datetime.now(UTC)] * out.num_rows, _UTC_MICROS)) \
+        .select(STATE_SCHEMA.names)
+
+
+def arrow_result(out: pa.Table, events_version: int, previous: int) -> StateResult:
+    """The figures of a fold done in this process."""
+    parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
+    without = int(pc.sum(pc.equal(out["revision"], 0)).as_py() or 0)
+    return StateResult(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
+                       int(pc.sum(out["skipped"]).as_py() or 0), without)
+
+
+def stale_types(kinds: Any, domain: Domain) -> list[str]:
+    """The stream types of (stream_type, revision) pairs that `stream_state` holds whose reducer's revision is no
+    longer the row's: a bumped, added (rows of revision 0) or removed reducer (rows of its revision, now none).
+    They are rebuilt from `events`, each type alone."""
+    revisions = domain.revisions()
+    return sorted({t for t, r in kinds if revisions.get(t, 0) != (r or 0)})
+
+
+
+def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
+    """The fold's rows, as the Spark path builds them: new events, the parked ones, and each touched
+    stream's prior row (its state in `payload`, marked `is_prior`), sorted by stream, prior first, version."""
+    schema = pa.schema([("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
+                        ("event_type", pa.string()), ("payload", pa.string()),
+                        ("recorded_at", pa.timestamp("us", tz="UTC")), ("tenant", pa.string()),
+                        ("prior_skipped", pa.int32()), ("is_prior", pa.bool_())])
+    events = new.cast(pa.schema([schema.field(c) for c in FOLD_COLUMNS]))
+    n = events.num_rows
+    parts = [events.append_column("prior_skipped", pa.nulls(n, pa.int32()))
+             .append_column("is_prior", pa.array([False] * n))]
+    p = prior.to_pydict()
+    parked: list[tuple[Any, ...]] = []
+    for tenant, sid, stype, text in zip(p["tenant"], p["stream_id"], p["stream_type"], p["parked"], strict=True):
+        for e in json.loads(text) if text else ():
+            at = None if e["recorded_at"] is None else datetime.fromisoformat(str(e["recorded_at"]))
+            parked.append((sid, stype, e["version"], e["event_type"], e["payload"],
+                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False))
+    if parked:
+        parts.append(pa.Table.from_pylist([dict(zip(schema.names, r, strict=True)) for r in parked], schema=schema))
+    # Prior rows of the touched streams' ids (of any tenant: a superset, folded unchanged if untouched).
+    touched = set(events["stream_id"].to_pylist()) | {r[0] for r in parked}
+    keep = pc.is_in(prior["stream_id"], pa.array(sorted(touched), pa.string()))
+    had = prior.filter(keep)
+    parts.append(pa.table({
+        "stream_id": had["stream_id"], "stream_type": had["stream_type"], "version": had["version"],
+        "event_type": pa.nulls(had.num_rows, pa.string()), "payload": had["state"],
+        "recorded_at": had["last_event_at"], "tenant": had["tenant"], "prior_skipped": had["skipped"],
+        "is_prior": pa.array([True] * had.num_rows),
+    }, schema=schema))
+    rows = pa.concat_tables([t.cast(schema) for t in parts])
+    return rows.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("is_prior", "descending"),
+                         ("version", "ascending")])

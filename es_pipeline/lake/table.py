@@ -1,0 +1,67 @@
+"""`Table`: what defines a table es_pipeline keeps in the lake, once: its name, Arrow schema, key, app id.
+
+Every table built from `events` is an instance: `stream_state` (lake/stream_state.py), the additive
+aggregates (lake/aggregate.py, lake/projections.py), `snapshots` (lake/snapshots.py). From the one Arrow
+schema come Spark's DDL and delta-rs's schema alike, so that either engine creates the table the other reads.
+The app id is the Delta transaction id its updates commit with (`txnAppId`): the `events` version folded
+in, in the same commit as the rows (docs/architecture.md, "Tables").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from es_pipeline.lake import tables
+from es_pipeline.lake.tables import Location
+
+_SPARK_TYPES = {
+    pa.string(): "STRING", pa.int32(): "INT", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN",
+    pa.date32(): "DATE", pa.timestamp("us", tz="UTC"): "TIMESTAMP",
+}
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    schema: pa.Schema  # its columns in order; `tenant` last, where a table of a release before tenants took it
+    key: tuple[str, ...]  # one row per key
+    comment: str = ""
+    properties: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def app_id(self) -> str:
+        return f"es_pipeline.{self.name}"
+
+    @property
+    def ddl(self) -> str:
+        """The schema as Spark SQL's column list."""
+        return ", ".join(f"{f.name} {spark_type(f.type)}" for f in self.schema)
+
+    def path(self, warehouse: Location) -> str:
+        return tables.table_path(warehouse, self.name)
+
+    def ensure(self, spark: Any, warehouse: Location) -> str:
+        """The table created by Spark if it is not there (race-safe); its path."""
+        path = self.path(warehouse)
+        tables.ensure_table(spark, path, self.ddl, comment=f"es_pipeline: {self.comment}", properties=self.properties)
+        return path
+
+    def ensure_arrow(self, warehouse: Location) -> str:
+        """The table created by delta-rs if it is not there (race-safe), with any column it lacks added; its path."""
+        path = self.path(warehouse)
+        tables.ensure_table_arrow(path, self.schema, comment=f"es_pipeline: {self.comment}",
+                                  properties=self.properties or None)
+        return path
+
+    def transaction_version(self, warehouse: Location) -> int | None:
+        """The last `events` version (or what the table's app id counts) committed with the table's rows."""
+        return tables.transaction_version(self.path(warehouse), self.app_id)
+
+
+def spark_type(arrow: pa.DataType) -> str:
+    if arrow in _SPARK_TYPES:
+        return _SPARK_TYPES[arrow]
+    raise TypeError(f"no Spark type for Arrow's {arrow}")
