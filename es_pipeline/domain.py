@@ -29,10 +29,16 @@ nothing of that run is committed.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import importlib
+import types
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import pyarrow as pa
 
 from es_pipeline.errors import DomainError
 
@@ -65,6 +71,7 @@ class Reducer:
     revision: int
     fold: Fold
     domain: str = ""  # the name of the domain that registered it (for messages)
+    state: pa.Schema | None = None  # its state's fields, declared: the stream type then has a typed table too
 
 
 class Domain:
@@ -77,14 +84,19 @@ class Domain:
     def __repr__(self) -> str:
         return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
 
-    def reducer(self, stream_type: str, *, revision: int) -> Callable[[Fold], Fold]:
-        """Register the decorated function as the reducer of `stream_type` (see the module docstring)."""
+    def reducer(self, stream_type: str, *, revision: int, state: Any = None) -> Callable[[Fold], Fold]:
+        """Register the decorated function as the reducer of `stream_type` (see the module docstring).
+
+        `state`: what its state holds, as a dataclass, a TypedDict or an Arrow schema: the stream type then
+        gets a typed table too, one column per field (docs/domain.md, "Typed state")."""
         if not isinstance(revision, int) or isinstance(revision, bool) or not 0 < revision < 1000:
             raise DomainError(f"the reducer of {stream_type!r} in domain {self.name!r} has revision {revision!r}",
                               "A revision is a whole number from 1 to 999: start at 1, add one when its logic changes.")
 
+        schema = None if state is None else state_schema(state, f"the state of {stream_type!r} in domain {self.name!r}")
+
         def register(fn: Fold) -> Fold:
-            self.add(Reducer(stream_type, revision, fn, self.name))
+            self.add(Reducer(stream_type, revision, fn, self.name, schema))
             return fn
 
         return register
@@ -110,6 +122,59 @@ class Domain:
             for r in d.reducers.values():
                 out.add(r)
         return out
+
+
+# The columns a typed state table has besides the state's fields (lake/typed_state.py): no field may take one.
+ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "updated_at")
+_SCALARS: dict[Any, pa.DataType] = {
+    str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(), bytes: pa.binary(),
+    dt.datetime: pa.timestamp("us", tz="UTC"), dt.date: pa.date32(),
+}
+
+
+def state_schema(spec: Any, what: str) -> pa.Schema:
+    """A state declaration (a dataclass, a TypedDict or an Arrow schema) as an Arrow schema of nullable fields."""
+    if isinstance(spec, pa.Schema):
+        schema = spec
+    elif isinstance(spec, type) and (dataclasses.is_dataclass(spec) or typing.is_typeddict(spec)):
+        schema = pa.schema(_fields(spec, what))
+    else:
+        raise DomainError(f"{what} is declared as {spec!r}",
+                          "Declare it as a dataclass, a TypedDict or a pyarrow schema.")
+    taken = [f.name for f in schema if f.name in ENVELOPE]
+    if taken:
+        raise DomainError(f"{what} has fields named {', '.join(taken)}, which its typed table's own columns take "
+                          f"({', '.join(ENVELOPE)})", "Rename those fields of the state.")
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def _fields(spec: type, what: str) -> list[pa.Field]:
+    try:
+        hints = typing.get_type_hints(spec)
+    except NameError as exc:
+        raise DomainError(f"{what}: the type hints of {spec.__qualname__} cannot be resolved ({exc})",
+                          "Declare the state's classes at a module's top level.") from exc
+    names = [f.name for f in dataclasses.fields(spec)] if dataclasses.is_dataclass(spec) else list(hints)
+    return [pa.field(name, _arrow_type(hints[name], f"{what}, field {name!r}")) for name in names]
+
+
+def _arrow_type(hint: Any, what: str) -> pa.DataType:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kept = [a for a in args if a is not type(None)]
+        if len(kept) == 1:
+            return _arrow_type(kept[0], what)
+    elif hint in _SCALARS:
+        return _SCALARS[hint]
+    elif origin in (list, tuple, Sequence) and args:
+        return pa.list_(_arrow_type(args[0], what))
+    elif origin is dict and len(args) == 2:
+        return pa.map_(_arrow_type(args[0], what), _arrow_type(args[1], what))
+    elif isinstance(hint, type) and (dataclasses.is_dataclass(hint) or typing.is_typeddict(hint)):
+        return pa.struct(_fields(hint, what))
+    raise DomainError(f"{what} has type {hint!r}, which has no column type",
+                      "Use str, int, float, bool, bytes, datetime, date, list[...], dict[str, ...], a nested "
+                      "dataclass or TypedDict, or X | None; or declare the state as a pyarrow schema.")
 
 
 def _name(reducer: Reducer) -> str:

@@ -406,3 +406,15 @@ class DomainError(EsPipelineError):
     def __init__(self, reason: str, fix: str) -> None:
         self.reason, self.fix = reason, fix
         super().__init__(f"{reason}. {fix}")
+
+
+class TypedStateMismatch(EsPipelineError):
+    """A state the reducer returned does not fit the fields its reducer declared (`state=`)."""
+
+    def __init__(self, stream_type: str, stream_id: str, field: str, value: object, reason: str) -> None:
+        self.stream_type, self.stream_id, self.field, self.value = stream_type, stream_id, field, value
+        super().__init__(
+            f"the state of stream {stream_id!r} ({stream_type}) does not fit its declared fields: field {field!r} "
+            f"holds {value!r} ({reason}). stream_state is up to date; its typed table waits. Fix the reducer (and "
+            "bump its revision) or the declaration, then re-run."
+        )

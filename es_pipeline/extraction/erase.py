@@ -36,7 +36,7 @@ from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import stream_state as st
-from es_pipeline.lake import tables
+from es_pipeline.lake import tables, typed_state
 from es_pipeline.lake.fold import txn_version_after
 from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.serial import one_at_a_time
@@ -207,10 +207,16 @@ def _erase_projections(
             if lagging:
                 done.rebuilt.append(name)
             done.files_purged += lake_erase.purge(path)
+            if name == "stream_state":  # its typed tables are written in its turn: erased in it too
+                for typed in typed_state.table_names(warehouse):
+                    typed_path = tables.table_path(warehouse, typed)
+                    gone = lake_erase.delete_tenant(typed_path, tenant)
+                    done.lake_rows[typed] = gone[0] if gone else 0
+                    done.files_purged += lake_erase.purge(typed_path)
             if name == "snapshots":  # after the lake's: a take in this turn cannot write them back again
                 store = EventStore.for_source(settings.pg_dsn, source)
                 done.store_rows[store.snapshots_table.as_string(conn).replace('"', "")] = store.delete_snapshots(tenant, conn)
-    left = {**left, **{name: found for name in tables.TABLES[1:]
+    left = {**left, **{name: found for name in [*tables.TABLES[1:], *typed_state.table_names(warehouse)]
                        if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}}
     if left:  # not recorded as finished: running the erasure again deletes and purges again
         raise ErasureIncomplete(tenant, left)

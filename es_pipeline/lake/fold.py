@@ -53,6 +53,7 @@ class StateResult:
     parked_streams: int
     skipped_unknown: int
     without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
+    typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/typed_state.py)
 
 
 # The Delta txn version of a stream_state commit encodes the events table version folded and the

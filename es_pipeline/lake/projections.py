@@ -14,7 +14,7 @@ from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import READ_COLUMNS, StateResult
 from es_pipeline.lake.serial import turn_if_free
-from es_pipeline.lake.stream_state import small_increment
+from es_pipeline.lake.stream_state import small_increment, with_typed_state
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
 
@@ -113,7 +113,7 @@ def follow(
     with turn_if_free(store, "stream_state") as turn:
         state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
         if state is not None:
-            done["stream_state"] = state
+            done["stream_state"] = with_typed_state(warehouse, domain, state)
     for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
         with turn_if_free(store, projection.name) as turn:
             result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None

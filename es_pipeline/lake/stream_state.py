@@ -18,6 +18,7 @@ Three paths, one fold, the same txn ids, so each goes on from what another commi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -26,7 +27,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import feed, tables, whole_fold
+from es_pipeline.lake import feed, tables, typed_state, whole_fold
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import (
     FOLD_OUT,
@@ -74,20 +75,33 @@ def update_stream_state(
     if Spark is needed: a small increment and a first build of a lake that fits are folded without a JVM
     unless told not to."""
     with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-        if small_increments:
-            done = small_increment(warehouse, domain, skip_unknown, turn) or _first_build(
-                warehouse, domain, skip_unknown, turn)
-            if done is not None:
-                return done
-        spark = tables.session_of(spark)
-        try:
-            return _update_with_spark(spark, warehouse, domain, skip_unknown, turn)
-        except tables.spark_errors() as exc:
-            if not tables.change_feed_gone(exc):
-                raise
-            # The files of the commits since the last update were vacuumed (it lagged past the retention):
-            # fold every event instead; the fold skips versions a stream's state already has.
-            return _update_with_spark(spark, warehouse, domain, skip_unknown, turn, whole=True)
+        return with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
+                                                            small_increments))
+
+
+def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
+    """`result`, once the typed state tables of `domain` follow it (lake/typed_state.py); in the table's turn."""
+    written = typed_state.update(warehouse, domain)
+    return replace(result, typed_rows=tuple(sorted(written.items()))) if written else result
+
+
+def _update(
+    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, small_increments: bool
+) -> StateResult:
+    if small_increments:
+        done = small_increment(warehouse, domain, skip_unknown, turn) or _first_build(
+            warehouse, domain, skip_unknown, turn)
+        if done is not None:
+            return done
+    spark = tables.session_of(spark)
+    try:
+        return _update_with_spark(spark, warehouse, domain, skip_unknown, turn)
+    except tables.spark_errors() as exc:
+        if not tables.change_feed_gone(exc):
+            raise
+        # The files of the commits since the last update were vacuumed (it lagged past the retention):
+        # fold every event instead; the fold skips versions a stream's state already has.
+        return _update_with_spark(spark, warehouse, domain, skip_unknown, turn, whole=True)
 
 
 def small_increment(

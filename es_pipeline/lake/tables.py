@@ -58,6 +58,17 @@ def _log_names(path: str) -> list[str]:
     return [info.base_name for info in listed if info.type == pafs.FileType.File]
 
 
+def table_names(warehouse: Location, prefix: str) -> list[str]:
+    """The Delta tables directly under the warehouse whose names begin with `prefix`, sorted."""
+    fs, root = filesystem(warehouse)
+    try:
+        listed = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    names = sorted(i.base_name for i in listed if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix))
+    return [n for n in names if is_delta_table(table_path(warehouse, n))]
+
+
 def is_delta_table(path: str) -> bool:
     """A Delta table exists once its first commit file does (a killed creator can leave an empty log)."""
     return any(name.endswith(".json") for name in _log_names(path))

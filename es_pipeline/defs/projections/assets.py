@@ -57,7 +57,8 @@ def state_metadata(r: StateResult) -> dict[str, int | str]:
     return {"events_folded": r.events_folded, "streams_updated": r.streams_updated,
             "events_table_version": r.events_version, "parked_streams": r.parked_streams,
             "skipped_unknown_events": r.skipped_unknown, "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
-            "streams_without_reducer": r.without_reducer}
+            "streams_without_reducer": r.without_reducer,
+            **{f"typed_rows/{name}": n for name, n in r.typed_rows}}
 
 
 def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:

@@ -6,12 +6,33 @@ Built from es_pipeline's public API (`es_pipeline.domain`) alone; es_pipeline fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TypedDict
+
 from es_pipeline.domain import Domain, Event, State, UnknownEventType
 
 domain = Domain("shop")
 
 
-@domain.reducer("cart", revision=1)
+class Cart(TypedDict):
+    """A cart's state: its table `stream_state_cart` has these columns (a TypedDict, or a dataclass as below)."""
+
+    items: dict[str, int]
+    prices: dict[str, float]
+    total: float
+    status: str
+
+
+@dataclass
+class Account:
+    owner: str | None
+    currency: str | None
+    status: str | None
+    balance: float
+    overdraft_attempts: int | None
+
+
+@domain.reducer("cart", revision=1, state=Cart)
 def cart(state: State, event: Event) -> State:
     items: dict[str, int] = dict(state.get("items", {}))
     prices: dict[str, float] = dict(state.get("prices", {}))
@@ -33,7 +54,7 @@ def cart(state: State, event: Event) -> State:
     return {"items": items, "prices": prices, "total": total, "status": status}
 
 
-@domain.reducer("account", revision=1)
+@domain.reducer("account", revision=1, state=Account)
 def account(state: State, event: Event) -> State:
     balance = float(state.get("balance", 0.0))
     s = dict(state)

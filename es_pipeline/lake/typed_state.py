@@ -1,0 +1,177 @@
+"""Typed state: a table per stream type whose reducer declares its state, one column per field.
+
+`stream_state` holds every stream's state as JSON text. A reducer that declares what its state holds (a
+dataclass, a TypedDict or an Arrow schema: `Domain.reducer(..., state=...)`) gives its stream type a table
+`stream_state_<type>` too: the stream's key, version, last event time, revision and update time, then one
+column per field of the state, so an analyst asks `SELECT count(*) FROM stream_state_cart WHERE status =
+'open'` without parsing JSON.
+
+Kept from `stream_state` itself, in its turn, right after each update: the rows that `stream_state`'s
+commits since the version a typed table records changed (its change data feed: inserts and updates'
+post-images), the latest per stream, upserted by delta-rs under the table's own Delta transaction id
+(`es_pipeline.stream_state_<type>`, the `stream_state` version read). A state row is the stream's whole
+state, so upserting one again is harmless: a crash between the two commits, or a replay, leaves the same
+rows. A table that is new, whose declared fields changed, or whose feed cannot be read (vacuumed, or from
+before the feed was on) is rebuilt from `stream_state`'s current rows of its type, alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable, write_deltalake
+
+from es_pipeline.domain import Domain, Reducer
+from es_pipeline.errors import DomainError, TypedStateMismatch
+from es_pipeline.lake import feed, tables
+from es_pipeline.lake.table import Table
+from es_pipeline.lake.tables import Location
+
+log = logging.getLogger(__name__)
+
+PREFIX = "stream_state_"
+_AT = pa.timestamp("us", tz="UTC")
+_ENVELOPE = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("version", pa.int32()),
+                       ("last_event_at", _AT), ("revision", pa.int32()), ("updated_at", _AT)])
+CHANGE_FEED = {"delta.enableChangeDataFeed": "true"}  # on `stream_state`: what the typed tables follow
+
+
+def table_name(stream_type: str) -> str:
+    """`stream_state_<type>`: the type lowercased, each run of other characters than letters and digits one `_`."""
+    return PREFIX + (re.sub(r"[^a-z0-9]+", "_", stream_type.lower()).strip("_") or "_")
+
+
+def typed_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
+    """Per stream type whose reducer declares its state: (the reducer, its table)."""
+    out: dict[str, tuple[Reducer, Table]] = {}
+    names: dict[str, str] = {}
+    for stream_type, reducer in sorted(domain.reducers.items()):
+        if reducer.state is None:
+            continue
+        name = table_name(stream_type)
+        if name in names:
+            raise DomainError(f"stream types {names[name]!r} and {stream_type!r} would both have typed table {name}",
+                              "Declare the state of one of them only, or rename a stream type.")
+        names[name] = stream_type
+        schema = pa.schema([*_ENVELOPE, *reducer.state])
+        out[stream_type] = (reducer, Table(name, schema, key=("tenant", "stream_id"),
+                                           comment=f"typed state of the {stream_type} streams"))
+    return out
+
+
+def update(warehouse: Location, domain: Domain) -> dict[str, int]:
+    """Bring every typed table of `domain` up to `stream_state` now; rows written per table. Only in
+    `stream_state`'s turn (lake/stream_state.py calls it there)."""
+    typed = typed_tables(domain)
+    state_path = tables.table_path(warehouse, "stream_state")
+    if not typed or not tables.is_delta_table(state_path):
+        return {}
+    state = DeltaTable(state_path)
+    feed_on = state.metadata().configuration.get("delta.enableChangeDataFeed") == "true"
+    if not feed_on:  # a table made before typed tables: its feed starts now; each typed table is built whole
+        state.alter.set_table_properties(CHANGE_FEED)
+        state = DeltaTable(state_path)
+    now = int(state.version())
+    written: dict[str, int] = {}
+    for stream_type, (reducer, table) in typed.items():
+        path = table.path(warehouse)
+        read = tables.transaction_version(path, table.app_id) if feed_on else None
+        if read is not None and not _same_columns(path, table.schema):
+            read = None  # its fields changed: built whole
+        if read is not None and read >= now:
+            continue
+        changed = None if read is None else _changed(state, read, now, stream_type)
+        if changed is None:
+            rows = _typed(_current(state_path, state, stream_type), reducer, table)
+            write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite",
+                            commit_properties=feed.commit_properties(table.app_id, now),
+                            configuration=table.properties or None)
+        else:
+            rows = _typed(changed, reducer, table)
+            target = DeltaTable(path)
+            if rows.num_rows:
+                target.merge(rows, predicate="t.tenant = u.tenant AND t.stream_id = u.stream_id", source_alias="u",
+                             target_alias="t", commit_properties=feed.commit_properties(table.app_id, now)) \
+                    .when_matched_update_all().when_not_matched_insert_all().execute()
+            else:
+                target.create_write_transaction([], mode="append", schema=target.schema(),
+                                                commit_properties=feed.commit_properties(table.app_id, now))
+        written[table.name] = rows.num_rows
+    return written
+
+
+def _same_columns(path: str, schema: pa.Schema) -> bool:
+    held = pa.schema(DeltaTable(path).schema().to_arrow())
+    return [(f.name, feed.plain_schema(pa.schema([f])).field(0).type) for f in held] == \
+        [(f.name, f.type) for f in schema]
+
+
+_STATE_COLUMNS = ["tenant", "stream_id", "stream_type", "version", "state", "last_event_at", "revision", "updated_at"]
+
+
+def _changed(state: DeltaTable, after: int, upto: int, stream_type: str) -> pa.Table | None:
+    """The latest row of each stream of `stream_type` that `stream_state`'s commits after..upto wrote; None: the
+    feed cannot be read (vacuumed away, or those commits are from before it was on)."""
+    try:
+        reader = pa.RecordBatchReader.from_stream(state.load_cdf(
+            starting_version=after + 1, ending_version=upto, columns=[*_STATE_COLUMNS, "_change_type",
+                                                                        "_commit_version"]))
+        rows = feed.plain(reader.read_all())
+    except Exception as exc:  # noqa: BLE001 - an unreadable feed rebuilds the table; anything else re-raises
+        if tables.change_feed_gone(exc) or "change data" in str(exc).lower() or "cdf" in str(exc).lower():
+            log.info("typed state of %s: stream_state's change feed after %s cannot be read (%s); rebuilding",
+                     stream_type, after, exc)
+            return None
+        raise
+    kept = rows.filter(pc.and_(pc.is_in(rows["_change_type"], pa.array(["insert", "update_postimage"])),
+                               pc.equal(rows["stream_type"], stream_type)))
+    if kept.num_rows == 0:
+        return kept.select(_STATE_COLUMNS)
+    # The latest row per stream: the highest commit version.
+    order = kept.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("_commit_version", "descending")])
+    tenant, sid = order["tenant"].combine_chunks(), order["stream_id"].combine_chunks()
+    n = len(sid)
+    first = pa.concat_arrays([pa.array([True]), pc.or_(pc.not_equal(sid.slice(1), sid.slice(0, n - 1)),
+                                                         pc.not_equal(tenant.slice(1), tenant.slice(0, n - 1)))])
+    return order.filter(first).select(_STATE_COLUMNS)
+
+
+def _current(path: str, state: DeltaTable, stream_type: str) -> pa.Table:
+    rows = feed.files(path, state).to_table(columns=_STATE_COLUMNS)
+    return rows.filter(pc.equal(rows["stream_type"], stream_type))
+
+
+def _typed(rows: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
+    """`stream_state` rows as the typed table's: the envelope, then the state's fields from its JSON."""
+    assert reducer.state is not None
+    rows = rows.filter(pc.is_valid(rows["state"]))  # none: a rebuild of the type in progress left none
+    states = [json.loads(text) for text in rows["state"].to_pylist()]
+    try:
+        fields = pa.Table.from_pylist([{f.name: s.get(f.name) for f in reducer.state} for s in states],
+                                      schema=reducer.state)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+        stream_id, field, value = _first_misfit(rows, states, reducer.state)
+        raise TypedStateMismatch(reducer.stream_type, stream_id, field, value, str(exc)) from None
+    envelope = rows.select(_ENVELOPE.names).cast(_ENVELOPE)
+    return pa.Table.from_arrays([*envelope.columns, *fields.columns], schema=table.schema)
+
+
+def _first_misfit(rows: pa.Table, states: list[dict], schema: pa.Schema) -> tuple[str, str, object]:
+    """(stream, field, value) of the first state that does not fit the declared fields."""
+    for stream_id, s in zip(rows["stream_id"].to_pylist(), states, strict=True):
+        for f in schema:
+            try:
+                pa.array([s.get(f.name)], type=f.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+                return stream_id, f.name, s.get(f.name)
+    return "?", "?", None
+
+
+def table_names(warehouse: Location) -> Iterator[str]:
+    """The typed state tables in the lake now (whatever the domain), by name."""
+    yield from tables.table_names(warehouse, PREFIX)
