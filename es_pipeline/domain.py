@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import importlib
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -74,12 +75,43 @@ class Reducer:
     state: pa.Schema | None = None  # its state's fields, declared: the stream type then has a typed table too
 
 
-class Domain:
-    """What a team registers: reducers by stream type. Made once per package, at import."""
+Upcast = Callable[[dict[str, Any]], dict[str, Any]]
+VERSION_SOURCES = ("none", "suffix", "field:<name>")
 
-    def __init__(self, name: str) -> None:
+
+@dataclass(frozen=True)
+class Upcaster:
+    """Turns a payload of `event_type` at schema `version` into the next version's shape."""
+
+    event_type: str
+    version: int
+    upcast: Upcast
+    stream_types: tuple[str, ...] | None = None  # the stream types whose events it applies to (None: all)
+
+    def applies_to(self, stream_type: str) -> bool:
+        return self.stream_types is None or stream_type in self.stream_types
+
+
+class Domain:
+    """What a team registers: reducers by stream type, upcasters by event type and version. Made once per
+    package, at import.
+
+    `schema_version`: where an event's schema version is read, for the upcasters: `"none"` (every event is at
+    version 1: an upcaster then takes payloads of any shape and returns the current one), `"suffix"` (the
+    event type's `.vN` or `_vN` ending: `ItemAdded.v2` is `ItemAdded` at version 2, `ItemAdded` alone version
+    1; reducers see the type without it), or `"field:<name>"` (a payload field, e.g. `field:schema_version`;
+    absent: version 1)."""
+
+    def __init__(self, name: str, *, schema_version: str = "none") -> None:
         self.name = name
         self.reducers: dict[str, Reducer] = {}
+        self.upcasters: dict[tuple[str, int], Upcaster] = {}
+        if schema_version not in ("none", "suffix") and not (
+                schema_version.startswith("field:") and len(schema_version) > len("field:")):
+            raise DomainError(f"domain {name!r} reads schema versions from {schema_version!r}",
+                              f"Say one of {', '.join(VERSION_SOURCES)}.")
+        self.schema_version = schema_version
+        self._folds: dict[str, Reducer] | None = None
 
     def __repr__(self) -> str:
         return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
@@ -109,19 +141,104 @@ class Domain:
                 f"and {_name(reducer)} (domain {reducer.domain!r})",
                 "A stream type has one reducer: remove one, or name one of the modules in ES_PIPELINE_DOMAIN only.")
         self.reducers[reducer.stream_type] = reducer
+        self._folds = None
+
+    def upcaster(
+        self, event_type: str, *, version: int, stream_types: Sequence[str] | None = None
+    ) -> Callable[[Upcast], Upcast]:
+        """Register the decorated function as the upcaster of `event_type` payloads at schema `version` to
+        version + 1; chains (1 → 2 → 3) compose. Registering, changing or removing one is a revision change of
+        the reducers it applies to (`stream_types`, or all): their stream types are rebuilt."""
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise DomainError(f"the upcaster of {event_type!r} in domain {self.name!r} is for version {version!r}",
+                              "A schema version is a whole number from 1: the version the payloads it takes have.")
+
+        def register(fn: Upcast) -> Upcast:
+            self.add_upcaster(Upcaster(event_type, version, fn, None if stream_types is None else tuple(stream_types)))
+            return fn
+
+        return register
+
+    def add_upcaster(self, upcaster: Upcaster) -> None:
+        key = (upcaster.event_type, upcaster.version)
+        held = self.upcasters.get(key)
+        if held is not None and held.upcast is not upcaster.upcast:
+            raise DomainError(f"two upcasters take {upcaster.event_type!r} at version {upcaster.version}",
+                              "An event type's version has one upcaster: remove one.")
+        self.upcasters[key] = upcaster
+        self._folds = None
 
     def revisions(self) -> dict[str, int]:
-        return {t: r.revision for t, r in self.reducers.items()}
+        """Each stream type's revision as `stream_state` records it: its reducer's, plus one per upcaster
+        that applies to it (so that registering one rebuilds what it changes)."""
+        return {t: r.revision for t, r in self.folds.items()}
+
+    @property
+    def folds(self) -> dict[str, Reducer]:
+        """The reducers as the lake folds with them: each behind its stream type's upcasters (if any), at the
+        revision `revisions` gives."""
+        if self._folds is None:
+            self._folds = {t: self._with_upcasters(r) for t, r in self.reducers.items()}
+        return self._folds
+
+    def _with_upcasters(self, reducer: Reducer) -> Reducer:
+        chains: dict[str, dict[int, Upcast]] = {}
+        for (event_type, version), u in self.upcasters.items():
+            if u.applies_to(reducer.stream_type):
+                chains.setdefault(event_type, {})[version] = u.upcast
+        if not chains and self.schema_version != "suffix":
+            return reducer
+        n = sum(len(c) for c in chains.values())
+        return dataclasses.replace(reducer, revision=min(999, reducer.revision + n),
+                                   fold=_Upcasting(reducer.fold, chains, self.schema_version))
 
     @classmethod
     def merged(cls, domains: Iterable[Domain]) -> Domain:
-        """One domain holding what each of `domains` registered (refused where two register the same stream type)."""
+        """One domain holding what each of `domains` registered (refused where two register the same stream type,
+        or the same event type's version, or read schema versions from different places)."""
         listed = list(domains)
-        out = cls(" + ".join(d.name for d in listed) or "none")
+        sources = {d.schema_version for d in listed if d.upcasters or d.schema_version != "none"}
+        if len(sources) > 1:
+            raise DomainError(f"the domains {', '.join(d.name for d in listed)} read schema versions from "
+                              f"{' and '.join(sorted(sources))}", "Read them from one place in every domain.")
+        out = cls(" + ".join(d.name for d in listed) or "none", schema_version=next(iter(sources), "none"))
         for d in listed:
             for r in d.reducers.values():
                 out.add(r)
+            for u in d.upcasters.values():
+                out.add_upcaster(u)
         return out
+
+
+_SUFFIX = re.compile(r"^(?P<base>.+?)[._][vV](?P<version>\d+)$")
+
+
+class _Upcasting:
+    """A reducer behind its upcasters: each event's payload brought to its type's current shape first (a class,
+    not a closure, so that Spark's workers receive it by value and the reducer by reference)."""
+
+    __slots__ = ("fold", "chains", "source")
+
+    def __init__(self, fold: Fold, chains: dict[str, dict[int, Upcast]], source: str) -> None:
+        self.fold, self.chains, self.source = fold, chains, source
+
+    def __call__(self, state: State, event: Event) -> State:
+        event_type, version, payload = event.event_type, 1, event.payload
+        if self.source == "suffix":
+            m = _SUFFIX.match(event_type)
+            if m is not None:
+                event_type, version = m.group("base"), int(m.group("version"))
+        elif self.source != "none" and isinstance(payload, dict):
+            held = payload.get(self.source[len("field:"):])
+            version = held if isinstance(held, int) and not isinstance(held, bool) else 1
+        chain = self.chains.get(event_type)
+        if chain:
+            while version in chain:
+                payload = chain[version](payload)
+                version += 1
+        if event_type is not event.event_type or payload is not event.payload:
+            event = Event(event.stream_id, event.version, event_type, payload)
+        return self.fold(state, event)
 
 
 # The columns a typed state table has besides the state's fields (lake/typed_state.py): no field may take one.

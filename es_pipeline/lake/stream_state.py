@@ -124,7 +124,7 @@ def small_increment(
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
-        return StateResult(now, prev, 0, 0, (), 0, 0) if txn_version(now, domain.reducers) == int(read) else None
+        return StateResult(now, prev, 0, 0, (), 0, 0) if txn_version(now, domain.folds) == int(read) else None
     read_rows = events_feed.rows(prev, READ_COLUMNS)
     if read_rows is None:
         return None
@@ -137,12 +137,12 @@ def small_increment(
     prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
                                 pc.is_valid(whole["parked"])))
     rows = fold_input(new, prior)
-    out = pa.Table.from_batches(list(fold_partitions(dict(domain.reducers), skip_unknown)(rows.to_batches())),
+    out = pa.Table.from_batches(list(fold_partitions(dict(domain.folds), skip_unknown)(rows.to_batches())),
                                 schema=FOLD_OUT)
     updates = arrow_updates(out)
     turn.confirm(state_path, APP_ID, int(read))
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
-                commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.reducers))) \
+                commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
     return arrow_result(out, now, prev)
 
@@ -162,10 +162,10 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
         return None
     out, now = folded
     updates = arrow_updates(out)
-    STREAM_STATE.ensure_arrow(warehouse)
+    STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
     turn.confirm(state_path, APP_ID, None)
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="append",
-                    commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.reducers)))
+                    commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds)))
     return arrow_result(out, now, -1)
 
 
@@ -175,7 +175,7 @@ def _update_with_spark(
     from pyspark.sql import functions as F
 
     events_path = tables.table_path(warehouse, "events")
-    state_path = STREAM_STATE.ensure(spark, warehouse)
+    state_path = STREAM_STATE.ensure(spark, warehouse, typed_state.state_properties(domain))
     if not tables.has_columns(state_path, ["tenant"]):  # made before tenants: every row is of no tenant ('')
         spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (tenant STRING)")
         spark.sql(f"UPDATE delta.`{state_path}` SET tenant = '' WHERE tenant IS NULL")
@@ -223,7 +223,7 @@ def _update_with_spark(
     folded = (
         rows.repartition(*KEY)
         .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
-        .mapInArrow(fold_partitions(dict(domain.reducers), skip_unknown), _FOLD_OUT_DDL)
+        .mapInArrow(fold_partitions(dict(domain.folds), skip_unknown), _FOLD_OUT_DDL)
         .cache()
     )
     try:
@@ -239,7 +239,7 @@ def _update_with_spark(
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, APP_ID, read)
-        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=next_txn_version(now, domain.reducers, read))
+        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=next_txn_version(now, domain.folds, read))
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),

@@ -43,17 +43,18 @@ class Table:
     def path(self, warehouse: Location) -> str:
         return tables.table_path(warehouse, self.name)
 
-    def ensure(self, spark: Any, warehouse: Location) -> str:
-        """The table created by Spark if it is not there (race-safe); its path."""
+    def ensure(self, spark: Any, warehouse: Location, properties: dict[str, str] | None = None) -> str:
+        """The table created by Spark if it is not there (race-safe), with `properties` beside its own; its path."""
         path = self.path(warehouse)
-        tables.ensure_table(spark, path, self.ddl, comment=f"es_pipeline: {self.comment}", properties=self.properties)
+        tables.ensure_table(spark, path, self.ddl, comment=f"es_pipeline: {self.comment}",
+                            properties={**self.properties, **(properties or {})})
         return path
 
-    def ensure_arrow(self, warehouse: Location) -> str:
+    def ensure_arrow(self, warehouse: Location, properties: dict[str, str] | None = None) -> str:
         """The table created by delta-rs if it is not there (race-safe), with any column it lacks added; its path."""
         path = self.path(warehouse)
         tables.ensure_table_arrow(path, self.schema, comment=f"es_pipeline: {self.comment}",
-                                  properties=self.properties or None)
+                                  properties={**self.properties, **(properties or {})} or None)
         return path
 
     def transaction_version(self, warehouse: Location) -> int | None:

@@ -64,6 +64,11 @@ def typed_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
     return out
 
 
+def state_properties(domain: Domain) -> dict[str, str]:
+    """The properties a new `stream_state` is made with: its change feed on if `domain` has typed tables."""
+    return dict(CHANGE_FEED) if typed_tables(domain) else {}
+
+
 def update(warehouse: Location, domain: Domain) -> dict[str, int]:
     """Bring every typed table of `domain` up to `stream_state` now; rows written per table. Only in
     `stream_state`'s turn (lake/stream_state.py calls it there)."""

@@ -54,7 +54,7 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
     held = set(events.schema().to_arrow().names)
     columns = [c for c in [*FOLD_COLUMNS, "payload_encoding", "slice"] if c in held]
     rows = payloads.for_reducers(tables.tenant_filled(feed.files(events_path, events).to_table(columns=columns)))
-    return _fold(rows, dict(domain.reducers), skip_unknown), now
+    return _fold(rows, dict(domain.folds), skip_unknown), now
 
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
