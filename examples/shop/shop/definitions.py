@@ -1,11 +1,17 @@
-"""The shop's own Dagster code location: es_pipeline's assets, folding with the shop's domain.
+"""The shop's own Dagster code location: its defs folder (shop/defs/), where the `EsPipeline` component
+(es_pipeline/component.py) is configured in `lake/defs.yaml` with the shop's domains.
 
+    dg dev                  # in examples/shop
     dagster dev -m shop.definitions
 
-Where (store, lake, Spark) comes from the environment, as for es_pipeline's own location (README, "Settings").
+Without `dg`, the same location in Python: `es_pipeline.location.build_definitions(domain=...)`.
 """
 
-from es_pipeline.location import build_definitions
-from shop.domain import domain
+from pathlib import Path
 
-defs = build_definitions(domain=domain)
+import dagster as dg
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)

@@ -1,0 +1,1 @@
+"""Billing: a second team package beside the shop, in the same code location (its own domain)."""
