@@ -29,16 +29,30 @@ def _env(dsn: str, warehouse: Path) -> dict[str, str]:
     return {**env, "ES_PIPELINE_PG_DSN": dsn, "ES_PIPELINE_WAREHOUSE": str(warehouse), "ES_PIPELINE_TAIL_SECONDS": "0"}
 
 
-def test_dg_checks_the_yaml_and_refuses_a_bad_attribute_by_name(tmp_path: Path, dsn: StoreDsn) -> None:
+def _copy(tmp_path: Path, replace: tuple[str, str]) -> Path:
+    """The project copied with its root module renamed (the installed `shop` is the original) and its
+    defs.yaml edited."""
+    copy = tmp_path / "shop"
+    shutil.copytree(PROJECT, copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (copy / "shop").rename(copy / "shop_copy")
+    toml = copy / "pyproject.toml"
+    toml.write_text(toml.read_text().replace('"shop"', '"shop_copy"').replace('"shop.definitions"', '"shop_copy.definitions"'))
+    yaml = copy / "shop_copy" / "defs" / "lake" / "defs.yaml"
+    yaml.write_text(yaml.read_text().replace(*replace))
+    return copy
+
+
+def test_dg_checks_the_yaml_and_refuses_a_misspelled_attribute_or_a_bad_value_by_name(
+    tmp_path: Path, dsn: StoreDsn
+) -> None:
     env = _env(dsn.extractor, tmp_path / "lake")
     good = _dg(["check", "yaml"], PROJECT, env)
     assert good.returncode == 0, good.stdout + good.stderr
-    copy = tmp_path / "shop"
-    shutil.copytree(PROJECT, copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    yaml = copy / "shop" / "defs" / "lake" / "defs.yaml"
-    yaml.write_text(yaml.read_text().replace("slice_ranges: 8", "slice_ranges: many"))
-    bad = _dg(["check", "yaml"], copy, env)
-    assert bad.returncode != 0 and "slice_ranges" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    misspelled = _dg(["check", "yaml"], _copy(tmp_path / "a", ("slice_ranges: 8", "slice_rangez: 8")), env)
+    assert misspelled.returncode != 0 and "'slice_rangez' was unexpected" in misspelled.stdout + misspelled.stderr
+    # A value's type is checked when the component loads (YAML values may be templates until then).
+    bad = _dg(["check", "defs"], _copy(tmp_path / "b", ("slice_ranges: 8", "slice_ranges: many")), env)
+    assert bad.returncode != 0 and "slice_ranges" in bad.stdout + bad.stderr, bad.stdout[-2000:] + bad.stderr[-2000:]
 
 
 def test_dg_lists_the_definitions_the_component_builds(tmp_path: Path, dsn: StoreDsn) -> None:
@@ -67,11 +81,10 @@ def test_the_shop_location_folds_both_domains_through_dagster(
     defs = dg.load_from_defs_folder(path_within_project=Path(shop.definitions.__file__).parent)
     events = defs.resolve_assets_def("events")
     state = defs.resolve_assets_def("stream_state")
-    resources = defs.resources
     instance = dg.DagsterInstance.ephemeral()
     for key in events.partitions_def.get_partition_keys():
-        assert dg.materialize([events], partition_key=key, resources=resources, instance=instance).success
-    result = dg.materialize([state], resources=resources, instance=instance, selection=[state.key])
+        assert dg.materialize([events], partition_key=key, instance=instance).success
+    result = dg.materialize([state], instance=instance)
     assert result.success
     metadata = result.asset_materializations_for_node("stream_state")[0].metadata
     assert metadata["streams_without_reducer"].value == 1
