@@ -83,14 +83,19 @@ def update(warehouse: Location, domain: Domain) -> dict[str, int]:
         state = DeltaTable(state_path)
     now = int(state.version())
     written: dict[str, int] = {}
+    feeds: dict[int, pa.Table | None] = {}  # stream_state's changes after a version, read once for every table there
     for stream_type, (reducer, table) in typed.items():
         path = table.path(warehouse)
-        read = tables.transaction_version(path, table.app_id) if feed_on else None
-        if read is not None and not _same_columns(path, table.schema):
+        target = DeltaTable(path) if feed_on and tables.is_delta_table(path) else None  # its log, loaded once
+        found = None if target is None else target.transaction_version(table.app_id)
+        read = None if found is None else int(found)
+        if target is not None and read is not None and not _same_columns(target, table.schema):
             read = None  # its fields changed: built whole
         if read is not None and read >= now:
             continue
-        changed = None if read is None else _changed(state, read, now, stream_type)
+        if read is not None and read not in feeds:
+            feeds[read] = _changes(state, read, now)
+        changed = None if read is None or feeds[read] is None else _latest(feeds[read], stream_type)
         if changed is None:
             rows = _typed(_current(state_path, state, stream_type), reducer, table)
             write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite",
@@ -98,7 +103,7 @@ def update(warehouse: Location, domain: Domain) -> dict[str, int]:
                             configuration=table.properties or None)
         else:
             rows = _typed(changed, reducer, table)
-            target = DeltaTable(path)
+            assert target is not None
             if rows.num_rows:
                 target.merge(rows, predicate="t.tenant = u.tenant AND t.stream_id = u.stream_id", source_alias="u",
                              target_alias="t", commit_properties=feed.commit_properties(table.app_id, now)) \
@@ -110,8 +115,8 @@ def update(warehouse: Location, domain: Domain) -> dict[str, int]:
     return written
 
 
-def _same_columns(path: str, schema: pa.Schema) -> bool:
-    held = pa.schema(DeltaTable(path).schema().to_arrow())
+def _same_columns(table: DeltaTable, schema: pa.Schema) -> bool:
+    held = pa.schema(table.schema().to_arrow())
     return [(f.name, feed.plain_schema(pa.schema([f])).field(0).type) for f in held] == \
         [(f.name, f.type) for f in schema]
 
@@ -119,9 +124,9 @@ def _same_columns(path: str, schema: pa.Schema) -> bool:
 _STATE_COLUMNS = ["tenant", "stream_id", "stream_type", "version", "state", "last_event_at", "revision", "updated_at"]
 
 
-def _changed(state: DeltaTable, after: int, upto: int, stream_type: str) -> pa.Table | None:
-    """The latest row of each stream of `stream_type` that `stream_state`'s commits after..upto wrote; None: the
-    feed cannot be read (vacuumed away, or those commits are from before it was on)."""
+def _changes(state: DeltaTable, after: int, upto: int) -> pa.Table | None:
+    """The rows that `stream_state`'s commits after..upto inserted or updated (their post-images), with their commit
+    version; None: the feed cannot be read (vacuumed away, or those commits are from before it was on)."""
     try:
         reader = pa.RecordBatchReader.from_stream(state.load_cdf(
             starting_version=after + 1, ending_version=upto, columns=[*_STATE_COLUMNS, "_change_type",
@@ -129,15 +134,17 @@ def _changed(state: DeltaTable, after: int, upto: int, stream_type: str) -> pa.T
         rows = feed.plain(reader.read_all())
     except Exception as exc:  # noqa: BLE001 - an unreadable feed rebuilds the table; anything else re-raises
         if tables.change_feed_gone(exc) or "change data" in str(exc).lower() or "cdf" in str(exc).lower():
-            log.info("typed state of %s: stream_state's change feed after %s cannot be read (%s); rebuilding",
-                     stream_type, after, exc)
+            log.info("stream_state's change feed after %s cannot be read (%s): its typed tables are rebuilt", after, exc)
             return None
         raise
-    kept = rows.filter(pc.and_(pc.is_in(rows["_change_type"], pa.array(["insert", "update_postimage"])),
-                               pc.equal(rows["stream_type"], stream_type)))
+    return rows.filter(pc.is_in(rows["_change_type"], pa.array(["insert", "update_postimage"])))
+
+
+def _latest(changes: pa.Table, stream_type: str) -> pa.Table:
+    """The latest row of each stream of `stream_type` among `changes` (the highest commit version)."""
+    kept = changes.filter(pc.equal(changes["stream_type"], stream_type))
     if kept.num_rows == 0:
         return kept.select(_STATE_COLUMNS)
-    # The latest row per stream: the highest commit version.
     order = kept.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("_commit_version", "descending")])
     tenant, sid = order["tenant"].combine_chunks(), order["stream_id"].combine_chunks()
     n = len(sid)
