@@ -16,6 +16,9 @@ from deltalake import DeltaTable
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn
 
+# `dg` in subprocesses and eight Dagster runs: `make test`'s, not `make check`'s (which stays under 3 minutes).
+pytestmark = pytest.mark.slow
+
 PROJECT = Path(__file__).resolve().parents[2] / "examples" / "shop"
 DG = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "dg"
 
