@@ -150,34 +150,24 @@ class StreamFold:
     def events(self, run: Iterator[tuple[int, str, str, int | None]]) -> None:
         """Every event of `run` (this stream's, in version order) as `event` folds them, the stream's figures
         kept in locals while each event is the next version (a first build's every event but a gap's)."""
-        if not self.parked and self.error is None and self.fold is None:
-            version, last_at, folded = self.version, self.last_at, self.folded
-            for v, event_type, payload, recorded_at in run:
-                if v != version + 1:
-                    self.version, self.last_at, self.folded = version, last_at, folded
-                    self.event(v, event_type, payload, recorded_at)
-                    break
-                version, last_at, folded = v, recorded_at, folded + 1
-            else:
-                self.version, self.last_at, self.folded = version, last_at, folded
-        elif not self.parked and self.error is None:
+        if not self.parked and self.error is None:
             state, version, last_at, folded = self.state, self.version, self.last_at, self.folded
             fold, stream_id = self.fold, self.stream_id
-            assert fold is not None
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
                 if v != version + 1:
                     off = (v, event_type, payload, recorded_at)
                     break
-                try:
-                    data = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    data = json.loads(payload)
-                try:
-                    state = fold(state, _new_event(Event, (stream_id, v, event_type, data)))
-                except Exception as exc:  # noqa: BLE001 - as in `event`
-                    if not self._failed(exc, v, event_type):
-                        break
+                if fold is not None:  # else no reducer: the versions and times alone
+                    try:
+                        data = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        data = json.loads(payload)
+                    try:
+                        state = fold(state, _new_event(Event, (stream_id, v, event_type, data)))
+                    except Exception as exc:  # noqa: BLE001 - as in `event`
+                        if not self._failed(exc, v, event_type):
+                            break
                 version, last_at, folded = v, recorded_at, folded + 1
             self.state, self.version, self.last_at, self.folded = state, version, last_at, folded
             if off is not None:
