@@ -19,7 +19,6 @@ import os
 
 import dagster as dg
 
-from es_pipeline.domain import load as load_domain
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 
@@ -43,5 +42,4 @@ class EsPipeline(dg.Component, dg.Model, dg.Resolvable):
         return Settings.from_env({**os.environ, **{k: v for k, v in given.items() if v is not None}})
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        settings = self.settings()
-        return build_definitions(settings, load_domain(settings.domain_modules))
+        return build_definitions(self.settings())
