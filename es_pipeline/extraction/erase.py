@@ -198,25 +198,22 @@ def _erase_projections(
     source, warehouse = settings.source, settings.warehouse
     deleted = erased_at is not None
     erased_at = before if erased_at is None else erased_at
-    for name in tables.TABLES[1:]:
+    # The typed state tables last, each in stream_state's turn: an update between the turns reads only the erasure's
+    # deletes from stream_state's change feed (or rebuilds from stream_state, the tenant gone), so none comes back.
+    names = typed_state.lake_tables(warehouse)[1:]
+    for name in names:
         path = tables.table_path(warehouse, name)
-        with one_at_a_time(settings.pg_dsn, name):
+        with one_at_a_time(settings.pg_dsn, typed_state.turn_of(name)):
             advance, lagging = _projection_after(name, path, before, erased_at) if deleted else (None, False)
             gone = lake_erase.delete_tenant(path, tenant, advance=advance)
             done.lake_rows[name] = gone[0] if gone else 0
             if lagging:
                 done.rebuilt.append(name)
             done.files_purged += lake_erase.purge(path)
-            if name == "stream_state":  # its typed tables are written in its turn: erased in it too
-                for typed in typed_state.table_names(warehouse):
-                    typed_path = tables.table_path(warehouse, typed)
-                    gone = lake_erase.delete_tenant(typed_path, tenant)
-                    done.lake_rows[typed] = gone[0] if gone else 0
-                    done.files_purged += lake_erase.purge(typed_path)
             if name == "snapshots":  # after the lake's: a take in this turn cannot write them back again
                 store = EventStore.for_source(settings.pg_dsn, source)
                 done.store_rows[store.snapshots_table.as_string(conn).replace('"', "")] = store.delete_snapshots(tenant, conn)
-    left = {**left, **{name: found for name in [*tables.TABLES[1:], *typed_state.table_names(warehouse)]
+    left = {**left, **{name: found for name in names
                        if (found := lake_erase.leftovers(tables.table_path(warehouse, name), tenant))}}
     if left:  # not recorded as finished: running the erasure again deletes and purges again
         raise ErasureIncomplete(tenant, left)

@@ -29,14 +29,13 @@ def maintain(warehouse: Location, *, retain_hours: int = 168, store_dsn: str | N
     started before the vacuum.
     """
     out: dict[str, dict[str, int]] = {}
-    for name in [*tables.TABLES, *typed_state.table_names(warehouse)]:
+    for name in typed_state.lake_tables(warehouse):
         path = tables.table_path(warehouse, name)
         if not tables.is_delta_table(path):
             continue
         if name != "events" and tables.is_uri(warehouse) and store_dsn is None:
             continue
-        # A typed state table is written in `stream_state`'s turn (lake/typed_state.py).
-        with one_at_a_time(store_dsn, "stream_state" if name.startswith(typed_state.PREFIX) else name):
+        with one_at_a_time(store_dsn, typed_state.turn_of(name)):
             out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
     return out
 

@@ -112,14 +112,7 @@ def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | Non
 
 def latest(snapshots: pa.Table) -> pa.Table:
     """Each stream's latest snapshot: the highest version, then revision (Spark's `max(struct(version, revision))`)."""
-    if snapshots.num_rows < 2:
-        return snapshots
-    s = snapshots.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("version", "descending"),
-                           ("revision", "descending")])
-    ids, tenants = s["stream_id"].combine_chunks(), s["tenant"].combine_chunks()
-    n = len(ids)
-    changed = pc.or_(pc.not_equal(ids.slice(1), ids.slice(0, n - 1)), pc.not_equal(tenants.slice(1), tenants.slice(0, n - 1)))
-    return s.filter(pa.concat_arrays([pa.array([True]), changed]))
+    return tables.latest_per_stream(snapshots, [("version", "descending"), ("revision", "descending")])
 
 
 def _due(state: pa.Table, last: pa.Table, threshold: int) -> pa.Table:

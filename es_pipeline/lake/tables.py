@@ -249,6 +249,18 @@ def tenant_filled(events: pa.Table) -> pa.Table:
     return events.set_column(i, "tenant", pc.fill_null(events["tenant"].cast(pa.string()), ""))
 
 
+def latest_per_stream(rows: pa.Table, newest_first: list[tuple[str, str]]) -> pa.Table:
+    """The first row of each (tenant, stream_id) of `rows` in the order `newest_first` gives within a stream (e.g.
+    `[("version", "descending")]`): each stream's latest row."""
+    if rows.num_rows < 2:
+        return rows
+    s = rows.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), *newest_first])
+    ids, tenants = s["stream_id"].combine_chunks(), s["tenant"].combine_chunks()
+    n = len(ids)
+    changed = pc.or_(pc.not_equal(ids.slice(1), ids.slice(0, n - 1)), pc.not_equal(tenants.slice(1), tenants.slice(0, n - 1)))
+    return s.filter(pa.concat_arrays([pa.array([True]), changed]))
+
+
 def has_columns(table: str | DeltaTable, names: Sequence[str]) -> bool:
     """Whether the Delta table (a path, read from its log, or one loaded already) has every column in `names`."""
     held = set((DeltaTable(table) if isinstance(table, str) else table).schema().to_arrow().names)

@@ -143,14 +143,7 @@ def _changes(state: DeltaTable, after: int, upto: int) -> pa.Table | None:
 def _latest(changes: pa.Table, stream_type: str) -> pa.Table:
     """The latest row of each stream of `stream_type` among `changes` (the highest commit version)."""
     kept = changes.filter(pc.equal(changes["stream_type"], stream_type))
-    if kept.num_rows == 0:
-        return kept.select(_STATE_COLUMNS)
-    order = kept.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("_commit_version", "descending")])
-    tenant, sid = order["tenant"].combine_chunks(), order["stream_id"].combine_chunks()
-    n = len(sid)
-    first = pa.concat_arrays([pa.array([True]), pc.or_(pc.not_equal(sid.slice(1), sid.slice(0, n - 1)),
-                                                         pc.not_equal(tenant.slice(1), tenant.slice(0, n - 1)))])
-    return order.filter(first).select(_STATE_COLUMNS)
+    return tables.latest_per_stream(kept, [("_commit_version", "descending")]).select(_STATE_COLUMNS)
 
 
 def _current(path: str, state: DeltaTable, stream_type: str) -> pa.Table:
@@ -187,3 +180,13 @@ def _first_misfit(rows: pa.Table, states: list[dict], schema: pa.Schema) -> tupl
 def table_names(warehouse: Location) -> Iterator[str]:
     """The typed state tables in the lake now (whatever the domain), by name."""
     yield from tables.table_names(warehouse, PREFIX)
+
+
+def lake_tables(warehouse: Location) -> list[str]:
+    """Every table es_pipeline keeps in the lake: the fixed ones (`tables.TABLES`), then the typed ones there now."""
+    return [*tables.TABLES, *table_names(warehouse)]
+
+
+def turn_of(name: str) -> str:
+    """The turn (lake/serial.py) a table is written in: its own; a typed state table's is `stream_state`'s."""
+    return "stream_state" if name.startswith(PREFIX) else name
