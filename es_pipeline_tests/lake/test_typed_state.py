@@ -128,6 +128,10 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
         update_stream_state(spark, warehouse, domain=bad)
     states = {r["stream_id"]: r for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()}
     assert json.loads(states["account-1"]["state"])["balance"] == "a lot"  # stream_state is committed; the table waits
+    # The reducer fixed (back to v2): the table catches up over both of stream_state's commits since it was written.
+    update_stream_state(spark, warehouse, domain=v2)
+    account = _typed(warehouse, "stream_state_account")["account-1"]
+    assert (account["balance"], account["revision"]) == (5.0, 2)
 
 
 @dataclass
@@ -151,3 +155,25 @@ def test_a_state_declared_as_an_arrow_schema_or_with_nested_fields() -> None:
     assert typed["order"][1].schema.field("lines").type == pa.list_(pa.struct([("sku", pa.string()), ("qty", pa.int64())]))
     assert typed["refund"][1].schema.names[-1] == "amount"
     assert typed_state.table_name("Order Line.v2") == "stream_state_order_line_v2"
+
+
+def test_a_lake_folded_before_its_states_were_declared_gets_its_typed_tables_whole(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """stream_state made without its change feed (no declaration then): the first update with declarations turns
+    the feed on and builds every typed table from stream_state; the next increment follows the feed."""
+    untyped = Domain("shop, untyped")
+    for reducer in SHOP.reducers.values():
+        untyped.add(Reducer(reducer.stream_type, reducer.revision, reducer.fold, reducer.domain))
+    store = EventStore(dsn)
+    run_workload(store, streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=31)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(_no_spark, warehouse, domain=untyped)
+    assert not (warehouse / "stream_state_cart").exists()
+    upgraded = update_stream_state(_no_spark, warehouse, domain=SHOP)
+    assert upgraded.events_folded == 0 and sum(n for _, n in upgraded.typed_rows) == 20
+    _assert_typed_equal_replay(dsn, warehouse)
+    run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=32)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(_no_spark, warehouse, domain=SHOP)
+    _assert_typed_equal_replay(dsn, warehouse)
