@@ -92,6 +92,40 @@ class Upcaster:
         return self.stream_types is None or stream_type in self.stream_types
 
 
+KeyOf = Callable[["Event"], Any]
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+# Names a projection's table may not take: es_pipeline's own tables, and the typed state tables' prefix.
+RESERVED = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A cross-stream projection: events of `event_types` from any stream, grouped by a key read from each
+    payload, each key's events folded by `fold` in the lake's order (docs/domain.md, "Cross-stream
+    projections"). Its table is `name`: one row per (tenant, key)."""
+
+    name: str
+    event_types: tuple[str, ...]
+    key: str | KeyOf  # a payload field's name, or a function of the event (None: the event has no key)
+    key_column: str  # the key's column in the table
+    revision: int
+    fold: Fold
+    domain: str = ""
+    state: pa.Schema | None = None  # declared: one column per field beside the JSON state
+
+    def key_of(self, event: Event) -> Any:
+        if callable(self.key):
+            return self.key(event)
+        return event.payload.get(self.key) if isinstance(event.payload, dict) else None
+
+    @property
+    def definition(self) -> str:
+        """What the table's rows depend on besides the fold's code: a change of it rebuilds the table."""
+        key = self.key if isinstance(self.key, str) else f"{getattr(self.key, '__module__', '?')}." \
+            f"{getattr(self.key, '__qualname__', '?')}"
+        return f"types={','.join(sorted(self.event_types))};key={key};column={self.key_column};revision={self.revision}"
+
+
 class Domain:
     """What a team registers: reducers by stream type, upcasters by event type and version. Made once per
     package, at import.
@@ -106,12 +140,14 @@ class Domain:
         self.name = name
         self.reducers: dict[str, Reducer] = {}
         self.upcasters: dict[tuple[str, int], Upcaster] = {}
+        self.projections: dict[str, Projection] = {}
         if schema_version not in ("none", "suffix") and not (
                 schema_version.startswith("field:") and len(schema_version) > len("field:")):
             raise DomainError(f"domain {name!r} reads schema versions from {schema_version!r}",
                               f"Say one of {', '.join(VERSION_SOURCES)}.")
         self.schema_version = schema_version
         self._folds: dict[str, Reducer] | None = None
+        self._chains: dict[str, _Upcasting] = {}
 
     def __repr__(self) -> str:
         return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
@@ -167,6 +203,67 @@ class Domain:
                               "An event type's version has one upcaster: remove one.")
         self.upcasters[key] = upcaster
         self._folds = None
+        self._chains = {}
+
+    def projection(
+        self, name: str, *, events: Sequence[str], key: str | KeyOf, revision: int, state: Any = None,
+        key_column: str | None = None,
+    ) -> Callable[[Fold], Fold]:
+        """Register the decorated function as the fold of the cross-stream projection `name`: every event of a
+        type in `events`, from any stream, upcast first, grouped by `key` (a payload field's name, or a function
+        of the event returning the key or None), folded per key in the lake's order (docs/domain.md). Its table
+        is `name`, one row per (tenant, key): the key in `key_column` (default: the field's name, else `key`),
+        the state as JSON, and with `state` (a dataclass, TypedDict or Arrow schema) one column per field."""
+        what = f"projection {name!r} in domain {self.name!r}"
+        if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED or name.startswith("stream_state_"):
+            raise DomainError(f"{what}: its name is its table's, and {name!r} cannot be one",
+                              "Name it in lower case letters, digits and _ (a letter first), other than "
+                              f"{', '.join(RESERVED)} and stream_state_…")
+        if isinstance(events, str) or not events or not all(isinstance(e, str) and e for e in events):
+            raise DomainError(f"{what} folds events={events!r}", "Give a list of event type names, e.g. "
+                              "events=[\"OrderPlaced\", \"OrderShipped\"].")
+        if not (callable(key) or (isinstance(key, str) and key)):
+            raise DomainError(f"{what} has key {key!r}", "Give a payload field's name, or a function of the event.")
+        column = key_column or (key if isinstance(key, str) else "key")
+        if not _NAME.match(column) or column in PROJECTION_ENVELOPE:
+            raise DomainError(f"{what}: its key column would be {column!r}",
+                              f"Say key_column= a name in lower case other than {', '.join(PROJECTION_ENVELOPE)}.")
+        if not isinstance(revision, int) or isinstance(revision, bool) or not 0 < revision < 1000:
+            raise DomainError(f"{what} has revision {revision!r}",
+                              "A revision is a whole number from 1 to 999: start at 1, add one when its logic changes.")
+        schema = None if state is None else state_schema(state, f"the state of {what}", PROJECTION_ENVELOPE)
+        if schema is not None and column in schema.names:
+            raise DomainError(f"{what}: its state has a field {column!r}, the key column's name",
+                              "Rename the field, or say key_column=.")
+
+        def register(fn: Fold) -> Fold:
+            self.add_projection(Projection(name, tuple(events), key, column, revision, fn, self.name, schema))
+            return fn
+
+        return register
+
+    def add_projection(self, projection: Projection) -> None:
+        held = self.projections.get(projection.name)
+        if held is not None and held.fold is not projection.fold:
+            raise DomainError(f"two projections are named {projection.name!r} (domains {held.domain!r} and "
+                              f"{projection.domain!r})", "A projection's name is its table's: rename one.")
+        self.projections[projection.name] = projection
+
+    def upcast(self, stream_type: str, event: Event) -> Event:
+        """`event` (of a stream of `stream_type`) as the folds see it: its type without a version suffix, its
+        payload brought to the current shape by the upcasters that apply (what `folds` does before a reducer)."""
+        chains = self._chains.get(stream_type)
+        if chains is None:
+            chains = self._chains[stream_type] = _Upcasting(_identity, self._chains_of(stream_type), self.schema_version)
+        return chains.upcast(event)
+
+    def base_type(self, event_type: str) -> str:
+        """An event type as the folds see it: without its version suffix where versions are read from there."""
+        if self.schema_version == "suffix":
+            m = _SUFFIX.match(event_type)
+            if m is not None:
+                return m.group("base")
+        return event_type
 
     def revisions(self) -> dict[str, int]:
         """Each stream type's revision as `stream_state` records it: its reducer's, plus one per upcaster
@@ -181,11 +278,15 @@ class Domain:
             self._folds = {t: self._with_upcasters(r) for t, r in self.reducers.items()}
         return self._folds
 
-    def _with_upcasters(self, reducer: Reducer) -> Reducer:
+    def _chains_of(self, stream_type: str) -> dict[str, dict[int, Upcast]]:
         chains: dict[str, dict[int, Upcast]] = {}
         for (event_type, version), u in self.upcasters.items():
-            if u.applies_to(reducer.stream_type):
+            if u.applies_to(stream_type):
                 chains.setdefault(event_type, {})[version] = u.upcast
+        return chains
+
+    def _with_upcasters(self, reducer: Reducer) -> Reducer:
+        chains = self._chains_of(reducer.stream_type)
         if not chains and self.schema_version != "suffix":
             return reducer
         n = sum(len(c) for c in chains.values())
@@ -207,6 +308,8 @@ class Domain:
                 out.add(r)
             for u in d.upcasters.values():
                 out.add_upcaster(u)
+            for p in d.projections.values():
+                out.add_projection(p)
         return out
 
 
@@ -223,6 +326,9 @@ class _Upcasting:
         self.fold, self.chains, self.source = fold, chains, source
 
     def __call__(self, state: State, event: Event) -> State:
+        return self.fold(state, self.upcast(event))
+
+    def upcast(self, event: Event) -> Event:
         event_type, version, payload = event.event_type, 1, event.payload
         if self.source == "suffix":
             m = _SUFFIX.match(event_type)
@@ -238,18 +344,25 @@ class _Upcasting:
                 version += 1
         if event_type is not event.event_type or payload is not event.payload:
             event = Event(event.stream_id, event.version, event_type, payload)
-        return self.fold(state, event)
+        return event
+
+
+def _identity(state: State, event: Event) -> State:
+    return state
 
 
 # The columns a typed state table has besides the state's fields (lake/typed_state.py): no field may take one.
 ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "updated_at")
+# The columns a cross-stream projection's table has besides its key and its state's fields (lake/cross_stream.py).
+PROJECTION_ENVELOPE = ("tenant", "state", "events", "last_stream_id", "last_version", "last_batch_id",
+                       "last_position", "last_event_at", "revision", "updated_at")
 _SCALARS: dict[Any, pa.DataType] = {
     str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(), bytes: pa.binary(),
     dt.datetime: pa.timestamp("us", tz="UTC"), dt.date: pa.date32(),
 }
 
 
-def state_schema(spec: Any, what: str) -> pa.Schema:
+def state_schema(spec: Any, what: str, envelope: Sequence[str] = ENVELOPE) -> pa.Schema:
     """A state declaration (a dataclass, a TypedDict or an Arrow schema) as an Arrow schema of nullable fields."""
     if isinstance(spec, pa.Schema):
         schema = spec
@@ -258,10 +371,10 @@ def state_schema(spec: Any, what: str) -> pa.Schema:
     else:
         raise DomainError(f"{what} is declared as {spec!r}",
                           "Declare it as a dataclass, a TypedDict or a pyarrow schema.")
-    taken = [f.name for f in schema if f.name in ENVELOPE]
+    taken = [f.name for f in schema if f.name in envelope]
     if taken:
         raise DomainError(f"{what} has fields named {', '.join(taken)}, which its typed table's own columns take "
-                          f"({', '.join(ENVELOPE)})", "Rename those fields of the state.")
+                          f"({', '.join(envelope)})", "Rename those fields of the state.")
     return pa.schema([f.with_nullable(True) for f in schema])
 
 

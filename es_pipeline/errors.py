@@ -108,6 +108,24 @@ class ReducerError(EsPipelineError):
         )
 
 
+class ProjectionFoldError(EsPipelineError):
+    """A cross-stream projection's fold (or its key function) failed on an event; nothing was committed."""
+
+    def __init__(
+        self, projection: str, key: str | None, stream_id: str | None, version: int | None, event_type: str | None,
+        reason: str,
+    ) -> None:
+        self.projection, self.key, self.stream_id, self.version = projection, key, stream_id, version
+        self.event_type, self.reason = event_type, reason
+        where = f" key {key!r}" if key is not None else ""
+        if stream_id is not None:
+            where += f" on stream {stream_id!r} version {version} ({event_type})"
+        super().__init__(
+            f"projection {projection!r} failed at{where}: {reason}. Nothing of this run was committed. Fix the "
+            "projection's fold (and bump its revision) or the event, then re-run."
+        )
+
+
 class LakeOffsetsMismatch(EsPipelineError):
     """The offsets say events were extracted, but not into the Delta table this run would write to."""
 

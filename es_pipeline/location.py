@@ -39,7 +39,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
         assets=[events, *build_projection_assets(domain), snapshots],
         asset_checks=CHECKS,
         jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
-        sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation)],
+        sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain)],
         schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
         # Every job's steps in the run's own process unless it says otherwise: a hand materialization of a

@@ -34,9 +34,9 @@ from es_pipeline.errors import ErasureIncomplete, SliceLocked, TenantRefused
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
+from es_pipeline.lake import cross_stream, inventory, tables
 from es_pipeline.lake import erase as lake_erase
 from es_pipeline.lake import stream_state as st
-from es_pipeline.lake import tables, typed_state
 from es_pipeline.lake.fold import txn_version_after
 from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.serial import one_at_a_time
@@ -200,13 +200,17 @@ def _erase_projections(
     erased_at = before if erased_at is None else erased_at
     # The typed state tables last, each in stream_state's turn: an update between the turns reads only the erasure's
     # deletes from stream_state's change feed (or rebuilds from stream_state, the tenant gone), so none comes back.
-    names = typed_state.lake_tables(warehouse)[1:]
+    names = inventory.lake_tables(warehouse)[1:]
+    crossing = set(cross_stream.table_names(warehouse))
     for name in names:
         path = tables.table_path(warehouse, name)
-        with one_at_a_time(settings.pg_dsn, typed_state.turn_of(name)):
+        with one_at_a_time(settings.pg_dsn, inventory.turn_of(name)):
             advance, lagging = _projection_after(name, path, before, erased_at) if deleted else (None, False)
             gone = lake_erase.delete_tenant(path, tenant, advance=advance)
             done.lake_rows[name] = gone[0] if gone else 0
+            if name in crossing:  # its change feed may still hold the tenant's waiting events: folded anew
+                cross_stream.mark_for_rebuild(warehouse, name)
+                done.rebuilt.append(name)
             if lagging:
                 done.rebuilt.append(name)
             done.files_purged += lake_erase.purge(path)

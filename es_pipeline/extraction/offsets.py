@@ -502,6 +502,22 @@ def reset(conn: psycopg.Connection, consumer: str) -> int:
 # -- what the lake should hold, for the checks -----------------------------------------------------
 
 
+def batch_frontier(dsn: str | psycopg.Connection, consumer: str) -> int:
+    """The lowest batch id that may still reach the lake: the lowest one `consumer` holds pending, else the next
+    one the sequence gives (a batch taken later has a higher id). Every batch below it that ever reaches the lake
+    is there already in any version of the lake read after this (lake/cross_stream.py folds up to it)."""
+    query = ("SELECT least((SELECT min(batch_id) FROM es_pipeline.pending_batches WHERE consumer = %s), "
+             "(SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
+             "FROM es_pipeline.pending_batches_batch_id_seq))")
+    if isinstance(dsn, psycopg.Connection):
+        row = dsn.execute(query, (consumer,)).fetchone()
+    else:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(query, (consumer,)).fetchone()
+    assert row is not None and row[0] is not None
+    return int(row[0])
+
+
 def pending_batch_ids(conn: psycopg.Connection, consumer: str) -> list[int]:
     """Batches written (or being written) whose watermarks have not advanced yet."""
     return [int(r[0]) for r in conn.execute(

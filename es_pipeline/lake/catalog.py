@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from es_pipeline.lake import tables, typed_state
+from es_pipeline.lake import inventory, tables
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
@@ -13,7 +13,7 @@ from es_pipeline.settings import Settings
 def register_tables(spark: Any, warehouse: Location) -> list[str]:
     """Register each Delta table under the warehouse as a table of its name (time travel works)."""
     names = []
-    for name in typed_state.lake_tables(warehouse):
+    for name in inventory.lake_tables(warehouse):
         path = tables.table_path(warehouse, name)
         if tables.is_delta_table(path):
             # External tables: DROP forgets the name, never the files; re-pointing keeps the name current.

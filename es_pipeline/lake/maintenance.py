@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from deltalake import DeltaTable
 
-from es_pipeline.lake import tables, typed_state
+from es_pipeline.lake import inventory, tables
 from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.lake.tables import Location
 
@@ -29,13 +29,13 @@ def maintain(warehouse: Location, *, retain_hours: int = 168, store_dsn: str | N
     started before the vacuum.
     """
     out: dict[str, dict[str, int]] = {}
-    for name in typed_state.lake_tables(warehouse):
+    for name in inventory.lake_tables(warehouse):
         path = tables.table_path(warehouse, name)
         if not tables.is_delta_table(path):
             continue
         if name != "events" and tables.is_uri(warehouse) and store_dsn is None:
             continue
-        with one_at_a_time(store_dsn, typed_state.turn_of(name)):
+        with one_at_a_time(store_dsn, inventory.turn_of(name)):
             out[name] = compact_with_delta_rs(path, retain_hours=retain_hours)
     return out
 

@@ -9,8 +9,9 @@ import psycopg
 import pyarrow as pa
 
 from es_pipeline.domain import Domain
-from es_pipeline.lake import tables
+from es_pipeline.lake import cross_stream, tables
 from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
+from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import READ_COLUMNS, StateResult
 from es_pipeline.lake.serial import turn_if_free
@@ -99,17 +100,19 @@ def update_event_type_daily(
 
 
 def follow(
-    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain
-) -> dict[str, ProjectionResult | StateResult]:
+    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
+) -> dict[str, ProjectionResult | StateResult | CrossStreamResult]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
-    this way), from one read of `events`' change feed. A projection whose turn another update holds, or
-    that needs Spark, is left out: its automation's run does it. `store`: the store's DSN, or a
+    this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
+    (up to `frontier`, lake/cross_stream.py). A projection whose turn another update holds, or that needs
+    Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
     `lock_transaction` connection kept for the turns."""
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
         return {}
-    events_feed = Feed(events_path, [*READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns])
-    done: dict[str, ProjectionResult | StateResult] = {}
+    events_feed = Feed(events_path, [*READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
+                                     *(cross_stream.COLUMNS if domain.projections else ())])
+    done: dict[str, ProjectionResult | StateResult | CrossStreamResult] = {}
     with turn_if_free(store, "stream_state") as turn:
         state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
         if state is not None:
@@ -119,4 +122,10 @@ def follow(
             result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None
             if result is not None:
                 done[projection.name] = result
+    for name, cross in sorted(domain.projections.items()):
+        with turn_if_free(store, name) as turn:
+            crossed = None if turn is None else cross_stream.increment(
+                warehouse, cross, domain, turn, frontier, events_feed, build=False)
+            if crossed is not None:
+                done[name] = crossed
     return done

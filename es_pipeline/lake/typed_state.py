@@ -157,36 +157,36 @@ def _typed(rows: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
     rows = rows.filter(pc.is_valid(rows["state"]))  # none: a rebuild of the type in progress left none
     states = [json.loads(text) for text in rows["state"].to_pylist()]
     try:
-        fields = pa.Table.from_pylist([{f.name: s.get(f.name) for f in reducer.state} for s in states],
-                                      schema=reducer.state)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
-        stream_id, field, value = _first_misfit(rows, states, reducer.state)
-        raise TypedStateMismatch(reducer.stream_type, stream_id, field, value, str(exc)) from None
+        fields = state_fields(states, reducer.state)
+    except StateMisfit as misfit:
+        raise TypedStateMismatch(reducer.stream_type, rows["stream_id"][misfit.index].as_py(), misfit.field,
+                                 misfit.value, misfit.reason) from None
     envelope = rows.select(_ENVELOPE.names).cast(_ENVELOPE)
     return pa.Table.from_arrays([*envelope.columns, *fields.columns], schema=table.schema)
 
 
-def _first_misfit(rows: pa.Table, states: list[dict], schema: pa.Schema) -> tuple[str, str, object]:
-    """(stream, field, value) of the first state that does not fit the declared fields."""
-    for stream_id, s in zip(rows["stream_id"].to_pylist(), states, strict=True):
-        for f in schema:
-            try:
-                pa.array([s.get(f.name)], type=f.type)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-                return stream_id, f.name, s.get(f.name)
-    return "?", "?", None
+class StateMisfit(ValueError):
+    """A state that does not fit its declared fields: which one (its index), the field, the value, why."""
+
+    def __init__(self, index: int, field: str, value: object, reason: str) -> None:
+        self.index, self.field, self.value, self.reason = index, field, value, reason
+        super().__init__(f"state {index}: field {field!r} holds {value!r} ({reason})")
+
+
+def state_fields(states: list[dict], schema: pa.Schema) -> pa.Table:
+    """The declared fields of `states` (dicts) as columns; `StateMisfit` names the first that does not fit."""
+    try:
+        return pa.Table.from_pylist([{f.name: s.get(f.name) for f in schema} for s in states], schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+        for i, s in enumerate(states):
+            for f in schema:
+                try:
+                    pa.array([s.get(f.name)], type=f.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+                    raise StateMisfit(i, f.name, s.get(f.name), str(exc)) from None
+        raise StateMisfit(0, "?", None, str(exc)) from None
 
 
 def table_names(warehouse: Location) -> Iterator[str]:
     """The typed state tables in the lake now (whatever the domain), by name."""
     yield from tables.table_names(warehouse, PREFIX)
-
-
-def lake_tables(warehouse: Location) -> list[str]:
-    """Every table es_pipeline keeps in the lake: the fixed ones (`tables.TABLES`), then the typed ones there now."""
-    return [*tables.TABLES, *table_names(warehouse)]
-
-
-def turn_of(name: str) -> str:
-    """The turn (lake/serial.py) a table is written in: its own; a typed state table's is `stream_state`'s."""
-    return "stream_state" if name.startswith(PREFIX) else name

@@ -8,14 +8,15 @@ import dagster as dg
 import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from es_pipeline.defs.projections.assets import projection_metadata, state_metadata
+from es_pipeline.defs.projections.assets import cross_stream_metadata, projection_metadata, state_metadata
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.domain import Domain
 from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
-from es_pipeline.extraction.offsets import OffsetSession
+from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import tail
+from es_pipeline.lake.cross_stream import CrossStreamResult
 from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.projections import follow
 from es_pipeline.lake.tables import Location
@@ -99,7 +100,7 @@ def _tail(
     materializations of those projections right after the report of `events`; what needs Spark, or
     fails, is left to the automation's runs."""
     reports = _Reports(context, keys, report_seconds)
-    projections = _Projections(context, extractor.warehouse, follow, domain)
+    projections = _Projections(context, extractor.warehouse, follow, domain, extractor.consumer)
 
     def on_pass(result: ExtractResult) -> None:
         reported = reports.add(result)
@@ -180,7 +181,7 @@ PROJECTIONS_GAP = 15.0  # seconds between two updates of the projections by a ta
 # delta-rs MERGEs: commit→projection p50 ≈ 8 s, against a goal of 15 s; 10 s cost more CPU than the goal allows)
 
 
-_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated")  # summed over gathered updates
+_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded")  # summed over gathered updates
 
 
 class _Projections:
@@ -190,9 +191,10 @@ class _Projections:
     automation sees the projections handled after their dependency (else it would start their runs)."""
 
     def __init__(
-        self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None, domain: Domain
+        self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None, domain: Domain,
+        consumer: str,
     ) -> None:
-        self.domain = domain
+        self.domain, self.consumer = domain, consumer
         self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
         self.last = 0.0
         self.failed = False
@@ -213,7 +215,8 @@ class _Projections:
         try:
             if self.conn is None or self.conn.closed:
                 self.conn = lock_transaction(self.store_dsn, application_name="es_pipeline tail projections")
-            done = follow(self.warehouse, self.conn, self.domain)
+            conn = self.conn
+            done = follow(self.warehouse, conn, self.domain, lambda: batch_frontier(conn, self.consumer))
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
             self.failed = True
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
@@ -222,6 +225,9 @@ class _Projections:
             if isinstance(result, StateResult):
                 if result.events_folded:
                     self._gather(name, state_metadata(result))
+            elif isinstance(result, CrossStreamResult):
+                if result.events_folded:
+                    self._gather(name, cross_stream_metadata(result))
             elif result.events_read:
                 self._gather(name, projection_metadata(result))
 

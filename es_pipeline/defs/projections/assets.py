@@ -4,6 +4,9 @@ import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.domain import Domain
+from es_pipeline.extraction.offsets import batch_frontier
+from es_pipeline.lake.cross_stream import CrossStreamResult
+from es_pipeline.lake.cross_stream import update as update_cross_stream
 from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
@@ -85,8 +88,40 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     return stream_state
 
 
+def cross_stream_metadata(r: CrossStreamResult) -> dict[str, int | bool]:
+    return {"dagster/row_count": r.rows, "events_folded": r.events_folded, "keys_updated": r.keys_updated,
+            "keys_refolded": r.keys_refolded, "events_waiting": r.events_waiting,
+            "events_without_key": r.events_without_key, "events_version": r.events_version,
+            "batch_frontier": r.frontier, "full_rebuild": r.previous_events_version < 0}
+
+
+def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
+    """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others."""
+    projection = domain.projections[name]
+
+    @dg.asset(
+        name=name,
+        deps=["events"],
+        kinds={"python", "delta"},
+        owners=["team:data-engineering"],
+        tags={"layer": "projection", "domain": projection.domain or "none"},
+        automation_condition=AFTER_EVENTS,
+        description=f"Cross-stream projection of domain {projection.domain}: events "
+        f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
+        "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.",
+    )
+    def asset(warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
+        consumer = event_store.events_source().consumer
+        r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
+                                frontier=lambda: batch_frontier(event_store.dsn, consumer))
+        return dg.MaterializeResult(metadata=cross_stream_metadata(r))
+
+    return asset
+
+
 def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
-    return [stream_catalog, event_type_daily, build_stream_state_asset(domain)]
+    return [stream_catalog, event_type_daily, build_stream_state_asset(domain),
+            *(build_cross_stream_asset(domain, name) for name in sorted(domain.projections))]
 
 
-NAMES = ("stream_catalog", "event_type_daily", "stream_state")
+NAMES = ("stream_catalog", "event_type_daily", "stream_state")  # the built-in projections (a domain's are beside)

@@ -73,3 +73,28 @@ def account(state: State, event: Event) -> State:
     else:
         raise UnknownEventType(event)
     return s
+
+
+class SkuSales(TypedDict):
+    """What `sku_sales` keeps per product: units added to carts, removals, and the last price and cart seen (the
+    last ones in the lake's order: docs/domain.md)."""
+
+    units_added: int
+    removals: int
+    last_price: float | None
+    last_cart: str | None
+
+
+@domain.projection("sku_sales", events=["ItemAdded", "ItemRemoved"], key="sku", revision=1, state=SkuSales)
+def sku_sales(state: State, event: Event) -> State:
+    """A cross-stream projection: every cart's item events, folded per product (the payload's `sku`)."""
+    s = {"units_added": 0, "removals": 0, "last_price": None, "last_cart": None, **state}
+    p = event.payload
+    if event.event_type == "ItemAdded":
+        s["units_added"] += int(p.get("qty", 1))
+        if "unit_price" in p:
+            s["last_price"] = float(p["unit_price"])
+    else:
+        s["removals"] += 1
+    s["last_cart"] = event.stream_id
+    return s

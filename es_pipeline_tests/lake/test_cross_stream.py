@@ -1,0 +1,157 @@
+"""Cross-stream projections (lake/cross_stream.py): every key equal to a fold of the store's events in the lake's
+order, through concurrent writers, a batch left pending by a killed run, out-of-order batch commits and rebuilds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from deltalake import DeltaTable
+from shop.domain import domain as SHOP
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain, Event
+from es_pipeline.errors import ProjectionFoldError
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.offsets import batch_frontier
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.lake import cross_stream
+from es_pipeline.source import mapping
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.extraction.test_extractor import Crash, crash_at
+from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key, extract_all
+from es_pipeline_tests.support.roles import StoreDsn
+
+NAME = "sku_sales"
+
+
+def _frontier(dsn: StoreDsn) -> Any:
+    consumer = mapping.load(None, "es").consumer
+    return lambda: batch_frontier(dsn.extractor, consumer)
+
+
+def _expected(dsn: StoreDsn, warehouse: Path, domain: Domain = SHOP, name: str = NAME) -> dict[tuple[str, str], Any]:
+    """Each key's state folded independently: the store's events of the projection's types (their content), in
+    the lake's order (each event's batch, read from `events`: the order is the lake's), by the projection's fold."""
+    projection = domain.projections[name]
+    lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(
+        columns=["tenant", "stream_id", "version", "batch_id"]).to_pylist()
+    batch = {(r["tenant"] or "", r["stream_id"], r["version"]): r["batch_id"] or 0 for r in lake}
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT '', stream_id, version, event_type, payload, global_position FROM es.events "
+            "WHERE event_type = ANY(%s)", (list(projection.event_types),)).fetchall()
+    assert all((t, s, v) in batch for t, s, v, *_ in rows), "an event of the store is missing from the lake"
+    keyed = sorted(((t, str(p[projection.key]), batch[(t, s, v)], gp, s, v, e, p) for t, s, v, e, p, gp in rows
+                    if projection.key in p), key=lambda r: r[:6])
+    out: dict[tuple[str, str], Any] = {}
+    for tenant, key, _, _, sid, version, event_type, payload in keyed:
+        state, n = out.get((tenant, key), ({}, 0))
+        out[(tenant, key)] = (projection.fold(state, Event(sid, version, event_type, payload)), n + 1)
+    return out
+
+
+def _table(warehouse: Path, name: str = NAME, key: str = "sku") -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["tenant"], r[key]): r for r in DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist()}
+
+
+def _assert_equal_to_the_store(dsn: StoreDsn, warehouse: Path) -> int:
+    expected, held = _expected(dsn, warehouse), _table(warehouse)
+    assert set(held) == set(expected), set(held) ^ set(expected)
+    for k, (state, n) in expected.items():
+        row = held[k]
+        assert json.loads(row["state"]) == state, k
+        assert row["events"] == n, k
+        assert {f: row[f] for f in state} == state, k  # the declared fields as columns
+    return sum(n for _, n in expected.values())
+
+
+def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent_writers_and_rebuilds(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=60, events=900, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=31)
+    extract_all(dsn.extractor, None, warehouse)
+    built = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert built.previous_events_version == -1 and built.keys_updated == len(_table(warehouse))
+    assert _assert_equal_to_the_store(dsn, warehouse) == built.events_folded > 0
+
+    # A run of range 0-511 killed after it took its batch id: the batch stays pending. Range 512-1023 commits a
+    # later batch meanwhile; its events wait (a lower batch may still come) rather than fold before it.
+    run_workload(store, streams=60, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=32)
+    low, high = SliceRange(0, 511), SliceRange(512, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn.extractor, None, warehouse, on_step=crash_at("read")).run(low)
+    assert Extractor(dsn.extractor, None, warehouse).run(high).rows > 0
+    waiting = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert waiting.events_waiting > 0 and waiting.events_folded == 0 and waiting.keys_refolded == 0
+    assert Extractor(dsn.extractor, None, warehouse).run(low).replayed_batches == 1
+    caught_up = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert caught_up.events_waiting == 0 and caught_up.keys_refolded == 0 and caught_up.events_folded > 0
+    assert caught_up.previous_events_version >= 0  # an increment, not a rebuild
+    total = _assert_equal_to_the_store(dsn, warehouse)
+
+    # Nothing new: nothing folded, nothing committed.
+    version = DeltaTable(str(warehouse / NAME)).version()
+    assert cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn)).events_folded == 0
+    assert DeltaTable(str(warehouse / NAME)).version() == version
+
+    # Built again from nothing (a second table of the same definition), it holds the same rows: the order is the lake's.
+    again = Domain("again")
+    again.add_projection(SHOP.projections[NAME].__class__(**{**SHOP.projections[NAME].__dict__, "name": "sku_again"}))
+    cross_stream.update(warehouse, again, "sku_again", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    strip = ("updated_at",)
+    assert {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse, "sku_again").items()} == \
+        {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse).items()}
+    assert total > 0 and assert_exactly_once_by_key(warehouse, dsn) > total
+
+
+def test_without_a_frontier_a_batch_that_lands_late_folds_its_keys_again(dsn: StoreDsn, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=41)
+    extract_all(dsn.extractor, None, warehouse)
+    cross_stream.update(warehouse, SHOP, NAME)  # no store asked: every batch in the lake is taken as final
+    run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=42)
+    low, high = SliceRange(0, 511), SliceRange(512, 1023)
+    with pytest.raises(Crash):
+        Extractor(dsn.extractor, None, warehouse, on_step=crash_at("read")).run(low)
+    Extractor(dsn.extractor, None, warehouse).run(high)
+    cross_stream.update(warehouse, SHOP, NAME)  # folds the later batch first
+    Extractor(dsn.extractor, None, warehouse).run(low)  # the lower batch lands after it
+    late = cross_stream.update(warehouse, SHOP, NAME)
+    assert late.keys_refolded > 0
+    _assert_equal_to_the_store(dsn, warehouse)
+
+
+def test_upcast_keys_tenants_and_a_failing_fold(dsn: StoreDsn, warehouse: Path) -> None:
+    """Upcasters run before the key is read; keys are per tenant; a key missing is counted; a failing fold is named
+    and commits nothing."""
+    d = Domain("ledger", schema_version="suffix")
+
+    @d.upcaster("Moved", version=1)
+    def v1_to_v2(p: dict[str, Any]) -> dict[str, Any]:
+        return {"account": p["acct"], "amount": p["amt"]}
+
+    @d.projection("balances", events=["Moved"], key="account", revision=1)
+    def balances(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        if event.payload["amount"] == 666:
+            raise ValueError("cursed amount")
+        return {"balance": state.get("balance", 0) + event.payload["amount"]}
+
+    store = EventStore(dsn)
+    store.append("t-1", "transfer", [NewEvent("Moved", {"acct": "a", "amt": 5}), NewEvent("Moved.v2", {"account": "b", "amount": 7})], 0)
+    store.append("t-2", "transfer", [NewEvent("Moved.v2", {"account": "a", "amount": 1}), NewEvent("Moved.v2", {"note": "no key"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    r = cross_stream.update(warehouse, d, "balances", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert r.events_without_key == 1
+    held = _table(warehouse, "balances", "account")
+    assert {k: json.loads(v["state"]) for k, v in held.items()} == {("", "a"): {"balance": 6}, ("", "b"): {"balance": 7}}
+    store.append("t-3", "transfer", [NewEvent("Moved.v2", {"account": "a", "amount": 666})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    version = DeltaTable(str(warehouse / "balances")).version()
+    with pytest.raises(ProjectionFoldError, match="'balances' failed at key 'a' on stream 't-3' version 1"):
+        cross_stream.update(warehouse, d, "balances", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert DeltaTable(str(warehouse / "balances")).version() == version
