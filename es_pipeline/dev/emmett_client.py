@@ -13,9 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
-
 from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT
+from es_pipeline.store import conninfo
 
 SCRIPTS = Path(__file__).parent / "emmett"
 HOME = PROJECT_ROOT / ".cache" / "emmett"
@@ -36,7 +35,7 @@ def install() -> Path:
 
 def node_url(dsn: str) -> str:
     """A libpq DSN as the URL node-postgres takes; the password stays in the passfile (PGPASSFILE)."""
-    p = conninfo_to_dict(dsn)
+    p = conninfo.parse(dsn)
     return f"postgresql://{p['user']}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
 
 

@@ -17,9 +17,8 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
-
 from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT
+from es_pipeline.store import conninfo
 
 SOURCES = Path(__file__).parent / "pekko"
 HOME = PROJECT_ROOT / ".cache" / "pekko"
@@ -75,13 +74,13 @@ def published_schema(name: str = "postgres-create-schema.sql") -> str:
 
 def jdbc_url(dsn: str) -> str:
     """A libpq DSN as a JDBC URL, without user or password (the user goes apart, the password stays in the passfile)."""
-    p = conninfo_to_dict(dsn)
+    p = conninfo.parse(dsn)
     return f"jdbc:postgresql://{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
 
 
 def env(dsn: str) -> dict[str, str]:
     """The environment of a writer: PGPASSFILE names the DSN's passfile, or the local servers'."""
-    return {**os.environ, "PGPASSFILE": str(conninfo_to_dict(dsn).get("passfile") or LOCAL_PG_PASSFILE)}
+    return {**os.environ, "PGPASSFILE": str(conninfo.parse(dsn).get("passfile") or LOCAL_PG_PASSFILE)}
 
 
 def start(dsn: str, mode: str, worker: str, entities: int, events: int = 0, pause_ms: int = 0) -> subprocess.Popen[str]:
@@ -92,7 +91,7 @@ def start(dsn: str, mode: str, worker: str, entities: int, events: int = 0, paus
         raise ValueError(f"mode: write or read, not {mode!r}")
     return subprocess.Popen(
         ["java", *JVM_FLAGS, "-cp", install(), MAIN, mode, "--jdbc-url", jdbc_url(dsn),
-         "--user", str(conninfo_to_dict(dsn)["user"]), "--worker", worker, "--entities", str(entities),
+         "--user", str(conninfo.parse(dsn)["user"]), "--worker", worker, "--entities", str(entities),
          "--events", str(events), "--pause-ms", str(pause_ms)],
         env=env(dsn), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
