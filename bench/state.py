@@ -55,6 +55,8 @@ def _extract(dsn: str, work: Path, run_id: str) -> int:
 UNTYPED = Domain("shop, untyped")
 for _reducer in SHOP.reducers.values():
     UNTYPED.add(dataclasses.replace(_reducer, state=None))
+for _upcaster in SHOP.upcasters.values():  # the same revisions as the shop's: no type rebuilt between the series
+    UNTYPED.add_upcaster(_upcaster)
 
 
 # A cross-stream projection over the bulk load's account events: money moved, by whole amount (about 140 keys,

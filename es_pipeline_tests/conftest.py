@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from es_pipeline.dev import local_server
 from es_pipeline.dev.s3proxy import S3Server, s3proxy
@@ -17,7 +19,7 @@ from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings, local_pg_dsn
 from es_pipeline.store import roles
 from es_pipeline.store.migrations import migrate
-from es_pipeline_tests.support.roles import StoreDsn, login_roles
+from es_pipeline_tests.support.roles import StoreDsn, create_login, login_roles
 
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
@@ -132,3 +134,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.s3)
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture
+def emmett_app(dsn: StoreDsn) -> Iterator[str]:
+    """The application's own login: it may create tables in `public` (Emmett makes its schema on first use)."""
+    login = f"t_emmett_app_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_login(conn, login)
+        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(login)))
+    yield make_conninfo(dsn, user=login)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(login)))
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))

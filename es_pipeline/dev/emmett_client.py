@@ -43,10 +43,13 @@ def env() -> dict[str, str]:
     return {**os.environ, "PGPASSFILE": str(LOCAL_PG_PASSFILE)}
 
 
-def start_appending(dsn: str, worker: str, streams: int, events_per_stream: int, per_append: int = 1) -> subprocess.Popen[str]:
-    """A Node process appending `streams` × `events_per_stream` events (`ItemAdded`) to streams `cart-<worker>-<n>`."""
+def start_appending(
+    dsn: str, worker: str, streams: int, events_per_stream: int, per_append: int = 1, shape: str = "v2"
+) -> subprocess.Popen[str]:
+    """A Node process appending `streams` × `events_per_stream` events (`ItemAdded`) to streams `cart-<worker>-<n>`;
+    `shape="v1"`: the older payloads (`price`, not `unit_price`) and some `ItemRemoved` (append.mjs)."""
     return subprocess.Popen(
-        ["node", "append.mjs", node_url(dsn), worker, str(streams), str(events_per_stream), str(per_append)],
+        ["node", "append.mjs", node_url(dsn), worker, str(streams), str(events_per_stream), str(per_append), shape],
         cwd=install(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

@@ -8,11 +8,19 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
+import psycopg
 import pytest
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
+from shop.domain import sku_sales
 
+from es_pipeline.dev import emmett_client as emmett
+from es_pipeline.domain import Event
+from es_pipeline.source import mapping
+from es_pipeline.store.adopt import adopt
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -97,3 +105,81 @@ def test_the_shop_location_folds_both_domains_through_dagster(
     invoices = {r["stream_id"]: r for r in DeltaTable(str(warehouse / "stream_state_invoice")).to_pyarrow_table().to_pylist()}
     assert {s: (r["amount"], r["paid"]) for s, r in invoices.items()} == {"invoice-1": (12.5, True), "invoice-2": (3.0, False)}
     assert DeltaTable(str(warehouse / "stream_state_cart")).to_pyarrow_table().to_pylist()[0]["total"] == 3.0
+
+
+def _upcast_by_hand(event_type: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The old carts' `price`, renamed as today's payloads name it: the test's own upcast, not the shop's."""
+    if event_type == "ItemAdded" and "price" in payload and "unit_price" not in payload:
+        return {**{k: v for k, v in payload.items() if k != "price"}, "unit_price": payload["price"]}
+    return payload
+
+
+def test_the_shop_project_adopts_an_emmett_store_and_every_table_equals_a_fold_of_it(
+    dsn: StoreDsn, emmett_app: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Emmett's own client writes carts, old payloads (`price`, removals) then today's while more old ones come;
+    the shop's code location adopts the store, extracts it and folds it through Dagster: `stream_state`, its typed
+    `stream_state_cart` (the shop's reducer, behind its upcaster) and `sku_sales` (its cross-stream projection)
+    each equal a fold of `emt_messages` computed here."""
+    warehouse = tmp_path / "lake"
+    assert emmett.finished(emmett.start_appending(emmett_app, "boot", 1, 3)) == 3  # Emmett creates its tables
+    adopt(dsn, mapping.emmett(), echo=lambda _: None)
+    old = [emmett.start_appending(emmett_app, f"old{w}", 5, 12, per_append=1 + w, shape="v1") for w in range(2)]
+    appended = sum(emmett.finished(w) for w in old)
+    writers = [emmett.start_appending(emmett_app, f"new{w}", 5, 10, per_append=2, shape="v2") for w in range(2)]
+    writers.append(emmett.start_appending(emmett_app, "late", 4, 12, per_append=3, shape="v1"))
+    for key, value in {**_env(dsn.extractor, warehouse), "ES_PIPELINE_SOURCE": "emmett"}.items():
+        if key.startswith("ES_PIPELINE_"):
+            monkeypatch.setenv(key, value)
+    import shop.definitions
+    defs = dg.load_from_defs_folder(path_within_project=Path(shop.definitions.__file__).parent)
+    events, state, sales = (defs.resolve_assets_def(k) for k in ("events", "stream_state", "sku_sales"))
+    instance = dg.DagsterInstance.ephemeral()
+    keys = events.partitions_def.get_partition_keys()
+    for key in keys:  # while Emmett's writers append
+        assert dg.materialize([events], partition_key=key, instance=instance).success
+    appended += sum(emmett.finished(w) for w in writers)
+    assert appended == 2 * 5 * 12 + 2 * 5 * 10 + 4 * 12
+    for key in keys:
+        assert dg.materialize([events], partition_key=key, instance=instance).success
+    assert dg.materialize([state], instance=instance).success
+    result = dg.materialize([sales], instance=instance)
+    assert result.success
+    assert result.asset_materializations_for_node("sku_sales")[0].metadata["events_waiting"].value == 0
+
+    assert_shop_tables_equal_emmett(dsn, warehouse, appended + 3)
+
+
+def assert_shop_tables_equal_emmett(dsn: str, warehouse: Path, expected_events: int | None = None) -> None:
+    """`stream_state_cart` and `sku_sales` equal folds of `emt_messages` computed here: the carts by the shop's
+    reducer over each stream's events (upcast by hand), `sku_sales` by its fold over every item event in the lake's
+    order (each event's batch read from `events`)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT partition, stream_id, stream_position, global_position, message_type, message_data FROM emt_messages "
+            "WHERE message_kind = 'E' ORDER BY partition, stream_id, stream_position").fetchall()
+    if expected_events is not None:
+        assert len(rows) == expected_events
+    carts: dict[tuple[str, str], dict[str, Any]] = {}
+    for tenant, sid, _, _, event_type, payload in rows:
+        carts[(tenant, sid)] = SHOP.reducers["cart"].fold(carts.get((tenant, sid), {}), Event(
+            sid, 0, event_type, _upcast_by_hand(event_type, payload)))
+    typed = {(r["tenant"], r["stream_id"]): r
+             for r in DeltaTable(str(warehouse / "stream_state_cart")).to_pyarrow_table().to_pylist()}
+    assert set(typed) == set(carts)
+    for k, cart in carts.items():
+        row = typed[k]
+        assert (row["total"], row["status"], dict(row["prices"])) == (cart["total"], cart["status"], cart["prices"]), k
+    assert any(dict(r["prices"]) and r["total"] != 1.5 * sum(dict(r["items"]).values()) for r in typed.values()), \
+        "no old payload's price reached a cart"
+    batch = {(r["tenant"], r["stream_id"], r["version"]): r["batch_id"] for r in DeltaTable(str(warehouse / "events"))
+             .to_pyarrow_table(columns=["tenant", "stream_id", "version", "batch_id"]).to_pylist()}
+    items = sorted((t, p["sku"], batch[(t, s, v)], gp, s, v, e, _upcast_by_hand(e, p)) for t, s, v, gp, e, p in rows
+                   if e in ("ItemAdded", "ItemRemoved"))
+    expected: dict[tuple[str, str], Any] = {}
+    for tenant, sku, _, _, sid, version, event_type, payload in items:
+        expected[(tenant, sku)] = sku_sales(expected.get((tenant, sku), {}), Event(sid, version, event_type, payload))
+    held = {(r["tenant"], r["sku"]): r for r in DeltaTable(str(warehouse / "sku_sales")).to_pyarrow_table().to_pylist()}
+    assert {k: json.loads(r["state"]) for k, r in held.items()} == expected
+    assert sum(r["events"] for r in held.values()) == len(items)
+    assert sum(r["removals"] for r in held.values()) > 0 and all(r["last_price"] for r in held.values())

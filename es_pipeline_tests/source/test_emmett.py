@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 from deltalake import DeltaTable
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from es_pipeline.dev import emmett_client as emmett
 from es_pipeline.errors import SourceNotServable
@@ -22,22 +18,9 @@ from es_pipeline.lake import tables
 from es_pipeline.source import mapping
 from es_pipeline.store.adopt import adopt
 from es_pipeline_tests.support.lakecheck import extract_while
-from es_pipeline_tests.support.roles import StoreDsn, create_login
+from es_pipeline_tests.support.roles import StoreDsn
 
 WORKERS, STREAMS, EVENTS = 8, 25, 80  # 16,000 events, a few seconds of appending
-
-
-@pytest.fixture
-def emmett_app(dsn: StoreDsn) -> Iterator[str]:
-    """The application's own login: it may create tables in `public` (Emmett makes its schema on first use)."""
-    login = f"t_emmett_app_{os.getpid()}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        create_login(conn, login)
-        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(login)))
-    yield make_conninfo(dsn, user=login)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(login)))
-        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
 
 
 def _lake_rows(warehouse: Path) -> Counter[tuple[object, ...]]:

@@ -1,7 +1,10 @@
-// usage: node append.mjs <connectionString> <workerId> <streams> <eventsPerStream> [eventsPerAppend]
+// usage: node append.mjs <connectionString> <workerId> <streams> <eventsPerStream> [eventsPerAppend] [shape]
+// shape: "v2" (default: ItemAdded {sku, qty, unit_price}) or "v1" (the older {sku, qty, price}, and every
+// fourth event an ItemRemoved {sku}): a history whose payloads changed shape, for the upcasters.
 import { getPostgreSQLEventStore } from '@event-driven-io/emmett-postgresql';
 
-const [conn, workerId, streamsArg, perStreamArg, perAppendArg] = process.argv.slice(2);
+const [conn, workerId, streamsArg, perStreamArg, perAppendArg, shapeArg] = process.argv.slice(2);
+const shape = shapeArg ?? 'v2';
 if (!conn || workerId === undefined || !streamsArg || !perStreamArg) {
   console.error('usage: node append.mjs <connectionString> <workerId> <streams> <eventsPerStream> [eventsPerAppend]');
   process.exit(2);
@@ -18,7 +21,9 @@ try {
     for (let n = 0; n < perStream; n += perAppend) {
       const batch = [];
       for (let k = n; k < Math.min(n + perAppend, perStream); k++)
-        batch.push({ type: 'ItemAdded', data: { sku: `sku-${k % 7}`, qty: k, unit_price: 1.5 } });
+        if (shape === 'v1' && k % 4 === 3) batch.push({ type: 'ItemRemoved', data: { sku: `sku-${(k - 1) % 7}` } });
+        else if (shape === 'v1') batch.push({ type: 'ItemAdded', data: { sku: `sku-${k % 7}`, qty: k, price: 1 + (k % 5) } });
+        else batch.push({ type: 'ItemAdded', data: { sku: `sku-${k % 7}`, qty: k, unit_price: 1.5 } });
       // sequential appends per stream; each appendToStream is its own transaction
       await store.appendToStream(streamName, batch);
       total += batch.length;

@@ -32,6 +32,15 @@ class Account:
     overdraft_attempts: int | None
 
 
+@domain.upcaster("ItemAdded", version=1, stream_types=["cart"])
+def item_added_with_unit_price(payload: dict) -> dict:
+    """Carts written before unit prices carried `price`: today's shape names it `unit_price`. The shop reads no
+    schema version (`Domain("shop")`: every payload is version 1), so this takes payloads of either shape."""
+    if "price" in payload and "unit_price" not in payload:
+        payload = {k: v for k, v in payload.items() if k != "price"} | {"unit_price": payload["price"]}
+    return payload
+
+
 @domain.reducer("cart", revision=1, state=Cart)
 def cart(state: State, event: Event) -> State:
     items: dict[str, int] = dict(state.get("items", {}))

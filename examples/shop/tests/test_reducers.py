@@ -1,6 +1,6 @@
 """The shop's reducers, as plain functions (a team's own tests: no lake, no store)."""
 
-from shop.domain import account, cart, domain
+from shop.domain import account, cart, domain, sku_sales
 
 from es_pipeline.domain import Event, UnknownEventType
 
@@ -33,5 +33,19 @@ def test_an_event_type_without_a_case_is_unknown() -> None:
         raise AssertionError("no UnknownEventType")
 
 
-def test_the_domain_registers_both_reducers() -> None:
-    assert domain.revisions() == {"cart": 1, "account": 1}
+def test_the_domain_registers_both_reducers_an_upcaster_and_a_projection() -> None:
+    # cart's revision counts its upcaster: registering one rebuilds the carts (docs/domain.md)
+    assert domain.revisions() == {"cart": 2, "account": 1}
+    assert list(domain.projections) == ["sku_sales"]
+
+
+def test_old_cart_payloads_reach_the_reducer_in_todays_shape() -> None:
+    event = domain.upcast("cart", Event("c-1", 1, "ItemAdded", {"sku": "a", "qty": 2, "price": 3.0}))
+    assert event.payload == {"sku": "a", "qty": 2, "unit_price": 3.0}
+    assert domain.upcast("account", Event("a-1", 1, "ItemAdded", {"price": 1})).payload == {"price": 1}  # carts only
+
+
+def test_sku_sales_counts_units_and_removals_and_keeps_the_last_price() -> None:
+    state = fold(sku_sales, [("ItemAdded", {"sku": "a", "qty": 2, "unit_price": 1.5}), ("ItemRemoved", {"sku": "a"}),
+                             ("ItemAdded", {"sku": "a", "unit_price": 2.0})])
+    assert state == {"units_added": 3, "removals": 1, "last_price": 2.0, "last_cart": "s-1"}
