@@ -36,6 +36,7 @@ from es_pipeline.extraction.offsets import Batch, OffsetSession, pending_batch_i
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
 from es_pipeline.source.mapping import Source, native
@@ -46,11 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WRITER = "delta-rs"
 DEFAULT_READ_PARALLELISM = 2
 PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more than it saves
-# The `events` table as Arrow: what the source reads (recorded_at in UTC), plus the lake's two columns,
-# which come before the two that source mappings added (where a table of an older release has them).
-_LAKE_ADDED = [pa.field("event_date", pa.date32()), pa.field("batch_id", pa.int64())]
-_READ = list(reader.EVENTS_ARROW_SCHEMA)
-EVENTS_LAKE_ARROW_SCHEMA = pa.schema(_READ[:10] + _LAKE_ADDED + _READ[10:])
+EVENTS_LAKE_ARROW_SCHEMA = EVENTS.schema  # the `events` table as Arrow (lake/events.py)
 
 CATCHUP_SLICES = 16  # slices per chunk of the first run after a rebase (extraction/rebase.py)
 PROGRESS_AFTER_SECONDS = 10.0  # a pass of one batch reports progress only if it took this long (tailing passes are short)
@@ -160,8 +157,8 @@ class Extractor:
         return tables.table_path(self.warehouse, "events")
 
     def ensure_table(self) -> None:
-        tables.ensure_table_arrow(self.events_path, EVENTS_LAKE_ARROW_SCHEMA, comment="es_pipeline: one row per event",
-                                  properties=tables.EVENTS_PROPERTIES)
+        tables.ensure_table_arrow(self.events_path, EVENTS.schema, comment=f"es_pipeline: {EVENTS.comment}",
+                                  properties=EVENTS.properties)
 
     def _step(self, name: str, batch: Batch | None) -> None:
         if self.on_step is not None:

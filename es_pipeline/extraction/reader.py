@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.offsets import Batch
+from es_pipeline.lake.events import READ_SCHEMA
 from es_pipeline.source import payloads
 from es_pipeline.source.mapping import Source, as_source
 from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql, resolved
@@ -223,24 +224,7 @@ def event_keys(dsn: str, source: Source | str) -> pa.Table:
     })
 
 
-EVENTS_ARROW_SCHEMA = pa.schema(
-    [
-        ("global_position", pa.int64()),
-        ("tx_id", pa.int64()),
-        ("stream_id", pa.string()),
-        ("stream_type", pa.string()),
-        ("version", pa.int32()),
-        ("slice", pa.int32()),
-        ("event_type", pa.string()),
-        ("payload", pa.string()),
-        ("metadata", pa.string()),
-        ("recorded_at", pa.timestamp("us", tz="UTC")),
-        # Added with source mappings (docs/sources.md): at the end, where a lake table of an older
-        # release takes them (lake.tables.add_missing_columns).
-        ("payload_encoding", pa.string()),  # json, text or base64
-        ("tenant", pa.string()),  # '' in a store without tenants
-    ]
-)
+EVENTS_ARROW_SCHEMA = READ_SCHEMA  # the lake's `events` as the source reads it (lake/events.py)
 
 
 def conform(source: Source, record_batch: pa.RecordBatch) -> pa.RecordBatch:

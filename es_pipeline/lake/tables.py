@@ -20,12 +20,6 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Field
 
-EVENTS_DDL = (
-    "global_position BIGINT, tx_id BIGINT, stream_id STRING, stream_type STRING, version INT, slice INT, "
-    "event_type STRING, payload STRING, metadata STRING, recorded_at TIMESTAMP, event_date DATE, batch_id BIGINT, "
-    "payload_encoding STRING, tenant STRING"
-)
-
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
@@ -74,13 +68,6 @@ def is_delta_table(path: str) -> bool:
     return any(name.endswith(".json") for name in _log_names(path))
 
 
-# Delta computes min/max statistics per file for the columns named here only: the ones queries
-# prune on. Statistics on the long JSON text columns cost ~40% of a write and prune nothing.
-# The change data feed lets `stream_state` read only the rows that later commits added.
-EVENTS_PROPERTIES = {
-    "delta.dataSkippingStatsColumns": "tx_id,slice,stream_id,version,global_position,event_date",
-    "delta.enableChangeDataFeed": "true",
-}
 
 
 def ensure_table(

@@ -15,6 +15,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake import tables, whole_fold
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -147,12 +148,12 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
     """v2 can reach the lake before v1 (xid order differs from commit order): v2 waits, parked."""
 
     path = str(warehouse / "events")
-    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+    tables.ensure_table(spark, path, EVENTS.ddl, properties=EVENTS.properties)
 
     def put(version: int, event_type: str, payload: dict[str, Any]) -> None:
         spark.createDataFrame(
             [(version, 1, "acc-g", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1, "json", "")],
-            tables.EVENTS_DDL.replace("recorded_at TIMESTAMP", "recorded_at TIMESTAMP"),
+            EVENTS.ddl,
         ).write.format("delta").mode("append").save(path)
 
     put(1, "Opened", {"owner": "o", "currency": "EUR"})
@@ -176,12 +177,12 @@ def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: A
     from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 
     path = str(warehouse / "events")
-    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+    tables.ensure_table(spark, path, EVENTS.ddl, properties=EVENTS.properties)
 
     def put(tenant: str | None, version: int, event_type: str, payload: dict[str, Any]) -> None:
         spark.createDataFrame(
             [(version, 1, "acc-1", "account", version, 1, event_type, json.dumps(payload), "{}", None, None, 1,
-              "json", tenant)], tables.EVENTS_DDL,
+              "json", tenant)], EVENTS.ddl,
         ).write.format("delta").mode("append").save(path)
 
     put("a", 1, "Opened", {"owner": "a", "currency": "EUR"})
@@ -211,16 +212,16 @@ def test_a_stream_state_made_before_tenants_takes_the_column_and_keeps_its_rows(
     """An older release's stream_state (no `tenant`) is migrated by the next update: its rows become tenant ''
     and are folded on, not duplicated."""
     path = str(warehouse / "events")
-    tables.ensure_table(spark, path, tables.EVENTS_DDL, properties=tables.EVENTS_PROPERTIES)
+    tables.ensure_table(spark, path, EVENTS.ddl, properties=EVENTS.properties)
     spark.createDataFrame([(1, 1, "acc-o", "account", 1, 1, "Opened", json.dumps({"owner": "o", "currency": "EUR"}),
-                            "{}", None, None, 1, None, None)], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
+                            "{}", None, None, 1, None, None)], EVENTS.ddl).write.format("delta").mode("append").save(path)
     update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
     state_path = str(warehouse / "stream_state")
     old = tables.read(spark, state_path).drop("tenant")  # what a release before tenants left
     old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(state_path)
     assert not tables.has_columns(state_path, ["tenant"])
     spark.createDataFrame([(2, 2, "acc-o", "account", 2, 1, "Deposited", json.dumps({"amount": 3}), "{}", None, None, 2,
-                            "json", "")], tables.EVENTS_DDL).write.format("delta").mode("append").save(path)
+                            "json", "")], EVENTS.ddl).write.format("delta").mode("append").save(path)
     update_stream_state(spark, warehouse, domain=SHOP)
     rows = tables.read(spark, state_path).collect()
     assert [(r["tenant"], r["stream_id"], r["version"], json.loads(r["state"])["balance"]) for r in rows] == [
