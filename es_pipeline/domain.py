@@ -76,7 +76,7 @@ class Reducer:
 
 
 Upcast = Callable[[dict[str, Any]], dict[str, Any]]
-VERSION_SOURCES = ("none", "suffix", "field:<name>")
+VERSION_SOURCES = ("none", "suffix", "field:<name>", "metadata:<name>")
 
 
 @dataclass(frozen=True)
@@ -133,16 +133,17 @@ class Domain:
     `schema_version`: where an event's schema version is read, for the upcasters: `"none"` (every event is at
     version 1: an upcaster then takes payloads of any shape and returns the current one), `"suffix"` (the
     event type's `.vN` or `_vN` ending: `ItemAdded.v2` is `ItemAdded` at version 2, `ItemAdded` alone version
-    1; reducers see the type without it), or `"field:<name>"` (a payload field, e.g. `field:schema_version`;
-    absent: version 1)."""
+    1; reducers see the type without it), `"field:<name>"` (a payload field, e.g. `field:schema_version`;
+    absent: version 1), or `"metadata:<name>"` (a field of the event's metadata, e.g. `metadata:schema_version`;
+    absent: version 1; the lake reads `metadata` for the folds only then)."""
 
     def __init__(self, name: str, *, schema_version: str = "none") -> None:
         self.name = name
         self.reducers: dict[str, Reducer] = {}
         self.upcasters: dict[tuple[str, int], Upcaster] = {}
         self.projections: dict[str, Projection] = {}
-        if schema_version not in ("none", "suffix") and not (
-                schema_version.startswith("field:") and len(schema_version) > len("field:")):
+        if schema_version not in ("none", "suffix") and not any(
+                schema_version.startswith(p) and len(schema_version) > len(p) for p in ("field:", "metadata:")):
             raise DomainError(f"domain {name!r} reads schema versions from {schema_version!r}",
                               f"Say one of {', '.join(VERSION_SOURCES)}.")
         self.schema_version = schema_version
@@ -254,12 +255,12 @@ class Domain:
         payload brought to the current shape by the upcasters that apply (what `folds` does before a reducer)."""
         chains = self._chains.get(stream_type)
         if chains is None:
-            chains = self._chains[stream_type] = _Upcasting(_identity, self._chains_of(stream_type), self.schema_version)
+            chains = self._chains[stream_type] = _Upcasting(_identity, self._chains_of(stream_type), self._version_source)
         return chains.upcast(event)
 
     def base_type(self, event_type: str) -> str:
         """An event type as the folds see it: without its version suffix where versions are read from there."""
-        if self.schema_version == "suffix":
+        if self._version_source == "suffix":
             m = _SUFFIX.match(event_type)
             if m is not None:
                 return m.group("base")
@@ -269,6 +270,29 @@ class Domain:
         """Each stream type's revision as `stream_state` records it: its reducer's, plus one per upcaster
         that applies to it (so that registering one rebuilds what it changes)."""
         return {t: r.revision for t, r in self.folds.items()}
+
+    @property
+    def metadata_field(self) -> str | None:
+        """The metadata field schema versions are read from (`metadata:<name>`), or None."""
+        return self.schema_version[len("metadata:"):] if self.schema_version.startswith("metadata:") else None
+
+    def versioned_type(self, event_type: str, metadata: Any) -> str:
+        """With `metadata:<name>`: the event type with its version as a suffix (`ItemAdded.v2`), as the folds read it
+        (lake/fold.py `with_schema_versions`); the suffix is stripped before any reducer sees the type."""
+        field = self.metadata_field
+        if field is None:
+            return event_type
+        version = metadata.get(field) if isinstance(metadata, dict) else None
+        if isinstance(version, str) and version.isdigit():
+            version = int(version)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            version = 1
+        return f"{event_type}.v{version}"
+
+    @property
+    def _version_source(self) -> str:
+        """Where `_Upcasting` reads a version: a metadata version travels as the type's suffix (`versioned_type`)."""
+        return "suffix" if self.metadata_field is not None else self.schema_version
 
     @property
     def folds(self) -> dict[str, Reducer]:
@@ -287,11 +311,11 @@ class Domain:
 
     def _with_upcasters(self, reducer: Reducer) -> Reducer:
         chains = self._chains_of(reducer.stream_type)
-        if not chains and self.schema_version != "suffix":
+        if not chains and self._version_source != "suffix":
             return reducer
         n = sum(len(c) for c in chains.values())
         return dataclasses.replace(reducer, revision=min(999, reducer.revision + n),
-                                   fold=_Upcasting(reducer.fold, chains, self.schema_version))
+                                   fold=_Upcasting(reducer.fold, chains, self._version_source))
 
     @classmethod
     def merged(cls, domains: Iterable[Domain]) -> Domain:

@@ -43,6 +43,7 @@ from es_pipeline.domain import Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
 from es_pipeline.lake import feed, tables, typed_state
 from es_pipeline.lake.feed import Feed
+from es_pipeline.lake.fold import with_schema_versions
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
@@ -58,6 +59,11 @@ COLUMNS = ["tenant", "stream_id", "stream_type", "version", "event_type", "paylo
 NO_FRONTIER = 1 << 62  # without a store to ask: every batch the lake holds is folded (late ones fold their key again)
 
 Frontier = Callable[[], int]
+
+
+def columns_of(domain: Domain) -> list[str]:
+    """The `events` columns a projection of `domain` reads: `COLUMNS`, and `metadata` if versions are read there."""
+    return [*COLUMNS, "metadata"] if domain.metadata_field is not None else list(COLUMNS)
 
 
 def table_of(projection: Projection) -> Table:
@@ -124,14 +130,15 @@ def increment(
     seen = cursor = f_prev = None
     if target is not None and tables.has_columns(target, table.schema.names):
         seen, cursor, f_prev = (target.transaction_version(a) for a in app_ids(projection.name, projection.definition))
-    events_feed = events_feed or Feed(events_path, COLUMNS)
+    columns = columns_of(domain)
+    events_feed = events_feed or Feed(events_path, columns)
     now = events_feed.version
     new = None
     if seen is not None and cursor is not None and f_prev and seen <= now:
         f_new = max(f_new, int(f_prev))
         if cursor >= now:  # nothing new, nothing waiting
             return CrossStreamResult(feed.row_count(target), now, int(seen), 0, 0, 0, 0, 0, int(f_prev))  # type: ignore[arg-type]
-        new = events_feed.rows(int(cursor), [*COLUMNS, "_commit_version"])
+        new = events_feed.rows(int(cursor), [*columns, "_commit_version"])
     if new is None:
         if not build:
             return None
@@ -190,7 +197,7 @@ def _of_types(rows: pa.Table, projection: Projection, domain: Domain) -> pa.Tabl
 
 def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
     """Each row upcast and keyed (a row without a key is counted and left out), sorted by tenant, key, order."""
-    rows = payloads.for_reducers(tables.tenant_filled(rows))
+    rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
     n = rows.num_rows
     tenant, sid, stype = (rows[c].to_pylist() for c in ("tenant", "stream_id", "stream_type"))
     version, etype, payload = (rows[c].to_pylist() for c in ("version", "event_type", "payload"))
@@ -220,11 +227,11 @@ def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
                   [events[i] for i in kept], [at[i] for i in kept], n - len(kept))  # type: ignore[misc]
 
 
-def _whole(events_path: str, rows_of: Callable[[pa.Table], pa.Table]) -> pa.Table:
-    """The `events` table's rows now (`COLUMNS` it has), each batch of files filtered by `rows_of`."""
+def _whole(events_path: str, wanted: list[str], rows_of: Callable[[pa.Table], pa.Table]) -> pa.Table:
+    """The `events` table's rows now (the `wanted` columns it has), each batch of files filtered by `rows_of`."""
     events = DeltaTable(events_path)
     held = set(events.schema().to_arrow().names)
-    columns = [c for c in COLUMNS if c in held]
+    columns = [c for c in wanted if c in held]
     if feed.has_deletion_vectors(events):  # its files alone are not its rows: DataFusion applies the vectors
         reader = QueryBuilder().register("events", events).execute(
             "SELECT " + ", ".join(f'"{c}"' for c in columns) + " FROM events")
@@ -233,7 +240,7 @@ def _whole(events_path: str, rows_of: Callable[[pa.Table], pa.Table]) -> pa.Tabl
         parts = feed.files(events_path, events).to_batches(columns=columns)
     out = [rows_of(feed.plain(pa.Table.from_batches([b]))) for b in parts]
     rows = pa.concat_tables(out) if out else pa.table({c: pa.array([], pa.string()) for c in columns})
-    for c in COLUMNS:
+    for c in wanted:
         if c not in rows.column_names:
             rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.int64() if c in ("batch_id", "global_position")
                                                    else pa.string()))
@@ -327,7 +334,7 @@ def _build(
 ) -> CrossStreamResult:
     """Every key folded from `events` now, the table overwritten: a first build, or a rebuild."""
     version = int(DeltaTable(events_path).version())
-    rows = _whole(events_path, lambda part: _of_types(part, projection, domain))
+    rows = _whole(events_path, columns_of(domain), lambda part: _of_types(part, projection, domain))
     keyed = _keyed(rows, projection, domain)
     out = _table_rows(projection, table, _fold(projection, keyed, {}))
     path = table.path(warehouse)
@@ -395,7 +402,7 @@ def _refold(
     projection: Projection, domain: Domain, events_path: str, keys: set[tuple[str, str]], waiting: pa.Table
 ) -> dict[tuple[str, str], _Row]:
     """`keys` folded from all their events in `events` now but the `waiting` ones (they are folded later)."""
-    rows = _whole(events_path, lambda part: _of_types(part, projection, domain))
+    rows = _whole(events_path, columns_of(domain), lambda part: _of_types(part, projection, domain))
     if waiting.num_rows:
         held = tables.tenant_filled(waiting.select(tables.KEY)).cast(pa.schema([("tenant", pa.string()), (
             "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))

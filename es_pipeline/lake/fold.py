@@ -294,6 +294,32 @@ def stale_types(kinds: Any, domain: Domain) -> list[str]:
 
 
 
+def read_columns(domain: Domain) -> list[str]:
+    """The `events` columns a fold by `domain` reads: `READ_COLUMNS`, and `metadata` where the domain reads its
+    schema versions from there (`Domain(schema_version="metadata:<name>")`), only then."""
+    return [*READ_COLUMNS, "metadata"] if domain.metadata_field is not None else list(READ_COLUMNS)
+
+
+def with_schema_versions(rows: pa.Table, domain: Domain) -> pa.Table:
+    """`rows` without `metadata`, their event types carrying the version their metadata names as a suffix where
+    `domain` reads versions from there (`Domain.versioned_type`): what the upcasters then read."""
+    if domain.metadata_field is None or "metadata" not in rows.column_names:
+        return rows.drop_columns(["metadata"]) if "metadata" in rows.column_names else rows
+    types = [domain.versioned_type(t, _metadata(m)) for t, m in zip(
+        rows["event_type"].to_pylist(), rows["metadata"].to_pylist(), strict=True)]
+    i = rows.column_names.index("event_type")
+    return rows.set_column(i, "event_type", pa.array(types, pa.string())).drop_columns(["metadata"])
+
+
+def _metadata(text: str | None) -> Any:
+    if not text:
+        return None
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None  # metadata that is not JSON names no version: version 1
+
+
 def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     """The fold's rows, as the Spark path builds them: new events, the parked ones, and each touched
     stream's prior row (its state in `payload`, marked `is_prior`), sorted by stream, prior first, version."""

@@ -13,7 +13,7 @@ from es_pipeline.lake import cross_stream, tables
 from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
 from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
 from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import READ_COLUMNS, StateResult
+from es_pipeline.lake.fold import StateResult, read_columns
 from es_pipeline.lake.serial import turn_if_free
 from es_pipeline.lake.stream_state import small_increment, with_typed_state
 from es_pipeline.lake.table import Table
@@ -110,8 +110,8 @@ def follow(
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
         return {}
-    events_feed = Feed(events_path, [*READ_COLUMNS, *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
-                                     *(cross_stream.COLUMNS if domain.projections else ())])
+    events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
+                                     *(cross_stream.columns_of(domain) if domain.projections else ())])
     done: dict[str, ProjectionResult | StateResult | CrossStreamResult] = {}
     with turn_if_free(store, "stream_state") as turn:
         state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None

@@ -31,7 +31,6 @@ from es_pipeline.lake import feed, tables, typed_state, whole_fold
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import (
     FOLD_OUT,
-    READ_COLUMNS,
     REVISION_SLOTS,
     STATE_SCHEMA,
     StateResult,
@@ -40,8 +39,10 @@ from es_pipeline.lake.fold import (
     fold_input,
     fold_partitions,
     next_txn_version,
+    read_columns,
     stale_types,
     txn_version,
+    with_schema_versions,
 )
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.table import Table, spark_type
@@ -119,16 +120,17 @@ def small_increment(
     if read is None or not tables.has_columns(state, KEY):
         return None  # a first build, or a table made before tenants: Spark adds the column
     prev = int(read) // REVISION_SLOTS
-    events_feed = events_feed or Feed(events_path, READ_COLUMNS)
+    columns = read_columns(domain)
+    events_feed = events_feed or Feed(events_path, columns)
     now = events_feed.version
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
         return StateResult(now, prev, 0, 0, (), 0, 0) if txn_version(now, domain.folds) == int(read) else None
-    read_rows = events_feed.rows(prev, READ_COLUMNS)
+    read_rows = events_feed.rows(prev, columns)
     if read_rows is None:
         return None
-    new = payloads.for_reducers(tables.tenant_filled(read_rows))
+    new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(read_rows)), domain)
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
     whole = feed.files(state_path, state).to_table()
     kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
@@ -186,7 +188,12 @@ def _update_with_spark(
     stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
-    cols = ["stream_id", "stream_type", "version", "event_type",
+    field = domain.metadata_field
+    event_type = F.col("event_type") if field is None else F.concat(  # as Domain.versioned_type makes it
+        F.col("event_type"), F.lit(".v"), F.coalesce(
+            F.when(F.get_json_object("metadata", f"$.{field}").cast("int") >= 1,
+                   F.get_json_object("metadata", f"$.{field}").cast("int")), F.lit(1)).cast("string"))
+    cols = ["stream_id", "stream_type", "version", event_type.alias("event_type"),
             F.when(enc.isNull() | (enc == "json"), F.col("payload"))
             .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at",
             F.coalesce(F.col("tenant"), F.lit("")).alias("tenant")]

@@ -29,7 +29,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake import feed, tables
-from es_pipeline.lake.fold import FOLD_COLUMNS, FOLD_OUT, StreamFold, fold_out_batch
+from es_pipeline.lake.fold import FOLD_COLUMNS, FOLD_OUT, StreamFold, fold_out_batch, with_schema_versions
 from es_pipeline.source import payloads
 
 WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here
@@ -52,8 +52,10 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
         return None
     now = int(events.version())
     held = set(events.schema().to_arrow().names)
-    columns = [c for c in [*FOLD_COLUMNS, "payload_encoding", "slice"] if c in held]
-    rows = payloads.for_reducers(tables.tenant_filled(feed.files(events_path, events).to_table(columns=columns)))
+    read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]
+    columns = [c for c in read if c in held]
+    rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(
+        feed.files(events_path, events).to_table(columns=columns))), domain)
     return _fold(rows, dict(domain.folds), skip_unknown), now
 
 

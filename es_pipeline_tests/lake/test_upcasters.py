@@ -12,6 +12,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
+from es_pipeline.lake import cross_stream
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -121,3 +122,51 @@ def test_upcasters_apply_to_the_stream_types_they_name_and_conflicts_are_refused
         Domain.merged([_orders("suffix"), _orders("field:v")])
     with pytest.raises(DomainError, match="reads schema versions from 'payload'"):
         Domain("x", schema_version="payload")
+
+
+@pytest.mark.parametrize("path", ["in-process first build, then a small increment", "Spark"])
+def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any, warehouse: Path, path: str) -> None:
+    """`metadata:schema_version`: the version is a field of each event's metadata (absent: 1), written there by the
+    store's writer; every path of the fold and a cross-stream projection read it, and reducers see plain types."""
+    orders = _orders("metadata:schema_version")
+
+    @orders.projection("sku_lines", events=["ItemAdded"], key="sku", revision=1)
+    def sku_lines(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        amount = event.payload["qty"] * event.payload["unit_price"]["amount"]
+        return {"amount": state.get("amount", 0) + amount, "type": event.event_type}
+
+    store = EventStore(dsn)
+    store.append("order-1", "order", [NewEvent("ItemAdded", {"sku": "a", "qty": 2, "price": 1.5})], 0)  # v1: no field
+    store.append("order-1", "order", [NewEvent("ItemAdded", {"sku": "b", "qty": 1, "unit_price": 4.0, "currency": "EUR"},
+                                               {"schema_version": 2})], 1)
+    store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "a", "qty": 3, "unit_price": {
+        "amount": 1.0, "currency": "EUR"}}, {"schema_version": "3", "user": "u"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    if path == "Spark":
+        update_stream_state(spark, warehouse, domain=orders, small_increments=False)
+    else:
+        update_stream_state(_no_spark, warehouse, domain=orders)
+    rows = _rows(warehouse)
+    assert json.loads(rows["order-1"]["state"]) == {"lines": {"a": 3.0, "b": 4.0}, "currency": "EUR",
+                                                    "types": ["ItemAdded", "ItemAdded"]}
+    assert json.loads(rows["order-2"]["state"])["lines"] == {"a": 3.0}
+    store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "c", "qty": 1, "unit_price": 2.0,
+                                                             "currency": "EUR"}, {"schema_version": 2})], 1)
+    extract_all(dsn.extractor, None, warehouse)
+    if path == "Spark":
+        update_stream_state(spark, warehouse, domain=orders, small_increments=False)
+    else:
+        assert update_stream_state(_no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
+    assert json.loads(_rows(warehouse)["order-2"]["state"])["lines"] == {"a": 3.0, "c": 2.0}
+    cross_stream.update(warehouse, orders, "sku_lines")
+    held = {r["sku"]: json.loads(r["state"]) for r in DeltaTable(str(warehouse / "sku_lines")).to_pyarrow_table().to_pylist()}
+    assert held == {"a": {"amount": 6.0, "type": "ItemAdded"}, "b": {"amount": 4.0, "type": "ItemAdded"},
+                    "c": {"amount": 2.0, "type": "ItemAdded"}}
+
+
+def test_a_schema_version_source_is_one_of_four() -> None:
+    with pytest.raises(DomainError, match="metadata:<name>"):
+        Domain("x", schema_version="metadata:")
+    assert Domain("x", schema_version="metadata:v").versioned_type("A", {"v": 7}) == "A.v7"
+    assert Domain("x", schema_version="metadata:v").versioned_type("A", {"v": "nope"}) == "A.v1"
+    assert Domain("x").versioned_type("A", {"v": 7}) == "A"
