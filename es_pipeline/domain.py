@@ -290,6 +290,11 @@ class Domain:
         return f"{event_type}.v{version}"
 
     @property
+    def rewrites_events(self) -> bool:
+        """Whether `upcast` may change an event: upcasters registered, or versions read as a type's suffix."""
+        return bool(self.upcasters) or self._version_source == "suffix"
+
+    @property
     def _version_source(self) -> str:
         """Where `_Upcasting` reads a version: a metadata version travels as the type's suffix (`versioned_type`)."""
         return "suffix" if self.metadata_field is not None else self.schema_version

@@ -30,13 +30,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from multiprocessing import get_context
 
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.json as pa_json
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain, Event, Projection
@@ -176,14 +181,39 @@ def _commit(projection: Projection, seen: int, cursor: int, frontier: int) -> Co
 
 @dataclass
 class _Keyed:
-    """The events of one read with their keys, in the lake's order: parsed once, folded from here."""
+    """The events of one read with their keys, sorted by tenant, key and the lake's order: one row per event in
+    `rows` (tenant, key, batch, position, stream_id, stream_type, version, event_type, payload, at)."""
 
-    tenant: list[str]
-    key: list[str]
-    order: list[tuple[int, int, str, int]]  # (batch_id, global_position, stream_id, version)
-    events: list[Event]
-    recorded_at: list[int | None]
+    rows: pa.Table
+    events: list[Event] | None  # parsed and upcast already (read for their keys), in `rows`' order; None: not yet
     without_key: int
+
+    @property
+    def count(self) -> int:
+        return self.rows.num_rows
+
+    def starts(self) -> list[int]:
+        """The row where each (tenant, key) begins."""
+        if not self.count:
+            return []
+        t, k = self.rows["tenant"], self.rows["key"]
+        changed = pc.or_(pc.not_equal(t[1:], t[:-1]), pc.not_equal(k[1:], k[:-1]))
+        return [0, *(i + 1 for i in pc.indices_nonzero(changed).to_pylist())]
+
+    def order_at(self, i: int) -> tuple[int, int, str, int]:
+        r = self.rows
+        return (r["batch"][i].as_py(), r["position"][i].as_py(), r["stream_id"][i].as_py(), r["version"][i].as_py())
+
+    def only(self, keys: set[tuple[str, str]], keep: bool = True) -> _Keyed:
+        """The rows of `keys` (or, `keep=False`, of every other key)."""
+        held = pc.is_in(_pairs(self.rows), pa.array(sorted(f"{t}\x00{k}" for t, k in keys), pa.string()))
+        mask = held if keep else pc.invert(held)
+        events = None if self.events is None else [e for e, m in zip(self.events, mask.to_pylist(), strict=True) if m]
+        return _Keyed(self.rows.filter(mask), events, self.without_key)
+
+
+def _pairs(rows: pa.Table) -> pa.Array:
+    return pc.binary_join_element_wise(rows["tenant"], rows["key"], "\x00")
 
 
 def _of_types(rows: pa.Table, projection: Projection, domain: Domain) -> pa.Table:
@@ -195,36 +225,103 @@ def _of_types(rows: pa.Table, projection: Projection, domain: Domain) -> pa.Tabl
     return rows.filter(pc.is_in(rows["event_type"], pa.array(held, pa.string())))
 
 
+_KEY_TYPES = (pa.string(), pa.large_string(), pa.int64(), pa.int32(), pa.null())
+
+
+def _arrow_keys(payload: pa.ChunkedArray | pa.Array, projection: Projection, domain: Domain) -> pa.Array | None:
+    """The key of every payload read by Arrow's JSON reader, where that gives what `Projection.key_of` gives: a payload
+    field's name as the key, no upcaster that could change it, and the field a string or a whole number wherever it
+    is. None: read in Python instead (`_keyed`)."""
+    field = projection.key
+    if not isinstance(field, str) or any(domain.base_type(u.event_type) in projection.event_types
+                                         for u in domain.upcasters.values()):
+        return None
+    whole = payload.combine_chunks() if isinstance(payload, pa.ChunkedArray) else payload
+    parts = []
+    for lo in range(0, len(whole), _JSON_ROWS):
+        part = _arrow_key_part(whole.slice(lo, _JSON_ROWS), field)
+        if part is None:
+            return None
+        parts.append(part)
+    return pa.concat_arrays(parts) if parts else pa.array([], pa.string())
+
+
+_JSON_ROWS = 500_000  # payloads read by Arrow's JSON reader at a time
+
+
+def _arrow_key_part(payload: pa.Array, field: str) -> pa.Array | None:
+    n = len(payload)
+    lines = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), payload), "\n")
+    try:
+        read = pa_json.read_json(pa.BufferReader(lines[0].as_buffer()),
+                                 read_options=pa_json.ReadOptions(block_size=1 << 26))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None  # a field of two types, a payload that is no object, JSON across lines: Python reads them
+    if read.num_rows != n:
+        return None
+    if field not in read.column_names:
+        return pa.nulls(n, pa.string())
+    column = read[field]
+    if column.type not in _KEY_TYPES:
+        return None  # a float, a bool, an object: Python's str() of them is the key
+    return column.combine_chunks().cast(pa.string()) if column.num_chunks else pa.nulls(n, pa.string())
+
+
 def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
-    """Each row upcast and keyed (a row without a key is counted and left out), sorted by tenant, key, order."""
+    """Each row keyed (a row without a key is counted and left out) and sorted by tenant, key and the lake's order.
+    Keys are read by Arrow where it can (`_arrow_keys`), else each payload is parsed, upcast and keyed here."""
     rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
     n = rows.num_rows
-    tenant, sid, stype = (rows[c].to_pylist() for c in ("tenant", "stream_id", "stream_type"))
-    version, etype, payload = (rows[c].to_pylist() for c in ("version", "event_type", "payload"))
-    batch = pc.fill_null(rows["batch_id"].cast(pa.int64()), 0).to_pylist()
-    position = pc.fill_null(rows["global_position"].cast(pa.int64()), -1).to_pylist()
-    at = rows["recorded_at"].cast(_AT).cast(pa.int64()).to_pylist()
+    base = pa.table({
+        "tenant": rows["tenant"], "stream_id": rows["stream_id"], "stream_type": rows["stream_type"],
+        "version": rows["version"].cast(pa.int32()), "event_type": rows["event_type"], "payload": rows["payload"],
+        "batch": pc.fill_null(rows["batch_id"].cast(pa.int64()), 0),
+        "position": pc.fill_null(rows["global_position"].cast(pa.int64()), -1),
+        "at": rows["recorded_at"].cast(_AT).cast(pa.int64()),
+    })
+    keys = _arrow_keys(base["payload"], projection, domain)
+    events: list[Event] | None = None
+    if keys is None:
+        keys, events = _python_keys(base, projection, domain)
+    base = base.append_column("key", keys)
+    has_key = pc.is_valid(base["key"])
+    kept = base.filter(has_key)
+    order = pc.sort_indices(kept, sort_keys=[(c, "ascending") for c in ORDER])
+    if events is not None:
+        listed = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
+        events = [listed[i] for i in order.to_pylist()]
+    return _Keyed(kept.take(order), events, n - kept.num_rows)
+
+
+ORDER = ("tenant", "key", "batch", "position", "stream_id", "version")  # a key's events, in the lake's order
+
+
+def _python_keys(base: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Array, list[Event]]:
+    sid, stype, version = (base[c].to_pylist() for c in ("stream_id", "stream_type", "version"))
+    etype, payload = base["event_type"].to_pylist(), base["payload"].to_pylist()
     key_of, upcast = projection.key_of, domain.upcast
-    keys: list[str | None] = [None] * n
-    events: list[Event | None] = [None] * n
-    for i in range(n):
-        try:
-            data = orjson.loads(payload[i])
-        except orjson.JSONDecodeError:
-            data = json.loads(payload[i])
-        event = upcast(stype[i], Event(sid[i], version[i], etype[i], data))
+    keys: list[str | None] = []
+    events: list[Event] = []
+    for i in range(base.num_rows):
+        event = upcast(stype[i], _new_event(Event, (sid[i], version[i], etype[i], _loads(payload[i]))))
         try:
             k = key_of(event)
         except Exception as exc:  # noqa: BLE001 - a key function's failure is reported with its place
             raise ProjectionFoldError(projection.name, None, sid[i], version[i], etype[i],
                                       f"its key: {type(exc).__name__}: {exc}") from None
-        if k is not None:
-            keys[i], events[i] = str(k), event
-    kept = [i for i in range(n) if keys[i] is not None]
-    kept.sort(key=lambda i: (tenant[i], keys[i], batch[i], position[i], sid[i], version[i]))
-    return _Keyed([tenant[i] for i in kept], [keys[i] for i in kept],  # type: ignore[misc]
-                  [(batch[i], position[i], sid[i], version[i]) for i in kept],
-                  [events[i] for i in kept], [at[i] for i in kept], n - len(kept))  # type: ignore[misc]
+        keys.append(None if k is None else str(k))
+        events.append(event)
+    return pa.array(keys, pa.string()), events
+
+
+def _loads(text: str) -> object:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+
+
+_new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
 
 
 def _whole(events_path: str, wanted: list[str], rows_of: Callable[[pa.Table], pa.Table]) -> pa.Table:
@@ -258,25 +355,72 @@ class _Row:
     last_at: int | None
 
 
-def _fold(projection: Projection, keyed: _Keyed, prior: dict[tuple[str, str], _Row]) -> dict[tuple[str, str], _Row]:
-    """Each key's events of `keyed` folded onto its `prior` row (or from nothing), in order."""
-    fold, out = projection.fold, {}
-    i, n = 0, len(keyed.key)
+ONE_PROCESS_ROWS = 200_000  # below, the fold runs in this process: a fork costs more than it saves
+
+# What a forked fold inherits (set before the fork, cleared after): the projection, the domain, the keyed events,
+# the prior rows.
+_SHARED: tuple[Projection, Domain, _Keyed, dict[tuple[str, str], _Row]] | None = None
+
+
+def _fold(
+    projection: Projection, domain: Domain, keyed: _Keyed, prior: dict[tuple[str, str], _Row]
+) -> dict[tuple[str, str], _Row]:
+    """Each key's events of `keyed` folded onto its `prior` row (or from nothing), in order: in this process, or
+    over one forked process per core for a large read (whole keys each)."""
+    global _SHARED
+    starts = keyed.starts()
+    shares = 1 if keyed.count < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
+    cuts = [0] + [starts[bisect_left(starts, keyed.count * i // shares)] for i in range(1, shares)] + [keyed.count]
+    spans = [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if lo < hi]
+    _SHARED = (projection, domain, keyed, prior)
+    try:
+        if len(spans) <= 1:
+            return _fold_span(*spans[0]) if spans else {}
+        with ProcessPoolExecutor(max_workers=len(spans), mp_context=get_context("fork")) as pool:
+            out: dict[tuple[str, str], _Row] = {}
+            for part in pool.map(_fold_span, *zip(*spans, strict=True)):
+                out.update(part)
+            return out
+    finally:
+        _SHARED = None
+
+
+def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
+    """The keys of rows lo..hi of the shared read, folded (whole keys: a span begins where a key does)."""
+    assert _SHARED is not None
+    projection, domain, keyed, prior = _SHARED
+    rows = keyed.rows.slice(lo, hi - lo)
+    tenant, key, sid, stype = (rows[c].to_pylist() for c in ("tenant", "key", "stream_id", "stream_type"))
+    version, etype, batch, position, at = (rows[c].to_pylist() for c in ("version", "event_type", "batch", "position",
+                                                                           "at"))
+    parsed = keyed.events[lo:hi] if keyed.events is not None else None
+    payload = rows["payload"].to_pylist() if parsed is None else None
+    rewrites = domain.rewrites_events
+    fold, upcast, out = projection.fold, domain.upcast, {}
+    i, n = 0, hi - lo
     while i < n:
-        k = (keyed.tenant[i], keyed.key[i])
+        k = (tenant[i], key[i])
         row = prior.get(k) or _Row({}, 0, None, None)
-        state, count, last, last_at = row.state, row.events, row.last, row.last_at
-        while i < n and keyed.key[i] == k[1] and keyed.tenant[i] == k[0]:
-            event = keyed.events[i]
+        state, count = row.state, row.events
+        j = i
+        while j < n and key[j] == k[1] and tenant[j] == k[0]:
+            if parsed is not None:
+                event = parsed[j]
+            else:
+                assert payload is not None
+                event = _new_event(Event, (sid[j], version[j], etype[j], _loads(payload[j])))
+                if rewrites:
+                    event = upcast(stype[j], event)
             try:
                 state = fold(state, event)
             except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
                 reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
                 raise ProjectionFoldError(projection.name, k[1], event.stream_id, event.version, event.event_type,
                                           reason) from None
-            count, last, last_at = count + 1, keyed.order[i], keyed.recorded_at[i]
-            i += 1
-        out[k] = _Row(state, count, last, last_at)
+            j += 1
+        last = j - 1
+        out[k] = _Row(state, count + (j - i), (batch[last], position[last], sid[last], version[last]), at[last])
+        i = j
     return out
 
 
@@ -336,7 +480,7 @@ def _build(
     version = int(DeltaTable(events_path).version())
     rows = _whole(events_path, columns_of(domain), lambda part: _of_types(part, projection, domain))
     keyed = _keyed(rows, projection, domain)
-    out = _table_rows(projection, table, _fold(projection, keyed, {}))
+    out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
     seen_id = app_ids(projection.name, projection.definition)[0]
     turn.confirm(path, seen_id, read)
@@ -347,7 +491,7 @@ def _build(
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
                     commit_properties=_commit(projection, version, version, frontier))
-    return CrossStreamResult(out.num_rows, version, -1, len(keyed.key), out.num_rows, 0, 0, keyed.without_key, frontier)
+    return CrossStreamResult(out.num_rows, version, -1, keyed.count, out.num_rows, 0, 0, keyed.without_key, frontier)
 
 
 def _increment(
@@ -367,14 +511,13 @@ def _increment(
     new_cursor = now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
     path = table.path(warehouse)
-    wanted = set(zip(keyed.tenant, keyed.key, strict=True))
-    prior = _prior(target, path, table, wanted) if wanted else {}
+    starts = keyed.starts()
+    tenants, keys = keyed.rows["tenant"], keyed.rows["key"]
+    first = {(tenants[i].as_py(), keys[i].as_py()): keyed.order_at(i) for i in starts}
+    prior = _prior(target, path, table, set(first)) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
-    first: dict[tuple[str, str], tuple[int, int, str, int]] = {}
-    for tenant, key, order in zip(keyed.tenant, keyed.key, keyed.order, strict=True):
-        first.setdefault((tenant, key), order)
     late = {k for k, order in first.items() if k in prior and prior[k].last is not None and order <= prior[k].last}  # type: ignore[operator]
-    folded = _fold(projection, keyed, prior) if not late else _fold(projection, _without(keyed, late), prior)
+    folded = _fold(projection, domain, keyed if not late else keyed.only(late, keep=False), prior)
     if late:
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
         folded.update(_refold(projection, domain, events_path, late, left))
@@ -388,14 +531,8 @@ def _increment(
     else:
         target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
     target.update_incremental()
-    return CrossStreamResult(feed.row_count(target), now, seen, len(keyed.key), out.num_rows, len(late),
+    return CrossStreamResult(feed.row_count(target), now, seen, keyed.count, out.num_rows, len(late),
                              left.num_rows, keyed.without_key, f_new)
-
-
-def _without(keyed: _Keyed, keys: set[tuple[str, str]]) -> _Keyed:
-    kept = [i for i in range(len(keyed.key)) if (keyed.tenant[i], keyed.key[i]) not in keys]
-    return _Keyed([keyed.tenant[i] for i in kept], [keyed.key[i] for i in kept], [keyed.order[i] for i in kept],
-                  [keyed.events[i] for i in kept], [keyed.recorded_at[i] for i in kept], keyed.without_key)
 
 
 def _refold(
@@ -407,6 +544,4 @@ def _refold(
         held = tables.tenant_filled(waiting.select(tables.KEY)).cast(pa.schema([("tenant", pa.string()), (
             "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))
         rows = tables.tenant_filled(rows).join(held, keys=tables.KEY, join_type="left anti")
-    keyed = _keyed(rows, projection, domain)
-    others = {(t, k) for t, k in zip(keyed.tenant, keyed.key, strict=True)} - keys
-    return _fold(projection, _without(keyed, others), {})
+    return _fold(projection, domain, _keyed(rows, projection, domain).only(keys), {})
