@@ -181,10 +181,12 @@ def _commit(projection: Projection, seen: int, cursor: int, frontier: int) -> Co
 
 @dataclass
 class _Keyed:
-    """The events of one read with their keys, sorted by tenant, key and the lake's order: one row per event in
-    `rows` (tenant, key, batch, position, stream_id, stream_type, version, event_type, payload, at)."""
+    """The events of one read with their keys (tenant, key, batch, position, stream_id, stream_type, version,
+    event_type, payload, at, and the tenant's and key's dictionary codes) and `order`, the row indices sorted by
+    tenant, key and the lake's order: rows are taken in that order where they are folded."""
 
     rows: pa.Table
+    order: pa.Array
     events: list[Event] | None  # parsed and upcast already (read for their keys), in `rows`' order; None: not yet
     without_key: int
 
@@ -193,23 +195,28 @@ class _Keyed:
         return self.rows.num_rows
 
     def starts(self) -> list[int]:
-        """The row where each (tenant, key) begins."""
+        """The position in `order` where each (tenant, key) begins."""
         if not self.count:
             return []
-        t, k = self.rows["tenant"], self.rows["key"]
+        t, k = self.rows["tcode"].take(self.order), self.rows["kcode"].take(self.order)
         changed = pc.or_(pc.not_equal(t[1:], t[:-1]), pc.not_equal(k[1:], k[:-1]))
         return [0, *(i + 1 for i in pc.indices_nonzero(changed).to_pylist())]
 
     def order_at(self, i: int) -> tuple[int, int, str, int]:
-        r = self.rows
-        return (r["batch"][i].as_py(), r["position"][i].as_py(), r["stream_id"][i].as_py(), r["version"][i].as_py())
+        r, at = self.rows, self.order[i].as_py()
+        return (r["batch"][at].as_py(), r["position"][at].as_py(), r["stream_id"][at].as_py(), r["version"][at].as_py())
+
+    def key_at(self, i: int) -> tuple[str, str]:
+        at = self.order[i].as_py()
+        return self.rows["tenant"][at].as_py(), self.rows["key"][at].as_py()
 
     def only(self, keys: set[tuple[str, str]], keep: bool = True) -> _Keyed:
         """The rows of `keys` (or, `keep=False`, of every other key)."""
         held = pc.is_in(_pairs(self.rows), pa.array(sorted(f"{t}\x00{k}" for t, k in keys), pa.string()))
         mask = held if keep else pc.invert(held)
         events = None if self.events is None else [e for e, m in zip(self.events, mask.to_pylist(), strict=True) if m]
-        return _Keyed(self.rows.filter(mask), events, self.without_key)
+        rows = self.rows.filter(mask)
+        return _Keyed(rows, _sorted(rows), events, self.without_key)
 
 
 def _pairs(rows: pa.Table) -> pa.Array:
@@ -286,39 +293,76 @@ def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
     base = base.append_column("key", keys)
     has_key = pc.is_valid(base["key"])
     kept = base.filter(has_key)
-    order = pc.sort_indices(kept, sort_keys=[(c, "ascending") for c in ORDER])
+    # Dictionary codes group the rows without comparing strings; the lake's order within a key is compared whole.
+    kept = kept.append_column("tcode", pc.dictionary_encode(kept["tenant"]).combine_chunks().indices) \
+        .append_column("kcode", pc.dictionary_encode(kept["key"]).combine_chunks().indices)
     if events is not None:
-        listed = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
-        events = [listed[i] for i in order.to_pylist()]
-    return _Keyed(kept.take(order), events, n - kept.num_rows)
+        events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
+    return _Keyed(kept, _sorted(kept), events, n - kept.num_rows)
 
 
-ORDER = ("tenant", "key", "batch", "position", "stream_id", "version")  # a key's events, in the lake's order
+ORDER = ("batch", "position", "stream_id", "version")  # a key's events, in the lake's order
 
 
-def _python_keys(base: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Array, list[Event]]:
+def _sorted(rows: pa.Table) -> pa.Array:
+    return pc.sort_indices(rows, sort_keys=[(c, "ascending") for c in ("tcode", "kcode", *ORDER)])
+
+
+def _python_keys(base: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Array, list[Event] | None]:
+    """Each payload parsed, upcast and keyed in Python: (the keys, the events as parsed, for the fold to reuse). A
+    large read is keyed over one forked process per core, and its events parsed again by the fold's processes
+    (None): keeping millions of parsed events would cost more memory than parsing twice costs time."""
+    global _SHARED_KEYS
+    n = base.num_rows
+    shares = 1 if n < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
+    if shares == 1:
+        keys, events = _key_span(base, projection, domain, keep=True)
+        return pa.array(keys, pa.string()), events
+    cuts = [n * i // shares for i in range(shares + 1)]
+    _SHARED_KEYS = (base, projection, domain)
+    try:
+        with ProcessPoolExecutor(max_workers=shares, mp_context=get_context("fork")) as pool:
+            parts = list(pool.map(_key_share, cuts[:-1], cuts[1:]))
+    finally:
+        _SHARED_KEYS = None
+    return pa.concat_arrays(parts), None
+
+
+_SHARED_KEYS: tuple[pa.Table, Projection, Domain] | None = None  # what a forked keying inherits
+
+
+def _key_share(lo: int, hi: int) -> pa.Array:
+    assert _SHARED_KEYS is not None
+    base, projection, domain = _SHARED_KEYS
+    keys, _ = _key_span(base.slice(lo, hi - lo), projection, domain, keep=False)
+    return pa.array(keys, pa.string())
+
+
+def _key_span(
+    base: pa.Table, projection: Projection, domain: Domain, *, keep: bool
+) -> tuple[list[str | None], list[Event] | None]:
     sid, stype, version = (base[c].to_pylist() for c in ("stream_id", "stream_type", "version"))
     etype, payload = base["event_type"].to_pylist(), base["payload"].to_pylist()
-    key_of, upcast = projection.key_of, domain.upcast
+    key_of, upcast, rewrites = projection.key_of, domain.upcast, domain.rewrites_events
     keys: list[str | None] = []
     events: list[Event] = []
     for i in range(base.num_rows):
-        event = upcast(stype[i], _new_event(Event, (sid[i], version[i], etype[i], _loads(payload[i]))))
+        try:
+            data = orjson.loads(payload[i])
+        except orjson.JSONDecodeError:
+            data = json.loads(payload[i])
+        event = _new_event(Event, (sid[i], version[i], etype[i], data))
+        if rewrites:
+            event = upcast(stype[i], event)
         try:
             k = key_of(event)
         except Exception as exc:  # noqa: BLE001 - a key function's failure is reported with its place
             raise ProjectionFoldError(projection.name, None, sid[i], version[i], etype[i],
                                       f"its key: {type(exc).__name__}: {exc}") from None
         keys.append(None if k is None else str(k))
-        events.append(event)
-    return pa.array(keys, pa.string()), events
-
-
-def _loads(text: str) -> object:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+        if keep:
+            events.append(event)
+    return keys, events if keep else None
 
 
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
@@ -389,38 +433,40 @@ def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
     """The keys of rows lo..hi of the shared read, folded (whole keys: a span begins where a key does)."""
     assert _SHARED is not None
     projection, domain, keyed, prior = _SHARED
-    rows = keyed.rows.slice(lo, hi - lo)
+    taken = keyed.order.slice(lo, hi - lo)
+    rows = keyed.rows.take(taken)
     tenant, key, sid, stype = (rows[c].to_pylist() for c in ("tenant", "key", "stream_id", "stream_type"))
     version, etype, batch, position, at = (rows[c].to_pylist() for c in ("version", "event_type", "batch", "position",
                                                                            "at"))
-    parsed = keyed.events[lo:hi] if keyed.events is not None else None
+    parsed = None if keyed.events is None else [keyed.events[i] for i in taken.to_pylist()]
     payload = rows["payload"].to_pylist() if parsed is None else None
     rewrites = domain.rewrites_events
     fold, upcast, out = projection.fold, domain.upcast, {}
-    i, n = 0, hi - lo
-    while i < n:
+    bounds = [s - lo for s in keyed.starts() if lo <= s < hi] + [hi - lo]
+    for i, end in zip(bounds, bounds[1:], strict=False):
         k = (tenant[i], key[i])
         row = prior.get(k) or _Row({}, 0, None, None)
-        state, count = row.state, row.events
+        state = row.state
         j = i
-        while j < n and key[j] == k[1] and tenant[j] == k[0]:
-            if parsed is not None:
-                event = parsed[j]
-            else:
-                assert payload is not None
-                event = _new_event(Event, (sid[j], version[j], etype[j], _loads(payload[j])))
-                if rewrites:
-                    event = upcast(stype[j], event)
-            try:
+        try:
+            for j in range(i, end):
+                if parsed is not None:
+                    event = parsed[j]
+                else:
+                    text = payload[j]  # type: ignore[index]
+                    try:
+                        data = orjson.loads(text)
+                    except orjson.JSONDecodeError:
+                        data = json.loads(text)
+                    event = _new_event(Event, (sid[j], version[j], etype[j], data))
+                    if rewrites:
+                        event = upcast(stype[j], event)
                 state = fold(state, event)
-            except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
-                reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-                raise ProjectionFoldError(projection.name, k[1], event.stream_id, event.version, event.event_type,
-                                          reason) from None
-            j += 1
-        last = j - 1
-        out[k] = _Row(state, count + (j - i), (batch[last], position[last], sid[last], version[last]), at[last])
-        i = j
+        except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
+            reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ProjectionFoldError(projection.name, k[1], sid[j], version[j], etype[j], reason) from None
+        last = end - 1
+        out[k] = _Row(state, row.events + (end - i), (batch[last], position[last], sid[last], version[last]), at[last])
     return out
 
 
@@ -511,9 +557,7 @@ def _increment(
     new_cursor = now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
     path = table.path(warehouse)
-    starts = keyed.starts()
-    tenants, keys = keyed.rows["tenant"], keyed.rows["key"]
-    first = {(tenants[i].as_py(), keys[i].as_py()): keyed.order_at(i) for i in starts}
+    first = {keyed.key_at(i): keyed.order_at(i) for i in keyed.starts()}
     prior = _prior(target, path, table, set(first)) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
     late = {k for k, order in first.items() if k in prior and prior[k].last is not None and order <= prior[k].last}  # type: ignore[operator]
