@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from typing import Any
@@ -44,6 +44,18 @@ READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloa
 
 
 @dataclass(frozen=True)
+class Written:
+    """One `stream_state` commit as its writer saw it: the versions before and after it, the rows it wrote (their
+    post-images) and which of them are new streams. The typed tables follow it from these (lake/typed_state.py)
+    instead of reading the commit back from the change feed."""
+
+    before: int
+    after: int
+    rows: pa.Table
+    inserted: pa.Array  # per row of `rows`: a stream `stream_state` had no row of before
+
+
+@dataclass(frozen=True)
 class StateResult:
     events_version: int
     previous_events_version: int
@@ -54,6 +66,7 @@ class StateResult:
     skipped_unknown: int
     without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
     typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/typed_state.py)
+    written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
 
 
 # The Delta txn version of a stream_state commit encodes the events table version folded and the

@@ -34,6 +34,7 @@ from es_pipeline.lake.fold import (
     REVISION_SLOTS,
     STATE_SCHEMA,
     StateResult,
+    Written,
     arrow_result,
     arrow_updates,
     fold_input,
@@ -82,7 +83,7 @@ def update_stream_state(
 
 def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
     """`result`, once the typed state tables of `domain` follow it (lake/typed_state.py); in the table's turn."""
-    written = typed_state.update(warehouse, domain)
+    written = typed_state.update(warehouse, domain, result.written)
     return replace(result, typed_rows=tuple(sorted(written.items()))) if written else result
 
 
@@ -143,10 +144,13 @@ def small_increment(
                                 schema=FOLD_OUT)
     updates = arrow_updates(out)
     turn.confirm(state_path, APP_ID, int(read))
+    before = int(state.version())
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
                 commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
-    return arrow_result(out, now, prev)
+    held = pc.binary_join_element_wise(prior["tenant"], prior["stream_id"], "\x00")
+    inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"), held))
+    return replace(arrow_result(out, now, prev), written=Written(before, int(state.version()), updates, inserted))
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:

@@ -24,11 +24,12 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
 from es_pipeline.lake import feed, tables
+from es_pipeline.lake.fold import Written
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
 
@@ -69,19 +70,27 @@ def state_properties(domain: Domain) -> dict[str, str]:
     return dict(CHANGE_FEED) if typed_tables(domain) else {}
 
 
-def update(warehouse: Location, domain: Domain) -> dict[str, int]:
+def update(warehouse: Location, domain: Domain, commit: Written | None = None) -> dict[str, int]:
     """Bring every typed table of `domain` up to `stream_state` now; rows written per table. Only in
-    `stream_state`'s turn (lake/stream_state.py calls it there)."""
+    `stream_state`'s turn (lake/stream_state.py calls it there). `commit`: the `stream_state` commit this process
+    just made; a table that was up to date before it takes its rows from there (appended where every stream is
+    new), not from the change feed."""
     typed = typed_tables(domain)
     state_path = tables.table_path(warehouse, "stream_state")
     if not typed or not tables.is_delta_table(state_path):
         return {}
-    state = DeltaTable(state_path)
-    feed_on = state.metadata().configuration.get("delta.enableChangeDataFeed") == "true"
+    loaded: list[DeltaTable] = []
+
+    def state() -> DeltaTable:  # loaded only where a table needs more than `commit`
+        if not loaded:
+            loaded.append(DeltaTable(state_path))
+        return loaded[0]
+
+    feed_on = commit is not None or state().metadata().configuration.get("delta.enableChangeDataFeed") == "true"
     if not feed_on:  # a table made before typed tables: its feed starts now; each typed table is built whole
-        state.alter.set_table_properties(CHANGE_FEED)
-        state = DeltaTable(state_path)
-    now = int(state.version())
+        state().alter.set_table_properties(CHANGE_FEED)
+        loaded.clear()
+    now = commit.after if commit is not None else int(state().version())
     written: dict[str, int] = {}
     feeds: dict[int, pa.Table | None] = {}  # stream_state's changes after a version, read once for every table there
     for stream_type, (reducer, table) in typed.items():
@@ -93,26 +102,41 @@ def update(warehouse: Location, domain: Domain) -> dict[str, int]:
             read = None  # its fields changed: built whole
         if read is not None and read >= now:
             continue
+        props = feed.commit_properties(table.app_id, now)
+        if commit is not None and read == commit.before:  # the one commit since: its rows, as written
+            of_type = pc.equal(commit.rows["stream_type"], stream_type)
+            rows = _typed(commit.rows.filter(of_type).select(_STATE_COLUMNS), reducer, table)
+            assert target is not None
+            if rows.num_rows and pc.all(commit.inserted.filter(of_type)).as_py():
+                write_deltalake(target, rows, mode="append", commit_properties=props)  # new streams only
+            elif rows.num_rows:
+                _upsert(target, rows, props)
+            else:
+                target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
+            written[table.name] = rows.num_rows
+            continue
         if read is not None and read not in feeds:
-            feeds[read] = _changes(state, read, now)
+            feeds[read] = _changes(state(), read, now)
         changed = None if read is None or feeds[read] is None else _latest(feeds[read], stream_type)
         if changed is None:
-            rows = _typed(_current(state_path, state, stream_type), reducer, table)
-            write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite",
-                            commit_properties=feed.commit_properties(table.app_id, now),
+            rows = _typed(_current(state_path, state(), stream_type), reducer, table)
+            write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props,
                             configuration=table.properties or None)
         else:
             rows = _typed(changed, reducer, table)
             assert target is not None
             if rows.num_rows:
-                target.merge(rows, predicate="t.tenant = u.tenant AND t.stream_id = u.stream_id", source_alias="u",
-                             target_alias="t", commit_properties=feed.commit_properties(table.app_id, now)) \
-                    .when_matched_update_all().when_not_matched_insert_all().execute()
+                _upsert(target, rows, props)
             else:
-                target.create_write_transaction([], mode="append", schema=target.schema(),
-                                                commit_properties=feed.commit_properties(table.app_id, now))
+                target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
         written[table.name] = rows.num_rows
     return written
+
+
+def _upsert(target: DeltaTable, rows: pa.Table, props: CommitProperties) -> None:
+    target.merge(rows, predicate="t.tenant = u.tenant AND t.stream_id = u.stream_id", source_alias="u",
+                 target_alias="t", commit_properties=props).when_matched_update_all().when_not_matched_insert_all() \
+        .execute()
 
 
 def _same_columns(table: DeltaTable, schema: pa.Schema) -> bool:
