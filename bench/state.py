@@ -166,7 +166,8 @@ def run_incremental(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str,
             "the default up to 200,000 new events): the change feed read by delta-rs, the state table read whole, "
             f"the same fold in this process, a delta-rs MERGE. Median of {sizes.repeats} each.",
             "Typed tables: the shop's reducers declare their states (examples/shop), so the default increment also "
-            "keeps `stream_state_account` and `stream_state_cart` from `stream_state`'s change feed; the row "
+            "keeps `stream_state_account` and `stream_state_cart` from the rows `stream_state`'s commit wrote "
+            "(appended: the increments' streams are new; docs/decisions.md); the row "
             "without them folds with the same reducers, their declarations left out.",
         ],
     }

@@ -95,11 +95,17 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
     feeds: dict[int, pa.Table | None] = {}  # stream_state's changes after a version, read once for every table there
     for stream_type, (reducer, table) in typed.items():
         path = table.path(warehouse)
+        checked = (path, table.schema.to_string())
+        if commit is not None and checked in _CHECKED and not pc.any(pc.equal(
+                commit.rows["stream_type"], stream_type)).as_py() and tables.is_delta_table(path):
+            continue  # nothing of its type in the commit: its rows stand; its version catches up when its type moves
         target = DeltaTable(path) if feed_on and tables.is_delta_table(path) else None  # its log, loaded once
         found = None if target is None else target.transaction_version(table.app_id)
         read = None if found is None else int(found)
         if target is not None and read is not None and not _same_columns(target, table.schema):
             read = None  # its fields changed: built whole
+        if read is not None:
+            _CHECKED.add(checked)
         if read is not None and read >= now:
             continue
         props = feed.commit_properties(table.app_id, now)
@@ -117,20 +123,36 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             continue
         if read is not None and read not in feeds:
             feeds[read] = _changes(state(), read, now)
-        changed = None if read is None or feeds[read] is None else _latest(feeds[read], stream_type)
+        changes = None if read is None else feeds[read]
+        changed = None if changes is None else _latest(changes, stream_type)
         if changed is None:
             rows = _typed(_current(state_path, state(), stream_type), reducer, table)
             write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props,
                             configuration=table.properties or None)
         else:
             rows = _typed(changed, reducer, table)
-            assert target is not None
-            if rows.num_rows:
+            assert target is not None and changes is not None
+            if rows.num_rows and _all_new(changes, rows):
+                write_deltalake(target, rows, mode="append", commit_properties=props)  # streams new since `read`
+            elif rows.num_rows:
                 _upsert(target, rows, props)
             else:
                 target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
         written[table.name] = rows.num_rows
     return written
+
+
+# (path, declared columns) of the typed tables this process has found with those columns: a declaration changes
+# only with the code, so such a table, untouched by a commit, needs no look (its log's load costs an increment).
+_CHECKED: set[tuple[str, str]] = set()
+
+
+def _all_new(changes: pa.Table, rows: pa.Table) -> bool:
+    """Whether every stream of `rows` was inserted into `stream_state` within `changes`: then the typed table, at
+    the version before them, holds none of them."""
+    inserted = changes.filter(pc.equal(changes["_change_type"], "insert"))
+    keys = pc.binary_join_element_wise(inserted["tenant"], inserted["stream_id"], "\x00")
+    return bool(pc.all(pc.is_in(pc.binary_join_element_wise(rows["tenant"], rows["stream_id"], "\x00"), keys)).as_py())
 
 
 def _upsert(target: DeltaTable, rows: pa.Table, props: CommitProperties) -> None:

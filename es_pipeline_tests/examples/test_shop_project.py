@@ -115,7 +115,7 @@ def _upcast_by_hand(event_type: str, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_shop_project_adopts_an_emmett_store_and_every_table_equals_a_fold_of_it(
-    dsn: StoreDsn, emmett_app: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: StoreDsn, emmett_app: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spark: Any
 ) -> None:
     """Emmett's own client writes carts, old payloads (`price`, removals) then today's while more old ones come;
     the shop's code location adopts the store, extracts it and folds it through Dagster: `stream_state`, its typed
@@ -133,7 +133,8 @@ def test_the_shop_project_adopts_an_emmett_store_and_every_table_equals_a_fold_o
             monkeypatch.setenv(key, value)
     import shop.definitions
     defs = dg.load_from_defs_folder(path_within_project=Path(shop.definitions.__file__).parent)
-    events, state, sales = (defs.resolve_assets_def(k) for k in ("events", "stream_state", "sku_sales"))
+    events, state, sales, catalog, daily = (defs.resolve_assets_def(k) for k in (
+        "events", "stream_state", "sku_sales", "stream_catalog", "event_type_daily"))
     instance = dg.DagsterInstance.ephemeral()
     keys = events.partitions_def.get_partition_keys()
     for key in keys:  # while Emmett's writers append
@@ -148,6 +149,20 @@ def test_the_shop_project_adopts_an_emmett_store_and_every_table_equals_a_fold_o
     assert result.asset_materializations_for_node("sku_sales")[0].metadata["events_waiting"].value == 0
 
     assert_shop_tables_equal_emmett(dsn, warehouse, appended + 3)
+    # The projections that need no domain, against the store's own counts.
+    assert dg.materialize([catalog, daily], instance=instance).success  # Spark: the session the suite holds
+    with psycopg.connect(dsn) as conn:
+        per_stream = {(t, s): (n, v) for t, s, n, v in conn.execute(
+            "SELECT partition, stream_id, count(*), max(stream_position) FROM emt_messages WHERE message_kind = 'E' "
+            "GROUP BY 1, 2").fetchall()}
+        per_type = {(t, e): n for t, e, n in conn.execute(
+            "SELECT partition, message_type, count(*) FROM emt_messages WHERE message_kind = 'E' GROUP BY 1, 2").fetchall()}
+    listed = DeltaTable(str(warehouse / "stream_catalog")).to_pyarrow_table().to_pylist()
+    assert {(r["tenant"], r["stream_id"]): (r["events"], r["version"]) for r in listed} == per_stream
+    counted: dict[tuple[str, str], int] = {}
+    for r in DeltaTable(str(warehouse / "event_type_daily")).to_pyarrow_table().to_pylist():
+        counted[(r["tenant"], r["event_type"])] = counted.get((r["tenant"], r["event_type"]), 0) + r["events"]
+    assert counted == per_type
 
 
 def assert_shop_tables_equal_emmett(dsn: str, warehouse: Path, expected_events: int | None = None) -> None:
@@ -164,6 +179,9 @@ def assert_shop_tables_equal_emmett(dsn: str, warehouse: Path, expected_events: 
     for tenant, sid, _, _, event_type, payload in rows:
         carts[(tenant, sid)] = SHOP.reducers["cart"].fold(carts.get((tenant, sid), {}), Event(
             sid, 0, event_type, _upcast_by_hand(event_type, payload)))
+    states = {(r["tenant"], r["stream_id"]): json.loads(r["state"])
+              for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()}
+    assert states == carts
     typed = {(r["tenant"], r["stream_id"]): r
              for r in DeltaTable(str(warehouse / "stream_state_cart")).to_pyarrow_table().to_pylist()}
     assert set(typed) == set(carts)

@@ -183,3 +183,31 @@ def test_a_lake_folded_before_its_states_were_declared_gets_its_typed_tables_who
     extract_all(dsn.extractor, None, warehouse)
     update_stream_state(_no_spark, warehouse, domain=SHOP)
     _assert_typed_equal_replay(dsn, warehouse)
+
+
+def test_a_typed_table_its_type_did_not_move_is_left_alone_then_catches_up_from_the_change_feed(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """Increments that fold accounts only leave `stream_state_cart` alone (no load, no commit); the next one that
+    moves a cart brings it the commits it missed from `stream_state`'s change feed: an old cart's update and a new
+    cart, equal to a fold of the store."""
+    store = EventStore(dsn)
+    store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 1, "unit_price": 2.0})], 0)
+    store.append("account-1", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(_no_spark, warehouse, domain=SHOP)
+    update_stream_state(_no_spark, warehouse, domain=SHOP)  # nothing new: every table found with its columns
+    cart_version = DeltaTable(str(warehouse / "stream_state_cart")).version()
+    for n in range(3):
+        store.append("account-1", "account", [NewEvent("Deposited", {"amount": n + 1})], n + 1)
+        extract_all(dsn.extractor, None, warehouse)
+        moved = update_stream_state(_no_spark, warehouse, domain=SHOP)
+        assert dict(moved.typed_rows) == {"stream_state_account": 1}
+    assert DeltaTable(str(warehouse / "stream_state_cart")).version() == cart_version  # left alone
+    _assert_typed_equal_replay(dsn, warehouse)
+    store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "b", "qty": 2, "unit_price": 1.0})], 1)
+    store.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "c", "qty": 1, "unit_price": 5.0})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    caught_up = update_stream_state(_no_spark, warehouse, domain=SHOP)
+    assert dict(caught_up.typed_rows) == {"stream_state_cart": 2}
+    _assert_typed_equal_replay(dsn, warehouse)
