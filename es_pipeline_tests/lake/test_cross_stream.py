@@ -69,6 +69,7 @@ def _assert_equal_to_the_store(dsn: StoreDsn, warehouse: Path) -> int:
     return sum(n for _, n in expected.values())
 
 
+@pytest.mark.slow
 def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent_writers_and_rebuilds(
     dsn: StoreDsn, warehouse: Path
 ) -> None:
@@ -109,6 +110,7 @@ def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent
     assert total > 0 and assert_exactly_once_by_key(warehouse, dsn) > total
 
 
+@pytest.mark.slow
 def test_without_a_frontier_a_batch_that_lands_late_folds_its_keys_again(dsn: StoreDsn, warehouse: Path) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=41)
@@ -157,6 +159,7 @@ def test_upcast_keys_tenants_and_a_failing_fold(dsn: StoreDsn, warehouse: Path) 
     assert DeltaTable(str(warehouse / "balances")).version() == version
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skus", ["strings", "strings and numbers"])
 def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_one_process(
     dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch, skus: str
