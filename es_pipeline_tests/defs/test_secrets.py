@@ -60,6 +60,7 @@ def canary_logins(dsn: StoreDsn) -> Iterator[tuple[str, dict[str, str]]]:
                 conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
 
 
+@pytest.mark.slow  # five `dagster` processes (40 s): make test's tier, not make check's
 def test_a_canary_password_appears_in_no_output_and_nowhere_in_dagsters_storage(
     dsn: StoreDsn, canary_logins: tuple[str, dict[str, str]], tmp_path: Path
 ) -> None:
