@@ -259,8 +259,9 @@ class Domain:
         return chains.upcast(event)
 
     def base_type(self, event_type: str) -> str:
-        """An event type as the folds see it: without its version suffix where versions are read from there."""
-        if self._version_source == "suffix":
+        """An event type as stored, as the folds see it: without its version suffix where versions are read from
+        there (with `metadata:<name>`, a stored type has none: the suffix is added when read)."""
+        if self.schema_version == "suffix":
             m = _SUFFIX.match(event_type)
             if m is not None:
                 return m.group("base")
@@ -282,12 +283,12 @@ class Domain:
         field = self.metadata_field
         if field is None:
             return event_type
-        version = metadata.get(field) if isinstance(metadata, dict) else None
-        if isinstance(version, str) and version.isdigit():
-            version = int(version)
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            version = 1
-        return f"{event_type}.v{version}"
+        held = metadata.get(field) if isinstance(metadata, dict) else None
+        # A whole number from 1, as a JSON number or digits in a string; anything else is version 1 (Spark's
+        # path in lake/stream_state.py reads it by the same rule).
+        text = str(held) if isinstance(held, int) and not isinstance(held, bool) else held
+        version = int(text) if isinstance(text, str) and text.isascii() and text.isdecimal() and len(text) <= 18 else 1
+        return f"{event_type}.v{max(version, 1)}"
 
     @property
     def rewrites_events(self) -> bool:

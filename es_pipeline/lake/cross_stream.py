@@ -71,7 +71,16 @@ def columns_of(domain: Domain) -> list[str]:
     return [*COLUMNS, "metadata"] if domain.metadata_field is not None else list(COLUMNS)
 
 
-def table_of(projection: Projection) -> Table:
+def definition_of(projection: Projection, domain: Domain) -> str:
+    """What the projection's rows depend on besides its fold's code: its definition, and the upcasters of its event
+    types and where their versions are read. A change of it rebuilds the table (as a revision does)."""
+    upcasters = sorted(f"{u.event_type}@{u.version}:{getattr(u.upcast, '__module__', '?')}."
+                       f"{getattr(u.upcast, '__qualname__', '?')}" for u in domain.upcasters.values()
+                       if u.event_type in projection.event_types)
+    return f"{projection.definition};versions={domain.schema_version};upcasters={','.join(upcasters)}"
+
+
+def table_of(projection: Projection, domain: Domain) -> Table:
     """The projection's table: tenant and key, the state as JSON, what was folded last, then the declared fields."""
     schema = pa.schema([
         ("tenant", pa.string()), (projection.key_column, pa.string()), ("state", pa.string()),
@@ -82,7 +91,7 @@ def table_of(projection: Projection) -> Table:
     return Table(projection.name, schema, key=("tenant", projection.key_column),
                  comment=f"cross-stream projection {projection.name} ({projection.domain}): "
                          f"{', '.join(projection.event_types)} by {projection.key_column}",
-                 properties={KIND: projection.definition})
+                 properties={KIND: definition_of(projection, domain)})
 
 
 def table_names(warehouse: Location) -> list[str]:
@@ -127,14 +136,15 @@ def increment(
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
         return None
-    table = table_of(projection)
+    table = table_of(projection, domain)
+    definition = table.properties[KIND]
     path = table.path(warehouse)
     # The frontier first, then the lake: a batch below it is in every version of `events` read after.
     f_new = NO_FRONTIER if frontier is None else frontier()
     target = DeltaTable(path) if tables.is_delta_table(path) else None
     seen = cursor = f_prev = None
     if target is not None and tables.has_columns(target, table.schema.names):
-        seen, cursor, f_prev = (target.transaction_version(a) for a in app_ids(projection.name, projection.definition))
+        seen, cursor, f_prev = (target.transaction_version(a) for a in app_ids(projection.name, definition))
     columns = columns_of(domain)
     events_feed = events_feed or Feed(events_path, columns)
     now = events_feed.version
@@ -171,9 +181,9 @@ def app_ids(name: str, definition: str) -> tuple[str, str, str]:
     return seen, f"{seen}.cursor", f"{seen}.frontier"
 
 
-def _commit(projection: Projection, seen: int, cursor: int, frontier: int) -> CommitProperties:
+def _commit(table: Table, seen: int, cursor: int, frontier: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(a, v) for a, v in zip(
-        app_ids(projection.name, projection.definition), (seen, cursor, frontier), strict=True)])
+        app_ids(table.name, table.properties[KIND]), (seen, cursor, frontier), strict=True)])
 
 
 # -- reading and ordering events -----------------------------------------------------------------------
@@ -253,17 +263,17 @@ def _arrow_keys(payload: pa.ChunkedArray | pa.Array, projection: Projection, dom
     return pa.concat_arrays(parts) if parts else pa.array([], pa.string())
 
 
-_JSON_ROWS = 500_000  # payloads read by Arrow's JSON reader at a time
+_JSON_ROWS = 200_000  # payloads read by Arrow's JSON reader at a time
 
 
 def _arrow_key_part(payload: pa.Array, field: str) -> pa.Array | None:
     n = len(payload)
-    lines = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), payload), "\n")
     try:
+        lines = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), payload), "\n")
         read = pa_json.read_json(pa.BufferReader(lines[0].as_buffer()),
                                  read_options=pa_json.ReadOptions(block_size=1 << 26))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return None  # a field of two types, a payload that is no object, JSON across lines: Python reads them
+    except pa.ArrowException:
+        return None  # a field of two types, a payload that is no object, JSON across lines, past 2 GB: Python reads them
     if read.num_rows != n:
         return None
     if field not in read.column_names:
@@ -414,7 +424,8 @@ def _fold(
     global _SHARED
     starts = keyed.starts()
     shares = 1 if keyed.count < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
-    cuts = [0] + [starts[bisect_left(starts, keyed.count * i // shares)] for i in range(1, shares)] + [keyed.count]
+    bounds = [*starts, keyed.count]  # a cut falls where a key begins (or at the end: one key past the middle)
+    cuts = [0] + [bounds[bisect_left(bounds, keyed.count * i // shares)] for i in range(1, shares)] + [keyed.count]
     spans = [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if lo < hi]
     _SHARED = (projection, domain, keyed, prior)
     try:
@@ -498,6 +509,16 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
+def _state(text: str | None) -> dict:
+    """A state as written (`json.dumps`): orjson, or json for what orjson refuses (NaN, integers past 64 bits)."""
+    if not text:
+        return {}
+    try:
+        return orjson.loads(text)  # type: ignore[no-any-return]
+    except orjson.JSONDecodeError:
+        return json.loads(text)  # type: ignore[no-any-return]
+
+
 def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], _Row]:
     """The table's rows of the `wanted` keys, as the fold goes on from them."""
     key_column = table.key[1]
@@ -514,7 +535,7 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     for tenant, key, state, count, sid, version, batch, position, last_at in zip(*cols, at, strict=True):
         if (tenant, key) in wanted:
             last = None if sid is None else (batch, position, sid, version)
-            out[(tenant, key)] = _Row(orjson.loads(state) if state else {}, count, last, last_at)
+            out[(tenant, key)] = _Row(_state(state), count, last, last_at)
     return out
 
 
@@ -528,15 +549,15 @@ def _build(
     keyed = _keyed(rows, projection, domain)
     out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
-    seen_id = app_ids(projection.name, projection.definition)[0]
+    seen_id = app_ids(table.name, table.properties[KIND])[0]
     turn.confirm(path, seen_id, read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
     target = DeltaTable(path)
-    if target.metadata().configuration.get(KIND) != projection.definition:  # before the rows: erase finds it
+    if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
-                    commit_properties=_commit(projection, version, version, frontier))
+                    commit_properties=_commit(table, version, version, frontier))
     return CrossStreamResult(out.num_rows, version, -1, keyed.count, out.num_rows, 0, 0, keyed.without_key, frontier)
 
 
@@ -565,9 +586,11 @@ def _increment(
     if late:
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
         folded.update(_refold(projection, domain, events_path, late, left))
+    if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
+        return CrossStreamResult(feed.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
     out = _table_rows(projection, table, folded)
-    turn.confirm(path, app_ids(projection.name, projection.definition)[0], seen)
-    props = _commit(projection, now, new_cursor, f_new)
+    turn.confirm(path, app_ids(table.name, table.properties[KIND])[0], seen)
+    props = _commit(table, now, new_cursor, f_new)
     if out.num_rows:
         target.merge(out, predicate=f"t.tenant = u.tenant AND t.{table.key[1]} = u.{table.key[1]}", source_alias="u",
                      target_alias="t", commit_properties=props).when_matched_update_all() \

@@ -110,6 +110,9 @@ def follow(
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
         return {}
+    if frontier is not None and domain.projections:  # read before the lake (lake/cross_stream.py)
+        read_first = frontier()
+        frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
     events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
                                      *(cross_stream.columns_of(domain) if domain.projections else ())])
     done: dict[str, ProjectionResult | StateResult | CrossStreamResult] = {}

@@ -193,10 +193,10 @@ def _update_with_spark(
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
     field = domain.metadata_field
-    event_type = F.col("event_type") if field is None else F.concat(  # as Domain.versioned_type makes it
-        F.col("event_type"), F.lit(".v"), F.coalesce(
-            F.when(F.get_json_object("metadata", f"$.{field}").cast("int") >= 1,
-                   F.get_json_object("metadata", f"$.{field}").cast("int")), F.lit(1)).cast("string"))
+    held = None if field is None else F.get_json_object("metadata", "$['" + field.replace("'", "") + "']")
+    event_type = F.col("event_type") if held is None else F.concat(  # as Domain.versioned_type makes it
+        F.col("event_type"), F.lit(".v"), F.greatest(F.lit(1), F.when(
+            held.rlike("^[0-9]{1,18}$"), held.cast("long")).otherwise(F.lit(1))).cast("string"))
     cols = ["stream_id", "stream_type", "version", event_type.alias("event_type"),
             F.when(enc.isNull() | (enc == "json"), F.col("payload"))
             .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at",

@@ -86,10 +86,12 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             loaded.append(DeltaTable(state_path))
         return loaded[0]
 
-    feed_on = commit is not None or state().metadata().configuration.get("delta.enableChangeDataFeed") == "true"
+    feed_on = (commit is not None and state_path in _FEED_ON) or \
+        state().metadata().configuration.get("delta.enableChangeDataFeed") == "true"
     if not feed_on:  # a table made before typed tables: its feed starts now; each typed table is built whole
         state().alter.set_table_properties(CHANGE_FEED)
         loaded.clear()
+    _FEED_ON.add(state_path)
     now = commit.after if commit is not None else int(state().version())
     written: dict[str, int] = {}
     feeds: dict[int, pa.Table | None] = {}  # stream_state's changes after a version, read once for every table there
@@ -145,6 +147,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
 # (path, declared columns) of the typed tables this process has found with those columns: a declaration changes
 # only with the code, so such a table, untouched by a commit, needs no look (its log's load costs an increment).
 _CHECKED: set[tuple[str, str]] = set()
+_FEED_ON: set[str] = set()  # the stream_state tables this process has found with their change feed on (it stays on)
 
 
 def _all_new(changes: pa.Table, rows: pa.Table) -> bool:

@@ -186,3 +186,23 @@ def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_o
     assert forked == single and len(forked) > 5
     if skus == "strings and numbers":
         assert forked[("", "7")]["events"] == 2
+    # One key holding every event: the forked fold cuts at key boundaries only, so it is one process's.
+    one = Domain("one key")
+    one.projection("one_key", events=["ItemAdded", "ItemRemoved"], key=lambda e: "all", key_column="k", revision=1)(fold)
+    monkeypatch.setattr(cross_stream, "ONE_PROCESS_ROWS", 10)
+    assert cross_stream.update(warehouse, one, "one_key").rows == 1
+
+
+def test_an_upcaster_of_its_event_types_rebuilds_a_projection(dsn: StoreDsn, warehouse: Path) -> None:
+    """The rows depend on the upcasters of the projection's types: registering one rebuilds the table."""
+    d = Domain("ledger")
+    d.projection("moved", events=["Moved"], key="account", revision=1)(
+        lambda state, event: {"n": state.get("n", 0) + event.payload.get("amount", 0)})
+    EventStore(dsn).append("t-1", "transfer", [NewEvent("Moved", {"account": "a", "amount": 2})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    assert cross_stream.update(warehouse, d, "moved").previous_events_version == -1
+    assert cross_stream.update(warehouse, d, "moved").events_folded == 0
+    d.upcaster("Moved", version=1)(lambda p: {**p, "amount": p["amount"] * 10})
+    again = cross_stream.update(warehouse, d, "moved")
+    assert again.previous_events_version == -1
+    assert json.loads(_table(warehouse, "moved", "account")[("", "a")]["state"]) == {"n": 20}

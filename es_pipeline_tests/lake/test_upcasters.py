@@ -141,6 +141,9 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
                                                {"schema_version": 2})], 1)
     store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "a", "qty": 3, "unit_price": {
         "amount": 1.0, "currency": "EUR"}}, {"schema_version": "3", "user": "u"})], 0)
+    # Versions that are no whole number from 1 are 1, on every path alike.
+    store.append("order-3", "order", [NewEvent("ItemAdded", {"sku": "d", "qty": 1, "price": 2.0}, {"schema_version": v})
+                                      for v in ("nope", 2.5, 0, True)], 0)
     extract_all(dsn.extractor, None, warehouse)
     if path == "Spark":
         update_stream_state(spark, warehouse, domain=orders, small_increments=False)
@@ -150,6 +153,7 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
     assert json.loads(rows["order-1"]["state"]) == {"lines": {"a": 3.0, "b": 4.0}, "currency": "EUR",
                                                     "types": ["ItemAdded", "ItemAdded"]}
     assert json.loads(rows["order-2"]["state"])["lines"] == {"a": 3.0}
+    assert json.loads(rows["order-3"]["state"])["lines"] == {"d": 2.0} and rows["order-3"]["version"] == 4
     store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "c", "qty": 1, "unit_price": 2.0,
                                                              "currency": "EUR"}, {"schema_version": 2})], 1)
     extract_all(dsn.extractor, None, warehouse)
@@ -161,7 +165,7 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
     cross_stream.update(warehouse, orders, "sku_lines")
     held = {r["sku"]: json.loads(r["state"]) for r in DeltaTable(str(warehouse / "sku_lines")).to_pyarrow_table().to_pylist()}
     assert held == {"a": {"amount": 6.0, "type": "ItemAdded"}, "b": {"amount": 4.0, "type": "ItemAdded"},
-                    "c": {"amount": 2.0, "type": "ItemAdded"}}
+                    "c": {"amount": 2.0, "type": "ItemAdded"}, "d": {"amount": 8.0, "type": "ItemAdded"}}
 
 
 def test_a_schema_version_source_is_one_of_four() -> None:
