@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from multiprocessing import get_context
 
 import orjson
@@ -48,7 +49,7 @@ from es_pipeline.domain import Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
 from es_pipeline.lake import feed, tables, typed_state
 from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import with_schema_versions
+from es_pipeline.lake.fold import loads, with_schema_versions
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
@@ -157,9 +158,9 @@ def increment(
     if new is None:
         if not build:
             return None
-        return _build(warehouse, projection, domain, table, turn, events_path, f_new, read=seen)
+        return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)
     assert target is not None
-    return _increment(warehouse, projection, domain, table, turn, target, new, events_path,
+    return _increment(warehouse, projection, domain, table, turn, target, new, events_path, events_feed.table,
                       int(seen), int(cursor), int(f_prev), f_new, now)  # type: ignore[arg-type]
 
 
@@ -204,21 +205,21 @@ class _Keyed:
     def count(self) -> int:
         return self.rows.num_rows
 
+    @cached_property
     def starts(self) -> list[int]:
-        """The position in `order` where each (tenant, key) begins."""
+        """The position in `order` where each (tenant, key) begins (computed once per read)."""
         if not self.count:
             return []
         t, k = self.rows["tcode"].take(self.order), self.rows["kcode"].take(self.order)
         changed = pc.or_(pc.not_equal(t[1:], t[:-1]), pc.not_equal(k[1:], k[:-1]))
         return [0, *(i + 1 for i in pc.indices_nonzero(changed).to_pylist())]
 
-    def order_at(self, i: int) -> tuple[int, int, str, int]:
-        r, at = self.rows, self.order[i].as_py()
-        return (r["batch"][at].as_py(), r["position"][at].as_py(), r["stream_id"][at].as_py(), r["version"][at].as_py())
-
-    def key_at(self, i: int) -> tuple[str, str]:
-        at = self.order[i].as_py()
-        return self.rows["tenant"][at].as_py(), self.rows["key"][at].as_py()
+    def firsts(self) -> dict[tuple[str, str], tuple[int, int, str, int]]:
+        """Each (tenant, key)'s first event in the lake's order: (batch, position, stream, version)."""
+        rows = self.rows.take(self.order.take(pa.array(self.starts, pa.int64())))
+        tenant, key, batch, position, sid, version = (rows[c].to_pylist() for c in (
+            "tenant", "key", "batch", "position", "stream_id", "version"))
+        return {(t, k): (b, p, s, v) for t, k, b, p, s, v in zip(tenant, key, batch, position, sid, version, strict=True)}
 
     def only(self, keys: set[tuple[str, str]], keep: bool = True) -> _Keyed:
         """The rows of `keys` (or, `keep=False`, of every other key)."""
@@ -378,9 +379,11 @@ def _key_span(
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
 
 
-def _whole(events_path: str, wanted: list[str], rows_of: Callable[[pa.Table], pa.Table]) -> pa.Table:
-    """The `events` table's rows now (the `wanted` columns it has), each batch of files filtered by `rows_of`."""
-    events = DeltaTable(events_path)
+def _whole(
+    events_path: str, events: DeltaTable, wanted: list[str], rows_of: Callable[[pa.Table], pa.Table]
+) -> pa.Table:
+    """The rows of `events` at its version (the `wanted` columns it has), each batch of files filtered by `rows_of`:
+    the version the update records, so that no later commit's row is folded here and again from the feed."""
     held = set(events.schema().to_arrow().names)
     columns = [c for c in wanted if c in held]
     if feed.has_deletion_vectors(events):  # its files alone are not its rows: DataFusion applies the vectors
@@ -422,7 +425,7 @@ def _fold(
     """Each key's events of `keyed` folded onto its `prior` row (or from nothing), in order: in this process, or
     over one forked process per core for a large read (whole keys each)."""
     global _SHARED
-    starts = keyed.starts()
+    starts = keyed.starts
     shares = 1 if keyed.count < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
     bounds = [*starts, keyed.count]  # a cut falls where a key begins (or at the end: one key past the middle)
     cuts = [0] + [bounds[bisect_left(bounds, keyed.count * i // shares)] for i in range(1, shares)] + [keyed.count]
@@ -453,7 +456,7 @@ def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
     payload = rows["payload"].to_pylist() if parsed is None else None
     rewrites = domain.rewrites_events
     fold, upcast, out = projection.fold, domain.upcast, {}
-    bounds = [s - lo for s in keyed.starts() if lo <= s < hi] + [hi - lo]
+    bounds = [s - lo for s in keyed.starts if lo <= s < hi] + [hi - lo]
     for i, end in zip(bounds, bounds[1:], strict=False):
         k = (tenant[i], key[i])
         row = prior.get(k) or _Row({}, 0, None, None)
@@ -509,16 +512,6 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _state(text: str | None) -> dict:
-    """A state as written (`json.dumps`): orjson, or json for what orjson refuses (NaN, integers past 64 bits)."""
-    if not text:
-        return {}
-    try:
-        return orjson.loads(text)  # type: ignore[no-any-return]
-    except orjson.JSONDecodeError:
-        return json.loads(text)  # type: ignore[no-any-return]
-
-
 def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], _Row]:
     """The table's rows of the `wanted` keys, as the fold goes on from them."""
     key_column = table.key[1]
@@ -535,17 +528,17 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     for tenant, key, state, count, sid, version, batch, position, last_at in zip(*cols, at, strict=True):
         if (tenant, key) in wanted:
             last = None if sid is None else (batch, position, sid, version)
-            out[(tenant, key)] = _Row(_state(state), count, last, last_at)
+            out[(tenant, key)] = _Row(loads(state) if state else {}, count, last, last_at)
     return out
 
 
 def _build(
     warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn, events_path: str,
-    frontier: int, read: int | None,
+    events: DeltaTable, frontier: int, read: int | None,
 ) -> CrossStreamResult:
-    """Every key folded from `events` now, the table overwritten: a first build, or a rebuild."""
-    version = int(DeltaTable(events_path).version())
-    rows = _whole(events_path, columns_of(domain), lambda part: _of_types(part, projection, domain))
+    """Every key folded from `events` (at its version), the table overwritten: a first build, or a rebuild."""
+    version = int(events.version())
+    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
     keyed = _keyed(rows, projection, domain)
     out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
@@ -563,7 +556,7 @@ def _build(
 
 def _increment(
     warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn, target: DeltaTable,
-    new: pa.Table, events_path: str, seen: int, cursor: int, f_prev: int, f_new: int, now: int,
+    new: pa.Table, events_path: str, events: DeltaTable, seen: int, cursor: int, f_prev: int, f_new: int, now: int,
 ) -> CrossStreamResult:
     """The rows of the commits after the cursor that are due now folded onto their keys' rows (module docstring)."""
     new = _of_types(new, projection, domain)
@@ -578,14 +571,14 @@ def _increment(
     new_cursor = now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
     path = table.path(warehouse)
-    first = {keyed.key_at(i): keyed.order_at(i) for i in keyed.starts()}
+    first = keyed.firsts()
     prior = _prior(target, path, table, set(first)) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
     late = {k for k, order in first.items() if k in prior and prior[k].last is not None and order <= prior[k].last}  # type: ignore[operator]
     folded = _fold(projection, domain, keyed if not late else keyed.only(late, keep=False), prior)
     if late:
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
-        folded.update(_refold(projection, domain, events_path, late, left))
+        folded.update(_refold(projection, domain, events_path, events, late, left))
     if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
         return CrossStreamResult(feed.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
     out = _table_rows(projection, table, folded)
@@ -603,10 +596,12 @@ def _increment(
 
 
 def _refold(
-    projection: Projection, domain: Domain, events_path: str, keys: set[tuple[str, str]], waiting: pa.Table
+    projection: Projection, domain: Domain, events_path: str, events: DeltaTable, keys: set[tuple[str, str]],
+    waiting: pa.Table,
 ) -> dict[tuple[str, str], _Row]:
-    """`keys` folded from all their events in `events` now but the `waiting` ones (they are folded later)."""
-    rows = _whole(events_path, columns_of(domain), lambda part: _of_types(part, projection, domain))
+    """`keys` folded from all their events in `events` (at the version read) but the `waiting` ones (they are
+    folded later)."""
+    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
     if waiting.num_rows:
         held = tables.tenant_filled(waiting.select(tables.KEY)).cast(pa.schema([("tenant", pa.string()), (
             "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))

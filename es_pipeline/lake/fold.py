@@ -95,7 +95,7 @@ def txn_version_after(read: int, events_version: int) -> int:
     return events_version * REVISION_SLOTS + read % REVISION_SLOTS
 
 
-def _loads(text: str) -> Any:
+def loads(text: str) -> Any:
     """A payload or a state as the reducers read it: orjson, or json for what orjson refuses (integers past
     64 bits, NaN), so that both take the same documents and a bad one fails as json's error."""
     try:
@@ -135,7 +135,7 @@ class StreamFold:
         self.error: str | None = None
 
     def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None) -> None:
-        self.state = _loads(state) if state is not None and self.fold is not None else {}
+        self.state = loads(state) if state is not None and self.fold is not None else {}
         self.version, self.last_at, self.skipped = version, last_at, skipped or 0
 
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
