@@ -148,9 +148,12 @@ def small_increment(
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
                 commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
+    result = arrow_result(out, now, prev)
+    if not typed_state.typed_tables(domain):
+        return result  # no table follows the commit: which streams are new is not needed
     held = pc.binary_join_element_wise(prior["tenant"], prior["stream_id"], "\x00")
     inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"), held))
-    return replace(arrow_result(out, now, prev), written=Written(before, int(state.version()), updates, inserted))
+    return replace(result, written=Written(before, int(state.version()), updates, inserted))
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
