@@ -13,16 +13,18 @@ from typing import Any
 
 import psycopg
 import pytest
+from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events.checks import reconcile
 from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
 from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.status import status_report
+from es_pipeline.lake import cross_stream, tables
 from es_pipeline.lake import erase as lake_erase
-from es_pipeline.lake import tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.snapshots import take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
@@ -316,3 +318,40 @@ def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
     assert outcome["done"].lake_rows["stream_state"] > 0
     _project(spark, warehouse, store)
     _assert_lake_equals_store(spark, warehouse, store)
+
+
+@pytest.mark.slow  # once, on the suite's PostgreSQL
+def test_a_cross_stream_projection_loses_the_tenant_and_is_folded_anew_without_it(
+    store: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    """A team's cross-stream projection (`sku_sales`): the erasure deletes the tenant's keys at once and records
+    frontier 0, so the next update folds every key from `events` again and nothing of the tenant comes back."""
+    _seeded_lake(store, spark, warehouse)
+    consumer = SOURCE.consumer
+
+    def sales() -> Any:
+        return cross_stream.update(warehouse, SHOP, "sku_sales", store_dsn=store.extractor,
+                                   frontier=lambda: batch_frontier(store.extractor, consumer))
+
+    def expected() -> dict[tuple[str, str], int]:
+        with psycopg.connect(store) as conn:
+            return {(t, s): int(n) for t, s, n in conn.execute(
+                "SELECT tenant, payload->>'sku', sum((payload->>'qty')::int) FROM es.events "
+                "WHERE event_type = 'ItemAdded' GROUP BY 1, 2").fetchall()}
+
+    def held() -> dict[tuple[str, str], int]:
+        return {(r["tenant"], r["sku"]): r["units_added"]
+                for r in DeltaTable(str(warehouse / "sku_sales")).to_pyarrow_table().to_pylist()}
+
+    assert sales().previous_events_version == -1 and {t for t, _ in held()} == set(TENANTS)
+    done = erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
+    assert "sku_sales" in done.rebuilt and done.lake_rows["sku_sales"] == 1
+    assert GONE not in {t for t, _ in held()}
+    assert lake_erase.leftovers(str(warehouse / "sku_sales"), GONE) == []
+    writer = EventStore(store.writer)
+    writer.append("cart-9", "cart", [NewEvent("ItemAdded", {"sku": "b", "qty": 4})], 0, tenant="acme")
+    for r in split(4):
+        Extractor(store.extractor, None, warehouse, source=SOURCE).run(r)
+    assert sales().previous_events_version == -1  # folded anew, without the tenant
+    assert held() == expected() and GONE not in {t for t, _ in expected()}
+    assert sales().events_folded == 0  # and increments from there
