@@ -22,8 +22,7 @@ from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.status import status_report
-from es_pipeline.lake import tables
-from es_pipeline.lake.catalog import sql_over_lake
+from es_pipeline.lake import query, tables
 from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
 from es_pipeline.settings import PROJECT_ROOT, Settings
 from es_pipeline.source.mapping import describe
@@ -175,11 +174,11 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _sql(args: argparse.Namespace, settings: Settings) -> int:
-    result, names = sql_over_lake(settings, args.query)
-    if not names:
+    answer = query.run(settings.warehouse, args.query, engine=args.engine, settings=settings)
+    if not answer.tables:
         print(f"no Delta tables under {settings.warehouse} yet: run `make demo` or materialize `events` first",
               file=sys.stderr)
-    result.show(args.limit, truncate=args.truncate)
+    query.write(answer.rows, args.format, limit=args.limit)
     return 0
 
 
@@ -264,10 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
     st.set_defaults(func=_status)
 
-    q = sub.add_parser("sql", help="run Spark SQL over the lake; every table is registered by name")
+    q = sub.add_parser("sql", help="SQL over the lake, every table by its name: DuckDB (no JVM) or Spark SQL")
     q.add_argument("query")
-    q.add_argument("--limit", type=int, default=50)
-    q.add_argument("--truncate", action="store_true")
+    q.add_argument("--engine", choices=query.ENGINES, default="duckdb",
+                   help="duckdb (default: an answer in well under a second) or spark (time travel, DESCRIBE HISTORY)")
+    q.add_argument("--format", choices=query.FORMATS, default="table",
+                   help="table (for a terminal), csv or json (one object per line); csv and json print every row")
+    q.add_argument("--limit", type=int, default=50, help="table: rows shown (default 50)")
     q.set_defaults(func=_sql)
 
     sp = sub.add_parser("spark", help="Spark set-up")

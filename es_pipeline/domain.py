@@ -95,7 +95,9 @@ class Upcaster:
 KeyOf = Callable[["Event"], Any]
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 # Names a projection's table may not take: es_pipeline's own tables, and the typed state tables' prefix.
-RESERVED = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+RESERVED = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots", "event_tables")
+RESERVED_PREFIXES = ("stream_state_", "events_")  # the typed state tables', the typed event tables'
+
 
 
 @dataclass(frozen=True)
@@ -216,10 +218,10 @@ class Domain:
         is `name`, one row per (tenant, key): the key in `key_column` (default: the field's name, else `key`),
         the state as JSON, and with `state` (a dataclass, TypedDict or Arrow schema) one column per field."""
         what = f"projection {name!r} in domain {self.name!r}"
-        if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED or name.startswith("stream_state_"):
+        if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED or name.startswith(RESERVED_PREFIXES):
             raise DomainError(f"{what}: its name is its table's, and {name!r} cannot be one",
                               "Name it in lower case letters, digits and _ (a letter first), other than "
-                              f"{', '.join(RESERVED)} and stream_state_…")
+                              f"{', '.join(RESERVED)}, stream_state_… and events_…")
         if isinstance(events, str) or not events or not all(isinstance(e, str) and e for e in events):
             raise DomainError(f"{what} folds events={events!r}", "Give a list of event type names, e.g. "
                               "events=[\"OrderPlaced\", \"OrderShipped\"].")

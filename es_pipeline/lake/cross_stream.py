@@ -97,8 +97,9 @@ def table_of(projection: Projection, domain: Domain) -> Table:
 
 def table_names(warehouse: Location) -> list[str]:
     """The cross-stream projection tables in the lake now (whatever the domain), by name."""
-    known = set(tables.TABLES)
-    names = [n for n in tables.table_names(warehouse, "") if n not in known and not n.startswith(typed_state.PREFIX)]
+    known = {*tables.TABLES, "event_tables"}  # the typed event tables' (lake/event_tables.py), named below
+    names = [n for n in tables.table_names(warehouse, "") if n not in known
+             and not n.startswith((typed_state.PREFIX, "events_"))]
     return [n for n in names if KIND in DeltaTable(tables.table_path(warehouse, n)).metadata().configuration]
 
 

@@ -1,0 +1,612 @@
+"""Typed event tables: one Delta table per event type, a column per payload field, kept without the team's code.
+
+`events` holds each payload as JSON text. For every event type in it, es_pipeline keeps `events_<type>`
+(`ItemAdded` → `events_item_added`): the envelope (tenant, stream id and type, version, event type, recorded
+time, event date, tx id, global position), `_overflow`, then one column per payload field, typed by the rule of
+lake/shapes.py and widened as payloads change. Where the domain registered upcasters, the table holds each
+payload as upcast, under the type the folds see (`ItemAdded.v2` goes to `events_item_added`).
+
+**The mapping table** `event_tables` says which table holds which type, and each column's history: one row
+per (event type, column, type it took), with the time of the first event that brought it and the `events`
+version it came in with; a widened column gets a row for its new type.
+
+**Exactly once.** Each update reads `events`' change data feed after the version `event_tables` records
+(its Delta transaction id: the cursor), groups the new rows by type and appends each group to its table,
+committing with the table's own transaction id the `events` version read. A table whose id is already there
+is skipped, or takes only the rows of later commits: a replay after a crash adds nothing twice. The cursor is
+committed last. A first build, a definition that changed (the rule's revision, the upcasters, the way schema
+versions are read), an `events` table made anew, or a change feed that cannot be read (vacuumed, or purged by
+a tenant's erasure) rebuilds every table from `events`' current rows.
+
+**Widening** a column rewrites its table once (its rows read back, the column converted, all written in one
+commit): readers then need no Delta type-widening support. A new column is added by schema evolution, no
+rewrite. Hundreds of types stay cheap: an update touches the tables of the types it saw, each loaded once per
+process and brought up to date incrementally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from es_pipeline.domain import Domain, Event
+from es_pipeline.lake import feed, shapes, tables
+from es_pipeline.lake.table import Table
+from es_pipeline.lake.tables import Location
+
+log = logging.getLogger(__name__)
+
+PREFIX = "events_"
+NAME = "event_tables"  # the mapping table
+REVISION = 1  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
+CHUNK = 1_000_000  # events per step of a build
+_AT = pa.timestamp("us", tz="UTC")
+
+ENVELOPE = pa.schema([
+    ("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
+    ("event_type", pa.string()), ("recorded_at", _AT), ("event_date", pa.date32()), ("tx_id", pa.int64()),
+    ("global_position", pa.int64()), (shapes.OVERFLOW, pa.string()),
+])
+_ENVELOPE_NAMES = frozenset(n.lower() for n in ENVELOPE.names)
+_READ = ["tenant", "stream_id", "stream_type", "version", "event_type", "recorded_at", "event_date", "tx_id",
+         "global_position", "payload", "payload_encoding"]
+
+MAPPING = Table(NAME, pa.schema([
+    ("event_type", pa.string()), ("table_name", pa.string()), ("column_name", pa.string()), ("data_type", pa.string()),
+    ("change", pa.string()), ("first_event_at", _AT), ("events_version", pa.int64()),
+]), key=("event_type", "column_name", "data_type"), comment="which typed event table holds which event type; each column's history")
+
+
+@dataclass
+class EventTablesResult:
+    """What an update did: the `events` version it brought every typed table to, and per table what it wrote."""
+
+    events_version: int | None
+    rebuilt: bool = False
+    rows: dict[str, int] = field(default_factory=dict)  # table → rows written
+    new_tables: list[str] = field(default_factory=list)
+    new_columns: list[str] = field(default_factory=list)  # "table.column type"
+    widened: list[str] = field(default_factory=list)  # "table.column: old → new"
+    overflow: dict[str, int] = field(default_factory=dict)  # table → values kept in `_overflow`
+    seconds: float = 0.0
+
+    @property
+    def events(self) -> int:
+        return sum(self.rows.values())
+
+
+def table_name(event_type: str) -> str:
+    """`events_<type>`: camel case split by `_`, lowercased, each run of other characters than letters and digits
+    one `_` (`ItemAdded`, `item-added` and `item.added` all give `events_item_added`); long names end in a hash."""
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", event_type)
+    name = re.sub(r"[^a-z0-9]+", "_", snake.lower()).strip("_") or "_"
+    if len(name) > 80:
+        name = f"{name[:70]}_{_digest(event_type, 8)}"
+    return PREFIX + name
+
+
+def table_names(warehouse: Location) -> list[str]:
+    """The typed event tables in the lake now, by name (the mapping table first, where there is one)."""
+    mapping = [NAME] if tables.is_delta_table(tables.table_path(warehouse, NAME)) else []
+    return [*mapping, *tables.table_names(warehouse, PREFIX)]
+
+
+def definition_of(domain: Domain) -> str:
+    """What the tables' content depends on besides `events`: the rule's revision, the upcasters, where versions are read."""
+    upcasters = sorted(f"{u.event_type}@{u.version}:{getattr(u.upcast, '__qualname__', '?')}:{u.stream_types}"
+                       for u in domain.upcasters.values())
+    return orjson.dumps({"revision": REVISION, "upcasters": upcasters, "versions": domain.schema_version}).decode()
+
+
+def app_id(events_id: str, definition: str) -> str:
+    """The Delta transaction id of every typed event table and of the mapping (its cursor): per `events` table and
+    definition, so that either changing starts from nothing."""
+    return f"es_pipeline.event_tables.{_digest(events_id + definition, 16)}"
+
+
+def _digest(text: str, n: int) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:n]
+
+
+def update(warehouse: Location, domain: Domain, *, progress: Callable[[str], None] | None = None) -> EventTablesResult:
+    """Bring every typed event table up to `events` now (the caller holds the `event_tables` turn)."""
+    started = time.monotonic()
+    events_path = tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(events_path):
+        return EventTablesResult(None)
+    events = DeltaTable(events_path)
+    now = int(events.version())
+    app = app_id(tables.table_id(events_path), definition_of(domain))
+    keeper = _Keeper(warehouse, domain, app, now)
+    cursor = keeper.cursor()
+    if cursor is not None and cursor >= now:
+        return EventTablesResult(now, seconds=time.monotonic() - started)
+    read = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
+    changes = None if cursor is None else _changes(events, cursor, now, read)
+    if changes is None or cursor is None:
+        keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
+    else:
+        keeper.increment(changes, cursor)
+    keeper.commit_mapping()
+    keeper.result.seconds = time.monotonic() - started
+    return keeper.result
+
+
+def _changes(events: DeltaTable, after: int, upto: int, read: list[str]) -> pa.Table | None:
+    """The rows the `events` commits after..upto added, with their commit version; None when the feed cannot be read
+    or holds more than a build's step (then the tables are built anew from the current rows)."""
+    try:
+        reader = pa.RecordBatchReader.from_stream(events.load_cdf(
+            starting_version=after + 1, ending_version=upto, columns=[*read, "_change_type", "_commit_version"]))
+        batches, rows = [], 0
+        for batch in reader:
+            rows += batch.num_rows
+            if rows > CHUNK:
+                return None
+            batches.append(batch)
+    except Exception as exc:  # noqa: BLE001 - a vacuumed or purged feed means a build; anything else re-raises
+        if tables.change_feed_gone(exc) or "change data" in str(exc).lower():
+            log.info("events' change feed after version %s cannot be read (%s): the typed event tables are built anew",
+                     after, exc)
+            return None
+        raise
+    table = feed.plain(pa.Table.from_batches(batches, schema=reader.schema))
+    return table.filter(pc.equal(table["_change_type"], "insert"))
+
+
+def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa.Table]:
+    """`events`' rows now, a build's step at a time."""
+    dataset = feed.files(path, events)
+    columns = [c for c in read if c in dataset.schema.names]
+    for batch in dataset.to_batches(columns=columns, batch_size=CHUNK):
+        yield pa.Table.from_batches([batch])
+
+
+class _Keeper:
+    """One update's work: the mapping as read, the tables touched, what changed."""
+
+    def __init__(self, warehouse: Location, domain: Domain, app: str, now: int) -> None:
+        self.warehouse, self.domain, self.app, self.now = warehouse, domain, app, now
+        self.mapping_path = MAPPING.path(warehouse)
+        self.result = EventTablesResult(now)
+        self.names: dict[str, str] = {}  # event type → table name
+        self.history: list[dict[str, Any]] = []  # the mapping's rows
+        self.changed = False  # the mapping is rewritten
+
+    # -- the mapping --------------------------------------------------------------------------------------------
+
+    def cursor(self) -> int | None:
+        """The `events` version every typed table is up to date with (None: build them), with the mapping read."""
+        if not tables.is_delta_table(self.mapping_path):
+            return None
+        mapping = _open(self.mapping_path)
+        found = mapping.transaction_version(self.app)
+        if found is None:
+            return None
+        rows = feed.files(self.mapping_path, mapping).to_table().to_pylist()
+        self.history = rows
+        self.names = {r["event_type"]: r["table_name"] for r in rows}
+        return int(found)
+
+    def commit_mapping(self) -> None:
+        props = _props(self.app, self.now)
+        if self.changed or not tables.is_delta_table(self.mapping_path):
+            rows = pa.Table.from_pylist(self.history, schema=MAPPING.schema)
+            write_deltalake(self.mapping_path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
+            _OPEN.pop(self.mapping_path, None)
+        else:
+            mapping = _open(self.mapping_path)
+            mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)
+
+    def _name_for(self, event_type: str) -> str:
+        """The table of `event_type`: the mapping's, else its own name (with a hash where another type holds it)."""
+        held = self.names.get(event_type)
+        if held is not None:
+            return held
+        name = table_name(event_type)
+        if name in self.names.values():
+            name = f"{name}_{_digest(event_type, 8)}"
+        self.names[event_type] = name
+        return name
+
+    def _record(self, event_type: str, name: str, column: str, t: pa.DataType, change: str, first: Any) -> None:
+        self.history.append({"event_type": event_type, "table_name": name, "column_name": column,
+                             "data_type": shapes.sql_type(t), "change": change, "first_event_at": first,
+                             "events_version": self.now})
+        self.changed = True
+
+    # -- building and incrementing ------------------------------------------------------------------------------
+
+    def build(self, chunks: Iterator[pa.Table], progress: Callable[[str], None]) -> None:
+        """Every typed table anew from `events`' current rows: each type's first step overwrites its table, the
+        last commit of each records the transaction id (a build cut short leaves the cursor unset: built again)."""
+        self.result.rebuilt = True
+        self.history, self.changed = [], True
+        kept_names = dict(self.names)  # the names types had: kept, so that a rebuild moves no table
+        self.names = {}
+        for event_type, name in sorted(kept_names.items()):
+            if name not in self.names.values():
+                self.names[event_type] = name
+        started: set[str] = set()
+        seen = 0
+        for chunk in chunks:
+            for event_type, rows in self._by_type(chunk):
+                name = self._name_for(event_type)
+                self._write(event_type, name, rows, fresh=name not in started, props=None)
+                started.add(name)
+            seen += chunk.num_rows
+            progress(f"typed event tables: {seen:,} events read, {len(started)} tables")
+        for name in started:
+            target = _open(tables.table_path(self.warehouse, name))
+            target.create_write_transaction([], mode="append", schema=target.schema(),
+                                            commit_properties=_props(self.app, self.now))
+        for name in tables.table_names(self.warehouse, PREFIX):  # types no longer in `events`: their tables emptied
+            if name not in started:
+                path = tables.table_path(self.warehouse, name)
+                held = _open(path)
+                empty = pa.Table.from_batches([], schema=feed.plain_schema(pa.schema(held.schema().to_arrow())))
+                write_deltalake(path, empty, mode="overwrite", commit_properties=_props(self.app, self.now))
+        self.names = {t: n for t, n in self.names.items() if n in started}
+
+    def increment(self, changes: pa.Table, cursor: int) -> None:
+        """The rows of the commits after `cursor`, each type's appended to its table past the version it records."""
+        for event_type, rows in self._by_type(changes):
+            known = event_type in self.names
+            name = self._name_for(event_type)
+            path = tables.table_path(self.warehouse, name)
+            target = _open(path) if tables.is_delta_table(path) else None
+            done = None if target is None else target.transaction_version(self.app)
+            if done is not None and int(done) >= self.now:
+                continue  # a run cut short after this table's commit wrote these rows
+            if known and done is None:  # the table lost or foreign: its type's rows from `events` anew
+                rows = self._rows_of(event_type)
+                self._write(event_type, name, rows, fresh=True, props=_props(self.app, self.now))
+                continue
+            if not known and target is not None and done is not None:  # made by a run cut short before the mapping
+                for f in normal_schema(target):
+                    if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
+                        self._record(event_type, name, f.name, f.type, "added", None)
+            if done is not None and int(done) > cursor:
+                rows = rows.filter(pc.greater(rows["_commit_version"], int(done)))
+            self._write(event_type, name, rows, fresh=not known and done is None, props=_props(self.app, self.now))
+
+    def _rows_of(self, event_type: str) -> pa.Table:
+        """`events`' current rows of `event_type` (as the tables group them)."""
+        path = tables.table_path(self.warehouse, "events")
+        read = [*_READ, *(["metadata"] if self.domain.metadata_field is not None else [])]
+        parts = [rows for chunk in _current_rows(path, DeltaTable(path), read) for t, rows in self._by_type(chunk)
+                 if t == event_type]
+        return pa.concat_tables(parts) if parts else pa.table({c: [] for c in _READ})
+
+    def _by_type(self, rows: pa.Table) -> Iterator[tuple[str, pa.Table]]:
+        """`rows` grouped by the event type their table is for (the base type, where the domain reads versions from
+        the type's suffix), in `events`' order within a group."""
+        if rows.num_rows == 0:
+            return
+        rows = tables.tenant_filled(rows) if "tenant" in rows.column_names else rows
+        kinds = rows["event_type"].combine_chunks()
+        if self.domain.schema_version == "suffix":
+            kinds = pa.array([self.domain.base_type(k) for k in kinds.to_pylist()], pa.string())
+        encoded = kinds.dictionary_encode()
+        order = pc.sort_indices(encoded.indices)
+        codes = encoded.indices.take(order)
+        sorted_rows = rows.take(order)
+        n = len(codes)
+        if n == 0:
+            return
+        bounds = [0, *(pc.indices_nonzero(pc.not_equal(codes.slice(1), codes.slice(0, n - 1))).to_numpy() + 1).tolist(), n]
+        names = encoded.dictionary.to_pylist()
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            group = sorted_rows.slice(lo, hi - lo)
+            yield names[codes[lo].as_py()], group
+
+    def _write(self, event_type: str, name: str, rows: pa.Table, *, fresh: bool, props: CommitProperties | None) -> None:
+        """`rows` (of one type) typed and written to table `name`: overwriting it where `fresh`, else appended (its
+        schema evolved or its columns widened, as the rows need)."""
+        path = tables.table_path(self.warehouse, name)
+        target = None if fresh or not tables.is_delta_table(path) else _open(path)
+        held = None if target is None else normal_schema(target)
+        if fresh:
+            self.history = [r for r in self.history if r["event_type"] != event_type]
+        typed = type_rows(rows, held, domain=self._upcasting(event_type))
+        if fresh or target is None:
+            write_deltalake(path, typed.rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
+            _OPEN.pop(path, None)
+            if fresh and name not in self.result.rows:
+                self.result.new_tables.append(name)
+            for f in typed.rows.schema:
+                if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
+                    self._record(event_type, name, f.name, f.type, "added", typed.first_at.get(f.name))
+        elif typed.widened:
+            assert target is not None
+            before = feed.files(path, target).to_table()
+            widened = typed.rows.schema
+            old = pa.table([shapes.widen_column(before[f.name], f.type) if f.name in before.column_names
+                            else pa.nulls(before.num_rows, f.type) for f in widened], schema=widened)
+            write_deltalake(path, pa.concat_tables([old, typed.rows]), mode="overwrite", schema_mode="overwrite",
+                            commit_properties=props)
+            _OPEN.pop(path, None)
+        else:
+            assert target is not None
+            write_deltalake(target, typed.rows, mode="append", schema_mode="merge" if typed.added else None,
+                            commit_properties=props)
+        if not fresh and target is not None:
+            for column in typed.added:
+                t = typed.rows.schema.field(column).type
+                self._record(event_type, name, column, t, "added", typed.first_at.get(column))
+                self.result.new_columns.append(f"{name}.{column} {shapes.sql_type(t)}")
+            for column, (old_type, new_type) in typed.widened.items():
+                self._record(event_type, name, column, new_type, f"widened from {shapes.sql_type(old_type)}",
+                             typed.first_at.get(column))
+                self.result.widened.append(f"{name}.{column}: {shapes.sql_type(old_type)} → {shapes.sql_type(new_type)}")
+        if fresh and props is not None and name not in self.result.new_tables:
+            self.result.new_tables.append(name)
+        self.result.rows[name] = self.result.rows.get(name, 0) + typed.rows.num_rows
+        if typed.overflowed:
+            self.result.overflow[name] = self.result.overflow.get(name, 0) + typed.overflowed
+
+    def _upcasting(self, event_type: str) -> Domain | None:
+        """The domain where its upcasters may change this type's payloads, else None (the payloads read as they are)."""
+        d = self.domain
+        if d.schema_version == "suffix" or any(u.event_type == event_type for u in d.upcasters.values()):
+            return d
+        return None
+
+
+_OPEN: dict[str, DeltaTable] = {}  # the tables this process has loaded, each brought up to date before use
+
+
+def _open(path: str) -> DeltaTable:
+    """The table at `path` at its latest version: loaded once per process, then updated from its log's new commits."""
+    held = _OPEN.get(path)
+    if held is not None:
+        try:
+            held.update_incremental()
+            return held
+        except Exception:  # noqa: BLE001 - made anew or cleaned up under us: loaded whole again
+            _OPEN.pop(path, None)
+    table = _OPEN[path] = DeltaTable(path)
+    return table
+
+
+def _props(app: str, version: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(app, version)])
+
+
+# -- typing one type's rows ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Typed:
+    """One type's rows as its table holds them, and how the table's columns changed."""
+
+    rows: pa.Table
+    added: list[str] = field(default_factory=list)
+    widened: dict[str, tuple[pa.DataType, pa.DataType]] = field(default_factory=dict)
+    overflowed: int = 0
+    first_at: dict[str, Any] = field(default_factory=dict)  # column → the recorded time of its first value here
+
+
+def normal_schema(table: DeltaTable) -> pa.Schema:
+    """A Delta table's schema as this module compares types: plain strings and lists, nullable fields."""
+    return pa.schema([pa.field(f.name, _normal(f.type)) for f in pa.schema(table.schema().to_arrow())])
+
+
+def _normal(t: pa.DataType) -> pa.DataType:
+    if t in (pa.string_view(), pa.large_string()):
+        return pa.string()
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(t.field(i).name, _normal(t.field(i).type)) for i in range(t.num_fields)])
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        return pa.list_(_normal(t.value_type))
+    return t
+
+
+def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None = None) -> Typed:
+    """`rows` (events of one type: the `_READ` columns) as typed rows for a table whose schema is `held` (None: a
+    new table). Arrow's JSON reader takes the common case (every payload fits the columns, or adds plain new
+    ones); anything it cannot take exactly goes value by value (lake/shapes.py)."""
+    columns = {} if held is None else {f.name: f.type for f in held if f.name not in ENVELOPE.names}
+    fast = None if domain is not None else _arrow_path(rows, columns)
+    payload_cols, overflow, overflowed = fast if fast is not None else _python_path(rows, columns, domain)
+    envelope = _envelope(rows, overflow)
+    order = [*columns, *(c for c in payload_cols if c not in columns)]
+    out = pa.table([*envelope.columns, *(payload_cols[c] if c in payload_cols else pa.nulls(rows.num_rows, columns[c])
+                                        for c in order)],
+                   names=[*envelope.column_names, *order])
+    typed = Typed(out, overflowed=overflowed)
+    typed.added = [c for c in order if c not in columns]
+    typed.widened = {c: (columns[c], payload_cols[c].type) for c in columns
+                     if c in payload_cols and payload_cols[c].type != columns[c]}
+    recorded = rows["recorded_at"]
+    for c in [*typed.added, *typed.widened, *([shapes.OVERFLOW] if held is None else [])]:
+        values = out[c]
+        valid = pc.is_valid(values)
+        typed.first_at[c] = pc.min(recorded.filter(valid)).as_py() if pc.any(valid).as_py() else pc.min(recorded).as_py()
+    return typed
+
+
+def _envelope(rows: pa.Table, overflow: pa.Array) -> pa.Table:
+    arrays = []
+    for f in ENVELOPE:
+        if f.name == shapes.OVERFLOW:
+            arrays.append(overflow)
+        elif f.name in rows.column_names:
+            arrays.append(rows[f.name].cast(f.type))
+        else:
+            arrays.append(pa.nulls(rows.num_rows, f.type))
+    return pa.table(arrays, schema=ENVELOPE)
+
+
+def _field_of(column: str) -> str:
+    """The payload field a column holds (`payload_version` holds `version`, which the envelope's name takes)."""
+    if column.startswith("payload_") and column[len("payload_"):].lower() in _ENVELOPE_NAMES:
+        return column[len("payload_"):]
+    return column
+
+
+_OUTSIZE = 2.0**63  # a double this large may be an integer beyond 64 bits, which Arrow's reader rounds
+
+
+def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int] | None:
+    """The payload columns by Arrow's JSON reader, or None where it cannot give exactly what the rule says."""
+    payload = rows["payload"]
+    if "payload_encoding" in rows.column_names and not pc.all(pc.fill_null(pc.equal(
+            rows["payload_encoding"], "json"), True)).as_py():
+        return None
+    if rows.num_rows == 0 or pc.any(pc.is_null(payload)).as_py() or pc.any(pc.match_substring(payload, "\n")).as_py():
+        return None
+    explicit = pa.schema([(_field_of(c), t) for c, t in columns.items()])
+    text = pc.binary_join(pa.LargeListArray.from_arrays(pa.array([0, len(payload)], pa.int64()),
+                                                        payload.combine_chunks().cast(pa.large_binary())),
+                          pa.scalar(b"\n", pa.large_binary()))
+    try:
+        read = pj.read_json(pa.BufferReader(text[0].as_buffer()), parse_options=pj.ParseOptions(
+            explicit_schema=explicit, unexpected_field_behavior="infer"))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    if read.num_rows != rows.num_rows:
+        return None
+    out: dict[str, Any] = {}
+    lowered = {c.lower() for c in columns}
+    for f in read.schema:
+        column = f.name if f.name in explicit.names else shapes.column_name(f.name, _ENVELOPE_NAMES)
+        if column is None or not _lattice(f.type):
+            return None
+        if f.name not in explicit.names:
+            if column != f.name or column.lower() in lowered:
+                return None  # renamed, or another case of a column: value by value
+            lowered.add(column.lower())
+            if f.type == shapes.UNKNOWN:
+                continue  # only nulls: no column yet
+            if not shapes.settled(f.type):
+                return None
+        else:
+            column = next(c for c in columns if _field_of(c) == f.name)
+            if f.type != columns[column] and shapes.unify(columns[column], f.type) != f.type:
+                return None
+        values = read[f.name].combine_chunks()
+        if _outsize(values):
+            return None
+        out[column] = values
+    return out, pa.nulls(rows.num_rows, pa.string()), 0
+
+
+def _lattice(t: pa.DataType) -> bool:
+    """Whether the reader's type is one the rule gives (not a timestamp it guessed from a string, say)."""
+    if t in (pa.bool_(), pa.int64(), pa.float64(), pa.string(), shapes.UNKNOWN):
+        return True
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        return (len({n.lower() for n in names}) == len(names) and all(shapes.plain(n) for n in names)
+                and all(_lattice(t.field(i).type) for i in range(t.num_fields)))
+    if pa.types.is_list(t):
+        return _lattice(t.value_type)
+    return False
+
+
+def _outsize(values: pa.Array) -> bool:
+    """Whether a double anywhere in `values` is large enough to have been an integer beyond 64 bits."""
+    t = values.type
+    if pa.types.is_floating(t):
+        top = pc.max(pc.abs(values)).as_py()
+        return top is not None and top >= _OUTSIZE
+    if pa.types.is_struct(t):
+        return any(_outsize(values.field(i)) for i in range(t.num_fields))
+    if pa.types.is_list(t):
+        return _outsize(values.flatten())
+    return False
+
+
+_LONG_DIGITS = re.compile(r"\d{19}")
+
+
+def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | None, Any]:
+    """(the payload's object, None), or (None, what `_overflow` keeps of a payload that is no JSON object)."""
+    if text is None:
+        return {}, None
+    if encoding not in (None, "json"):
+        return None, {f"${encoding}": text}
+    try:
+        # orjson reads an integer beyond 64 bits as a float: such a payload is read by json, which keeps it whole.
+        value = json.loads(text) if _LONG_DIGITS.search(text) else orjson.loads(text)
+    except (orjson.JSONDecodeError, ValueError):
+        try:
+            value = json.loads(text)  # NaN, Infinity
+        except ValueError:
+            return None, {"$text": text}
+    return (value, None) if isinstance(value, dict) else (None, {"$payload": value})
+
+
+def _python_path(rows: pa.Table, columns: dict[str, pa.DataType],
+                 domain: Domain | None) -> tuple[dict[str, Any], pa.Array, int]:
+    """The payload columns value by value, by the rule of lake/shapes.py: every value placed or kept in `_overflow`."""
+    texts = rows["payload"].to_pylist()
+    encodings = rows["payload_encoding"].to_pylist() if "payload_encoding" in rows.column_names else [None] * len(texts)
+    objects: list[dict[str, Any] | None] = []
+    rest: list[dict[str, Any] | None] = []
+    if domain is not None:
+        kinds, ids, versions, stream_types = (rows[c].to_pylist() for c in ("event_type", "stream_id", "version",
+                                                                             "stream_type"))
+        if domain.metadata_field is not None and "metadata" in rows.column_names:
+            kinds = [domain.versioned_type(k, _parse(m, "json")[0]) for k, m in zip(kinds, rows["metadata"].to_pylist(),
+                                                                                      strict=True)]
+    for i, (text, enc) in enumerate(zip(texts, encodings, strict=True)):
+        obj, whole = _parse(text, enc)
+        if obj is not None and domain is not None:
+            obj = domain.upcast(stream_types[i] or "", Event(ids[i], versions[i], kinds[i], obj)).payload
+            if not isinstance(obj, dict):
+                obj, whole = None, {"$payload": obj}
+        objects.append(obj)
+        rest.append(whole)
+    lowered = {c.lower(): c for c in columns}
+    target: dict[str, str | None] = {}  # field → column (None: overflow)
+    types: dict[str, Any] = dict(columns)
+    for obj in objects:
+        for key, value in (obj or {}).items():
+            if key not in target:
+                column = shapes.column_name(key, _ENVELOPE_NAMES)
+                if column is not None and lowered.setdefault(column.lower(), column) != column:
+                    column = None  # another case of a column's name
+                target[key] = column
+            column = target[key]
+            if column is None:
+                continue
+            merged = shapes.unify(types.get(column, shapes.UNKNOWN), shapes.infer(value))
+            if merged is not None:
+                types[column] = merged
+    final = {c: t for c, t in types.items() if c in columns or shapes.settled(shapes.pinned(t)) and t != shapes.UNKNOWN}
+    final = {c: (t if c in columns else shapes.pinned(t)) for c, t in final.items()}
+    values: dict[str, list[Any]] = {c: [None] * len(objects) for c in final}
+    overflowed = 0
+    for i, obj in enumerate(objects):
+        spill: dict[str, Any] = {}
+        for key, value in (obj or {}).items():
+            column = target[key]
+            t = final.get(column) if column is not None else None
+            if t is not None and shapes.fits(shapes.infer(value), t):
+                values[column][i] = shapes.convert(value, t)  # type: ignore[index]
+            elif value is not None:
+                spill[key] = value
+        if rest[i] is not None:
+            spill = {**rest[i], **spill}  # type: ignore[dict-item]
+        if spill:
+            overflowed += len(spill)
+            rest[i] = spill
+        else:
+            rest[i] = None
+    out = {c: pa.array(v, type=final[c]) for c, v in values.items()}
+    overflow = pa.array([None if r is None else shapes.json_text(r) for r in rest], pa.string())
+    return out, overflow, overflowed
