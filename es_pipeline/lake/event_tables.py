@@ -31,7 +31,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain, Event
 from es_pipeline.lake import feed, shapes, tables
+from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
 
@@ -120,8 +121,19 @@ def _digest(text: str, n: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:n]
 
 
-def update(warehouse: Location, domain: Domain, *, progress: Callable[[str], None] | None = None) -> EventTablesResult:
-    """Bring every typed event table up to `events` now (the caller holds the `event_tables` turn)."""
+def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
+           progress: Callable[[str], None] | None = None) -> EventTablesResult:
+    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/serial.py)."""
+    with one_at_a_time(store_dsn, NAME):
+        result = increment(warehouse, domain, progress=progress)
+    assert result is not None
+    return result
+
+
+def increment(warehouse: Location, domain: Domain, *, build: bool = True,
+              progress: Callable[[str], None] | None = None) -> EventTablesResult | None:
+    """`update`'s work, the caller holding the turn; without `build`, None where the tables would be built anew
+    (a tailing run leaves that to the asset's own run)."""
     started = time.monotonic()
     events_path = tables.table_path(warehouse, "events")
     if not tables.is_delta_table(events_path):
@@ -136,6 +148,8 @@ def update(warehouse: Location, domain: Domain, *, progress: Callable[[str], Non
     read = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
     changes = None if cursor is None else _changes(events, cursor, now, read)
     if changes is None or cursor is None:
+        if not build:
+            return None
         keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
     else:
         keeper.increment(changes, cursor)
@@ -172,6 +186,15 @@ def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa
     columns = [c for c in read if c in dataset.schema.names]
     for batch in dataset.to_batches(columns=columns, batch_size=CHUNK):
         yield pa.Table.from_batches([batch])
+
+
+def _with_last(chunks: Iterator[pa.Table]) -> Iterator[tuple[pa.Table, bool]]:
+    """Each chunk, and whether it is the last."""
+    held = next(chunks, None)
+    while held is not None:
+        following = next(chunks, None)
+        yield held, following is None
+        held = following
 
 
 class _Keeper:
@@ -240,15 +263,19 @@ class _Keeper:
             if name not in self.names.values():
                 self.names[event_type] = name
         started: set[str] = set()
+        sealed: set[str] = set()  # written in the last step, with the transaction id
         seen = 0
-        for chunk in chunks:
+        for chunk, last in _with_last(chunks):
             for event_type, rows in self._by_type(chunk):
                 name = self._name_for(event_type)
-                self._write(event_type, name, rows, fresh=name not in started, props=None)
+                self._write(event_type, name, rows, fresh=name not in started,
+                            props=_props(self.app, self.now) if last else None)
                 started.add(name)
+                if last:
+                    sealed.add(name)
             seen += chunk.num_rows
             progress(f"typed event tables: {seen:,} events read, {len(started)} tables")
-        for name in started:
+        for name in started - sealed:  # none in the last step: the id in a commit of its own
             target = _open(tables.table_path(self.warehouse, name))
             target.create_write_transaction([], mode="append", schema=target.schema(),
                                             commit_properties=_props(self.app, self.now))
@@ -450,11 +477,17 @@ def _envelope(rows: pa.Table, overflow: pa.Array) -> pa.Table:
     return pa.table(arrays, schema=ENVELOPE)
 
 
-def _field_of(column: str) -> str:
+def field_of(column: str) -> str:
     """The payload field a column holds (`payload_version` holds `version`, which the envelope's name takes)."""
     if column.startswith("payload_") and column[len("payload_"):].lower() in _ENVELOPE_NAMES:
         return column[len("payload_"):]
     return column
+
+
+def column_for(field: str, columns: Iterable[str]) -> str | None:
+    """The column of `columns` that holds payload field `field`, if any."""
+    column = shapes.column_name(field, _ENVELOPE_NAMES)
+    return column if column is not None and column in columns else None
 
 
 _OUTSIZE = 2.0**63  # a double this large may be an integer beyond 64 bits, which Arrow's reader rounds
@@ -468,7 +501,7 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[s
         return None
     if rows.num_rows == 0 or pc.any(pc.is_null(payload)).as_py() or pc.any(pc.match_substring(payload, "\n")).as_py():
         return None
-    explicit = pa.schema([(_field_of(c), t) for c, t in columns.items()])
+    explicit = pa.schema([(field_of(c), t) for c, t in columns.items()])
     text = pc.binary_join(pa.LargeListArray.from_arrays(pa.array([0, len(payload)], pa.int64()),
                                                         payload.combine_chunks().cast(pa.large_binary())),
                           pa.scalar(b"\n", pa.large_binary()))
@@ -494,7 +527,7 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[s
             if not shapes.settled(f.type):
                 return None
         else:
-            column = next(c for c in columns if _field_of(c) == f.name)
+            column = next(c for c in columns if field_of(c) == f.name)
             if f.type != columns[column] and shapes.unify(columns[column], f.type) != f.type:
                 return None
         values = read[f.name].combine_chunks()

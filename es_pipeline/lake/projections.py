@@ -9,9 +9,10 @@ import psycopg
 import pyarrow as pa
 
 from es_pipeline.domain import Domain
-from es_pipeline.lake import cross_stream, tables
+from es_pipeline.lake import cross_stream, event_tables, tables
 from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
 from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
+from es_pipeline.lake.event_tables import EventTablesResult
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import StateResult, read_columns
 from es_pipeline.lake.serial import turn_if_free
@@ -101,10 +102,10 @@ def update_event_type_daily(
 
 def follow(
     warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
-) -> dict[str, ProjectionResult | StateResult | CrossStreamResult]:
+) -> dict[str, ProjectionResult | StateResult | CrossStreamResult | EventTablesResult]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
     this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
-    (up to `frontier`, lake/cross_stream.py). A projection whose turn another update holds, or that needs
+    (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
     Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
     `lock_transaction` connection kept for the turns."""
     events_path = tables.table_path(warehouse, "events")
@@ -115,7 +116,7 @@ def follow(
         frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
     events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
                                      *(cross_stream.columns_of(domain) if domain.projections else ())])
-    done: dict[str, ProjectionResult | StateResult | CrossStreamResult] = {}
+    done: dict[str, ProjectionResult | StateResult | CrossStreamResult | EventTablesResult] = {}
     with turn_if_free(store, "stream_state") as turn:
         state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
         if state is not None:
@@ -131,4 +132,8 @@ def follow(
                 warehouse, cross, domain, turn, frontier, events_feed, build=False)
             if crossed is not None:
                 done[name] = crossed
+    with turn_if_free(store, event_tables.NAME) as turn:
+        typed = None if turn is None else event_tables.increment(warehouse, domain, build=False)
+        if typed is not None:
+            done[event_tables.NAME] = typed
     return done

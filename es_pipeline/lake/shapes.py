@@ -5,7 +5,7 @@ becomes columns"):
 
 - a JSON `true`/`false` is `boolean`, a whole number `bigint`, a number with a fraction or exponent `double`,
   a string `string`, an object a `struct` (its fields by the same rule), an array a `list` of its elements'
-  type. `null`, `[]` and `{}` say nothing of a type: they fit any column.
+  type. `null` says nothing of a type and fits any column; `[]` fits any list, `{}` any struct.
 - **widening**: `bigint` and `double` make `double`; two different scalars (boolean, number, string) make
   `string`, the other values then held as their JSON text (`5`, `true`); two structs make the struct of both
   fields; two lists the list of both element types.
@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-UNKNOWN = pa.null()  # null, [] or {}: no type yet
+UNKNOWN = pa.null()  # null: no type yet ([] is a list of UNKNOWN, {} a struct of no fields)
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 OVERFLOW = "_overflow"
@@ -60,7 +60,7 @@ def infer(value: Any) -> Any:
         return pa.string()
     if isinstance(value, dict):
         if not value:
-            return UNKNOWN
+            return pa.struct([])  # an object: its fields unknown
         if not _plain_keys(value):
             return pa.string()  # kept as its JSON text
         fields = [(k, infer(v)) for k, v in value.items()]
@@ -75,7 +75,7 @@ def infer(value: Any) -> Any:
             if merged is None or t is MISFIT:
                 return MISFIT
             element = merged
-        return pa.list_(element) if element != UNKNOWN or value else UNKNOWN
+        return pa.list_(element)
     return MISFIT
 
 

@@ -9,7 +9,7 @@ from es_pipeline.definitions import defs
 
 def test_defs_load_with_the_designed_names() -> None:
     keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
-    assert keys == {"events", "stream_catalog", "event_type_daily", "stream_state", "snapshots"}
+    assert keys == {"events", "stream_catalog", "event_type_daily", "stream_state", "event_tables", "snapshots"}
     checks = {k.name for k in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {"events_no_duplicates", "events_versions_contiguous", "events_reconcile_with_source",
                       "stream_state_version_matches_events", "snapshots_match_store"}

@@ -8,7 +8,12 @@ import dagster as dg
 import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from es_pipeline.defs.projections.assets import cross_stream_metadata, projection_metadata, state_metadata
+from es_pipeline.defs.projections.assets import (
+    cross_stream_metadata,
+    event_tables_metadata,
+    projection_metadata,
+    state_metadata,
+)
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.domain import Domain
 from es_pipeline.errors import Retryable, explain
@@ -17,6 +22,7 @@ from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import tail
 from es_pipeline.lake.cross_stream import CrossStreamResult
+from es_pipeline.lake.event_tables import EventTablesResult
 from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.projections import follow
 from es_pipeline.lake.tables import Location
@@ -181,7 +187,8 @@ PROJECTIONS_GAP = 15.0  # seconds between two updates of the projections by a ta
 # delta-rs MERGEs: commit→projection p50 ≈ 8 s, against a goal of 15 s; 10 s cost more CPU than the goal allows)
 
 
-_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded")  # summed over gathered updates
+_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
+             "overflow_values")  # summed over gathered updates
 
 
 class _Projections:
@@ -228,6 +235,9 @@ class _Projections:
             elif isinstance(result, CrossStreamResult):
                 if result.events_folded:
                     self._gather(name, cross_stream_metadata(result))
+            elif isinstance(result, EventTablesResult):
+                if result.events:
+                    self._gather(name, event_tables_metadata(result))
             elif result.events_read:
                 self._gather(name, projection_metadata(result))
 

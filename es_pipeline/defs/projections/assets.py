@@ -7,6 +7,8 @@ from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake.cross_stream import CrossStreamResult
 from es_pipeline.lake.cross_stream import update as update_cross_stream
+from es_pipeline.lake.event_tables import EventTablesResult
+from es_pipeline.lake.event_tables import update as update_event_tables
 from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state
@@ -119,9 +121,41 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
     return asset
 
 
+def event_tables_metadata(r: EventTablesResult) -> dict[str, int | bool | str]:
+    return {"events_version": r.events_version if r.events_version is not None else -1, "full_rebuild": r.rebuilt,
+            "events_written": r.events, "tables_written": len(r.rows), "new_tables": ", ".join(r.new_tables) or "-",
+            "new_columns": ", ".join(r.new_columns) or "-", "widened_columns": ", ".join(r.widened) or "-",
+            "overflow_values": sum(r.overflow.values()),
+            **{f"overflow/{name}": n for name, n in sorted(r.overflow.items())}}
+
+
+def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
+    """The typed event tables (lake/event_tables.py): one per event type, and their mapping `event_tables`."""
+
+    @dg.asset(
+        name="event_tables",
+        deps=["events"],
+        kinds={"python", "delta"},
+        owners=["team:data-engineering"],
+        tags={"layer": "projection"},
+        automation_condition=AFTER_EVENTS,
+        description="A typed table per event type, `events_<type>`: the envelope and one column per payload "
+        "field, inferred from the payloads and widened as they change; a value that fits no column is kept in "
+        "`_overflow`. The table `event_tables` says which table holds which type and each column's history. "
+        "Incremental from `events`' change feed, exactly once (docs/analysts.md).",
+    )
+    def event_tables(context: dg.AssetExecutionContext, warehouse: WarehouseResource,
+                     event_store: EventStoreResource) -> dg.MaterializeResult:
+        r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info)
+        return dg.MaterializeResult(metadata=event_tables_metadata(r))
+
+    return event_tables
+
+
 def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
-    return [stream_catalog, event_type_daily, build_stream_state_asset(domain),
+    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain),
             *(build_cross_stream_asset(domain, name) for name in sorted(domain.projections))]
 
 
-NAMES = ("stream_catalog", "event_type_daily", "stream_state")  # the built-in projections (a domain's are beside)
+# The built-in projections (a domain's are beside).
+NAMES = ("stream_catalog", "event_type_daily", "stream_state", "event_tables")

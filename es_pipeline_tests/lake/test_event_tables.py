@@ -1,0 +1,178 @@
+"""Typed event tables (lake/event_tables.py): every event of the store in its type's table exactly once, each payload
+field in its column or in `_overflow`, through concurrent writers, payloads that change shape, killed runs, a
+lost change feed and hundreds of types."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from deltalake import DeltaTable
+from shop.domain import domain as SHOP
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain, Event
+from es_pipeline.lake import event_tables, tables
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import StoreDsn
+
+PLAIN = Domain("plain")  # no upcasters: payloads as stored
+
+
+def _same(held: Any, value: Any) -> bool:
+    """Whether a column's value holds the payload's: a number or boolean in a string column as its JSON text, a
+    whole number in a double column as a float, a struct's fields the object's (others null)."""
+    if value is None:
+        return held is None
+    if isinstance(held, str) and not isinstance(value, str):
+        return json.loads(held) == value
+    if isinstance(value, dict):
+        return isinstance(held, dict) and all(_same(held.get(k), v) for k, v in value.items()) and \
+            all(v is None for k, v in held.items() if k not in value)
+    if isinstance(value, list):
+        return isinstance(held, list) and len(held) == len(value) and all(map(_same, held, value))
+    return held == value and isinstance(held, bool) == isinstance(value, bool)
+
+
+def assert_typed_tables_equal_the_store(dsn: str, warehouse: Path, domain: Domain = PLAIN) -> int:
+    """Event by event: each event of the store is one row of its type's table (the mapping says which), whose
+    columns and `_overflow` together hold its payload (upcast where `domain` says so); no other row. The count."""
+    with psycopg.connect(dsn) as conn:
+        store = conn.execute("SELECT coalesce(NULL, ''), stream_id, stream_type, version, event_type, payload::text "
+                             "FROM es.events").fetchall()
+    mapping = DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()
+    table_of = {r["event_type"]: r["table_name"] for r in mapping}
+    held: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for name in set(table_of.values()):
+        for row in DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist():
+            key = (row["tenant"], row["stream_id"], row["version"])
+            assert key not in held, f"{key} twice in the typed tables"
+            held[key] = {**row, "_table": name}
+    assert len(held) == len(store), (len(held), len(store))
+    for tenant, stream_id, stream_type, version, event_type, text in store:
+        row = held[(tenant, stream_id, version)]
+        assert row["_table"] == table_of[domain.base_type(event_type)] and row["event_type"] == event_type
+        payload = json.loads(text)
+        if event_type in {u.event_type for u in domain.upcasters.values()}:
+            payload = domain.upcast(stream_type, Event(stream_id, version, event_type, payload)).payload
+        spilled = json.loads(row["_overflow"]) if row["_overflow"] else {}
+        if not isinstance(payload, dict):  # no object: kept whole
+            assert spilled == {"$payload": payload}, (stream_id, version)
+            continue
+        for field, value in payload.items():
+            column = event_tables.column_for(field, row)
+            if field in spilled:
+                assert spilled[field] == value and (column is None or row[column] is None), (stream_id, version, field)
+            else:
+                assert column is not None and _same(row[column], value), (stream_id, version, field, row.get(column))
+        payload_columns = [c for c in row if c not in event_tables.ENVELOPE.names and c != "_table"]
+        for column in payload_columns:  # no value from nowhere
+            assert row[column] is None or event_tables.field_of(column) in payload, (stream_id, version, column)
+    return len(store)
+
+
+def _append(store: EventStore, stream: str, *events: tuple[str, dict[str, Any]]) -> None:
+    version = 0
+    with psycopg.connect(store.dsn) as conn:
+        row = conn.execute("SELECT max(version) FROM es.events WHERE stream_id = %s", (stream,)).fetchone()
+        version = row[0] or 0 if row else 0
+    store.append(stream, "probe", [NewEvent(t, p) for t, p in events], version)
+
+
+@pytest.mark.parametrize("domain", [PLAIN, SHOP], ids=["as-stored", "upcast"])
+def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_killed_update(
+    dsn: StoreDsn, warehouse: Path, domain: Domain, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=40, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=7)
+    extract_all(dsn.extractor, None, warehouse)
+    built = event_tables.update(warehouse, domain)
+    assert built.rebuilt and built.events == 600 and "events_item_added" in built.new_tables
+    assert_typed_tables_equal_the_store(dsn, warehouse, domain)
+
+    # Payloads change shape: a new field, an int widened to double, a number where a string was, a
+    # conflicting object, odd names, an outsize integer, a payload that is no object, an envelope name.
+    _append(store, "probe-1", ("ItemAdded", {"sku": "s-1", "qty": 2.5, "unit_price": 1.0, "gift": True}),
+            ("Deposited", {"amount": {"value": 3}, "currency": "EUR"}),
+            ("Opened", {"owner": 42, "currency": "EUR", "version": 7, "Owner": "case clash", "odd-name": 1}),
+            ("Deposited", {"amount": 123456789012345678901}),
+            ("weird.type", {"x": [1, "two", {"three": 3}]}))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                     "VALUES ('probe-2', 'probe', 1, 'Deposited', '[1, 2]'::jsonb)")
+    run_workload(store, streams=10, events=150, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=8)
+    extract_all(dsn.extractor, None, warehouse)
+    grown = event_tables.update(warehouse, domain)
+    assert not grown.rebuilt and grown.events == 156
+    assert "events_item_added.qty: bigint → double" in grown.widened
+    assert "events_item_added.gift boolean" in grown.new_columns
+    assert grown.overflow["events_deposited"] >= 3 and grown.overflow["events_opened"] >= 2
+    assert_typed_tables_equal_the_store(dsn, warehouse, domain)
+    history = DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()
+    qty = [(r["data_type"], r["change"]) for r in history if r["table_name"] == "events_item_added"
+           and r["column_name"] == "qty"]
+    assert qty == [("bigint", "added"), ("double", "widened from bigint")]
+    assert ("weird.type", "events_weird_type") in {(r["event_type"], r["table_name"]) for r in history}
+
+    # A run killed after some tables took their rows and before the cursor: the replay adds nothing twice.
+    run_workload(store, streams=10, events=200, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=9)
+    extract_all(dsn.extractor, None, warehouse)
+    real_write, calls = event_tables.write_deltalake, [0]
+
+    def dies_on_the_third(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("killed")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(event_tables, "write_deltalake", dies_on_the_third)
+    with pytest.raises(RuntimeError, match="killed"):
+        event_tables.update(warehouse, domain)
+    monkeypatch.setattr(event_tables, "write_deltalake", real_write)
+    replayed = event_tables.update(warehouse, domain)
+    assert not replayed.rebuilt and 0 < replayed.events < 200  # the tables written before the kill are skipped
+    assert_typed_tables_equal_the_store(dsn, warehouse, domain)
+    assert event_tables.update(warehouse, domain).events == 0
+
+
+def test_a_lost_change_feed_rebuilds_and_a_new_definition_too(dsn: StoreDsn, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    run_workload(store, streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=3)
+    extract_all(dsn.extractor, None, warehouse)
+    event_tables.update(warehouse, PLAIN)
+    run_workload(store, streams=5, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=4)
+    extract_all(dsn.extractor, None, warehouse)
+    events = DeltaTable(str(warehouse / "events"))
+    events.optimize.compact()  # rewrites the files, then the old ones go: the feed of the last commits is lost
+    events.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    rebuilt = event_tables.update(warehouse, PLAIN)
+    assert rebuilt.rebuilt and rebuilt.events == 250
+    assert_typed_tables_equal_the_store(dsn, warehouse)
+    # The shop's upcaster: the cart tables hold the upcast payloads, built anew.
+    assert event_tables.update(warehouse, SHOP).rebuilt
+    assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
+
+
+@pytest.mark.slow
+def test_three_hundred_types_stay_cheap_and_a_tick_touches_only_its_types(dsn: StoreDsn, warehouse: Path) -> None:
+    store = EventStore(dsn)
+    for i in range(300):
+        _append(store, f"s-{i}", (f"Type{i}Happened", {"n": i, "label": f"t{i}"}))
+    extract_all(dsn.extractor, None, warehouse)
+    built = event_tables.update(warehouse, PLAIN)
+    assert len(built.new_tables) == 300 and len(tables.table_names(warehouse, event_tables.PREFIX)) == 300
+    versions = {n: DeltaTable(tables.table_path(warehouse, n)).version()
+                for n in tables.table_names(warehouse, event_tables.PREFIX)}
+    for i in range(5):
+        _append(store, f"s-{i}", (f"Type{i}Happened", {"n": -i, "extra": True}))
+    extract_all(dsn.extractor, None, warehouse)
+    tick = event_tables.update(warehouse, PLAIN)
+    assert sorted(tick.rows) == sorted(event_tables.table_name(f"Type{i}Happened") for i in range(5))
+    for name, version in versions.items():
+        moved = DeltaTable(tables.table_path(warehouse, name)).version() != version
+        assert moved == (name in tick.rows), name
+    assert_typed_tables_equal_the_store(dsn, warehouse)
