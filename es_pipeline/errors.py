@@ -436,3 +436,15 @@ class TypedStateMismatch(EsPipelineError):
             f"holds {value!r} ({reason}). stream_state is up to date; its typed table waits. Fix the reducer (and "
             "bump its revision) or the declaration, then re-run."
         )
+
+
+class QueryFailed(EsPipelineError):
+    """An analyst's query that its engine refused (`es-pipeline sql`): the engine's own words, and what to try."""
+
+    def __init__(self, engine: str, reason: str, tables: list[str]) -> None:
+        self.engine, self.reason, self.tables = engine, reason, tables
+        known = ", ".join(tables[:12]) + (", …" if len(tables) > 12 else "") if tables else "none yet"
+        other = "--engine spark for Spark SQL (time travel, DESCRIBE HISTORY)" if engine == "duckdb" else \
+            "the default engine (DuckDB)"
+        super().__init__(f"{engine} could not run the query: {reason}. The lake's tables: {known}. "
+                         f"Fix the query, or try {other}.")

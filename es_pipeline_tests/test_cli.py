@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from es_pipeline_tests.support.roles import create_login
+from es_pipeline_tests.support.roles import StoreDsn, create_login
 
 CLI = str(Path(sys.executable).parent / "es-pipeline")
 
@@ -81,3 +82,35 @@ def test_tenant_add_then_erase_from_the_command_line(empty_dsn: str, tmp_path: P
     assert erased.returncode == 0, erased.stderr
     assert "erased tenant 'acme': dropped es.events_t_acme_" in erased.stdout
     assert "no Parquet file of the lake holds the tenant" in erased.stdout
+
+
+def test_sql_answers_by_duckdb_as_a_table_csv_or_json_and_refuses_a_bad_query_in_one_line(
+    dsn: StoreDsn, tmp_path: Path
+) -> None:
+    from es_pipeline.dev.workload import run_workload
+    from es_pipeline.domain import NO_DOMAIN
+    from es_pipeline.lake import event_tables
+    from es_pipeline.store.event_store import EventStore
+    from es_pipeline_tests.support.lakecheck import extract_all
+
+    warehouse = tmp_path / "w"
+    run_workload(EventStore(dsn), streams=10, events=120, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
+    extract_all(dsn.extractor, None, warehouse)
+    event_tables.update(warehouse, NO_DOMAIN)
+    env = {"ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse)}
+    query = ("SELECT e.event_type, count(*) AS n FROM events e JOIN event_tables m ON m.event_type = e.event_type "
+             "AND m.column_name = '_overflow' GROUP BY 1 ORDER BY 1")
+    shown = _cli(["sql", query], **env)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split() == ["event_type", "|", "n"] and set(lines[1]) <= {"-", "+"}
+    assert lines[-1].endswith("rows)") and len(lines) > 4
+    as_json = _cli(["sql", query, "--format", "json"], **env)
+    counted = {r["event_type"]: r["n"] for r in map(json.loads, as_json.stdout.splitlines())}
+    assert sum(counted.values()) == 120
+    deposits = _cli(["sql", "SELECT count(*) AS n, round(sum(amount), 2) AS total FROM events_deposited",
+                     "--format", "csv"], **env)
+    n, total = deposits.stdout.splitlines()[1].split(",")
+    assert int(n) == counted["Deposited"] and float(total) > 0
+    _one_line(_cli(["sql", "SELECT nope FROM events"], **env), "duckdb could not run the query", "nope",
+              "The lake's tables: events, event_tables, events_")

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import pyarrow as pa
 
+from es_pipeline.errors import QueryFailed
 from es_pipeline.lake import inventory, tables
 from es_pipeline.lake.tables import Location
 
@@ -84,17 +85,29 @@ def _s3_secret(con: Any) -> None:
 def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: Any = None) -> Answer:
     """`query` over the lake's tables by the engine named; Spark needs `settings` (its master, the lake's S3)."""
     if engine == "duckdb":
+        import duckdb
+
         con, names = duckdb_connection(warehouse)
         try:
             return Answer(con.execute(query).fetch_arrow_table(), names)
+        except duckdb.Error as exc:
+            raise QueryFailed("duckdb", _first_line(exc), names) from None
         finally:
             con.close()
     if engine == "spark":
         from es_pipeline.lake.catalog import sql_over_lake
+        from es_pipeline.lake.tables import spark_errors
 
-        frame, names = sql_over_lake(settings, query)
-        return Answer(frame.toArrow(), names)
+        try:
+            frame, names = sql_over_lake(settings, query)
+            return Answer(frame.toArrow(), names)
+        except spark_errors() as exc:
+            raise QueryFailed("spark", _first_line(exc), []) from None
     raise ValueError(f"no engine {engine!r}: say one of {', '.join(ENGINES)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
 def write(rows: pa.Table, fmt: str, out: IO[str] = sys.stdout, *, limit: int | None = None) -> None:
