@@ -15,12 +15,13 @@ import sys
 import time
 from typing import Any
 
-from bench import extract_backfill, extract_incremental, extract_memory, state
+from bench import event_tables, extract_backfill, extract_incremental, extract_memory, state
 from bench.common import WORK_ROOT, Sizes, database_name, drop_database, fresh_database, log, spark_session
 from bench.jdbc import jdbc_jar
 from bench.results import Goal, machine_facts, write_result
 
-BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD)
+BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD,
+              event_tables.NAME)
 
 
 class LazySpark:
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = state.run_incremental(fresh_database(db), spark.get(), work, sizes)
                 elif name == state.REBUILD:
                     out = state.run_rebuild(fresh_database(db), spark.get(), work, sizes)
+                elif name == event_tables.NAME:
+                    out = event_tables.run(fresh_database(db), work, sizes)
                 else:
                     out = extract_incremental.run(fresh_database(db), spark.get(), work, sizes)
             finally:

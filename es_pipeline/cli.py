@@ -12,28 +12,20 @@ import threading
 import time
 from collections.abc import Sequence
 
-from es_pipeline.dev import local_server
-from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
-from es_pipeline.dev.demo import demo_tenants, ensure_local_target, run_demo_pass
-from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
-from es_pipeline.extraction import offsets
-from es_pipeline.extraction.erase import erase_tenant
-from es_pipeline.extraction.extractor import extract_ranges
-from es_pipeline.extraction.rebase import rebase
-from es_pipeline.extraction.status import status_report
-from es_pipeline.lake import query, tables
-from es_pipeline.lake.spark import connect_server_command, delta_jars, get_spark, prepare_local_start
-from es_pipeline.settings import PROJECT_ROOT, Settings
-from es_pipeline.source.mapping import describe
-from es_pipeline.store import roles, tenants
-from es_pipeline.store.adopt import adopt
-from es_pipeline.store.conninfo import connect
-from es_pipeline.store.event_store import EventStore
-from es_pipeline.store.migrations import migrate
+from es_pipeline.settings import Settings
+
+# Each command imports what it runs when it runs: `es-pipeline sql` answers without loading pandas, Spark or
+# Dagster's neighbours (an import of everything took 1.5 s before the first row).
+ENGINES = ("duckdb", "spark")  # lake/query.py
+FORMATS = ("table", "csv", "json")
 
 
 def _db(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.dev import local_server
+    from es_pipeline.store import roles
+    from es_pipeline.store.migrations import migrate
+
     if args.action == "start":
         state = local_server.start(settings.local_pg_port)
         print(f"local PostgreSQL {state} on 127.0.0.1:{settings.local_pg_port} (data in {local_server.PGDATA})")
@@ -53,6 +45,9 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _source(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.source.mapping import describe
+    from es_pipeline.store.adopt import adopt
+
     source = settings.source
     if args.action == "show":
         print(f"source {source.label}; the lake's columns, from the table's (alias t):")
@@ -72,6 +67,10 @@ def _source(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _tenant(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extraction.erase import erase_tenant
+    from es_pipeline.store import tenants
+    from es_pipeline.store.event_store import EventStore
+
     source = settings.source
     if args.action == "add":
         with EventStore(settings.pg_dsn, settings.schema).connect() as conn:
@@ -98,6 +97,10 @@ def _tenant(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.dev.demo import demo_tenants, ensure_local_target
+    from es_pipeline.dev.workload import run_workload
+    from es_pipeline.store.event_store import EventStore
+
     ensure_local_target(settings)
     if args.check:
         print(f"demo target: the local server's database ({settings.pg_dsn.rsplit('/', 1)[-1]})")
@@ -128,6 +131,10 @@ def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _extract(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extraction.extractor import extract_ranges
+    from es_pipeline.lake import tables
+    from es_pipeline.lake.spark import get_spark
+
     total = 0
     for res in extract_ranges(settings, args.range, lambda: get_spark(settings),
                               run_id=f"cli-{int(time.time())}", progress=functools.partial(print, flush=True)):
@@ -139,6 +146,11 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extraction import offsets
+    from es_pipeline.extraction.rebase import rebase
+    from es_pipeline.lake import tables
+    from es_pipeline.store.conninfo import connect
+
     events_path = tables.table_path(settings.warehouse, "events")
     args.consumer = args.consumer or settings.source.consumer
     if args.action == "rebase":
@@ -169,11 +181,15 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extraction.status import status_report
+
     print(status_report(settings))
     return 0
 
 
 def _sql(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.lake import query
+
     answer = query.run(settings.warehouse, args.query, engine=args.engine, settings=settings)
     if not answer.tables:
         print(f"no Delta tables under {settings.warehouse} yet: run `make demo` or materialize `events` first",
@@ -183,6 +199,10 @@ def _sql(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _spark(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
+    from es_pipeline.lake.spark import connect_server_command, delta_jars, prepare_local_start
+    from es_pipeline.settings import PROJECT_ROOT
+
     if args.action == "jars":
         for jar in delta_jars():
             print(jar)
@@ -199,6 +219,8 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_run(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.dev.demo import run_demo_pass
+
     run_demo_pass(settings, events=args.events, writers=args.writers)
     return 0
 
@@ -265,9 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("sql", help="SQL over the lake, every table by its name: DuckDB (no JVM) or Spark SQL")
     q.add_argument("query")
-    q.add_argument("--engine", choices=query.ENGINES, default="duckdb",
+    q.add_argument("--engine", choices=ENGINES, default="duckdb",
                    help="duckdb (default: an answer in well under a second) or spark (time travel, DESCRIBE HISTORY)")
-    q.add_argument("--format", choices=query.FORMATS, default="table",
+    q.add_argument("--format", choices=FORMATS, default="table",
                    help="table (for a terminal), csv or json (one object per line); csv and json print every row")
     q.add_argument("--limit", type=int, default=50, help="table: rows shown (default 50)")
     q.set_defaults(func=_sql)

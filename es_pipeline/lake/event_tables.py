@@ -30,8 +30,10 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,7 @@ PREFIX = "events_"
 NAME = "event_tables"  # the mapping table
 REVISION = 1  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
+WRITERS = 4  # tables an increment writes at once
 _AT = pa.timestamp("us", tz="UTC")
 
 ENVELOPE = pa.schema([
@@ -207,6 +210,7 @@ class _Keeper:
         self.names: dict[str, str] = {}  # event type → table name
         self.history: list[dict[str, Any]] = []  # the mapping's rows
         self.changed = False  # the mapping is rewritten
+        self.lock = threading.Lock()  # the tables are written side by side: what they report goes through it
 
     # -- the mapping --------------------------------------------------------------------------------------------
 
@@ -245,10 +249,11 @@ class _Keeper:
         return name
 
     def _record(self, event_type: str, name: str, column: str, t: pa.DataType, change: str, first: Any) -> None:
-        self.history.append({"event_type": event_type, "table_name": name, "column_name": column,
-                             "data_type": shapes.sql_type(t), "change": change, "first_event_at": first,
-                             "events_version": self.now})
-        self.changed = True
+        with self.lock:
+            self.history.append({"event_type": event_type, "table_name": name, "column_name": column,
+                                 "data_type": shapes.sql_type(t), "change": change, "first_event_at": first,
+                                 "events_version": self.now})
+            self.changed = True
 
     # -- building and incrementing ------------------------------------------------------------------------------
 
@@ -288,26 +293,37 @@ class _Keeper:
         self.names = {t: n for t, n in self.names.items() if n in started}
 
     def increment(self, changes: pa.Table, cursor: int) -> None:
-        """The rows of the commits after `cursor`, each type's appended to its table past the version it records."""
-        for event_type, rows in self._by_type(changes):
-            known = event_type in self.names
-            name = self._name_for(event_type)
+        """The rows of the commits after `cursor`, each type's appended to its table past the version it records:
+        the tables written side by side (delta-rs writes outside Python's lock)."""
+        groups = [(event_type, event_type in self.names, self._name_for(event_type), rows)
+                  for event_type, rows in self._by_type(changes)]
+
+        def one(event_type: str, known: bool, name: str, rows: pa.Table) -> None:
             path = tables.table_path(self.warehouse, name)
-            target = _open(path) if tables.is_delta_table(path) else None
+            target = _open(path) if known or tables.is_delta_table(path) else None
             done = None if target is None else target.transaction_version(self.app)
             if done is not None and int(done) >= self.now:
-                continue  # a run cut short after this table's commit wrote these rows
+                return  # a run cut short after this table's commit wrote these rows
             if known and done is None:  # the table lost or foreign: its type's rows from `events` anew
-                rows = self._rows_of(event_type)
-                self._write(event_type, name, rows, fresh=True, props=_props(self.app, self.now))
-                continue
+                self._write(event_type, name, self._rows_of(event_type), fresh=True, props=_props(self.app, self.now))
+                return
             if not known and target is not None and done is not None:  # made by a run cut short before the mapping
                 for f in normal_schema(target):
                     if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
                         self._record(event_type, name, f.name, f.type, "added", None)
             if done is not None and int(done) > cursor:
                 rows = rows.filter(pc.greater(rows["_commit_version"], int(done)))
-            self._write(event_type, name, rows, fresh=not known and done is None, props=_props(self.app, self.now))
+            fresh = not known and done is None
+            self._write(event_type, name, rows, fresh=fresh, props=_props(self.app, self.now),
+                        target=None if fresh else target)
+
+        if len(groups) < 2:
+            for group in groups:
+                one(*group)
+            return
+        with ThreadPoolExecutor(WRITERS) as pool:
+            for future in [pool.submit(one, *group) for group in groups]:
+                future.result()
 
     def _rows_of(self, event_type: str) -> pa.Table:
         """`events`' current rows of `event_type` (as the tables group them)."""
@@ -339,20 +355,25 @@ class _Keeper:
             group = sorted_rows.slice(lo, hi - lo)
             yield names[codes[lo].as_py()], group
 
-    def _write(self, event_type: str, name: str, rows: pa.Table, *, fresh: bool, props: CommitProperties | None) -> None:
+    def _write(self, event_type: str, name: str, rows: pa.Table, *, fresh: bool, props: CommitProperties | None,
+               target: DeltaTable | None = None) -> None:
         """`rows` (of one type) typed and written to table `name`: overwriting it where `fresh`, else appended (its
-        schema evolved or its columns widened, as the rows need)."""
+        schema evolved or its columns widened, as the rows need). `target`: the table, loaded up to date already."""
         path = tables.table_path(self.warehouse, name)
-        target = None if fresh or not tables.is_delta_table(path) else _open(path)
+        if target is None and not fresh and tables.is_delta_table(path):
+            target = _open(path)
+        target = None if fresh else target
         held = None if target is None else normal_schema(target)
         if fresh:
-            self.history = [r for r in self.history if r["event_type"] != event_type]
+            with self.lock:
+                self.history = [r for r in self.history if r["event_type"] != event_type]
         typed = type_rows(rows, held, domain=self._upcasting(event_type))
         if fresh or target is None:
             write_deltalake(path, typed.rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(path, None)
             if fresh and name not in self.result.rows:
-                self.result.new_tables.append(name)
+                with self.lock:
+                    self.result.new_tables.append(name)
             for f in typed.rows.schema:
                 if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
                     self._record(event_type, name, f.name, f.type, "added", typed.first_at.get(f.name))
@@ -373,16 +394,19 @@ class _Keeper:
             for column in typed.added:
                 t = typed.rows.schema.field(column).type
                 self._record(event_type, name, column, t, "added", typed.first_at.get(column))
-                self.result.new_columns.append(f"{name}.{column} {shapes.sql_type(t)}")
+                with self.lock:
+                    self.result.new_columns.append(f"{name}.{column} {shapes.sql_type(t)}")
             for column, (old_type, new_type) in typed.widened.items():
                 self._record(event_type, name, column, new_type, f"widened from {shapes.sql_type(old_type)}",
                              typed.first_at.get(column))
-                self.result.widened.append(f"{name}.{column}: {shapes.sql_type(old_type)} → {shapes.sql_type(new_type)}")
-        if fresh and props is not None and name not in self.result.new_tables:
-            self.result.new_tables.append(name)
-        self.result.rows[name] = self.result.rows.get(name, 0) + typed.rows.num_rows
-        if typed.overflowed:
-            self.result.overflow[name] = self.result.overflow.get(name, 0) + typed.overflowed
+                with self.lock:
+                    self.result.widened.append(f"{name}.{column}: {shapes.sql_type(old_type)} → {shapes.sql_type(new_type)}")
+        with self.lock:
+            if fresh and props is not None and name not in self.result.new_tables:
+                self.result.new_tables.append(name)
+            self.result.rows[name] = self.result.rows.get(name, 0) + typed.rows.num_rows
+            if typed.overflowed:
+                self.result.overflow[name] = self.result.overflow.get(name, 0) + typed.overflowed
 
     def _upcasting(self, event_type: str) -> Domain | None:
         """The domain where its upcasters may change this type's payloads, else None (the payloads read as they are)."""

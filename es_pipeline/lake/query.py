@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,10 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 
 from es_pipeline.errors import QueryFailed
-from es_pipeline.lake import inventory, tables
+from es_pipeline.lake import tables
 from es_pipeline.lake.tables import Location
 
-ENGINES = ("duckdb", "spark")
+ENGINES = ("duckdb", "spark")  # es_pipeline/cli.py says them too, so as not to import this module to parse
 FORMATS = ("table", "csv", "json")
 
 
@@ -45,8 +46,9 @@ def extension_directory() -> str:
     return str(Path(next(iter(duckdb_ext.__path__))) / "extensions")
 
 
-def duckdb_connection(warehouse: Location) -> tuple[Any, list[str]]:
-    """A DuckDB connection with a view per Delta table of the lake; the views' names."""
+def duckdb_connection(warehouse: Location, query: str | None = None) -> tuple[Any, list[str]]:
+    """A DuckDB connection with a view per Delta table of the lake (with `query`: per table it names, or all where
+    it names none, as `SHOW TABLES` does); the lake's table names."""
     import duckdb
 
     con = duckdb.connect(config={"extension_directory": extension_directory(),
@@ -54,13 +56,12 @@ def duckdb_connection(warehouse: Location) -> tuple[Any, list[str]]:
     con.execute("LOAD delta")
     if tables.is_uri(warehouse):
         _s3_secret(con)
-    names = []
-    for name in inventory.lake_tables(warehouse):
-        path = tables.table_path(warehouse, name)
-        if tables.is_delta_table(path):
-            quoted = path.replace("'", "''")
-            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM delta_scan(\'{quoted}\')')
-            names.append(name)
+    listed = tables.table_names(warehouse, "")  # every Delta table under the warehouse, `events` first
+    names = [n for n in tables.TABLES if n in listed] + [n for n in listed if n not in tables.TABLES]
+    named = [n for n in names if query is None or re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", query, re.IGNORECASE)]
+    for name in named or names:  # a view reads its table's log when made: a lake of 300 tables makes only those used
+        quoted = tables.table_path(warehouse, name).replace("'", "''")
+        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM delta_scan(\'{quoted}\')')
     return con, names
 
 
@@ -87,7 +88,7 @@ def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: An
     if engine == "duckdb":
         import duckdb
 
-        con, names = duckdb_connection(warehouse)
+        con, names = duckdb_connection(warehouse, query)
         try:
             return Answer(con.execute(query).fetch_arrow_table(), names)
         except duckdb.Error as exc:
