@@ -144,6 +144,7 @@ class Domain:
         self.reducers: dict[str, Reducer] = {}
         self.upcasters: dict[tuple[str, int], Upcaster] = {}
         self.projections: dict[str, Projection] = {}
+        self.event_schemas: dict[str, pa.Schema] = {}  # declared payloads: their typed event tables' columns
         if schema_version not in ("none", "suffix") and not any(
                 schema_version.startswith(p) and len(schema_version) > len(p) for p in ("field:", "metadata:")):
             raise DomainError(f"domain {name!r} reads schema versions from {schema_version!r}",
@@ -245,6 +246,20 @@ class Domain:
 
         return register
 
+    def event_schema(self, event_type: str, schema: Any) -> None:
+        """Declare what payloads of `event_type` hold (a dataclass, a TypedDict or an Arrow schema, in today's shape:
+        after the upcasters): its typed event table (`events_<type>`) has these columns with these types from the
+        first, instead of what the payloads suggest, and never widens them; a value that does not convert to its
+        declared type is kept in `_overflow` (docs/analysts.md). Other fields still get columns by the rule."""
+        if not isinstance(event_type, str) or not event_type:
+            raise DomainError(f"domain {self.name!r} declares a payload schema for event type {event_type!r}",
+                              "Name the event type as the store spells it (the base type, where versions are suffixes).")
+        declared = state_schema(schema, f"the payload of {event_type!r} in domain {self.name!r}", ())
+        held = self.event_schemas.get(event_type)
+        if held is not None and not held.equals(declared):
+            raise DomainError(f"event type {event_type!r} has two payload schemas", "Declare it once.")
+        self.event_schemas[event_type] = declared
+
     def add_projection(self, projection: Projection) -> None:
         held = self.projections.get(projection.name)
         if held is not None and held.fold is not projection.fold:
@@ -342,6 +357,8 @@ class Domain:
                 out.add_upcaster(u)
             for p in d.projections.values():
                 out.add_projection(p)
+            for event_type, schema in d.event_schemas.items():
+                out.event_schema(event_type, schema)
         return out
 
 

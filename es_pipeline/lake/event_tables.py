@@ -108,10 +108,13 @@ def table_names(warehouse: Location) -> list[str]:
 
 
 def definition_of(domain: Domain) -> str:
-    """What the tables' content depends on besides `events`: the rule's revision, the upcasters, where versions are read."""
+    """What the tables' content depends on besides `events`: the rule's revision, the upcasters, where versions are
+    read, the declared payload schemas."""
     upcasters = sorted(f"{u.event_type}@{u.version}:{getattr(u.upcast, '__qualname__', '?')}:{u.stream_types}"
                        for u in domain.upcasters.values())
-    return orjson.dumps({"revision": REVISION, "upcasters": upcasters, "versions": domain.schema_version}).decode()
+    declared = {t: s.to_string() for t, s in sorted(domain.event_schemas.items())}
+    return orjson.dumps({"revision": REVISION, "upcasters": upcasters, "versions": domain.schema_version,
+                         "declared": declared}).decode()
 
 
 def app_id(events_id: str, definition: str) -> str:
@@ -367,7 +370,8 @@ class _Keeper:
         if fresh:
             with self.lock:
                 self.history = [r for r in self.history if r["event_type"] != event_type]
-        typed = type_rows(rows, held, domain=self._upcasting(event_type))
+        typed = type_rows(rows, held, domain=self._upcasting(event_type),
+                          declared=self.domain.event_schemas.get(event_type))
         if fresh or target is None:
             write_deltalake(path, typed.rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(path, None)
@@ -465,20 +469,28 @@ def _normal(t: pa.DataType) -> pa.DataType:
     return t
 
 
-def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None = None) -> Typed:
+def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None = None,
+              declared: pa.Schema | None = None) -> Typed:
     """`rows` (events of one type: the `_READ` columns) as typed rows for a table whose schema is `held` (None: a
     new table). Arrow's JSON reader takes the common case (every payload fits the columns, or adds plain new
-    ones); anything it cannot take exactly goes value by value (lake/shapes.py)."""
+    ones); anything it cannot take exactly goes value by value (lake/shapes.py). `domain`: upcast each payload
+    first; `declared`: the team's schema of the payloads, whose columns keep their declared types."""
     columns = {} if held is None else {f.name: f.type for f in held if f.name not in ENVELOPE.names}
-    fast = None if domain is not None else _arrow_path(rows, columns)
-    payload_cols, overflow, overflowed = fast if fast is not None else _python_path(rows, columns, domain)
+    fixed: dict[str, pa.DataType] = {}
+    for f in declared or ():
+        column = shapes.column_name(f.name, _ENVELOPE_NAMES)
+        if column is not None:
+            fixed[column] = columns.setdefault(column, f.type)
+    fast = None if domain is not None else _arrow_path(rows, columns, fixed)
+    payload_cols, overflow, overflowed = fast if fast is not None else _python_path(rows, columns, domain, fixed)
     envelope = _envelope(rows, overflow)
+    held_names = set() if held is None else set(held.names)
     order = [*columns, *(c for c in payload_cols if c not in columns)]
     out = pa.table([*envelope.columns, *(payload_cols[c] if c in payload_cols else pa.nulls(rows.num_rows, columns[c])
                                         for c in order)],
                    names=[*envelope.column_names, *order])
     typed = Typed(out, overflowed=overflowed)
-    typed.added = [c for c in order if c not in columns]
+    typed.added = [c for c in order if c not in held_names]
     typed.widened = {c: (columns[c], payload_cols[c].type) for c in columns
                      if c in payload_cols and payload_cols[c].type != columns[c]}
     recorded = rows["recorded_at"]
@@ -517,7 +529,8 @@ def column_for(field: str, columns: Iterable[str]) -> str | None:
 _OUTSIZE = 2.0**63  # a double this large may be an integer beyond 64 bits, which Arrow's reader rounds
 
 
-def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int] | None:
+def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
+                fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int] | None:
     """The payload columns by Arrow's JSON reader, or None where it cannot give exactly what the rule says."""
     payload = rows["payload"]
     if "payload_encoding" in rows.column_names and not pc.all(pc.fill_null(pc.equal(
@@ -540,7 +553,7 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[s
     lowered = {c.lower() for c in columns}
     for f in read.schema:
         column = f.name if f.name in explicit.names else shapes.column_name(f.name, _ENVELOPE_NAMES)
-        if column is None or not _lattice(f.type):
+        if column is None or not (_lattice(f.type) or f.name in explicit.names and f.type == explicit.field(f.name).type):
             return None
         if f.name not in explicit.names:
             if column != f.name or column.lower() in lowered:
@@ -552,7 +565,7 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType]) -> tuple[dict[s
                 return None
         else:
             column = next(c for c in columns if field_of(c) == f.name)
-            if f.type != columns[column] and shapes.unify(columns[column], f.type) != f.type:
+            if f.type != columns[column] and (column in fixed or shapes.unify(columns[column], f.type) != f.type):
                 return None
         values = read[f.name].combine_chunks()
         if _outsize(values):
@@ -590,6 +603,25 @@ def _outsize(values: pa.Array) -> bool:
 _LONG_DIGITS = re.compile(r"\d{19}")
 
 
+def _declared_value(value: Any, t: pa.DataType) -> tuple[bool, Any]:
+    """(whether `value` goes into a declared column of type `t`, as what): by the rule's conversions where they
+    apply, else as Arrow converts it (a string to a timestamp or a date, say)."""
+    if value is None:
+        return True, None
+    if shapes.fits(shapes.infer(value), t):
+        return True, shapes.convert(value, t)
+    try:
+        return True, pa.array([value], type=t).to_pylist()[0]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
+        pass
+    if isinstance(value, str):
+        try:
+            return True, pa.array([value]).cast(t).to_pylist()[0]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            pass
+    return False, None
+
+
 def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | None, Any]:
     """(the payload's object, None), or (None, what `_overflow` keeps of a payload that is no JSON object)."""
     if text is None:
@@ -607,8 +639,8 @@ def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | Non
     return (value, None) if isinstance(value, dict) else (None, {"$payload": value})
 
 
-def _python_path(rows: pa.Table, columns: dict[str, pa.DataType],
-                 domain: Domain | None) -> tuple[dict[str, Any], pa.Array, int]:
+def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain | None,
+                 fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int]:
     """The payload columns value by value, by the rule of lake/shapes.py: every value placed or kept in `_overflow`."""
     texts = rows["payload"].to_pylist()
     encodings = rows["payload_encoding"].to_pylist() if "payload_encoding" in rows.column_names else [None] * len(texts)
@@ -639,7 +671,7 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType],
                     column = None  # another case of a column's name
                 target[key] = column
             column = target[key]
-            if column is None:
+            if column is None or column in fixed:
                 continue
             merged = shapes.unify(types.get(column, shapes.UNKNOWN), shapes.infer(value))
             if merged is not None:
@@ -653,9 +685,15 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType],
         for key, value in (obj or {}).items():
             column = target[key]
             t = final.get(column) if column is not None else None
-            if t is not None and shapes.fits(shapes.infer(value), t):
+            if t is not None and column in fixed:
+                placed, converted = _declared_value(value, t)
+                if placed:
+                    values[column][i] = converted  # type: ignore[index]
+                    continue
+            elif t is not None and shapes.fits(shapes.infer(value), t):
                 values[column][i] = shapes.convert(value, t)  # type: ignore[index]
-            elif value is not None:
+                continue
+            if value is not None:
                 spill[key] = value
         if rest[i] is not None:
             spill = {**rest[i], **spill}  # type: ignore[dict-item]

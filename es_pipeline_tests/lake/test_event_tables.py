@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
+from es_pipeline.errors import DomainError
 from es_pipeline.lake import event_tables, tables
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -176,3 +178,30 @@ def test_three_hundred_types_stay_cheap_and_a_tick_touches_only_its_types(dsn: S
         moved = DeltaTable(tables.table_path(warehouse, name)).version() != version
         assert moved == (name in tick.rows), name
     assert_typed_tables_equal_the_store(dsn, warehouse)
+
+
+def test_a_declared_payload_schema_wins_over_inference(dsn: StoreDsn, warehouse: Path) -> None:
+    declared = Domain("declared")
+    declared.event_schema("Measured", pa.schema([("at", pa.timestamp("us", tz="UTC")), ("reading", pa.float64()),
+                                                  ("unit", pa.string())]))
+    store = EventStore(dsn)
+    _append(store, "m-1", ("Measured", {"at": "2026-11-26T10:00:00Z", "reading": 1, "unit": "C"}))
+    extract_all(dsn.extractor, None, warehouse)
+    first = event_tables.update(warehouse, declared)
+    assert first.overflow == {}
+    _append(store, "m-2", ("Measured", {"at": "not a time", "reading": "high", "unit": 5, "extra": True}),
+            ("Measured", {"at": "2026-11-26T11:30:00+01:00", "reading": 2.5}))
+    extract_all(dsn.extractor, None, warehouse)
+    second = event_tables.update(warehouse, declared)
+    assert second.widened == [] and second.new_columns == ["events_measured.extra boolean"]
+    table = DeltaTable(str(warehouse / "events_measured"))
+    assert [(f.name, f.type) for f in pa.schema(table.schema().to_arrow()) if f.name in ("at", "reading", "unit")] == \
+        [("at", pa.timestamp("us", tz="UTC")), ("reading", pa.float64()), ("unit", pa.string())]
+    rows = {(r["stream_id"], r["version"]): r for r in table.to_pyarrow_table().to_pylist()}
+    one, odd, late = rows[("m-1", 1)], rows[("m-2", 1)], rows[("m-2", 2)]
+    assert one["at"].isoformat() == "2026-11-26T10:00:00+00:00" and one["reading"] == 1.0 and one["unit"] == "C"
+    assert odd["at"] is None and odd["reading"] is None and odd["unit"] == "5" and odd["extra"] is True
+    assert json.loads(odd["_overflow"]) == {"at": "not a time", "reading": "high"}
+    assert late["at"].isoformat() == "2026-11-26T10:30:00+00:00" and late["reading"] == 2.5
+    with pytest.raises(DomainError, match="two payload schemas"):
+        declared.event_schema("Measured", pa.schema([("at", pa.string())]))
