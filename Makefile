@@ -107,7 +107,7 @@ bench: setup
 bench-smoke: setup
 	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact
 	@tmp=$$(mktemp -d); export BENCH_RESULTS=$$tmp/results BENCH_WORK=$$tmp/work BENCH_DB=bench_smoke \
-	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5; \
+	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5 BENCH_TYPES=20; \
 	  $(PY) -m bench.run --quick >$$tmp/log 2>&1 && $(PY) -m bench.tenant_tick >>$$tmp/log 2>&1 \
 	  && $(PY) -m bench.s3_lake --quick >>$$tmp/log 2>&1; rc=$$?; \
 	  if [ $$rc -ne 0 ]; then tail -40 $$tmp/log; else echo "bench smoke: $$(ls $$tmp/results/*.json | wc -l) results written"; fi; \

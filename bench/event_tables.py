@@ -48,7 +48,7 @@ def _with_currency(payload: dict) -> dict:
     return {**payload, "currency": payload.get("currency", "EUR")}
 
 
-TYPES = 300
+TYPES = int(os.environ.get("BENCH_TYPES", "300"))  # the smoke run (`make test`) takes fewer
 BIN = Path(sys.executable).parent
 QUERY = "SELECT event_type, count(*) AS events, count(DISTINCT stream_id) AS streams FROM events GROUP BY 1 ORDER BY 1"
 

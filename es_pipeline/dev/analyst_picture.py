@@ -1,4 +1,4 @@
-"""The picture in docs/analysts.md: revenue and units per product, from a lake's `events_item_added`, as SVG.
+"""The picture in docs/analysts.md: the 15 products with the most revenue, and their units, from a lake's `events_item_added`, as SVG.
 
 `python -m es_pipeline.dev.analyst_picture [warehouse] [out.svg]` (defaults: ES_PIPELINE_WAREHOUSE,
 docs/analysts-revenue.svg). The query is the first of the doc's three questions, run by DuckDB as
@@ -15,7 +15,7 @@ from es_pipeline.lake import query
 from es_pipeline.settings import PROJECT_ROOT, Settings
 
 QUERY = ("SELECT sku, sum(qty) AS units, round(sum(qty * unit_price), 2) AS revenue "
-         "FROM events_item_added GROUP BY sku ORDER BY revenue DESC")
+         "FROM events_item_added GROUP BY sku ORDER BY revenue DESC LIMIT 15")
 
 
 def draw(rows: list[dict], *, width: int = 640) -> str:
@@ -26,7 +26,7 @@ def draw(rows: list[dict], *, width: int = 640) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            'font-size="13">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           '<text x="10" y="22" font-size="15" font-weight="bold">Revenue per product (events_item_added)</text>']
+           '<text x="10" y="22" font-size="15" font-weight="bold">The 15 products with the most revenue (events_item_added)</text>']
     for i, r in enumerate(rows):
         y = top + i * (bar_h + gap)
         w = (width - left - 150) * float(r["revenue"] or 0) / most

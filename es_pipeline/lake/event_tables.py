@@ -56,6 +56,7 @@ NAME = "event_tables"  # the mapping table
 REVISION = 1  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
 WRITERS = 4  # tables an increment writes at once
+WINDOW = 20  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
 _AT = pa.timestamp("us", tz="UTC")
 
 ENVELOPE = pa.schema([
@@ -89,6 +90,18 @@ class EventTablesResult:
     @property
     def events(self) -> int:
         return sum(self.rows.values())
+
+    def add(self, later: EventTablesResult) -> EventTablesResult:
+        """This update's figures followed by `later`'s (an update made of several windows)."""
+        rows = dict(self.rows)
+        for name, n in later.rows.items():
+            rows[name] = rows.get(name, 0) + n
+        overflow = dict(self.overflow)
+        for name, n in later.overflow.items():
+            overflow[name] = overflow.get(name, 0) + n
+        return EventTablesResult(later.events_version, self.rebuilt or later.rebuilt, rows,
+                                 [*self.new_tables, *later.new_tables], [*self.new_columns, *later.new_columns],
+                                 [*self.widened, *later.widened], overflow)
 
 
 def table_name(event_type: str) -> str:
@@ -152,30 +165,42 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
     if cursor is not None and cursor >= now:
         return EventTablesResult(now, seconds=time.monotonic() - started)
     read = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
-    changes = None if cursor is None else _changes(events, cursor, now, read)
-    if changes is None or cursor is None:
-        if not build:
-            return None
-        keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
-    else:
+    total: EventTablesResult | None = None
+    while cursor is not None and cursor < now:  # the feed a window of commits at a time, each window committed
+        upto = min(now, cursor + WINDOW)
+        changes = _changes(events, cursor, upto, read)
+        if changes is None:
+            break
+        keeper = keeper if total is None else _Keeper(warehouse, domain, app, upto)
+        keeper.now = keeper.result.events_version = upto
+        if total is not None:
+            keeper.cursor()
         keeper.increment(changes, cursor)
-    keeper.commit_mapping()
-    keeper.result.seconds = time.monotonic() - started
-    return keeper.result
+        keeper.commit_mapping()
+        total = keeper.result if total is None else total.add(keeper.result)
+        cursor = upto
+        if progress is not None and upto < now:
+            progress(f"typed event tables: up to events version {upto} of {now}")
+    if cursor is None or cursor < now:
+        if not build:
+            return total
+        keeper = _Keeper(warehouse, domain, app, now)
+        keeper.cursor()
+        keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
+        keeper.commit_mapping()
+        total = keeper.result if total is None else total.add(keeper.result)
+    assert total is not None
+    total.seconds = time.monotonic() - started
+    return total
 
 
 def _changes(events: DeltaTable, after: int, upto: int, read: list[str]) -> pa.Table | None:
     """The rows the `events` commits after..upto added, with their commit version; None when the feed cannot be read
-    or holds more than a build's step (then the tables are built anew from the current rows)."""
+    (then the tables are built anew from the current rows)."""
     try:
         reader = pa.RecordBatchReader.from_stream(events.load_cdf(
             starting_version=after + 1, ending_version=upto, columns=[*read, "_change_type", "_commit_version"]))
-        batches, rows = [], 0
-        for batch in reader:
-            rows += batch.num_rows
-            if rows > CHUNK:
-                return None
-            batches.append(batch)
+        batches = list(reader)
     except Exception as exc:  # noqa: BLE001 - a vacuumed or purged feed means a build; anything else re-raises
         if tables.change_feed_gone(exc) or "change data" in str(exc).lower():
             log.info("events' change feed after version %s cannot be read (%s): the typed event tables are built anew",
@@ -329,10 +354,12 @@ class _Keeper:
                 future.result()
 
     def _rows_of(self, event_type: str) -> pa.Table:
-        """`events`' current rows of `event_type` (as the tables group them)."""
+        """`events`' rows of `event_type` (as the tables group them) at the version read."""
         path = tables.table_path(self.warehouse, "events")
         read = [*_READ, *(["metadata"] if self.domain.metadata_field is not None else [])]
-        parts = [rows for chunk in _current_rows(path, DeltaTable(path), read) for t, rows in self._by_type(chunk)
+        # At the version this update commits as read: a later commit's rows come with a later update.
+        parts = [rows for chunk in _current_rows(path, DeltaTable(path, version=self.now), read)
+                 for t, rows in self._by_type(chunk)
                  if t == event_type]
         return pa.concat_tables(parts) if parts else pa.table({c: [] for c in _READ})
 
