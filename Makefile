@@ -76,7 +76,7 @@ typecheck: venv
 	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
 pytest: setup
-	$(VENV)/bin/pytest -q es_pipeline_tests examples/shop/tests
+	$(VENV)/bin/pytest -q --durations=25 es_pipeline_tests examples/shop/tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers).

@@ -84,6 +84,7 @@ def test_tenant_add_then_erase_from_the_command_line(empty_dsn: str, tmp_path: P
     assert "no Parquet file of the lake holds the tenant" in erased.stdout
 
 
+@pytest.mark.slow
 def test_sql_answers_by_duckdb_as_a_table_csv_or_json_and_refuses_a_bad_query_in_one_line(
     dsn: StoreDsn, tmp_path: Path
 ) -> None:

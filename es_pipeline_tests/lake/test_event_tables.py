@@ -85,7 +85,7 @@ def _append(store: EventStore, stream: str, *events: tuple[str, dict[str, Any]])
     store.append(stream, "probe", [NewEvent(t, p) for t, p in events], version)
 
 
-@pytest.mark.parametrize("domain", [PLAIN, SHOP], ids=["as-stored", "upcast"])
+@pytest.mark.parametrize("domain", [PLAIN, pytest.param(SHOP, marks=pytest.mark.slow)], ids=["as-stored", "upcast"])
 def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_killed_update(
     dsn: StoreDsn, warehouse: Path, domain: Domain, monkeypatch: pytest.MonkeyPatch
 ) -> None:
