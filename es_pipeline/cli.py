@@ -190,11 +190,12 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
 def _sql(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.lake import query
 
-    answer = query.run(settings.warehouse, args.query, engine=args.engine, settings=settings)
+    first = args.limit if args.format == "table" else None  # a terminal's rows only: never the whole of `events`
+    answer = query.run(settings.warehouse, args.query, engine=args.engine, settings=settings, first=first)
     if not answer.tables:
         print(f"no Delta tables under {settings.warehouse} yet: run `make demo` or materialize `events` first",
               file=sys.stderr)
-    query.write(answer.rows, args.format, limit=args.limit)
+    query.write(answer.rows, args.format, limit=args.limit, complete=answer.complete)
     return 0
 
 
@@ -292,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=FORMATS, default="table",
                    help="table (for a terminal), csv or json (one object per line); csv and json print every row")
     q.add_argument("--limit", type=int, default=50, help="table: rows shown (default 50)")
+    q.add_argument("--truncate", action="store_true", help=argparse.SUPPRESS)  # before 0.2: cells are always cut
     q.set_defaults(func=_sql)
 
     sp = sub.add_parser("spark", help="Spark set-up")

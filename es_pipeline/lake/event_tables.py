@@ -41,7 +41,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain, Event
 from es_pipeline.lake import feed, shapes, tables
@@ -56,7 +56,7 @@ NAME = "event_tables"  # the mapping table
 REVISION = 1  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
 WRITERS = 4  # tables an increment writes at once
-WINDOW = 20  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
+WINDOW = 4  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
 _AT = pa.timestamp("us", tz="UTC")
 
 ENVELOPE = pa.schema([
@@ -115,9 +115,13 @@ def table_name(event_type: str) -> str:
 
 
 def table_names(warehouse: Location) -> list[str]:
-    """The typed event tables in the lake now, by name (the mapping table first, where there is one)."""
-    mapping = [NAME] if tables.is_delta_table(tables.table_path(warehouse, NAME)) else []
-    return [*mapping, *tables.table_names(warehouse, PREFIX)]
+    """The typed event tables in the lake now, by name: the mapping table, then the tables it lists (another
+    Delta table whose name begins with `events_` is not es_pipeline's, and is left alone)."""
+    path = tables.table_path(warehouse, NAME)
+    if not tables.is_delta_table(path):
+        return []
+    listed = DeltaTable(path).to_pyarrow_table(columns=["table_name"])["table_name"].to_pylist()
+    return [NAME, *(n for n in sorted(set(listed)) if tables.is_delta_table(tables.table_path(warehouse, n)))]
 
 
 def definition_of(domain: Domain) -> str:
@@ -130,10 +134,16 @@ def definition_of(domain: Domain) -> str:
                          "declared": declared}).decode()
 
 
-def app_id(events_id: str, definition: str) -> str:
-    """The Delta transaction id of every typed event table and of the mapping (its cursor): per `events` table and
-    definition, so that either changing starts from nothing."""
-    return f"es_pipeline.event_tables.{_digest(events_id + definition, 16)}"
+APP_ID = "es_pipeline.event_tables"  # the Delta transaction id of every typed table, and of the mapping (the cursor)
+BUILT_FOR = "es_pipeline.event_tables.built_for"  # the mapping's property: what its last whole build was for
+OWNER = "es_pipeline.event_table"  # a typed table's property: the event type it holds (only such tables are touched)
+
+
+def build_key(events_id: str, definition: str) -> str:
+    """What a build is valid for: the `events` table and the definition. The mapping records it once a build has
+    finished (and clears it as one starts): any other value means the tables are built anew, so that a changed
+    definition, or one changed back, never appends to tables built under another."""
+    return _digest(events_id + definition, 16)
 
 
 def _digest(text: str, n: int) -> str:
@@ -159,8 +169,8 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         return EventTablesResult(None)
     events = DeltaTable(events_path)
     now = int(events.version())
-    app = app_id(tables.table_id(events_path), definition_of(domain))
-    keeper = _Keeper(warehouse, domain, app, now)
+    key = build_key(tables.table_id(events_path), definition_of(domain))
+    keeper = _Keeper(warehouse, domain, key, now)
     cursor = keeper.cursor()
     if cursor is not None and cursor >= now:
         return EventTablesResult(now, seconds=time.monotonic() - started)
@@ -171,7 +181,7 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         changes = _changes(events, cursor, upto, read)
         if changes is None:
             break
-        keeper = keeper if total is None else _Keeper(warehouse, domain, app, upto)
+        keeper = keeper if total is None else _Keeper(warehouse, domain, key, upto)
         keeper.now = keeper.result.events_version = upto
         if total is not None:
             keeper.cursor()
@@ -184,10 +194,10 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
     if cursor is None or cursor < now:
         if not build:
             return total
-        keeper = _Keeper(warehouse, domain, app, now)
+        keeper = _Keeper(warehouse, domain, key, now)
         keeper.cursor()
         keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
-        keeper.commit_mapping()
+        keeper.commit_mapping(built=True)
         total = keeper.result if total is None else total.add(keeper.result)
     assert total is not None
     total.seconds = time.monotonic() - started
@@ -212,9 +222,15 @@ def _changes(events: DeltaTable, after: int, upto: int, read: list[str]) -> pa.T
 
 
 def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa.Table]:
-    """`events`' rows now, a build's step at a time."""
+    """`events`' rows at the version `events` is loaded at, a build's step at a time."""
     dataset = feed.files(path, events)
     columns = [c for c in read if c in dataset.schema.names]
+    if feed.has_deletion_vectors(events):  # its files alone are not its rows: DataFusion applies the vectors
+        reader = QueryBuilder().register("events", events).execute(
+            "SELECT " + ", ".join(f'"{c}"' for c in columns) + " FROM events")
+        for batch in reader:
+            yield feed.plain(pa.Table.from_batches([batch]))
+        return
     for batch in dataset.to_batches(columns=columns, batch_size=CHUNK):
         yield pa.Table.from_batches([batch])
 
@@ -231,8 +247,9 @@ def _with_last(chunks: Iterator[pa.Table]) -> Iterator[tuple[pa.Table, bool]]:
 class _Keeper:
     """One update's work: the mapping as read, the tables touched, what changed."""
 
-    def __init__(self, warehouse: Location, domain: Domain, app: str, now: int) -> None:
-        self.warehouse, self.domain, self.app, self.now = warehouse, domain, app, now
+    def __init__(self, warehouse: Location, domain: Domain, key: str, now: int) -> None:
+        self.warehouse, self.domain, self.key, self.now = warehouse, domain, key, now
+        self.app = APP_ID
         self.mapping_path = MAPPING.path(warehouse)
         self.result = EventTablesResult(now)
         self.names: dict[str, str] = {}  # event type → table name
@@ -243,24 +260,28 @@ class _Keeper:
     # -- the mapping --------------------------------------------------------------------------------------------
 
     def cursor(self) -> int | None:
-        """The `events` version every typed table is up to date with (None: build them), with the mapping read."""
+        """The `events` version every typed table is up to date with (None: build them), with the mapping read (its
+        names are kept by a build too)."""
         if not tables.is_delta_table(self.mapping_path):
             return None
         mapping = _open(self.mapping_path)
-        found = mapping.transaction_version(self.app)
-        if found is None:
-            return None
         rows = feed.files(self.mapping_path, mapping).to_table().to_pylist()
         self.history = rows
         self.names = {r["event_type"]: r["table_name"] for r in rows}
+        found = mapping.transaction_version(self.app)
+        if found is None or mapping.metadata().configuration.get(BUILT_FOR) != self.key:
+            return None
         return int(found)
 
-    def commit_mapping(self) -> None:
+    def commit_mapping(self, *, built: bool = False) -> None:
+        """The mapping's rows (where they changed) and the cursor, last; after a build, what it was built for."""
         props = _props(self.app, self.now)
         if self.changed or not tables.is_delta_table(self.mapping_path):
             rows = pa.Table.from_pylist(self.history, schema=MAPPING.schema)
             write_deltalake(self.mapping_path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(self.mapping_path, None)
+            if built:
+                _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key})
         else:
             mapping = _open(self.mapping_path)
             mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)
@@ -271,8 +292,8 @@ class _Keeper:
         if held is not None:
             return held
         name = table_name(event_type)
-        if name in self.names.values():
-            name = f"{name}_{_digest(event_type, 8)}"
+        if name in self.names.values() or _owner(tables.table_path(self.warehouse, name)) not in (None, event_type):
+            name = f"{name}_{_digest(event_type, 8)}"  # another type's, or a table es_pipeline did not make
         self.names[event_type] = name
         return name
 
@@ -289,6 +310,9 @@ class _Keeper:
         """Every typed table anew from `events`' current rows: each type's first step overwrites its table, the
         last commit of each records the transaction id (a build cut short leaves the cursor unset: built again)."""
         self.result.rebuilt = True
+        if tables.is_delta_table(self.mapping_path):  # until it ends, no cursor: a build cut short is built again
+            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: "building"})
+        owned = set(self.names.values())
         self.history, self.changed = [], True
         kept_names = dict(self.names)  # the names types had: kept, so that a rebuild moves no table
         self.names = {}
@@ -312,9 +336,9 @@ class _Keeper:
             target = _open(tables.table_path(self.warehouse, name))
             target.create_write_transaction([], mode="append", schema=target.schema(),
                                             commit_properties=_props(self.app, self.now))
-        for name in tables.table_names(self.warehouse, PREFIX):  # types no longer in `events`: their tables emptied
-            if name not in started:
-                path = tables.table_path(self.warehouse, name)
+        for name in sorted(owned - started):  # types no longer in `events`: their tables emptied
+            path = tables.table_path(self.warehouse, name)
+            if tables.is_delta_table(path):
                 held = _open(path)
                 empty = pa.Table.from_batches([], schema=feed.plain_schema(pa.schema(held.schema().to_arrow())))
                 write_deltalake(path, empty, mode="overwrite", commit_properties=_props(self.app, self.now))
@@ -324,21 +348,21 @@ class _Keeper:
         """The rows of the commits after `cursor`, each type's appended to its table past the version it records:
         the tables written side by side (delta-rs writes outside Python's lock)."""
         groups = [(event_type, event_type in self.names, self._name_for(event_type), rows)
-                  for event_type, rows in self._by_type(changes)]
+                  for event_type, rows in sorted(self._by_type(changes), key=lambda g: g[0])]
 
         def one(event_type: str, known: bool, name: str, rows: pa.Table) -> None:
             path = tables.table_path(self.warehouse, name)
             target = _open(path) if known or tables.is_delta_table(path) else None
             done = None if target is None else target.transaction_version(self.app)
-            if done is not None and int(done) >= self.now:
-                return  # a run cut short after this table's commit wrote these rows
-            if known and done is None:  # the table lost or foreign: its type's rows from `events` anew
-                self._write(event_type, name, self._rows_of(event_type), fresh=True, props=_props(self.app, self.now))
-                return
             if not known and target is not None and done is not None:  # made by a run cut short before the mapping
                 for f in normal_schema(target):
                     if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
                         self._record(event_type, name, f.name, f.type, "added", None)
+            if done is not None and int(done) >= self.now:
+                return  # a run cut short after this table's commit wrote these rows
+            if known and done is None:  # the table lost: its type's rows from `events` anew
+                self._write(event_type, name, self._rows_of(event_type), fresh=True, props=_props(self.app, self.now))
+                return
             if done is not None and int(done) > cursor:
                 rows = rows.filter(pc.greater(rows["_commit_version"], int(done)))
             fresh = not known and done is None
@@ -400,6 +424,8 @@ class _Keeper:
         typed = type_rows(rows, held, domain=self._upcasting(event_type),
                           declared=self.domain.event_schemas.get(event_type))
         if fresh or target is None:
+            if not tables.is_delta_table(path):  # made with its owner: the type it holds
+                DeltaTable.create(path, typed.rows.schema, mode="ignore", configuration={OWNER: event_type})
             write_deltalake(path, typed.rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(path, None)
             if fresh and name not in self.result.rows:
@@ -445,6 +471,13 @@ class _Keeper:
         if d.schema_version == "suffix" or any(u.event_type == event_type for u in d.upcasters.values()):
             return d
         return None
+
+
+def _owner(path: str) -> str | None:
+    """The event type of the typed table at `path` ('' for a Delta table es_pipeline did not make), or None: none there."""
+    if not tables.is_delta_table(path):
+        return None
+    return str(DeltaTable(path).metadata().configuration.get(OWNER, ""))
 
 
 _OPEN: dict[str, DeltaTable] = {}  # the tables this process has loaded, each brought up to date before use
@@ -563,7 +596,8 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
     if "payload_encoding" in rows.column_names and not pc.all(pc.fill_null(pc.equal(
             rows["payload_encoding"], "json"), True)).as_py():
         return None
-    if rows.num_rows == 0 or pc.any(pc.is_null(payload)).as_py() or pc.any(pc.match_substring(payload, "\n")).as_py():
+    if rows.num_rows == 0 or pc.any(pc.is_null(payload)).as_py() or pc.any(pc.match_substring(payload, "\n")).as_py() \
+            or pc.any(pc.equal(payload, "null")).as_py():  # a payload `null` is kept as {"$payload": null}
         return None
     explicit = pa.schema([(field_of(c), t) for c, t in columns.items()])
     text = pc.binary_join(pa.LargeListArray.from_arrays(pa.array([0, len(payload)], pa.int64()),
@@ -583,8 +617,8 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
         if column is None or not (_lattice(f.type) or f.name in explicit.names and f.type == explicit.field(f.name).type):
             return None
         if f.name not in explicit.names:
-            if column != f.name or column.lower() in lowered:
-                return None  # renamed, or another case of a column: value by value
+            if column != f.name or column.lower() in lowered or field_of(column) != f.name:
+                return None  # renamed, another case of a column, or a column's other field: value by value
             lowered.add(column.lower())
             if f.type == shapes.UNKNOWN:
                 continue  # only nulls: no column yet
@@ -592,7 +626,8 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
                 return None
         else:
             column = next(c for c in columns if field_of(c) == f.name)
-            if f.type != columns[column] and (column in fixed or shapes.unify(columns[column], f.type) != f.type):
+            if f.type != columns[column] and (column in fixed or shapes.unify(columns[column], f.type) != f.type
+                                              or not shapes.settled(f.type)):
                 return None
         values = read[f.name].combine_chunks()
         if _outsize(values):
@@ -632,20 +667,47 @@ _LONG_DIGITS = re.compile(r"\d{19}")
 
 def _declared_value(value: Any, t: pa.DataType) -> tuple[bool, Any]:
     """(whether `value` goes into a declared column of type `t`, as what): by the rule's conversions where they
-    apply, else as Arrow converts it (a string to a timestamp or a date, say)."""
+    apply, else as Arrow converts it, and only where nothing is lost: a timestamp or a date from a string only (an
+    ISO 8601 time without an offset is UTC, as Arrow's JSON reader takes it), an object only if the declared
+    struct has each of its fields."""
     if value is None:
         return True, None
     if shapes.fits(shapes.infer(value), t):
         return True, shapes.convert(value, t)
+    if pa.types.is_struct(t):
+        fields = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
+        if not isinstance(value, dict) or any(k not in fields for k in value):
+            return False, None
+        out = {}
+        for name, field_type in fields.items():
+            placed, out[name] = _declared_value(value.get(name), field_type)
+            if not placed:
+                return False, None
+        return True, out
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if not isinstance(value, list):
+            return False, None
+        items = [_declared_value(v, t.value_type) for v in value]
+        return (True, [v for _, v in items]) if all(ok for ok, _ in items) else (False, None)
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
+        return _time_from_text(value, t) if isinstance(value, str) else (False, None)
+    if isinstance(value, dict | list):
+        return False, None
     try:
         return True, pa.array([value], type=t).to_pylist()[0]
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
-        pass
-    if isinstance(value, str):
+        return False, None
+
+
+def _time_from_text(value: str, t: pa.DataType) -> tuple[bool, Any]:
+    for route in ([t], [pa.timestamp("us"), t]) if pa.types.is_timestamp(t) and t.tz else ([t],):
         try:
-            return True, pa.array([value]).cast(t).to_pylist()[0]
+            array: pa.Array = pa.array([value])
+            for step in route:
+                array = array.cast(step)
+            return True, array.to_pylist()[0]
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            pass
+            continue
     return False, None
 
 
@@ -694,8 +756,9 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
         for key, value in (obj or {}).items():
             if key not in target:
                 column = shapes.column_name(key, _ENVELOPE_NAMES)
-                if column is not None and lowered.setdefault(column.lower(), column) != column:
-                    column = None  # another case of a column's name
+                if column is not None and (lowered.setdefault(column.lower(), column) != column
+                                           or field_of(column) != key):
+                    column = None  # another case of a column's name, or the field `payload_version` beside `version`
                 target[key] = column
             column = target[key]
             if column is None or column in fixed:
@@ -703,8 +766,14 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
             merged = shapes.unify(types.get(column, shapes.UNKNOWN), shapes.infer(value))
             if merged is not None:
                 types[column] = merged
-    final = {c: t for c, t in types.items() if c in columns or shapes.settled(shapes.pinned(t)) and t != shapes.UNKNOWN}
-    final = {c: (t if c in columns else shapes.pinned(t)) for c, t in final.items()}
+    final: dict[str, pa.DataType] = {}
+    for c, t in types.items():
+        if c in fixed:
+            final[c] = t
+        elif c in columns:  # a part seen only as null (a nested field) takes `string`; an empty struct none
+            final[c] = shapes.pinned(t) if shapes.settled(shapes.pinned(t)) else columns[c]
+        elif t != shapes.UNKNOWN and shapes.settled(shapes.pinned(t)):
+            final[c] = shapes.pinned(t)
     values: dict[str, list[Any]] = {c: [None] * len(objects) for c in final}
     overflowed = 0
     for i, obj in enumerate(objects):

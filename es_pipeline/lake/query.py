@@ -33,10 +33,11 @@ FORMATS = ("table", "csv", "json")
 
 @dataclass
 class Answer:
-    """A query's result as Arrow, with the tables it could name."""
+    """A query's result as Arrow, with the tables it could name; `complete`: every row (not only the first ones)."""
 
     rows: pa.Table
     tables: list[str]
+    complete: bool = True
 
 
 def extension_directory() -> str:
@@ -70,6 +71,7 @@ def _s3_secret(con: Any) -> None:
     con.execute("LOAD httpfs")
     env = os.environ
     options = {"KEY_ID": env.get("AWS_ACCESS_KEY_ID"), "SECRET": env.get("AWS_SECRET_ACCESS_KEY"),
+               "SESSION_TOKEN": env.get("AWS_SESSION_TOKEN"),
                "REGION": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"}
     endpoint = env.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -83,25 +85,43 @@ def _s3_secret(con: Any) -> None:
     con.execute(f"CREATE OR REPLACE SECRET es_pipeline_lake (TYPE s3, {body})")
 
 
-def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: Any = None) -> Answer:
-    """`query` over the lake's tables by the engine named; Spark needs `settings` (its master, the lake's S3)."""
+def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: Any = None,
+        first: int | None = None) -> Answer:
+    """`query` over the lake's tables by the engine named; Spark needs `settings` (its master, the lake's S3).
+    `first`: read only so many rows (and whether there are more), not the whole result (`SELECT * FROM events`)."""
     if engine == "duckdb":
         import duckdb
 
-        con, names = duckdb_connection(warehouse, query)
+        names: list[str] = []
+        con = None
         try:
-            return Answer(con.execute(query).fetch_arrow_table(), names)
+            con, names = duckdb_connection(warehouse, query)
+            if first is None:
+                return Answer(con.execute(query).fetch_arrow_table(), names)
+            reader = con.execute(query).fetch_record_batch(max(first, 1) + 1)
+            batches, held = [], 0
+            for batch in reader:
+                batches.append(batch)
+                held += batch.num_rows
+                if held > first:
+                    break
+            rows = pa.Table.from_batches(batches, schema=reader.schema)
+            return Answer(rows.slice(0, first), names, complete=rows.num_rows <= first)
         except duckdb.Error as exc:
             raise QueryFailed("duckdb", _first_line(exc), names) from None
         finally:
-            con.close()
+            if con is not None:
+                con.close()
     if engine == "spark":
         from es_pipeline.lake.catalog import sql_over_lake
         from es_pipeline.lake.tables import spark_errors
 
         try:
             frame, names = sql_over_lake(settings, query)
-            return Answer(frame.toArrow(), names)
+            if first is None:
+                return Answer(frame.toArrow(), names)
+            rows = frame.limit(first + 1).toArrow()
+            return Answer(rows.slice(0, first), names, complete=rows.num_rows <= first)
         except spark_errors() as exc:
             raise QueryFailed("spark", _first_line(exc), []) from None
     raise ValueError(f"no engine {engine!r}: say one of {', '.join(ENGINES)}")
@@ -111,23 +131,25 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
-def write(rows: pa.Table, fmt: str, out: IO[str] = sys.stdout, *, limit: int | None = None) -> None:
-    """`rows` as a table for a terminal (at most `limit` rows, and how many there were), CSV or JSON lines."""
+def write(rows: pa.Table, fmt: str, out: IO[str] = sys.stdout, *, limit: int | None = None,
+          complete: bool = True) -> None:
+    """`rows` as a table for a terminal (at most `limit` rows, and how many there were), CSV (NULL as an empty
+    field) or JSON lines. `complete`: `rows` is the whole result (else its first rows)."""
     if fmt == "csv":
         writer = csv.writer(out)
         writer.writerow(rows.column_names)
         for row in rows.to_pylist():
-            writer.writerow([_text(v) for v in row.values()])
+            writer.writerow(["" if v is None else _text(v) for v in row.values()])
     elif fmt == "json":
         for row in rows.to_pylist():
             out.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
     elif fmt == "table":
-        out.write(render(rows, limit=limit))
+        out.write(render(rows, limit=limit, complete=complete))
     else:
         raise ValueError(f"no output format {fmt!r}: say one of {', '.join(FORMATS)}")
 
 
-def render(rows: pa.Table, *, limit: int | None = 50, width: int = 40) -> str:
+def render(rows: pa.Table, *, limit: int | None = 50, width: int = 40, complete: bool = True) -> str:
     """A plain text table: a header, a rule, the first `limit` rows, each cell cut at `width` characters."""
     shown = rows.slice(0, limit) if limit is not None else rows
     cells = [[_cut(_text(v), width) for v in r.values()] for r in shown.to_pylist()]
@@ -144,8 +166,11 @@ def render(rows: pa.Table, *, limit: int | None = 50, width: int = 40) -> str:
     for c in cells:
         line(c)
     more = rows.num_rows - shown.num_rows
-    buf.write(f"({rows.num_rows} row{'s' if rows.num_rows != 1 else ''}"
-              f"{f', the first {shown.num_rows} shown: --limit to see more' if more > 0 else ''})\n")
+    if not complete:
+        buf.write(f"(the first {shown.num_rows} rows; there are more: --limit to see more, --format csv for all)\n")
+    else:
+        buf.write(f"({rows.num_rows} row{'s' if rows.num_rows != 1 else ''}"
+                  f"{f', the first {shown.num_rows} shown: --limit to see more' if more > 0 else ''})\n")
     return buf.getvalue()
 
 

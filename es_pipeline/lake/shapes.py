@@ -9,9 +9,11 @@ becomes columns"):
 - **widening**: `bigint` and `double` make `double`; two different scalars (boolean, number, string) make
   `string`, the other values then held as their JSON text (`5`, `true`); two structs make the struct of both
   fields; two lists the list of both element types.
+- an object whose keys are not all plain names (letters, digits, `_`; `"Content-Type"`) is held as its JSON text
+  in a `string` column.
 - **no fit**: a scalar against an object or an array, an object against an array, a whole number beyond 64
-  bits in a number column, or an object whose keys are no plain names (letters, digits, `_`): the value is
-  kept whole in the row's `_overflow` (a JSON object), and counted. The column keeps its type.
+  bits in a number column: the value is kept whole in the row's `_overflow` (a JSON object), and counted. The
+  column keeps its type.
 - a field's column is named as the field where that name is plain; an envelope column's name is taken by
   the envelope, so such a field becomes `payload_<name>`. Names that are not plain, and a field whose name
   differs only in case from another column's, are overflow: Delta's column names are case-insensitive.
@@ -19,6 +21,8 @@ becomes columns"):
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -172,12 +176,13 @@ def convert(value: Any, column: pa.DataType) -> Any:
 
 
 def json_text(value: Any) -> str:
-    """A value as JSON text (outsize integers as their digits)."""
+    """A value as JSON text (outsize integers as their digits; NaN and infinities as Python's json writes them,
+    where orjson would write null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
     try:
         return orjson.dumps(value).decode()
     except TypeError:  # an integer beyond 64 bits
-        import json
-
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -212,5 +217,5 @@ def widen_column(values: pa.ChunkedArray | pa.Array, to: pa.DataType) -> pa.Arra
     if pa.types.is_string(to) and (pa.types.is_integer(held) or pa.types.is_boolean(held)):
         return values.cast(to)
     if pa.types.is_floating(to) and pa.types.is_integer(held):
-        return values.cast(to)
+        return values.cast(to, safe=False)  # beyond 2**53 to the nearest double, as JSON readers do
     return pa.array([convert(v, to) for v in values.to_pylist()], type=to)

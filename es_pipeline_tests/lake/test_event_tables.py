@@ -11,13 +11,13 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
-from es_pipeline.lake import event_tables, tables
+from es_pipeline.lake import event_tables, query, tables
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
@@ -77,6 +77,15 @@ def assert_typed_tables_equal_the_store(dsn: str, warehouse: Path, domain: Domai
     return len(store)
 
 
+def _assert_duckdb_reads_every_typed_table(warehouse: Path) -> None:
+    """Each typed table as DuckDB's delta reader counts it: delta-rs's count (no column type it cannot read)."""
+    con, _ = query.duckdb_connection(warehouse)
+    for name in event_tables.table_names(warehouse):
+        got = con.execute(f'SELECT count(*) FROM delta_scan(\'{warehouse / name}\')').fetchone()
+        assert got is not None and got[0] == DeltaTable(str(warehouse / name)).to_pyarrow_table().num_rows, name
+    con.close()
+
+
 def _append(store: EventStore, stream: str, *events: tuple[str, dict[str, Any]]) -> None:
     version = 0
     with psycopg.connect(store.dsn) as conn:
@@ -91,9 +100,10 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
 ) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=40, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=7)
+    _append(store, "probe-0", ("Measured", {"detail": {"a": 1}, "big": 2**60 + 1}))
     extract_all(dsn.extractor, None, warehouse)
     built = event_tables.update(warehouse, domain)
-    assert built.rebuilt and built.events == 600 and "events_item_added" in built.new_tables
+    assert built.rebuilt and built.events == 601 and "events_item_added" in built.new_tables
     assert_typed_tables_equal_the_store(dsn, warehouse, domain)
 
     # Payloads change shape: a new field, an int widened to double, a number where a string was, a
@@ -102,14 +112,17 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
             ("Deposited", {"amount": {"value": 3}, "currency": "EUR"}),
             ("Opened", {"owner": 42, "currency": "EUR", "version": 7, "Owner": "case clash", "odd-name": 1}),
             ("Deposited", {"amount": 123456789012345678901}),
-            ("weird.type", {"x": [1, "two", {"three": 3}]}))
+            ("weird.type", {"x": [1, "two", {"three": 3}]}),
+            ("Measured", {"detail": {"a": 2, "b": None}}),  # a nested field seen only as null: no `void` column
+            ("Measured", {"big": 0.5}),  # a large whole number widened to double
+            ("Opened", {"version": 1, "payload_version": 2}))  # two fields for one column: the second is overflow
     with psycopg.connect(dsn) as conn:
         conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
                      "VALUES ('probe-2', 'probe', 1, 'Deposited', '[1, 2]'::jsonb)")
     run_workload(store, streams=10, events=150, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=8)
     extract_all(dsn.extractor, None, warehouse)
     grown = event_tables.update(warehouse, domain)
-    assert not grown.rebuilt and grown.events == 156
+    assert not grown.rebuilt and grown.events == 159
     assert "events_item_added.qty: bigint → double" in grown.widened
     assert "events_item_added.gift boolean" in grown.new_columns
     assert grown.overflow["events_deposited"] >= 3 and grown.overflow["events_opened"] >= 2
@@ -119,6 +132,8 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
            and r["column_name"] == "qty"]
     assert qty == [("bigint", "added"), ("double", "widened from bigint")]
     assert ("weird.type", "events_weird_type") in {(r["event_type"], r["table_name"]) for r in history}
+    assert "events_measured.big: bigint → double" in grown.widened
+    _assert_duckdb_reads_every_typed_table(warehouse)
 
     # A run killed after some tables took their rows and before the cursor: the replay adds nothing twice.
     run_workload(store, streams=10, events=200, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=9)
@@ -146,19 +161,32 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
 def test_a_lost_change_feed_rebuilds_and_a_new_definition_too(dsn: StoreDsn, warehouse: Path) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=3)
+    _append(store, "b-1", ("Backup", {"x": 1}))
+    foreign = warehouse / "events_backup"  # a table someone else keeps, under a name a type would take
+    write_deltalake(str(foreign), pa.table({"kept": [1, 2, 3]}))
     extract_all(dsn.extractor, None, warehouse)
     event_tables.update(warehouse, PLAIN)
+    assert DeltaTable(str(foreign)).to_pyarrow_table().num_rows == 3
+    backup = event_tables.table_name("Backup")
+    assert [n for n in event_tables.table_names(warehouse) if n.startswith(backup)] == [f"{backup}_{_hash('Backup')}"]
     run_workload(store, streams=5, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=4)
     extract_all(dsn.extractor, None, warehouse)
     events = DeltaTable(str(warehouse / "events"))
     events.optimize.compact()  # rewrites the files, then the old ones go: the feed of the last commits is lost
     events.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
     rebuilt = event_tables.update(warehouse, PLAIN)
-    assert rebuilt.rebuilt and rebuilt.events == 250
+    assert rebuilt.rebuilt and rebuilt.events == 251
     assert_typed_tables_equal_the_store(dsn, warehouse)
-    # The shop's upcaster: the cart tables hold the upcast payloads, built anew.
+    # The shop's upcaster: the cart tables hold the upcast payloads, built anew; then on, and back to the first
+    # definition: built anew again, never appended to tables another definition built (no event twice).
     assert event_tables.update(warehouse, SHOP).rebuilt
     assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
+    run_workload(store, streams=5, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=5)
+    extract_all(dsn.extractor, None, warehouse)
+    assert not event_tables.update(warehouse, SHOP).rebuilt
+    assert event_tables.update(warehouse, PLAIN).rebuilt
+    assert assert_typed_tables_equal_the_store(dsn, warehouse) == 301
+    assert DeltaTable(str(foreign)).to_pyarrow_table().num_rows == 3
 
 
 @pytest.mark.slow
@@ -207,3 +235,9 @@ def test_a_declared_payload_schema_wins_over_inference(dsn: StoreDsn, warehouse:
     assert late["at"].isoformat() == "2026-11-26T10:30:00+00:00" and late["reading"] == 2.5
     with pytest.raises(DomainError, match="two payload schemas"):
         declared.event_schema("Measured", pa.schema([("at", pa.string())]))
+
+
+def _hash(event_type: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(event_type.encode()).hexdigest()[:8]
