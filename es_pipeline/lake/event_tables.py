@@ -281,7 +281,7 @@ class _Keeper:
             write_deltalake(self.mapping_path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(self.mapping_path, None)
             if built:
-                _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key})
+                _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key}, raise_if_not_exists=False)
         else:
             mapping = _open(self.mapping_path)
             mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)
@@ -311,7 +311,7 @@ class _Keeper:
         last commit of each records the transaction id (a build cut short leaves the cursor unset: built again)."""
         self.result.rebuilt = True
         if tables.is_delta_table(self.mapping_path):  # until it ends, no cursor: a build cut short is built again
-            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: "building"})
+            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: "building"}, raise_if_not_exists=False)
         owned = set(self.names.values())
         self.history, self.changed = [], True
         kept_names = dict(self.names)  # the names types had: kept, so that a rebuild moves no table
@@ -424,8 +424,9 @@ class _Keeper:
         typed = type_rows(rows, held, domain=self._upcasting(event_type),
                           declared=self.domain.event_schemas.get(event_type))
         if fresh or target is None:
-            if not tables.is_delta_table(path):  # made with its owner: the type it holds
-                DeltaTable.create(path, typed.rows.schema, mode="ignore", configuration={OWNER: event_type})
+            if not tables.is_delta_table(path):  # made with its owner (the type it holds), then its rows
+                made = DeltaTable.create(path, typed.rows.schema, mode="ignore")
+                made.alter.set_table_properties({OWNER: event_type}, raise_if_not_exists=False)
             write_deltalake(path, typed.rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(path, None)
             if fresh and name not in self.result.rows:
@@ -436,7 +437,7 @@ class _Keeper:
                     self._record(event_type, name, f.name, f.type, "added", typed.first_at.get(f.name))
         elif typed.widened:
             assert target is not None
-            before = feed.files(path, target).to_table()
+            before = _spill_rounded(feed.files(path, target).to_table(), typed.widened)
             widened = typed.rows.schema
             old = pa.table([shapes.widen_column(before[f.name], f.type) if f.name in before.column_names
                             else pa.nulls(before.num_rows, f.type) for f in widened], schema=widened)
@@ -471,6 +472,25 @@ class _Keeper:
         if d.schema_version == "suffix" or any(u.event_type == event_type for u in d.upcasters.values()):
             return d
         return None
+
+
+def _spill_rounded(rows: pa.Table, widened: dict[str, tuple[pa.DataType, pa.DataType]]) -> pa.Table:
+    """A table's rows before a widening, with each whole number a new double column would round moved from its
+    column into the row's `_overflow` (so the rewrite loses no digit)."""
+    for column, (old, new) in widened.items():
+        if not (pa.types.is_integer(old) and pa.types.is_floating(new)) or column not in rows.column_names:
+            continue
+        values = rows[column]
+        big = pc.fill_null(pc.greater(pc.abs(values), shapes.EXACT), False)
+        if not pc.any(big).as_py():
+            continue
+        spills = rows[shapes.OVERFLOW].to_pylist()
+        for i in pc.indices_nonzero(big).to_pylist():
+            held = json.loads(spills[i]) if spills[i] else {}
+            spills[i] = shapes.json_text({**held, field_of(column): values[i].as_py()})
+        rows = rows.set_column(rows.column_names.index(column), column, pc.if_else(big, None, values))
+        rows = rows.set_column(rows.column_names.index(shapes.OVERFLOW), shapes.OVERFLOW, pa.array(spills, pa.string()))
+    return rows
 
 
 def _owner(path: str) -> str | None:
@@ -583,10 +603,10 @@ def field_of(column: str) -> str:
 def column_for(field: str, columns: Iterable[str]) -> str | None:
     """The column of `columns` that holds payload field `field`, if any."""
     column = shapes.column_name(field, _ENVELOPE_NAMES)
-    return column if column is not None and column in columns else None
+    return column if column is not None and column in columns and field_of(column) == field else None
 
 
-_OUTSIZE = 2.0**63  # a double this large may be an integer beyond 64 bits, which Arrow's reader rounds
+_OUTSIZE = float(shapes.EXACT)  # a double this large may be a whole number Arrow's reader rounded: value by value
 
 
 def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
@@ -672,7 +692,7 @@ def _declared_value(value: Any, t: pa.DataType) -> tuple[bool, Any]:
     struct has each of its fields."""
     if value is None:
         return True, None
-    if shapes.fits(shapes.infer(value), t):
+    if shapes.places(value, t):
         return True, shapes.convert(value, t)
     if pa.types.is_struct(t):
         fields = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
@@ -786,7 +806,7 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
                 if placed:
                     values[column][i] = converted  # type: ignore[index]
                     continue
-            elif t is not None and shapes.fits(shapes.infer(value), t):
+            elif t is not None and shapes.places(value, t):
                 values[column][i] = shapes.convert(value, t)  # type: ignore[index]
                 continue
             if value is not None:

@@ -6,7 +6,8 @@ becomes columns"):
 - a JSON `true`/`false` is `boolean`, a whole number `bigint`, a number with a fraction or exponent `double`,
   a string `string`, an object a `struct` (its fields by the same rule), an array a `list` of its elements'
   type. `null` says nothing of a type and fits any column; `[]` fits any list, `{}` any struct.
-- **widening**: `bigint` and `double` make `double`; two different scalars (boolean, number, string) make
+- **widening**: `bigint` and `double` make `double` (a whole number beyond 2**53, which a double would round, is
+  then overflow); two different scalars (boolean, number, string) make
   `string`, the other values then held as their JSON text (`5`, `true`); two structs make the struct of both
   fields; two lists the list of both element types.
 - an object whose keys are not all plain names (letters, digits, `_`; `"Content-Type"`) is held as its JSON text
@@ -134,6 +135,27 @@ def fits(t: Any, column: pa.DataType) -> bool:
     if t is MISFIT:
         return pa.types.is_string(column)
     return unify(column, t) == column
+
+
+EXACT = 2**53  # whole numbers up to this size are exact as doubles
+
+
+def places(value: Any, column: pa.DataType) -> bool:
+    """Whether `value` goes into `column` exactly: it `fits`, and a whole number beyond 2**53 is not made a double
+    (which would round it): such a value is overflow, kept whole."""
+    if not fits(infer(value), column):
+        return False
+    return not _rounds(value, column)
+
+
+def _rounds(value: Any, column: pa.DataType) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return pa.types.is_floating(column) and abs(value) > EXACT
+    if isinstance(value, dict) and pa.types.is_struct(column):
+        return any(_rounds(value.get(column.field(i).name), column.field(i).type) for i in range(column.num_fields))
+    if isinstance(value, list) and pa.types.is_list(column):
+        return any(_rounds(v, column.value_type) for v in value)
+    return False
 
 
 def settled(t: Any) -> bool:

@@ -20,7 +20,9 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -62,34 +64,78 @@ def binaries(major: str) -> Path:
     return bindir
 
 
-def run(major: str, pytest_args: list[str]) -> int:
+@dataclass
+class Cluster:
+    major: str
+    bindir: Path
+    port: int
+    data: Path
+    version: str
+
+
+def start(major: str) -> Cluster:
+    """A cluster of `major` on a free port, in a data folder of its own."""
     bindir = binaries(major)
-    os.environ["ES_PIPELINE_PG_BINDIR"] = str(bindir)  # for local_server, in this process and the tests'
+    os.environ["ES_PIPELINE_PG_BINDIR"] = str(bindir)  # local_server reads it when it starts the server
     port = free_port()
     data = PROJECT_ROOT / ".pgdata" / f"pg{major}-{os.getpid()}"
     local_server.start(port, data)
+    with psycopg.connect(local_pg_dsn(port, "postgres")) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    return Cluster(major, bindir, port, data, str(row[0]) if row else "?")
+
+
+def stop(cluster: Cluster) -> None:
+    os.environ["ES_PIPELINE_PG_BINDIR"] = str(cluster.bindir)
+    local_server.stop(cluster.data)
+    shutil.rmtree(cluster.data, ignore_errors=True)
+    (cluster.data.parent / f"{cluster.data.name}.log").unlink(missing_ok=True)
+
+
+def pytest_env(cluster: Cluster) -> dict[str, str]:
+    return {**os.environ, "ES_PIPELINE_PG_BINDIR": str(cluster.bindir),
+            "ES_PIPELINE_TEST_PG_ADMIN_DSN": local_pg_dsn(cluster.port, "postgres"),
+            "ES_PIPELINE_LOCAL_PG_PORT": str(cluster.port)}
+
+
+def run_all(majors: list[str], pytest_args: list[str], *, parallel: bool) -> list[str]:
+    """Each major's tests on its own cluster: side by side (each run's output printed when it ends), or one
+    after another; the majors whose tests failed."""
+    clusters, failed = [], []
     try:
-        admin = local_pg_dsn(port, "postgres")
-        with psycopg.connect(admin) as conn:
-            version = conn.execute("SHOW server_version").fetchone()
-        print(f"== PostgreSQL {version[0] if version else '?'} on port {port}: pytest {' '.join(pytest_args)}",
-              flush=True)
-        env = {**os.environ, "ES_PIPELINE_TEST_PG_ADMIN_DSN": admin, "ES_PIPELINE_LOCAL_PG_PORT": str(port)}
-        started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], env=env, cwd=PROJECT_ROOT)
-        print(f"== PostgreSQL {major}: exit {code} in {time.monotonic() - started:.0f} s", flush=True)
-        return code
+        for major in majors:
+            clusters.append(start(major))
+        runs = []
+        for c in clusters:
+            print(f"== PostgreSQL {c.version} on port {c.port}: pytest {' '.join(pytest_args)}", flush=True)
+            log = tempfile.TemporaryFile("w+") if parallel else None
+            runs.append((c, log, time.monotonic(), subprocess.Popen(
+                [sys.executable, "-m", "pytest", *pytest_args], env=pytest_env(c), cwd=PROJECT_ROOT,
+                stdout=log, stderr=subprocess.STDOUT if log else None)))
+            if not parallel:
+                runs[-1][3].wait()
+        for c, log, started, proc in runs:
+            code = proc.wait()
+            if log is not None:
+                log.seek(0)
+                print(f"== PostgreSQL {c.major}'s output:\n{log.read()}", end="", flush=True)
+            print(f"== PostgreSQL {c.major}: exit {code} in {time.monotonic() - started:.0f} s", flush=True)
+            if code:
+                failed.append(c.major)
     finally:
-        local_server.stop(data)
-        shutil.rmtree(data, ignore_errors=True)
-        (data.parent / f"{data.name}.log").unlink(missing_ok=True)
+        for c in clusters:
+            stop(c)
+    return failed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--major", action="append", choices=sorted(BUNDLES), help="default: all of them")
+    parser.add_argument("--serial", action="store_true", help="one major after the other (default: side by side, "
+                        "each on its own cluster: the runs wait on PostgreSQL and the JVM more than on the cores)")
     args, pytest_args = parser.parse_known_args()
-    failed = [m for m in (args.major or sorted(BUNDLES, key=int)) if run(m, pytest_args or ["-q", *DEFAULT_TESTS])]
+    majors = args.major or sorted(BUNDLES, key=int)
+    failed = run_all(majors, pytest_args or ["-q", *DEFAULT_TESTS], parallel=not args.serial and len(majors) > 1)
     if failed:
         print(f"== failed on PostgreSQL {', '.join(failed)}", flush=True)
     return 1 if failed else 0
