@@ -17,7 +17,7 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
-from es_pipeline.lake import event_tables, query, tables
+from es_pipeline.lake import event_tables, query, tables, typed_rows
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
@@ -66,14 +66,14 @@ def assert_typed_tables_equal_the_store(dsn: str, warehouse: Path, domain: Domai
             assert spilled == {"$payload": payload}, (stream_id, version)
             continue
         for field, value in payload.items():
-            column = event_tables.column_for(field, row)
+            column = typed_rows.column_for(field, row)
             if field in spilled:
                 assert spilled[field] == value and (column is None or row[column] is None), (stream_id, version, field)
             else:
                 assert column is not None and _same(row[column], value), (stream_id, version, field, row.get(column))
-        payload_columns = [c for c in row if c not in event_tables.ENVELOPE.names and c != "_table"]
+        payload_columns = [c for c in row if c not in typed_rows.ENVELOPE.names and c != "_table"]
         for column in payload_columns:  # no value from nowhere
-            assert row[column] is None or event_tables.field_of(column) in payload, (stream_id, version, column)
+            assert row[column] is None or typed_rows.field_of(column) in payload, (stream_id, version, column)
     return len(store)
 
 

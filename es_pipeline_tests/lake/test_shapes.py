@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from es_pipeline.lake import shapes
-from es_pipeline.lake.event_tables import ENVELOPE, table_name
+from es_pipeline.lake.event_tables import table_name
+from es_pipeline.lake.typed_rows import ENVELOPE
 
 ENVELOPE_NAMES = frozenset(n.lower() for n in ENVELOPE.names)
 
