@@ -19,25 +19,10 @@ from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
 from es_pipeline.lake import event_tables, query, tables, typed_rows
 from es_pipeline.store.event_store import EventStore, NewEvent
-from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.lakecheck import extract_all, same_value
 from es_pipeline_tests.support.roles import StoreDsn
 
 PLAIN = Domain("plain")  # no upcasters: payloads as stored
-
-
-def _same(held: Any, value: Any) -> bool:
-    """Whether a column's value holds the payload's: a number or boolean in a string column as its JSON text, a
-    whole number in a double column as a float, a struct's fields the object's (others null)."""
-    if value is None:
-        return held is None
-    if isinstance(held, str) and not isinstance(value, str):
-        return json.loads(held) == value
-    if isinstance(value, dict):
-        return isinstance(held, dict) and all(_same(held.get(k), v) for k, v in value.items()) and \
-            all(v is None for k, v in held.items() if k not in value)
-    if isinstance(value, list):
-        return isinstance(held, list) and len(held) == len(value) and all(map(_same, held, value))
-    return held == value and isinstance(held, bool) == isinstance(value, bool)
 
 
 def assert_typed_tables_equal_the_store(dsn: str, warehouse: Path, domain: Domain = PLAIN) -> int:
@@ -70,7 +55,7 @@ def assert_typed_tables_equal_the_store(dsn: str, warehouse: Path, domain: Domai
             if field in spilled:
                 assert spilled[field] == value and (column is None or row[column] is None), (stream_id, version, field)
             else:
-                assert column is not None and _same(row[column], value), (stream_id, version, field, row.get(column))
+                assert column is not None and same_value(row[column], value), (stream_id, version, field, row.get(column))
         payload_columns = [c for c in row if c not in typed_rows.ENVELOPE.names and c != "_table"]
         for column in payload_columns:  # no value from nowhere
             assert row[column] is None or typed_rows.field_of(column) in payload, (stream_id, version, column)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pyarrow as pa
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 from es_pipeline.lake import shapes
 from es_pipeline.lake.event_tables import table_name
 from es_pipeline.lake.typed_rows import ENVELOPE
+from es_pipeline_tests.support.lakecheck import same_value
 
 ENVELOPE_NAMES = frozenset(n.lower() for n in ENVELOPE.names)
 
@@ -89,20 +89,6 @@ _json = st.recursive(
 )
 
 
-def _same(held: Any, value: Any) -> bool:
-    """Whether a column's value holds the payload's (the rule's conversions undone)."""
-    if value is None:
-        return held is None
-    if isinstance(held, str) and not isinstance(value, str):
-        return json.loads(held) == value
-    if isinstance(value, dict):
-        return isinstance(held, dict) and all(_same(held.get(k), v) for k, v in value.items()) and \
-            all(v is None for k, v in held.items() if k not in value)
-    if isinstance(value, list):
-        return isinstance(held, list) and len(held) == len(value) and all(map(_same, held, value))
-    return held == value and isinstance(held, bool) == isinstance(value, bool)
-
-
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_json, min_size=1, max_size=6))
 def test_every_value_either_fits_the_widened_column_exactly_or_is_overflow(values: list[Any]) -> None:
@@ -114,7 +100,7 @@ def test_every_value_either_fits_the_widened_column_exactly_or_is_overflow(value
     kept = [v for v in values if shapes.places(v, column)]
     array = pa.array([shapes.convert(v, column) for v in kept], type=column)  # Arrow takes each as the column's type
     for held, v in zip(array.to_pylist(), kept, strict=True):
-        assert _same(held, v), (held, v, column)  # exactly: no digit lost
+        assert same_value(held, v), (held, v, column)  # exactly: no digit lost
     first = next((v for v in values if shapes.infer(v) not in (shapes.UNKNOWN, shapes.MISFIT)), None)
     if first is not None:  # the first value with a type has a place, unless a double would round it
         assert shapes.fits(shapes.infer(first), column)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -84,3 +85,19 @@ def _same_events(expected: dict[Any, Any], rows: list[tuple[Any, Any]]) -> int:
     wrong = [k for k in expected if expected[k] != got[k]]
     assert not wrong, f"{len(wrong)} payloads differ, e.g. {wrong[:3]}"
     return len(expected)
+
+
+def same_value(held: Any, value: Any) -> bool:
+    """Whether a typed column's value holds a payload's (lake/shapes.py undone): a number or boolean in a string
+    column as its JSON text, a whole number in a double column as a float, a struct's fields the object's (others
+    null). Exact: no digit lost."""
+    if value is None:
+        return held is None
+    if isinstance(held, str) and not isinstance(value, str):
+        return json.loads(held) == value
+    if isinstance(value, dict):
+        return isinstance(held, dict) and all(same_value(held.get(k), v) for k, v in value.items()) and \
+            all(v is None for k, v in held.items() if k not in value)
+    if isinstance(value, list):
+        return isinstance(held, list) and len(held) == len(value) and all(map(same_value, held, value))
+    return held == value and isinstance(held, bool) == isinstance(value, bool)
