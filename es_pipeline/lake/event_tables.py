@@ -175,13 +175,12 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
     total: EventTablesResult | None = None
     while cursor is not None and cursor < now:  # the feed a window of commits at a time, each window committed
         upto = min(now, cursor + WINDOW)
-        changes = _changes(events, cursor, upto, read)
+        changes = feed.new_rows(events, cursor, upto, [*read, "_commit_version"], whole=True)
         if changes is None:
+            log.info("events' change feed after version %s cannot be read: the typed event tables are built anew",
+                     cursor)
             break
-        keeper = keeper if total is None else _Keeper(warehouse, domain, key, upto)
-        keeper.now = keeper.result.events_version = upto
-        if total is not None:
-            keeper.cursor()
+        keeper.next_window(upto)  # the mapping as this process committed it: not read again
         keeper.increment(changes, cursor)
         keeper.commit_mapping()
         total = keeper.result if total is None else total.add(keeper.result)
@@ -191,31 +190,13 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
     if cursor is None or cursor < now:
         if not build:
             return total
-        keeper = _Keeper(warehouse, domain, key, now)
-        keeper.cursor()
+        keeper.next_window(now)
         keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
         keeper.commit_mapping(built=True)
         total = keeper.result if total is None else total.add(keeper.result)
     assert total is not None
     total.seconds = time.monotonic() - started
     return total
-
-
-def _changes(events: DeltaTable, after: int, upto: int, read: list[str]) -> pa.Table | None:
-    """The rows the `events` commits after..upto added, with their commit version; None when the feed cannot be read
-    (then the tables are built anew from the current rows)."""
-    try:
-        reader = pa.RecordBatchReader.from_stream(events.load_cdf(
-            starting_version=after + 1, ending_version=upto, columns=[*read, "_change_type", "_commit_version"]))
-        batches = list(reader)
-    except Exception as exc:  # noqa: BLE001 - a vacuumed or purged feed means a build; anything else re-raises
-        if tables.change_feed_gone(exc) or "change data" in str(exc).lower():
-            log.info("events' change feed after version %s cannot be read (%s): the typed event tables are built anew",
-                     after, exc)
-            return None
-        raise
-    table = feed.plain(pa.Table.from_batches(batches, schema=reader.schema))
-    return table.filter(pc.equal(table["_change_type"], "insert"))
 
 
 def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa.Table]:
@@ -253,6 +234,10 @@ class _Keeper:
         self.history: list[dict[str, Any]] = []  # the mapping's rows
         self.changed = False  # the mapping is rewritten
         self.lock = threading.Lock()  # the tables are written side by side: what they report goes through it
+
+    def next_window(self, upto: int) -> None:
+        """Go on to the `events` commits up to `upto`, with the names and history held (as committed so far)."""
+        self.now, self.result, self.changed = upto, EventTablesResult(upto), False
 
     # -- the mapping --------------------------------------------------------------------------------------------
 

@@ -18,16 +18,18 @@ from es_pipeline.lake import tables
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
 
 
-def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str]) -> pa.Table | None:
-    """The rows that the `events` commits after..upto (inclusive) added, or None when they number more than
-    `SMALL_INCREMENT` or cannot be read (their files vacuumed): then Spark takes the update."""
+def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str], *, whole: bool = False) -> pa.Table | None:
+    """The rows that the `events` commits after..upto (inclusive) added (`columns` may name `_commit_version`), or
+    None when they cannot be read (their files vacuumed or purged) or, unless `whole`, number more than
+    `SMALL_INCREMENT`: then Spark takes the update, or the table is built anew."""
+    limit = None if whole else SMALL_INCREMENT
     try:
         feed = pa.RecordBatchReader.from_stream(events.load_cdf(
             starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"]))
         batches, rows = [], 0
         for batch in feed:
             rows += batch.num_rows
-            if rows > SMALL_INCREMENT:
+            if limit is not None and rows > limit:
                 return None
             batches.append(batch)
     except Exception as exc:  # noqa: BLE001 - a vacuumed file goes to Spark's rebuild; anything else re-raises
