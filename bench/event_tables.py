@@ -12,11 +12,13 @@ Over one store and one lake, in one run:
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,28 +128,29 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     wait_until_extractable(dsn)
     extractor.run(ALL_SLICES, run_id="bench-typed-types")
     event_tables.update(lake, NO_DOMAIN)
+    def tick(label: str, append: Callable[[], None], run_id: str) -> Timing:
+        """`append` new events, extract them, then time the typed tables' update alone."""
+        append()
+        wait_until_extractable(dsn)
+        if extractor.run(ALL_SLICES, run_id=run_id).rows != sizes.increment:
+            raise RuntimeError("the increment did not reach the lake whole")
+        t0 = time.perf_counter()
+        done = event_tables.update(lake, NO_DOMAIN)
+        if done.events != sizes.increment:
+            raise RuntimeError(f"the tick wrote {done.events} events")
+        return Timing(label, done.events, time.perf_counter() - t0, {"tables_written": len(done.rows)})
+
     ticks, spread = [], []
     for i in range(sizes.repeats):
-        append_increment(dsn, 700 + i, sizes.increment)  # new account streams: one type
-        wait_until_extractable(dsn)
-        if extractor.run(ALL_SLICES, run_id=f"bench-typed-mix-{i}").rows != sizes.increment:
-            raise RuntimeError("the increment did not reach the lake whole")
-        t0 = time.perf_counter()
-        tick = event_tables.update(lake, NO_DOMAIN)
-        ticks.append(Timing(f"#{i + 1}", tick.events, time.perf_counter() - t0, {"tables_written": len(tick.rows)}))
-        if tick.events != sizes.increment:
-            raise RuntimeError(f"the tick wrote {tick.events} events")
-        _append_spread(store, versions, sizes.increment, i + 1)  # every one of the 300 types
-        wait_until_extractable(dsn)
-        if extractor.run(ALL_SLICES, run_id=f"bench-typed-tick-{i}").rows != sizes.increment:
-            raise RuntimeError("the increment did not reach the lake whole")
-        t0 = time.perf_counter()
-        tick = event_tables.update(lake, NO_DOMAIN)
-        spread.append(Timing(f"#{i + 1}", tick.events, time.perf_counter() - t0, {"tables_written": len(tick.rows)}))
-        if tick.events != sizes.increment or len(tick.rows) != min(TYPES, sizes.increment):
-            raise RuntimeError(f"the tick wrote {tick.events} events to {len(tick.rows)} tables")
+        ticks.append(tick(f"#{i + 1}", functools.partial(append_increment, dsn, 700 + i, sizes.increment),
+                          f"bench-typed-mix-{i}"))  # one type
+        spread.append(tick(f"#{i + 1}", functools.partial(_append_spread, store, versions, sizes.increment, i + 1),
+                           f"bench-typed-tick-{i}"))  # every one of the 300 types
+        written = (spread[-1].extra or {})["tables_written"]
+        if written != min(TYPES, sizes.increment):
+            raise RuntimeError(f"the spread tick wrote {written} tables")
         log.info("[%s]   increment %d: %.2f s (one type), %.2f s over %d tables", NAME, i + 1,
-                 ticks[-1].seconds, spread[-1].seconds, len(tick.rows))
+                 ticks[-1].seconds, spread[-1].seconds, written)
     median = statistics.median(t.seconds for t in ticks)
     median_spread = statistics.median(t.seconds for t in spread)
     total_types = len(tables.table_names(lake, event_tables.PREFIX))
