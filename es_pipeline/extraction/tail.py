@@ -13,6 +13,7 @@ sensor has queued the next run, which starts when this one ends.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -27,6 +28,10 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.store.conninfo import connect
 
 CHANNEL = "es_events"
+# The run tags of `events` runs (defs/events): every run carries its slice range; a run the sensor starts when
+# ES_PIPELINE_TAIL_SECONDS > 0 carries how long it tails (a hand materialization has none and makes one pass).
+RANGE_TAG = "es_pipeline/slice_range"
+TAIL_TAG = "es_pipeline/tail_seconds"
 POLL_SECONDS = 2.0  # at most this long between probes, notifications or not
 GATHER_SECONDS = 1.0  # after a notification, this long at least: the commits around it are taken in one pass
 PASS_GAP = 2.5  # a pass begins this long after the previous one began, at least: under a steady trickle,
@@ -84,11 +89,13 @@ def tail(
     extractor: Extractor, slice_range: SliceRange, *, run_id: str, seconds: float,
     on_pass: Callable[[ExtractResult], None], poll_seconds: float = POLL_SECONDS,
     clock: Callable[[], float] = time.monotonic, session: OffsetSession | None = None,
+    stop: threading.Event | None = None,
 ) -> TailResult:
     """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events.
 
     The passes share one `session` (the caller's, or one opened here): its connections, and the slice
-    locks, held from the first pass to the last, so a pass repeats none of the first one's checks.
+    locks, held from the first pass to the last, so a pass repeats none of the first one's checks. `stop`: set
+    when the run is asked to stop; the pass in progress ends and commits, and no other begins.
     """
     deadline = clock() + seconds
     began = clock()  # the last pass's start (the caller's first pass has just run)
@@ -98,11 +105,13 @@ def tail(
     ) as probe_conn, nullcontext(session) if session is not None else extractor.session(
         slice_range, run_id
     ) as session:
-        while True:
+        while stop is None or not stop.is_set():
             left = deadline - clock()
             if left <= 0:
                 break
             _wait(listener, min(poll_seconds, left), gather=_gather(began, clock(), left))
+            if stop is not None and stop.is_set():
+                break
             out.probes += 1
             found = probe(probe_conn, extractor.events_source, extractor.consumer)
             if not any(s in found.ready_slices for s in slice_range.slices):

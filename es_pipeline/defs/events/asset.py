@@ -1,5 +1,6 @@
 """The `events` asset: committed events of one slice range, exactly once into Delta; and its job."""
 
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -15,12 +16,13 @@ from es_pipeline.defs.projections.assets import (
     state_metadata,
 )
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.stopping import stop_requests
 from es_pipeline.domain import Domain
 from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
 from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.extraction.tail import tail
+from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG, tail
 from es_pipeline.lake.cross_stream import CrossStreamResult
 from es_pipeline.lake.event_tables import EventTablesResult
 from es_pipeline.lake.fold import StateResult
@@ -29,10 +31,7 @@ from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import lock_transaction
 
-RANGE_TAG = "es_pipeline/slice_range"
-# On a run the sensor starts when ES_PIPELINE_TAIL_SECONDS > 0: how long the run tails its range. A hand
-# materialization carries no such tag and makes one pass.
-TAIL_TAG = "es_pipeline/tail_seconds"
+__all__ = ["RANGE_TAG", "TAIL_TAG", "build_events_asset", "build_events_job"]
 
 
 def build_events_asset(
@@ -70,11 +69,13 @@ def build_events_asset(
         tail_seconds = float(context.run.tags.get(TAIL_TAG) or 0)
 
         try:
-            with extractor.session(slice_range, context.run.run_id) as session:
+            # Asked to stop (make dev's Ctrl-C, a deploy, Terminate): the pass in progress commits, and the run ends.
+            with stop_requests(context, finish=True) as stop, \
+                    extractor.session(slice_range, context.run.run_id) as session:
                 if tail_seconds > 0:
                     return _tail(context, extractor, slice_range, session, tail_seconds, keys,
                                  report_seconds=settings.report_seconds,
-                                 follow=here.pg_dsn if settings.automation else None, domain=domain)
+                                 follow=here.pg_dsn if settings.automation else None, domain=domain, stop=stop)
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
@@ -95,6 +96,7 @@ def build_events_asset(
 def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
     tail_seconds: float, keys: list[str], *, report_seconds: float, follow: str | None, domain: Domain,
+    stop: threading.Event,
 ) -> dg.MaterializeResult:
     """Passes over `slice_range` for `tail_seconds`, reported as materializations of the partitions they
     brought events to (`_Reports`: at most every `report_seconds`, each with the rows of the passes since the
@@ -119,17 +121,18 @@ def _tail(
         if first.rows:
             on_pass(first)
         tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=on_pass,
-                      session=session)
+                      session=session, stop=stop)
         reports.flush()
         projections.maybe_update(force=True)
         projections.flush()
     last = tailed.last or first
-    context.log.info(f"{slice_range.key}: tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
+    ended = "asked to stop, " if stop.is_set() else ""
+    context.log.info(f"{slice_range.key}: {ended}tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
                      f"{reports.passes} passes after {tailed.probes} probes")
     return dg.MaterializeResult(metadata={
         "run_events": first.rows + tailed.rows, "passes": reports.passes, "probes": tailed.probes,
         "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
-        "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3),
+        "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3), "stopped_early": stop.is_set(),
     })
 
 

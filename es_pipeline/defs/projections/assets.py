@@ -3,6 +3,7 @@
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.stopping import projection_run
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake.cross_stream import CrossStreamResult
@@ -30,9 +31,11 @@ AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.an
     automation_condition=AFTER_EVENTS,
 )
 def stream_catalog(
-    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+    event_store: EventStoreResource,
 ) -> dg.MaterializeResult:
-    return _projection_result(update_stream_catalog(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
+    with projection_run(context):
+        return _projection_result(update_stream_catalog(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 @dg.asset(
@@ -44,9 +47,11 @@ def stream_catalog(
     automation_condition=AFTER_EVENTS,
 )
 def event_type_daily(
-    spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+    event_store: EventStoreResource,
 ) -> dg.MaterializeResult:
-    return _projection_result(update_event_type_daily(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
+    with projection_run(context):
+        return _projection_result(update_event_type_daily(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
 
 
 def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
@@ -82,9 +87,12 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
         f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).",
     )
     def stream_state(
-        spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+        context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+        event_store: EventStoreResource,
     ) -> dg.MaterializeResult:
-        r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain, store_dsn=event_store.dsn)
+        with projection_run(context):
+            r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
+                                    store_dsn=event_store.dsn)
         return dg.MaterializeResult(metadata=state_metadata(r))
 
     return stream_state
@@ -112,10 +120,12 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
         f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
         "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.",
     )
-    def asset(warehouse: WarehouseResource, event_store: EventStoreResource) -> dg.MaterializeResult:
+    def asset(context: dg.AssetExecutionContext, warehouse: WarehouseResource,
+              event_store: EventStoreResource) -> dg.MaterializeResult:
         consumer = event_store.events_source().consumer
-        r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
-                                frontier=lambda: batch_frontier(event_store.dsn, consumer))
+        with projection_run(context):
+            r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
+                                    frontier=lambda: batch_frontier(event_store.dsn, consumer))
         return dg.MaterializeResult(metadata=cross_stream_metadata(r))
 
     return asset
@@ -146,7 +156,8 @@ def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
     )
     def event_tables(context: dg.AssetExecutionContext, warehouse: WarehouseResource,
                      event_store: EventStoreResource) -> dg.MaterializeResult:
-        r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info)
+        with projection_run(context):
+            r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info)
         return dg.MaterializeResult(metadata=event_tables_metadata(r))
 
     return event_tables

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.stopping import projection_run
 from es_pipeline.lake.snapshots import DEFAULT_THRESHOLD, take_snapshots
 
 
@@ -21,11 +22,13 @@ class SnapshotConfig(dg.Config):
     "store's snapshot table, so that `load` = snapshot + the events after it.",
 )
 def snapshots(
-    config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
+    context: dg.AssetExecutionContext, config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
     # The write-back goes through the snapshot writer's own login when ES_PIPELINE_SNAPSHOT_DSN names one.
     # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/snapshots.py).
-    r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(), threshold=config.threshold)
+    with projection_run(context):
+        r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(),
+                           threshold=config.threshold)
     return dg.MaterializeResult(metadata={
         "dagster/row_count": r.taken, "written_back": r.written_back, "stream_state_version": r.state_version,
     })
