@@ -36,7 +36,7 @@ from es_pipeline.extraction.offsets import Batch, OffsetSession, pending_batch_i
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake import arrow_append, tables
-from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.events import EVENTS, with_statistics
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
 from es_pipeline.source.mapping import Source, native
@@ -159,6 +159,7 @@ class Extractor:
     def ensure_table(self) -> None:
         tables.ensure_table_arrow(self.events_path, EVENTS.schema, comment=f"es_pipeline: {EVENTS.comment}",
                                   properties=EVENTS.properties)
+        with_statistics(self.events_path)
 
     def _step(self, name: str, batch: Batch | None) -> None:
         if self.on_step is not None:

@@ -9,6 +9,7 @@ range, one Delta transaction per batch, never by the projections.
 from __future__ import annotations
 
 import pyarrow as pa
+from deltalake import DeltaTable
 
 from es_pipeline.lake.table import Table
 
@@ -24,12 +25,30 @@ _READ_LAST = [("payload_encoding", pa.string()),  # json, text or base64
 
 READ_SCHEMA = pa.schema([*_READ_FIRST, *_READ_LAST])  # a batch as the source reads it
 
+STATS_COLUMNS = "tx_id,slice,stream_id,version,global_position,event_date,recorded_at"
+
 EVENTS = Table(
     "events", pa.schema([*_READ_FIRST, *_LAKE_ADDED, *_READ_LAST]), key=("tenant", "stream_id", "version"),
     comment="one row per event",
     # Delta computes min/max statistics per file for the columns named here only: the ones queries prune on.
     # Statistics on the long JSON text columns cost ~40% of a write and prune nothing. The change data feed lets
     # every projection read only the rows that later commits added.
-    properties={"delta.dataSkippingStatsColumns": "tx_id,slice,stream_id,version,global_position,event_date",
-                "delta.enableChangeDataFeed": "true"},
+    # recorded_at's give each commit its oldest event's time, from which the health exporter reads commit→lake
+    # latency without reading a row (lake/behind.py); and an analyst's time range prunes files on it.
+    properties={"delta.dataSkippingStatsColumns": STATS_COLUMNS, "delta.enableChangeDataFeed": "true"},
 )
+
+
+def with_statistics(path: str) -> bool:
+    """Give a table made by an older release (without `recorded_at` among its statistics columns) today's list:
+    one metadata commit, no file rewritten; statistics of files written after. Whether it changed anything."""
+    table = DeltaTable(path)
+    named = table.metadata().configuration.get("delta.dataSkippingStatsColumns")
+    if named is None or "recorded_at" in [c.strip() for c in named.split(",")]:
+        return False
+    try:
+        table.alter.set_table_properties({"delta.dataSkippingStatsColumns": STATS_COLUMNS}, raise_if_not_exists=False)
+    except Exception:  # noqa: BLE001 - a concurrent run changed it first; anything else re-raises
+        if "recorded_at" not in DeltaTable(path).metadata().configuration.get("delta.dataSkippingStatsColumns", ""):
+            raise
+    return True
