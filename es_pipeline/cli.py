@@ -181,9 +181,45 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.health.exporter import Reader
+
+    reader = Reader(settings, dagster=not args.no_dagster)
+    if args.watch:
+        from es_pipeline.health.watch import watch
+
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            watch(reader, interval=args.interval, stop=stop)
+        except KeyboardInterrupt:
+            pass
+        return 0
     from es_pipeline.extraction.status import status_report
+    from es_pipeline.health.watch import health_line
 
     print(status_report(settings))
+    print(health_line(reader.reading(), tailing=settings.tail_seconds > 0))
+    return 0
+
+
+def _metrics(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.health import exporter
+
+    if args.once:
+        from prometheus_client import generate_latest
+
+        sys.stdout.write(generate_latest(exporter.registry_for(exporter.Reader(settings))).decode())
+        return 0
+    if args.rules:
+        sys.stdout.write(exporter.ALERTS.read_text())
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"es_pipeline metrics: http://{args.host}:{args.port}/metrics (Ctrl-C stops)", flush=True)
+    try:
+        exporter.serve(settings, host=args.host, port=args.port, stop=stop)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -283,8 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="erase: seconds to wait for running `events` runs to release their slices (default 600)")
     ten.set_defaults(func=_tenant)
 
-    st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction")
+    st = sub.add_parser("status", help="per range: watermark, horizon, lag, oldest open transaction; then one line of "
+                        "health (the tailing run, the daemon, the sensor, Spark Connect)")
+    st.add_argument("--watch", action="store_true", help="a live view, refreshed in place (Ctrl-C stops)")
+    st.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between refreshes (default 2)")
+    st.add_argument("--no-dagster", action="store_true", help="leave Dagster's instance out (store and lake only)")
     st.set_defaults(func=_status)
+
+    me = sub.add_parser("metrics", help="serve the pipeline's health to Prometheus (docs/operations.md)")
+    me.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    me.add_argument("--port", type=int, default=9464, help="port (default 9464)")
+    me.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
+    me.add_argument("--rules", action="store_true", help="print the Prometheus alert rules (alerts.yml) and exit")
+    me.set_defaults(func=_metrics)
 
     q = sub.add_parser("sql", help="SQL over the lake, every table by its name: DuckDB (no JVM) or Spark SQL")
     q.add_argument("query")

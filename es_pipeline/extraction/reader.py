@@ -304,3 +304,33 @@ def oldest_open_transaction_seconds(conn: psycopg.Connection) -> float:
 def lag(conn: psycopg.Connection, source: Source | str, slices: Sequence[int], horizon: int) -> Lag:
     behind = count_between(conn, source, [(s, horizon) for s in slices], None)
     return Lag(behind, oldest_open_transaction_seconds(conn))
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Committed events of some slices not yet extracted: below the horizon (a run takes them now), at or above it
+    (they wait for an older transaction to end), and when the oldest of them was recorded. Counts stop at `cap`."""
+
+    extractable: int
+    behind_horizon: int
+    oldest_extractable_at: float | None  # `recorded_at` of the oldest extractable one, seconds since the epoch
+    oldest_behind_at: float | None  # and of the oldest behind the horizon
+
+
+def waiting(
+    conn: psycopg.Connection, source: Source | str, pairs: Sequence[tuple[int, int]], horizon: int, *, cap: int
+) -> Waiting:
+    """What waits above each (slice, watermark) of `pairs`, read through the (slice, tx_id) index and counted up to
+    `cap` rows: a monitor asks every few seconds, and a backfill of millions must not make each reading a scan."""
+    if not pairs:
+        return Waiting(0, 0, None, None)
+    inner = _select(source, "e.tx_id, e.recorded_at", pairs, None)
+    row = conn.execute(  # type: ignore[call-overload]
+        f"SELECT count(*) FILTER (WHERE w.tx_id < '{int(horizon)}'::xid8), "
+        f"count(*) FILTER (WHERE w.tx_id >= '{int(horizon)}'::xid8), "
+        f"extract(epoch FROM min(w.recorded_at) FILTER (WHERE w.tx_id < '{int(horizon)}'::xid8))::float8, "
+        f"extract(epoch FROM min(w.recorded_at) FILTER (WHERE w.tx_id >= '{int(horizon)}'::xid8))::float8 "
+        f"FROM ({inner} LIMIT {int(cap)}) w"
+    ).fetchone()
+    assert row is not None
+    return Waiting(int(row[0]), int(row[1]), row[2], row[3])

@@ -1,0 +1,151 @@
+"""What Dagster's instance says about the pipeline's health: the daemon's heartbeats, the sensors' newest ticks,
+the runs in progress (a tailing run alive), each job's newest run, each asset's newest materialization and check.
+
+Read from the instance's storage (DAGSTER_HOME), never from a code location: a dead code server must show as one
+here, not stop the reading.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType, TickStatus
+
+from es_pipeline.extraction.tail import TAIL_TAG
+
+JOBS = ("events_job", "__ASSET_JOB", "snapshots_job", "lake_checks_job", "delta_maintenance_job")
+SENSORS = ("new_events_sensor", "projections_automation_sensor")
+# es_pipeline's asset checks (defs/*/checks.py; a test keeps the two lists equal): (asset, check).
+CHECKS = (("events", "events_no_duplicates"), ("events", "events_versions_contiguous"),
+          ("events", "events_reconcile_with_source"), ("stream_state", "stream_state_version_matches_events"),
+          ("snapshots", "snapshots_match_store"))
+
+
+@dataclass(frozen=True)
+class Tick:
+    sensor: str
+    running: bool  # the sensor is on
+    at: float | None  # newest tick's time (seconds since the epoch)
+    failed: bool  # the newest tick failed (a code server that does not answer, an error in the sensor)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LastRun:
+    job: str
+    status: str
+    at: float  # when it ended (or was last updated)
+    run_id: str
+
+
+@dataclass(frozen=True)
+class Failing:
+    """An asset whose newest run failed, and that has not been materialized since: the step's first line, and
+    the metadata of its `dg.Failure` (the stream, version and event type a reducer or a fold failed on)."""
+
+    asset: str
+    job: str
+    run_id: str
+    at: float
+    error: str
+    failure: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DagsterReading:
+    heartbeats: dict[str, float]  # daemon type → seconds since the epoch
+    ticks: list[Tick]
+    tailing_runs: list[tuple[str, float]]  # (run id, start) of the tailing runs Dagster has in progress
+    last_runs: list[LastRun]
+    failing: list[Failing]
+    materialized: dict[str, float]  # asset → newest materialization's time
+    checks: dict[tuple[str, str], bool]  # (asset, check) → passed, newest evaluation
+    taken_at: float = 0.0
+
+
+def open_instance() -> dg.DagsterInstance | None:
+    """The Dagster instance DAGSTER_HOME names (`make dev` exports it); None where it names none."""
+    home = os.environ.get("DAGSTER_HOME", "")
+    if not home or not (Path(home) / "dagster.yaml").exists():
+        return None
+    return dg.DagsterInstance.from_config(home)
+
+
+def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterReading:
+    heartbeats = {kind: hb.timestamp for kind, hb in instance.get_daemon_heartbeats().items()}
+    ticks = []
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.instigator_name not in SENSORS:
+            continue
+        newest = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+        tick = newest[0] if newest else None
+        error = ""
+        if tick is not None and tick.status == TickStatus.FAILURE and tick.error is not None:
+            error = (tick.error.message or "").strip().splitlines()[0][:300] if tick.error.message else ""
+        # Declared in code: running by default, or stopped by default (the automation sensor when it is off),
+        # which the instance does not record; such a sensor that has ticked is taken as running.
+        running = state.status == InstigatorStatus.RUNNING or (
+            state.status == InstigatorStatus.DECLARED_IN_CODE and tick is not None)
+        ticks.append(Tick(state.instigator_name, running, None if tick is None else float(tick.timestamp),
+                          tick is not None and tick.status == TickStatus.FAILURE, error))
+    tailing = [
+        (r.dagster_run.run_id, r.start_time or r.create_timestamp.timestamp())
+        for r in instance.get_run_records(filters=dg.RunsFilter(
+            job_name="events_job", statuses=[dg.DagsterRunStatus.STARTED]), limit=16)
+        if r.dagster_run.tags.get(TAIL_TAG)
+    ]
+    last_runs = []
+    for job in JOBS:
+        records = instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=FINISHED), limit=1)
+        if records:
+            r = records[0]
+            last_runs.append(LastRun(job, r.dagster_run.status.value, r.end_time or r.update_timestamp.timestamp(),
+                                     r.dagster_run.run_id))
+    keys = [dg.AssetKey(a) for a in assets]
+    materialized = {
+        key.to_user_string(): float(entry.timestamp)
+        for key, entry in instance.get_latest_materialization_events(keys).items() if entry is not None
+    }
+    return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized), materialized,
+                          _checks(instance), time.time())
+
+
+FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+FAILED_RUNS_READ = 5  # newest failed runs of the projections' and snapshots' jobs looked at, per job
+
+
+def _failing(instance: dg.DagsterInstance, materialized: dict[str, float]) -> list[Failing]:
+    """The assets (projections, snapshots) whose newest failed step is newer than their newest materialization."""
+    out: dict[str, Failing] = {}
+    for job in ("__ASSET_JOB", "snapshots_job"):
+        for r in instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.FAILURE]),
+                                          limit=FAILED_RUNS_READ):
+            at = r.end_time or r.update_timestamp.timestamp()
+            for record in instance.get_records_for_run(r.dagster_run.run_id,
+                                                       of_type=dg.DagsterEventType.STEP_FAILURE).records:
+                event = record.event_log_entry.dagster_event
+                asset = None if event is None else event.step_key
+                if event is None or asset is None or asset in out or materialized.get(asset, 0.0) > at:
+                    continue
+                data = event.step_failure_data
+                message = ((data.error.message if data and data.error else "") or "").strip()
+                meta = data.user_failure_data.metadata if data and data.user_failure_data else {}
+                out[asset] = Failing(asset, job, r.dagster_run.run_id, at, message.splitlines()[0][:300] if message else "",
+                                     {k: str(getattr(v, "value", v)) for k, v in meta.items()})
+    return sorted(out.values(), key=lambda f: f.asset)
+
+
+def _checks(instance: dg.DagsterInstance) -> dict[tuple[str, str], bool]:
+    """The newest finished evaluation of each of es_pipeline's checks (`CHECKS`)."""
+    keys = [dg.AssetCheckKey(dg.AssetKey(asset), name) for asset, name in CHECKS]
+    found = instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
+    out = {}
+    for key, record in found.items():
+        evaluation = getattr(record, "evaluation", None)
+        if evaluation is not None:
+            out[(key.asset_key.to_user_string(), key.name)] = bool(evaluation.passed)
+    return out

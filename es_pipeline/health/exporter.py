@@ -1,0 +1,307 @@
+"""`es-pipeline metrics`: the pipeline's health in Prometheus's exposition format (prometheus_client).
+
+A scrape takes one `Reading` (cached for `min_interval` seconds, so two Prometheus servers or a person's
+`curl` cost one): the store (health/store.py), the lake's logs (lake/behind.py) and Dagster's instance
+(health/dagster_state.py), each optional, each failing alone (`es_pipeline_reading_ok{part}` says which).
+Labels are bounded: `consumer` (one per exporter), `range` (the slice ranges, 8 by default), `projection`
+and `asset` (the lake's tables), `job`, `sensor`, `daemon`; the horizon's holder is one series at a time.
+docs/operations.md lists every metric and the alerts (health/alerts.yml) built on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from es_pipeline.extraction.slices import split
+from es_pipeline.health.store import StoreReading, read_store
+from es_pipeline.lake.behind import Behind, Lake
+from es_pipeline.settings import Settings
+from es_pipeline.store.conninfo import KeptConnection
+
+log = logging.getLogger(__name__)
+
+ALERTS = Path(__file__).with_name("alerts.yml")  # the Prometheus alert rules over these metrics
+DEFAULT_PORT = 9464  # https://github.com/prometheus/prometheus/wiki/Default-port-allocations: free in that list
+MIN_INTERVAL = 5.0  # seconds a reading is served again before a new one is taken
+LATENCY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0, float("inf"))
+
+
+@dataclass
+class Reading:
+    store: StoreReading | None = None
+    behind: list[Behind] = field(default_factory=list)
+    events_version: int | None = None
+    dagster: Any = None  # health.dagster_state.DagsterReading, when an instance is configured
+    spark_connect: tuple[str, bool] | None = None  # (host:port, answering) when ES_PIPELINE_SPARK_REMOTE is set
+    ok: dict[str, bool] = field(default_factory=dict)  # part → read without error
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # what the reading cost, wall clock
+    at: float = 0.0
+
+
+class _Latency:
+    """The commit→lake histogram, cumulative over the exporter's life: one observation per `events` commit
+    (its oldest event's wait), taken from the commits the lake gained since the last reading."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(LATENCY_BUCKETS)
+        self.total = 0.0
+        self.n = 0
+        self.rows = 0  # events the observed commits appended
+        self.seen: int | None = None
+
+    def observe(self, lake: Lake, newest: int | None) -> None:
+        if newest is None:
+            return
+        if self.seen is None:  # history is not ours to count: from the commits after the first reading on
+            self.seen = newest
+            return
+        for _, seconds, rows in lake.commit_latencies(self.seen):
+            self.n += 1
+            self.rows += rows
+            self.total += seconds
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if seconds <= bound:
+                    self.counts[i] += 1
+        self.seen = newest
+
+
+class Reader:
+    """Takes readings for `settings`: one kept connection to the store, the lake's tables kept open, the instance."""
+
+    def __init__(self, settings: Settings, *, instance: Any = None, dagster: bool = True) -> None:
+        self.settings = settings
+        self.source = settings.source
+        self.ranges = split(settings.slice_ranges)
+        self.kept = KeptConnection(settings.pg_dsn, "es_pipeline metrics")
+        self.lake = Lake(settings.warehouse)
+        self.latency = _Latency()
+        self._instance = instance
+        self._dagster = dagster
+        self._lock = threading.Lock()
+        self._last: Reading | None = None
+
+    def instance(self) -> Any:
+        """Dagster's instance (DAGSTER_HOME), opened at the first reading; None without one."""
+        if self._instance is None and self._dagster:
+            from es_pipeline.health.dagster_state import open_instance
+            self._instance = open_instance()
+            self._dagster = self._instance is not None
+        return self._instance
+
+    def reading(self, min_interval: float = MIN_INTERVAL) -> Reading:
+        with self._lock:
+            if self._last is not None and time.monotonic() - self._last.at < min_interval:
+                return self._last
+            self._last = self._take()
+            self._last.at = time.monotonic()
+            return self._last
+
+    def _take(self) -> Reading:
+        began = time.perf_counter()
+        r = Reading()
+        self._part(r, "store", lambda: setattr(r, "store", self.kept.run(
+            lambda conn: read_store(conn, self.source, self.ranges))))
+
+        def lake() -> None:
+            r.events_version = self.lake.events_version()
+            r.behind = self.lake.behind()
+            self.latency.observe(self.lake, r.events_version)
+        self._part(r, "lake", lake)
+        if self._dagster:
+            def dagster() -> None:
+                from es_pipeline.health.dagster_state import read_dagster
+                if self.instance() is not None:
+                    r.dagster = read_dagster(self._instance, ["events", *(b.name for b in r.behind), "snapshots"])
+            self._part(r, "dagster", dagster)
+        if self.settings.spark_remote:
+            r.spark_connect = _answers(self.settings.spark_remote)
+        r.seconds = time.perf_counter() - began
+        return r
+
+    @staticmethod
+    def _part(r: Reading, name: str, read: Any) -> None:
+        try:
+            read()
+            r.ok[name] = True
+        except Exception as exc:  # noqa: BLE001 - one part down must not hide the others: it is a metric itself
+            r.ok[name] = False
+            r.errors[name] = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            log.warning("could not read %s: %s", name, r.errors[name])
+
+
+def _answers(remote: str) -> tuple[str, bool]:
+    """(host:port, whether it accepts a TCP connection) of a Spark Connect URL (`sc://host:port/;token=...`): the
+    token is never part of what is shown."""
+    parsed = urlparse(remote.split(";")[0].replace("sc://", "http://", 1))
+    host, port = parsed.hostname or "localhost", parsed.port or 15002
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return f"{host}:{port}", True
+    except OSError:
+        return f"{host}:{port}", False
+
+
+class PipelineCollector(Collector):
+    """The metric families of one reading (prometheus_client calls `collect` on every scrape)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.reader.reading()
+        consumer = self.reader.source.consumer
+        yield from _reading_metrics(r, consumer)
+        if r.store is not None:
+            yield from _store_metrics(r.store, consumer, self.reader.settings.tail_seconds)
+        yield from _lake_metrics(r, consumer, self.reader.latency)
+        if r.dagster is not None:
+            yield from _dagster_metrics(r.dagster, consumer)
+        if r.spark_connect is not None:
+            g = GaugeMetricFamily("es_pipeline_spark_connect_up", "1 when the Spark Connect server accepts connections",
+                                  labels=["endpoint"])
+            g.add_metric([r.spark_connect[0]], 1.0 if r.spark_connect[1] else 0.0)
+            yield g
+
+
+def _gauge(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        g.add_metric(values, value)
+    return g
+
+
+def _reading_metrics(r: Reading, consumer: str) -> Iterator[Metric]:
+    yield _gauge("es_pipeline_reading_ok", "1 when this part of the reading succeeded (store, lake, dagster)",
+                 ["consumer", "part"], [([consumer, p], 1.0 if ok else 0.0) for p, ok in sorted(r.ok.items())])
+    yield _gauge("es_pipeline_reading_seconds", "Wall-clock seconds the newest reading took", ["consumer"],
+                 [([consumer], r.seconds)])
+
+
+def _store_metrics(s: StoreReading, consumer: str, tail_seconds: int) -> Iterator[Metric]:
+    now = s.taken_at
+    yield _gauge("es_pipeline_horizon", "The store's horizon: pg_snapshot_xmin(pg_current_snapshot())",
+                 ["consumer"], [([consumer], float(s.horizon))])
+    held = GaugeMetricFamily(
+        "es_pipeline_horizon_held_seconds",
+        "Age of the oldest transaction with an id (what holds the horizon back), with who holds it; absent when none",
+        labels=["consumer", "kind", "pid", "application_name", "user", "state"])
+    h = s.holder
+    if h is not None and h.seconds is not None:
+        held.add_metric([consumer, h.kind, "" if h.pid is None else str(h.pid), h.application_name, h.user, h.state],
+                        h.seconds)
+    yield held
+    yield _gauge("es_pipeline_events_waiting", "Committed events not yet in the lake, per range (counted up to "
+                 "100,000): extractable now, or behind the horizon", ["consumer", "range", "state"],
+                 [row for r in s.ranges for row in (([consumer, r.key, "extractable"], float(r.waiting.extractable)),
+                                                    ([consumer, r.key, "behind_horizon"], float(r.waiting.behind_horizon)))])
+    yield _gauge("es_pipeline_events_waiting_seconds", "Age of the oldest waiting event per range (by its recorded_at); "
+                 "0 when none waits", ["consumer", "range", "state"],
+                 [row for r in s.ranges for row in (
+                     ([consumer, r.key, "extractable"], _age(now, r.waiting.oldest_extractable_at)),
+                     ([consumer, r.key, "behind_horizon"], _age(now, r.waiting.oldest_behind_at)))])
+    yield _gauge("es_pipeline_range_last_advance_timestamp_seconds", "When a watermark of the range last moved (a "
+                 "pass that took events)", ["consumer", "range"],
+                 [([consumer, r.key], float(r.last_advance)) for r in s.ranges if r.last_advance is not None])
+    yield _gauge("es_pipeline_range_slices_locked", "Slices of the range a run holds the lock of (all of them while "
+                 "a tailing run is alive)", ["consumer", "range"], [([consumer, r.key], float(r.slices_locked))
+                                                                    for r in s.ranges])
+    alive = bool(s.ranges) and all(r.slices_locked == r.slices for r in s.ranges)
+    yield _gauge("es_pipeline_tailing_run_alive", "1 when a run holds every slice's lock (a tailing run alive)",
+                 ["consumer"], [([consumer], 1.0 if alive else 0.0)])
+    yield _gauge("es_pipeline_tailing_expected", "1 when the pipeline runs tailing runs (ES_PIPELINE_TAIL_SECONDS > 0)",
+                 ["consumer"], [([consumer], 1.0 if tail_seconds > 0 else 0.0)])
+    yield _gauge("es_pipeline_pending_batches", "Batches recorded before a lake write and not yet committed "
+                 "(a crashed run's are replayed by the next)", ["consumer"], [([consumer], float(s.pending_batches))])
+    yield _gauge("es_pipeline_source_ok", "0 when no run would extract: the store is not the one the offsets were "
+                 "recorded on (a restore elsewhere), a standby, or the transaction ids went back", ["consumer"],
+                 [([consumer], 0.0 if s.source_problem else 1.0)])
+    yield _gauge("es_pipeline_source_problem", "Why the source is not ok, as a label (absent when it is)",
+                 ["consumer", "problem"], [([consumer, s.source_problem], 1.0)] if s.source_problem else [])
+
+
+def _age(now: float, at: float | None) -> float:
+    return 0.0 if at is None else max(0.0, now - at)
+
+
+def _lake_metrics(r: Reading, consumer: str, latency: _Latency) -> Iterator[Metric]:
+    if r.events_version is not None:
+        yield _gauge("es_pipeline_lake_events_version", "The Delta version of `events`", ["consumer"],
+                     [([consumer], float(r.events_version))])
+    yield _gauge("es_pipeline_projection_behind_versions", "`events` commits the projection has not folded",
+                 ["consumer", "projection"], [([consumer, b.name], float(b.versions)) for b in r.behind])
+    yield _gauge("es_pipeline_projection_behind_seconds", "Age of the oldest `events` commit the projection has not "
+                 "folded; 0 when up to date", ["consumer", "projection"], [([consumer, b.name], b.seconds) for b in r.behind])
+    h = HistogramMetricFamily("es_pipeline_commit_to_lake_seconds", "Per `events` commit: from its oldest event's "
+                              "recorded_at to the Delta commit", labels=["consumer"])
+    # Each observation is counted in every bucket it fits: the counts are cumulative, as the format wants.
+    buckets = [("+Inf" if bound == float("inf") else repr(bound), float(n))
+               for bound, n in zip(LATENCY_BUCKETS, latency.counts, strict=True)]
+    h.add_metric([consumer], buckets, sum_value=latency.total)
+    yield h
+    c = CounterMetricFamily("es_pipeline_lake_events_appended", "Events the `events` commits observed by this "
+                            "exporter appended (its rate: throughput into the lake)", labels=["consumer"])
+    c.add_metric([consumer], float(latency.rows))
+    yield c
+
+
+def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
+    now = d.taken_at
+    yield _gauge("es_pipeline_dagster_daemon_heartbeat_age_seconds", "Seconds since each Dagster daemon's newest "
+                 "heartbeat", ["daemon"], [([kind], max(0.0, now - at)) for kind, at in sorted(d.heartbeats.items())])
+    yield _gauge("es_pipeline_sensor_running", "1 when the sensor is on", ["sensor"],
+                 [([t.sensor], 1.0 if t.running else 0.0) for t in d.ticks])
+    yield _gauge("es_pipeline_sensor_tick_age_seconds", "Seconds since the sensor's newest tick", ["sensor"],
+                 [([t.sensor], max(0.0, now - t.at)) for t in d.ticks if t.at is not None])
+    yield _gauge("es_pipeline_sensor_tick_failed", "1 when the sensor's newest tick failed (the code server down, "
+                 "an error)", ["sensor"], [([t.sensor], 1.0 if t.failed else 0.0) for t in d.ticks])
+    yield _gauge("es_pipeline_tailing_runs_started", "Tailing runs Dagster has in progress", ["consumer"],
+                 [([consumer], float(len(d.tailing_runs)))])
+    yield _gauge("es_pipeline_job_last_run_success", "1 when the job's newest finished run succeeded", ["job"],
+                 [([r.job], 1.0 if r.status == "SUCCESS" else 0.0) for r in d.last_runs])
+    yield _gauge("es_pipeline_job_last_run_timestamp_seconds", "When the job's newest finished run ended", ["job"],
+                 [([r.job], r.at) for r in d.last_runs])
+    yield _gauge("es_pipeline_asset_failing", "1 while the asset's newest run failed and it has not been materialized "
+                 "since: the failure's first line, and the stream, version and event type a reducer or fold failed on",
+                 ["asset", "job", "run_id", "error", "stream_id", "version", "event_type"],
+                 [([f.asset, f.job, f.run_id, f.error, f.failure.get("stream_id", ""), f.failure.get("version", ""),
+                    f.failure.get("event_type", "")], 1.0) for f in d.failing])
+    yield _gauge("es_pipeline_asset_last_materialization_timestamp_seconds", "When the asset was last materialized",
+                 ["asset"], [([a], at) for a, at in sorted(d.materialized.items())])
+    yield _gauge("es_pipeline_asset_check_passed", "1 when the check's newest evaluation passed", ["asset", "check"],
+                 [([a, c], 1.0 if ok else 0.0) for (a, c), ok in sorted(d.checks.items())])
+
+
+def registry_for(reader: Reader) -> CollectorRegistry:
+    """A registry with the pipeline's metrics and the exporter's own process (its CPU: what it costs)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PipelineCollector(reader))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def serve(settings: Settings, *, host: str, port: int, stop: threading.Event) -> None:
+    """Serve /metrics on host:port until `stop` is set."""
+    from prometheus_client import start_http_server
+
+    reader = Reader(settings)
+    server, thread = start_http_server(port, addr=host, registry=registry_for(reader))
+    log.info("es_pipeline metrics on http://%s:%d/metrics (pid %d)", host, port, os.getpid())
+    try:
+        stop.wait()
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

@@ -1,0 +1,129 @@
+"""A person's view of a reading (health/exporter.py): the one line `es-pipeline status` ends with, and the live
+view of `es-pipeline status --watch`, refreshed in place."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TextIO
+
+from es_pipeline.health.exporter import Reader, Reading
+from es_pipeline.health.store import Holder
+
+DAEMON_LATE = 60.0  # seconds without a heartbeat: a daemon is dead (Dagster's own heartbeat is every 30 s)
+TICK_LATE = 60.0  # seconds without a tick of a running sensor: its daemon or code server is not working
+HELD_LATE = 60.0  # seconds a transaction holds the horizon, with events waiting behind it, before it is a problem
+
+
+def _holder(h: Holder) -> str:
+    who = f"pid {h.pid}" if h.pid is not None else "prepared transaction"
+    name = f" '{h.application_name}'" if h.application_name else ""
+    user = f" as {h.user}" if h.user else ""
+    age = f"{h.seconds:.0f} s" if h.seconds is not None else "age unknown to this role"
+    return f"{who}{name}{user}, {h.state or 'open'}, {age}"
+
+
+def problems(r: Reading, *, tailing: bool) -> list[str]:
+    """What is wrong, one short phrase each; empty when everything read is well."""
+    out = [f"{part} unreadable ({r.errors.get(part, 'error')})" for part, ok in sorted(r.ok.items()) if not ok]
+    s = r.store
+    if s is not None:
+        if s.source_problem:
+            out.append(f"no run would extract: {s.source_problem}")
+        if tailing and not all(x.slices_locked == x.slices for x in s.ranges):
+            out.append("no tailing run holds the slices (dead, or between two runs)")
+        if s.holder is not None and (s.holder.seconds or 0) > HELD_LATE and any(x.waiting.behind_horizon for x in s.ranges):
+            out.append(f"horizon held by {_holder(s.holder)}")
+    d = r.dagster
+    if d is not None:
+        if not d.heartbeats:
+            out.append("no Dagster daemon has ever run on this instance")
+        for kind, at in sorted(d.heartbeats.items()):
+            if d.taken_at - at > DAEMON_LATE:
+                out.append(f"Dagster daemon {kind} silent for {d.taken_at - at:.0f} s")
+        for t in d.ticks:
+            if t.running and t.failed:
+                out.append(f"sensor {t.sensor} failing: {t.error or 'see its ticks in the UI'} (code server down?)")
+            elif t.running and t.at is not None and d.taken_at - t.at > TICK_LATE:
+                out.append(f"sensor {t.sensor} has not ticked for {d.taken_at - t.at:.0f} s")
+        for f in d.failing:
+            where = (f" on stream {f.failure['stream_id']!r} version {f.failure.get('version')}"
+                     if f.failure.get("stream_id") else "")
+            out.append(f"{f.asset} failing{where} (run {f.run_id[:8]}): {f.error}")
+        for run in d.last_runs:
+            if run.job == "snapshots_job" and run.status == "FAILURE":
+                out.append("the newest snapshots run failed: snapshots are not written back")
+    if r.spark_connect is not None and not r.spark_connect[1]:
+        out.append(f"Spark Connect at {r.spark_connect[0]} does not answer")
+    return out
+
+
+def health_line(r: Reading, *, tailing: bool) -> str:
+    """One line: `health: ok (...)`, or `health: PROBLEM: a; b`."""
+    wrong = problems(r, tailing=tailing)
+    if wrong:
+        return "health: PROBLEM: " + "; ".join(wrong)
+    seen = []
+    if r.store is not None and tailing:
+        pids = sorted(r.store.lock_holders)
+        seen.append(f"tailing run alive (pid {', '.join(map(str, pids))})")
+    if r.dagster is not None:
+        newest = max(r.dagster.heartbeats.values(), default=None)
+        if newest is not None:
+            seen.append(f"daemon heartbeat {r.dagster.taken_at - newest:.0f} s ago")
+        ticked = [t.at for t in r.dagster.ticks if t.at is not None]
+        if ticked:
+            seen.append(f"sensor ticked {r.dagster.taken_at - max(ticked):.0f} s ago")
+    else:
+        seen.append("no Dagster instance configured (DAGSTER_HOME)")
+    if r.spark_connect is not None:
+        seen.append(f"Spark Connect {r.spark_connect[0]} answering")
+    return "health: ok (" + "; ".join(seen) + ")"
+
+
+def render(r: Reading, *, tailing: bool, throughput: float | None) -> str:
+    lines = [time.strftime("es_pipeline %Y-%m-%d %H:%M:%S") + f"   (reading took {r.seconds * 1000:.0f} ms)", ""]
+    s = r.store
+    if s is not None:
+        lines.append(f"{'range':<10} {'to extract':>11} {'behind H':>9} {'oldest waiting':>15} {'last pass':>10} "
+                     f"{'locked':>7}")
+        for x in s.ranges:
+            oldest = min((t for t in (x.waiting.oldest_extractable_at, x.waiting.oldest_behind_at) if t), default=None)
+            waited = f"{s.taken_at - oldest:.0f} s" if oldest else "-"
+            last = f"{s.taken_at - x.last_advance:.0f} s ago" if x.last_advance else "never"
+            lines.append(f"{x.key:<10} {x.waiting.extractable:>11,} {x.waiting.behind_horizon:>9,} {waited:>15} "
+                         f"{last:>10} {x.slices_locked:>3}/{x.slices:<3}")
+        lines.append("")
+        lines.append(f"horizon {s.horizon}; held by " + (_holder(s.holder) if s.holder else "nothing (no open "
+                                                         "transaction with an id)"))
+        lines.append(f"pending batches {s.pending_batches}")
+    if throughput is not None:
+        lines.append(f"into the lake: {throughput:,.1f} events/s")
+    if r.behind:
+        lines.append("")
+        lines.append(f"{'projection':<28} {'behind (commits)':>17} {'behind (s)':>11}")
+        for b in r.behind:
+            lines.append(f"{b.name:<28} {('not built' if b.folded is None else f'{b.versions:,}'):>17} {b.seconds:>11.0f}")
+    lines += ["", health_line(r, tailing=tailing)]
+    return "\n".join(lines)
+
+
+def watch(reader: Reader, *, interval: float, stop: threading.Event, out: TextIO = sys.stdout,
+          rounds: int | None = None) -> None:
+    """Redraw `render` every `interval` seconds in place until `stop` (or `rounds` redraws)."""
+    tailing = reader.settings.tail_seconds > 0
+    last: tuple[float, int] | None = None
+    n = 0
+    while not stop.is_set() and (rounds is None or n < rounds):
+        r = reader.reading(min_interval=0)
+        appended = reader.latency.rows
+        throughput = None
+        if last is not None and r.at > last[0]:
+            throughput = (appended - last[1]) / (r.at - last[0])
+        last = (r.at, appended)
+        clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+        out.write(clear + render(r, tailing=tailing, throughput=throughput) + "\n")
+        out.flush()
+        n += 1
+        stop.wait(interval)

@@ -1,0 +1,155 @@
+"""How far each projection is behind `events`: the `events` version it has folded up to, read from its Delta log.
+
+Every projection records that version in its own commits, as a Delta transaction id (so that a crash never folds a
+commit twice); this room reads those ids back, without reading a row, for the health exporter (es_pipeline/health).
+A `Lake` keeps its tables open between readings and catches each up with its new log entries only, so that a
+reading every few seconds costs a few small file reads, not a table load.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from deltalake import DeltaTable
+
+from es_pipeline.lake import cross_stream, event_tables, stream_state, tables
+from es_pipeline.lake.fold import REVISION_SLOTS
+from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.tables import Location
+
+NAMES_EVERY = 60.0  # seconds between two listings of the lake's cross-stream tables (a listing opens each)
+
+
+@dataclass(frozen=True)
+class Behind:
+    """One projection against `events`: the version it folded (None: not built), how many `events` commits it has
+    not, and since when the oldest of those waits (0 when none)."""
+
+    name: str
+    folded: int | None
+    versions: int
+    seconds: float
+
+
+class Lake:
+    """The lake's `events` and projections, kept open between readings."""
+
+    def __init__(self, warehouse: Location) -> None:
+        self.warehouse = warehouse
+        self._open: dict[str, DeltaTable] = {}
+        self._cross: list[str] = []
+        self._cross_listed = -NAMES_EVERY
+        self._commit_times: dict[int, float] = {}  # `events` version → its commit time (s since the epoch)
+
+    def table(self, name: str) -> DeltaTable | None:
+        """The table `name` at its newest version; None while it does not exist."""
+        kept = self._open.get(name)
+        if kept is not None:
+            try:
+                kept.update_incremental()
+                return kept
+            except Exception:  # noqa: BLE001 - replaced, vacuumed under us: open it again below
+                self._open.pop(name, None)
+        path = tables.table_path(self.warehouse, name)
+        if not tables.is_delta_table(path):
+            return None
+        self._open[name] = DeltaTable(path)
+        return self._open[name]
+
+    def events_version(self) -> int | None:
+        events = self.table("events")
+        return None if events is None else int(events.version())
+
+    def commit_time(self, version: int) -> float | None:
+        """When `events` version `version` was committed (its commitInfo timestamp), remembered once read."""
+        if version in self._commit_times:
+            return self._commit_times[version]
+        events = self.table("events")
+        if events is None or version > events.version():
+            return None
+        newest = int(events.version())
+        for entry in events.history(limit=max(1, newest - version + 1)):
+            v, ts = entry.get("version"), entry.get("timestamp")
+            if v is not None and ts is not None:
+                self._commit_times[int(v)] = float(ts) / 1000.0
+        if len(self._commit_times) > 10_000:  # forget the oldest: a reading asks only for recent versions
+            for v in sorted(self._commit_times)[:5_000]:
+                del self._commit_times[v]
+        return self._commit_times.get(version)
+
+    def cross_stream_names(self) -> list[str]:
+        if time.monotonic() - self._cross_listed >= NAMES_EVERY:
+            self._cross, self._cross_listed = cross_stream.table_names(self.warehouse), time.monotonic()
+        return self._cross
+
+    def folded(self) -> dict[str, int | None]:
+        """Each projection's folded `events` version: the built-in ones, every cross-stream table, the typed event
+        tables (their mapping's cursor); None where the projection has not been built."""
+        out: dict[str, int | None] = {}
+        state = self.table("stream_state")
+        read = None if state is None else state.transaction_version(stream_state.APP_ID)
+        out["stream_state"] = None if read is None else int(read) // REVISION_SLOTS
+        for aggregate in (STREAM_CATALOG, EVENT_TYPE_DAILY):
+            t = self.table(aggregate.name)
+            v = None if t is None else t.transaction_version(aggregate.app_id)
+            out[aggregate.name] = None if v is None else int(v)
+        for name in self.cross_stream_names():
+            t = self.table(name)
+            definition = None if t is None else t.metadata().configuration.get(cross_stream.KIND)
+            cursor = None if definition is None else t.transaction_version(cross_stream.app_ids(name, definition)[1])  # type: ignore[union-attr]
+            out[name] = None if cursor is None else int(cursor)
+        mapping = self.table(event_tables.NAME)
+        v = None if mapping is None else mapping.transaction_version(event_tables.APP_ID)
+        out[event_tables.NAME] = None if v is None else int(v)
+        return out
+
+    def behind(self, now: float | None = None) -> list[Behind]:
+        """Every projection's distance behind `events` now (none before `events` exists)."""
+        newest = self.events_version()
+        if newest is None:
+            return []
+        now = time.time() if now is None else now
+        out = []
+        for name, folded in self.folded().items():
+            first_unfolded = 0 if folded is None else folded + 1
+            versions = max(0, newest - first_unfolded + 1)
+            since = self.commit_time(first_unfolded) if versions else None
+            out.append(Behind(name, folded, versions, max(0.0, now - since) if since is not None else 0.0))
+        return out
+
+
+    def commit_latencies(self, after: int) -> list[tuple[int, float, int]]:
+        """(version, seconds, rows) of each `events` commit after version `after` that added rows: the seconds from
+        its oldest event's `recorded_at` (its transaction's start, by the store's clock) to the commit (the lake's
+        clock), read from the commit's own log entry and its files' statistics, not from the rows. A commit whose
+        log entry is gone (a checkpoint and log cleanup) is left out."""
+        events = self.table("events")
+        if events is None:
+            return []
+        fs, root = tables.filesystem(tables.table_path(self.warehouse, "events"))
+        out = []
+        for version in range(after + 1, int(events.version()) + 1):
+            try:
+                with fs.open_input_stream(f"{root}/_delta_log/{version:020d}.json") as f:
+                    lines = f.read().decode().splitlines()
+            except (FileNotFoundError, OSError):
+                continue
+            committed, oldest, rows, appended = None, None, 0, False
+            for line in lines:
+                action = json.loads(line)
+                if "commitInfo" in action:  # an extraction's append; not a compaction, an erasure, a rewrite
+                    committed = action["commitInfo"].get("timestamp")
+                    appended = action["commitInfo"].get("operation") == "WRITE"
+                elif "add" in action and action["add"].get("dataChange", True) and action["add"].get("stats"):
+                    stats = json.loads(action["add"]["stats"])
+                    rows += int(stats.get("numRecords", 0))
+                    first = stats.get("minValues", {}).get("recorded_at")
+                    if first is not None:
+                        at = datetime.fromisoformat(first.replace("Z", "+00:00")).timestamp()
+                        oldest = at if oldest is None else min(oldest, at)
+            if appended and committed is not None and oldest is not None and rows:
+                out.append((version, max(0.0, committed / 1000.0 - oldest), rows))
+        return out

@@ -1,0 +1,130 @@
+"""The exporter's reading against a real store and lake, as the extractor role: a held transaction is named
+(pid, application name, user) while writers append behind it, its events reach the lake exactly once after it
+ends; commit→lake latency and projection distances come from the Delta log; the CLI serves and prints them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.health import watch
+from es_pipeline.health.exporter import ALERTS, Reader, registry_for
+from es_pipeline.lake import event_tables
+from es_pipeline.settings import Settings
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
+from es_pipeline_tests.support.roles import StoreDsn
+
+ALL = SliceRange(0, 1023)
+
+
+def _samples(reader: Reader) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry_for(reader)).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    found = [v for (n, ls), v in samples.items() if n == name and all((k, v2) in ls for k, v2 in labels.items())]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def test_a_held_transaction_is_named_and_the_events_behind_it_reach_the_lake_once_it_ends(
+    dsn: StoreDsn, settings: Settings, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = replace(settings, tail_seconds=0, slice_ranges=2)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    store = EventStore(dsn.writer)
+    store.append("before-1", "account", [NewEvent("Opened", {"n": 1})], 0)
+    extractor.run(ALL)
+    reader = Reader(settings, dagster=False)
+    first = _samples(reader)  # the latency histogram counts the commits after the first reading
+    assert _value(first, "es_pipeline_reading_ok", part="store") == 1.0
+    assert _value(first, "es_pipeline_source_ok") == 1.0
+
+    holder = psycopg.connect(dsn.writer, application_name="drill-holder")
+    holder.execute("SELECT pg_current_xact_id()")  # an id: the horizon stays below it until it ends
+    holder_pid = holder.info.backend_pid
+    stop = threading.Event()
+    writers = threading.Thread(target=run_workload, args=(store,), kwargs=dict(
+        streams=30, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0.02, seed=7, stop=stop))
+    writers.start()
+    writers.join(60)
+    extractor.run(ALL)  # takes nothing committed after the holder began
+    reading = reader.reading(min_interval=0)
+    s = reading.store
+    assert s is not None and s.holder is not None
+    assert (s.holder.pid, s.holder.application_name, s.holder.kind) == (holder_pid, "drill-holder", "session")
+    assert s.holder.user == dsn.logins["es_pipeline_writer"] and s.holder.seconds is not None
+    assert sum(r.waiting.behind_horizon for r in s.ranges) > 300
+    assert sum(r.waiting.extractable for r in s.ranges) == 0
+    samples = _samples(reader)
+    held = [ls for (n, ls), _ in samples.items() if n == "es_pipeline_horizon_held_seconds"]
+    assert len(held) == 1 and ("application_name", "drill-holder") in held[0] and ("pid", str(holder_pid)) in held[0]
+    monkeypatch.setattr(watch, "HELD_LATE", 0.0)
+    line = watch.health_line(reader.reading(min_interval=0), tailing=False)
+    assert line.startswith("health: PROBLEM") and f"pid {holder_pid} 'drill-holder'" in line, line
+
+    holder.commit()
+    holder.close()
+    assert extractor.run(ALL).rows > 300
+    after = reader.reading(min_interval=0)
+    assert after.store is not None and after.store.holder is None or after.store.holder.application_name != "drill-holder"
+    assert sum(r.waiting.behind_horizon + r.waiting.extractable for r in after.store.ranges) == 0
+    assert assert_exactly_once_by_key(warehouse, dsn) == 401
+    samples = _samples(reader)
+    # one `events` commit since the first reading (the pass while the holder held took nothing: no commit)
+    assert _value(samples, "es_pipeline_commit_to_lake_seconds_count") == 1
+    assert 0 < _value(samples, "es_pipeline_commit_to_lake_seconds_sum") < 120
+    assert _value(samples, "es_pipeline_lake_events_appended_total") == 400
+    assert not [n for (n, _), _ in samples.items() if n == "es_pipeline_horizon_held_seconds"]
+
+
+def test_projection_distance_comes_from_the_delta_log(dsn: StoreDsn, settings: Settings, warehouse: Path) -> None:
+    store = EventStore(dsn.writer)
+    store.append("a-1", "account", [NewEvent("Opened", {"n": 1})], 0)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    extractor.run(ALL)
+    event_tables.update(warehouse, Domain("plain"), store_dsn=dsn.extractor)
+    reader = Reader(replace(settings, slice_ranges=2), dagster=False)
+    behind = {b.name: b for b in reader.reading(min_interval=0).behind}
+    assert behind["event_tables"].versions == 0 and behind["event_tables"].seconds == 0
+    assert behind["stream_state"].folded is None  # never built: every commit of `events` is behind
+    store.append("a-1", "account", [NewEvent("Renamed", {"n": 2})], 1)
+    extractor.run(ALL)
+    time.sleep(1.1)
+    behind = {b.name: b for b in reader.reading(min_interval=0).behind}
+    assert behind["event_tables"].versions == 1 and behind["event_tables"].seconds >= 1.0
+
+
+def test_the_cli_prints_a_scrape_the_rules_and_a_health_line(dsn: StoreDsn, warehouse: Path) -> None:
+    env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse),
+           "ES_PIPELINE_TAIL_SECONDS": "0", "DAGSTER_HOME": ""}
+    cli = [str(Path(sys.executable).parent / "es-pipeline")]
+    once = subprocess.run([*cli, "metrics", "--once"], env=env, capture_output=True, text=True, timeout=120)
+    assert once.returncode == 0, once.stderr
+    names = {f.name for f in text_string_to_metric_families(once.stdout)}
+    assert {"es_pipeline_horizon", "es_pipeline_events_waiting", "es_pipeline_tailing_run_alive",
+            "process_cpu_seconds"} <= names
+    password = psycopg.conninfo.conninfo_to_dict(dsn.extractor).get("password")
+    assert not password or str(password) not in once.stdout + once.stderr
+    rules = subprocess.run([*cli, "metrics", "--rules"], env=env, capture_output=True, text=True, timeout=60)
+    assert rules.stdout == ALERTS.read_text()
+    status = subprocess.run([*cli, "status"], env=env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[-1].startswith("health: ok"), status.stdout
