@@ -18,7 +18,7 @@ Three paths, one fold, the same txn ids, so each goes on from what another commi
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -258,3 +258,42 @@ def _update_with_spark(
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
                        int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0))
+
+
+SMALL_CHECK_EVENTS = 20_000_000  # `events` rows the check reads with Arrow at most; above, Spark's check
+
+
+@dataclass(frozen=True)
+class VersionsOff:
+    """`stream_state` against the `events` version it folded: streams whose folded version is not their last
+    event's (none parked), a few of them, and that `events` version (None: not built yet)."""
+
+    streams: int
+    examples: list[str]
+    events_version: int | None
+
+
+def versions_off_small(warehouse: Location) -> VersionsOff | None:
+    """The check of `stream_state` without a JVM (the snapshots' write-back waits on it): None where Arrow should
+    not read it (deletion vectors, which the files alone do not honour, or more than SMALL_CHECK_EVENTS events)."""
+    state_path = tables.table_path(warehouse, "stream_state")
+    folded = folded_version(state_path)
+    if folded is None:
+        return VersionsOff(0, [], None)
+    state_version, events_version = folded
+    events = DeltaTable(tables.table_path(warehouse, "events"), version=events_version)
+    state = DeltaTable(state_path, version=state_version)
+    if feed.has_deletion_vectors(events) or feed.has_deletion_vectors(state) or \
+            feed.row_count(events) > SMALL_CHECK_EVENTS:
+        return None
+    keys = list(KEY)
+    last = tables.tenant_filled(feed.files(tables.table_path(warehouse, "events"), events)
+                                .to_table(columns=[*keys, "version"])) \
+        .group_by(keys).aggregate([("version", "max")]).rename_columns([*keys, "max_version"])
+    rows = feed.files(state_path, state).to_table(columns=[*keys, "version", "parked"])
+    rows = tables.tenant_filled(rows) if "tenant" in keys else rows
+    joined = rows.join(last, keys, join_type="full outer")
+    bad = joined.filter(pc.and_(pc.is_null(joined["parked"]), pc.or_kleene(
+        pc.or_kleene(pc.is_null(joined["version"]), pc.is_null(joined["max_version"])),
+        pc.not_equal(joined["version"].cast(pa.int64()), joined["max_version"].cast(pa.int64())))))
+    return VersionsOff(bad.num_rows, bad["stream_id"].slice(0, 5).to_pylist(), events_version)

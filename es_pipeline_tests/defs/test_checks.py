@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pytest
 from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events import checks as events_checks
@@ -15,9 +17,10 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake import stream_state, tables
 from es_pipeline.lake.spark import spark_conf
 from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
@@ -134,10 +137,10 @@ def test_reconcile_holds_while_runs_commit_between_its_reads(
 
 
 def test_stream_state_is_checked_against_the_events_it_has_folded(
-    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Events extracted after the last update wait for the next one: no failure; a state behind what it
-    folded is one."""
+    folded is one, by Arrow's check and by Spark's, and no snapshot of it is written back."""
     store = EventStore(dsn.writer)
     run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     extractor = Extractor(settings.pg_dsn, spark, warehouse)
@@ -148,5 +151,18 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     r = _resources(settings)
     result = _run(projections_checks.stream_state_version_matches_events, r)
     assert result.passed, result.metadata
+    assert result.metadata["read_with"].value == "arrow"  # no JVM for the check the snapshots wait on
     spark.sql(f"UPDATE delta.`{warehouse / 'stream_state'}` SET version = version - 1")
     assert not _run(projections_checks.stream_state_version_matches_events, r).passed
+
+    # Spark's check agrees (above SMALL_CHECK_EVENTS, or over deletion vectors, it is the one that runs).
+    monkeypatch.setattr(stream_state, "SMALL_CHECK_EVENTS", 0)
+    assert not _run(projections_checks.stream_state_version_matches_events, r).passed
+    monkeypatch.undo()
+
+    # It gates the snapshots' write-back: with the state off, `snapshots_job` writes nothing into the store.
+    job = build_definitions(replace(settings, spark_master="local[2]"), SHOP).resolve_job_def("snapshots_job")
+    result = job.execute_in_process(instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success
+    assert "snapshots" not in {e.step_key for e in result.get_step_success_events()}
+    assert EventStore(dsn).snapshot_keys() == []
