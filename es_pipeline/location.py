@@ -6,11 +6,14 @@ Explicit rather than autoloaded: the partitions, the sensor's interval, the auto
 (`es_pipeline.definitions`) and a team's (examples/shop/shop/definitions.py) both call it.
 """
 
+from datetime import timedelta
+
 import dagster as dg
 
 from es_pipeline.defs.events.asset import build_events_asset, build_events_job
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import build_new_events_sensor
+from es_pipeline.defs.health.sensor import build_run_failure_alert
 from es_pipeline.defs.maintenance.jobs import CHECKS, delta_maintenance_job, lake_checks_job
 from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, lake_checks_schedule
 from es_pipeline.defs.projections.assets import build_projection_assets
@@ -22,6 +25,28 @@ from es_pipeline.domain import Domain
 from es_pipeline.domain import load as load_domain
 from es_pipeline.extraction.slices import split
 from es_pipeline.settings import Settings
+
+SNAPSHOTS_FRESHNESS_SECONDS = 1800  # at least: the snapshots' schedule runs every ten minutes
+
+
+def with_freshness(assets: list[dg.AssetsDefinition], settings: Settings) -> list[dg.AssetsDefinition]:
+    """Every lake asset with a freshness policy (Dagster's freshness daemon evaluates it, the UI shows it):
+    failed when not materialized for ES_PIPELINE_FRESHNESS_SECONDS (15 min), warned at half of it; the
+    snapshots at least every 30 minutes. A tailing run materializes `events` and the projections it keeps at
+    least once per run even when no event came (they were checked up to date), so an idle store stays fresh;
+    with one pass per run (ES_PIPELINE_TAIL_SECONDS=0) nothing materializes an idle store's assets, and they go
+    stale: docs/operations.md."""
+
+    def policy(seconds: int) -> dg.FreshnessPolicy:
+        warn = timedelta(seconds=seconds / 2)  # Dagster takes no window under a minute
+        return dg.FreshnessPolicy.time_window(fail_window=timedelta(seconds=seconds),
+                                              warn_window=warn if warn >= timedelta(minutes=1) else None)
+
+    lake, snapshots_policy = policy(settings.freshness_seconds), policy(
+        max(settings.freshness_seconds, SNAPSHOTS_FRESHNESS_SECONDS))
+    return dg.map_asset_specs(  # type: ignore[return-value]
+        lambda spec: dg.apply_freshness_policy(spec, snapshots_policy if spec.key == dg.AssetKey("snapshots") else lake),
+        assets)
 
 
 def build_definitions(settings: Settings | None = None, domain: Domain | None = None) -> dg.Definitions:
@@ -36,10 +61,11 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
         tail_seconds=settings.tail_seconds,
     )
     return dg.Definitions(
-        assets=[events, *build_projection_assets(domain), snapshots],
+        assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
         asset_checks=CHECKS,
         jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
-        sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain)],
+        sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),
+                 build_run_failure_alert()],
         schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
         # Every job's steps in the run's own process unless it says otherwise: a hand materialization of a

@@ -43,6 +43,7 @@ DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_TAIL_SECONDS = 300
 # How often, at most, a tailing run reports its passes to Dagster as materializations (0: every pass).
 DEFAULT_REPORT_SECONDS = 30
+DEFAULT_FRESHNESS_SECONDS = 900  # a lake asset not materialized for this long is stale in Dagster (FreshnessPolicy)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -91,6 +92,8 @@ class Settings:
     report_seconds: int = DEFAULT_REPORT_SECONDS
     # The team's domain (reducers): the modules ES_PIPELINE_DOMAIN names, loaded by `es_pipeline.domain.load`.
     domain_modules: tuple[str, ...] = ()
+    # Every lake asset's freshness policy: failed when not materialized for this long, warned at half of it.
+    freshness_seconds: int = DEFAULT_FRESHNESS_SECONDS
 
     @property
     def source(self) -> Source:
@@ -136,6 +139,8 @@ class Settings:
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
             domain_modules=_modules(env, "ES_PIPELINE_DOMAIN"),
+            freshness_seconds=_int(env, "ES_PIPELINE_FRESHNESS_SECONDS", DEFAULT_FRESHNESS_SECONDS, 60, 7 * 86_400,
+                                   "a whole number of seconds between 60 (Dagster's least) and 604800"),
         )
 
 

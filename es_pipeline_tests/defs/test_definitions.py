@@ -13,11 +13,24 @@ def test_defs_load_with_the_designed_names() -> None:
     checks = {k.name for k in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {"events_no_duplicates", "events_versions_contiguous", "events_reconcile_with_source",
                       "stream_state_version_matches_events", "snapshots_match_store"}
-    assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor"}
+    assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor", "run_failure_alert"}
     assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule", "lake_checks_schedule"}
     events = defs.resolve_assets_def("events")
     assert isinstance(events.partitions_def, dg.StaticPartitionsDefinition)
     assert events.partitions_def.get_partition_keys()[:2] == ["0000-0127", "0128-0255"]
+
+
+def test_every_lake_asset_has_a_freshness_policy_even_at_the_shortest_window() -> None:
+    from dataclasses import replace
+
+    from es_pipeline.location import build_definitions
+    from es_pipeline.settings import Settings
+
+    for seconds in (60, 900):
+        built = build_definitions(replace(Settings.from_env(), freshness_seconds=seconds))
+        for key in built.resolve_all_asset_keys():
+            policy = built.resolve_assets_def(key).specs_by_key[key].freshness_policy
+            assert policy is not None and policy.fail_window.to_timedelta().total_seconds() >= seconds, key
 
 
 def test_the_projections_follow_events_while_a_tailing_run_is_in_progress() -> None:

@@ -125,6 +125,7 @@ def _tail(
         reports.flush()
         projections.maybe_update(force=True)
         projections.flush()
+        projections.confirm()
     last = tailed.last or first
     ended = "asked to stop, " if stop.is_set() else ""
     context.log.info(f"{slice_range.key}: {ended}tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
@@ -210,6 +211,8 @@ class _Projections:
         self.failed = False
         self.conn: psycopg.Connection | None = None
         self.pending: dict[str, dict[str, Any]] = {}
+        self.reported: set[str] = set()  # projections materialized by this run
+        self.up_to_date: dict[str, dict[str, Any]] = {}  # projections found with nothing to fold, as last found
 
     def __enter__(self) -> "_Projections":
         return self
@@ -232,17 +235,19 @@ class _Projections:
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
             return
         for name, result in done.items():
+            metadata: dict[str, Any]
             if isinstance(result, StateResult):
-                if result.events_folded:
-                    self._gather(name, state_metadata(result))
+                worked, metadata = bool(result.events_folded), state_metadata(result)
             elif isinstance(result, CrossStreamResult):
-                if result.events_folded:
-                    self._gather(name, cross_stream_metadata(result))
+                worked, metadata = bool(result.events_folded), cross_stream_metadata(result)
             elif isinstance(result, EventTablesResult):
-                if result.events:
-                    self._gather(name, event_tables_metadata(result))
-            elif result.events_read:
-                self._gather(name, projection_metadata(result))
+                worked, metadata = bool(result.events), event_tables_metadata(result)
+            else:
+                worked, metadata = bool(result.events_read), projection_metadata(result)
+            if worked:
+                self._gather(name, metadata)
+            else:
+                self.up_to_date[name] = metadata
 
     def _gather(self, name: str, metadata: dict[str, Any]) -> None:
         """The newest update's figures; the work (events, keys) and count of all gathered updates."""
@@ -256,7 +261,17 @@ class _Projections:
         for name, metadata in self.pending.items():
             self.context.log_event(dg.AssetMaterialization(
                 asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
+            self.reported.add(name)
         self.pending = {}
+
+    def confirm(self) -> None:
+        """At the run's end, a materialization of each projection found up to date and not materialized by this
+        run (no event came): once a run, so that an idle store's projections stay fresh (their freshness policy)
+        while they are kept, and go stale when they are not."""
+        for name, metadata in self.up_to_date.items():
+            if name not in self.reported and not self.failed:
+                self.context.log_event(dg.AssetMaterialization(asset_key=dg.AssetKey(name), metadata={
+                    **metadata, "up_to_date": True, "kept_by": "the events tailing run"}))
 
 
 def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:
