@@ -73,7 +73,7 @@ def projection_run(context: dg.AssetExecutionContext) -> Iterator[None]:
 
 
 def _mark_canceling(context: dg.AssetExecutionContext, name: str) -> None:
-    run = context.instance.get_run_by_id(context.run_id)
+    run = context.instance.get_run_by_id(context.run.run_id)
     if run is not None and run.status not in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED):
         context.instance.report_run_canceling(run, message=f"Asked to stop ({name}): canceling; what this run had "
                                                            "committed stays, the rest is left whole to the next run.")

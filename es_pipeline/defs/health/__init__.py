@@ -1,0 +1,1 @@
+"""Alerts from the code location itself: the run-failure sensor."""

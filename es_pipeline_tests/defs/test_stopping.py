@@ -1,0 +1,96 @@
+"""A run asked to stop (SIGTERM, SIGINT) ends as succeeded or canceled, never as failed; and a failed run reaches
+the webhook of ES_PIPELINE_ALERT_WEBHOOK with the stream and version a reducer failed on. Real Dagster runs, in
+this process (the signal is this process's own)."""
+
+
+import json
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import dagster as dg
+import pytest
+
+from es_pipeline.defs.health.sensor import WEBHOOK_ENV, post_failure
+from es_pipeline.defs.stopping import projection_run, stop_requests
+from es_pipeline.errors import ReducerError
+
+
+def _signal_soon(signum: int, after: float = 1.0) -> None:
+    threading.Timer(after, os.kill, args=(os.getpid(), signum)).start()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_pass_asked_to_stop_finishes_and_the_run_succeeds(signum: int) -> None:
+    passes: list[int] = []
+
+    @dg.asset
+    def tailing(context: dg.AssetExecutionContext) -> None:
+        with stop_requests(context, finish=True) as stop:
+            _signal_soon(signum)
+            while not stop.is_set():  # a pass a tenth of a second, as a tailing run's loop
+                time.sleep(0.1)
+                passes.append(1)
+            time.sleep(0.3)  # the pass in progress ends after the signal: not interrupted
+            passes.append(2)
+
+    result = dg.materialize([tailing], instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert result.success and passes[-1] == 2
+    assert result.dagster_run.status == dg.DagsterRunStatus.SUCCESS
+
+
+def test_a_projection_asked_to_stop_is_canceled_not_failed() -> None:
+    @dg.asset
+    def projection(context: dg.AssetExecutionContext) -> None:
+        with projection_run(context):
+            _signal_soon(signal.SIGTERM)
+            time.sleep(30)
+
+    instance = dg.DagsterInstance.ephemeral()
+    began = time.monotonic()
+    result = dg.materialize([projection], instance=instance, raise_on_error=False)
+    assert time.monotonic() - began < 20
+    assert instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.CANCELED
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict[str, str]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_reducer_failure_is_posted_with_its_stream_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/hook/secret-token"
+    monkeypatch.setenv(WEBHOOK_ENV, url)
+
+    @dg.asset
+    def stream_state(context: dg.AssetExecutionContext) -> None:
+        with projection_run(context):
+            raise ReducerError("account-7", 12, "Poisoned", "KeyError: 'amount'")
+
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize([stream_state], instance=instance, raise_on_error=False)
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None and run.status == dg.DagsterRunStatus.FAILURE
+    failure = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
+    context = dg.build_run_status_sensor_context(
+        sensor_name="run_failure_alert", dagster_instance=instance, dagster_run=run, dagster_event=failure,
+    ).for_run_failure()
+    post_failure(context)
+    server.shutdown()
+    (posted,) = _Hook.received
+    assert (posted["stream_id"], posted["version"], posted["event_type"]) == ("account-7", "12", "Poisoned")
+    assert "failed on stream 'account-7' version 12 (Poisoned)" in posted["text"]
+    assert "reducer failed on stream 'account-7'" in posted["error"]
+    logs = " ".join(str(e.user_message) for e in instance.all_logs(run.run_id))
+    assert "secret-token" not in logs + json.dumps(posted)
