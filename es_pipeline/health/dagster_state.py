@@ -64,6 +64,7 @@ class DagsterReading:
     failing: list[Failing]
     materialized: dict[str, float]  # asset → newest materialization's time
     checks: dict[tuple[str, str], bool]  # (asset, check) → passed, newest evaluation
+    freshness: dict[str, str] = field(default_factory=dict)  # asset → its freshness policy's state (PASS, WARN, FAIL)
     taken_at: float = 0.0
 
 
@@ -111,7 +112,14 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterRead
         for key, entry in instance.get_latest_materialization_events(keys).items() if entry is not None
     }
     return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized), materialized,
-                          _checks(instance), time.time())
+                          _checks(instance), _freshness(instance, keys), time.time())
+
+
+def _freshness(instance: dg.DagsterInstance, keys: list[dg.AssetKey]) -> dict[str, str]:
+    """Each asset's freshness state as Dagster's freshness daemon last recorded it (absent: none recorded yet)."""
+    records = instance.get_freshness_state_records(keys)
+    return {key.to_user_string(): str(getattr(r.freshness_state, "value", r.freshness_state))
+            for key, r in records.items() if r is not None}
 
 
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
@@ -145,7 +153,7 @@ def _checks(instance: dg.DagsterInstance) -> dict[tuple[str, str], bool]:
     found = instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
     out = {}
     for key, record in found.items():
-        evaluation = getattr(record, "evaluation", None)
-        if evaluation is not None:
-            out[(key.asset_key.to_user_string(), key.name)] = bool(evaluation.passed)
+        status = str(getattr(record.status, "value", record.status))
+        if status in ("SUCCEEDED", "FAILED"):  # PLANNED: in progress, or its run died
+            out[(key.asset_key.to_user_string(), key.name)] = status == "SUCCEEDED"
     return out

@@ -281,6 +281,9 @@ def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
                     f.failure.get("event_type", "")], 1.0) for f in d.failing])
     yield _gauge("es_pipeline_asset_last_materialization_timestamp_seconds", "When the asset was last materialized",
                  ["asset"], [([a], at) for a, at in sorted(d.materialized.items())])
+    yield _gauge("es_pipeline_asset_freshness", "1 for the asset's freshness state (its FreshnessPolicy, evaluated by "
+                 "Dagster's freshness daemon): PASS, WARN or FAIL", ["asset", "state"],
+                 [([a, state], 1.0) for a, state in sorted(d.freshness.items())])
     yield _gauge("es_pipeline_asset_check_passed", "1 when the check's newest evaluation passed", ["asset", "check"],
                  [([a, c], 1.0 if ok else 0.0) for (a, c), ok in sorted(d.checks.items())])
 

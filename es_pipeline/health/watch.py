@@ -12,7 +12,8 @@ from es_pipeline.health.exporter import Reader, Reading
 from es_pipeline.health.store import Holder
 
 DAEMON_LATE = 60.0  # seconds without a heartbeat: a daemon is dead (Dagster's own heartbeat is every 30 s)
-TICK_LATE = 60.0  # seconds without a tick of a running sensor: its daemon or code server is not working
+TICK_LATE = 45.0  # seconds without a tick of a running sensor: its daemon or code server is not working (the alert's bound)
+RUN_LATE = 30.0  # seconds extractable events wait without a tailing run (a handoff takes a second or two)
 HELD_LATE = 60.0  # seconds a transaction holds the horizon, with events waiting behind it, before it is a problem
 
 
@@ -31,8 +32,10 @@ def problems(r: Reading, *, tailing: bool) -> list[str]:
     if s is not None:
         if s.source_problem:
             out.append(f"no run would extract: {s.source_problem}")
-        if tailing and not all(x.slices_locked == x.slices for x in s.ranges):
-            out.append("no tailing run holds the slices (dead, or between two runs)")
+        waited = max((s.taken_at - x.waiting.oldest_extractable_at for x in s.ranges
+                      if x.waiting.oldest_extractable_at), default=0.0)
+        if tailing and not all(x.slices_locked == x.slices for x in s.ranges) and waited > RUN_LATE:
+            out.append(f"no tailing run holds the slices, and extractable events have waited {waited:.0f} s")
         if s.holder is not None and (s.holder.seconds or 0) > HELD_LATE and any(x.waiting.behind_horizon for x in s.ranges):
             out.append(f"horizon held by {_holder(s.holder)}")
     d = r.dagster
@@ -67,7 +70,7 @@ def health_line(r: Reading, *, tailing: bool) -> str:
     seen = []
     if r.store is not None and tailing:
         pids = sorted(r.store.lock_holders)
-        seen.append(f"tailing run alive (pid {', '.join(map(str, pids))})")
+        seen.append(f"tailing run alive (pid {', '.join(map(str, pids))})" if pids else "no run needed (nothing waits)")
     if r.dagster is not None:
         newest = max(r.dagster.heartbeats.values(), default=None)
         if newest is not None:
