@@ -270,13 +270,14 @@ def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
                  "an error)", ["sensor"], [([t.sensor], 1.0 if t.failed else 0.0) for t in d.ticks])
     yield _gauge("es_pipeline_tailing_runs_started", "Tailing runs Dagster has in progress", ["consumer"],
                  [([consumer], float(len(d.tailing_runs)))])
-    yield _gauge("es_pipeline_job_last_run_success", "1 when the job's newest finished run succeeded", ["job"],
+    # `dagster_job`, not `job`: Prometheus's own `job` label (the scrape job) would take its place.
+    yield _gauge("es_pipeline_job_last_run_success", "1 when the job's newest finished run succeeded", ["dagster_job"],
                  [([r.job], 1.0 if r.status == "SUCCESS" else 0.0) for r in d.last_runs])
-    yield _gauge("es_pipeline_job_last_run_timestamp_seconds", "When the job's newest finished run ended", ["job"],
+    yield _gauge("es_pipeline_job_last_run_timestamp_seconds", "When the job's newest finished run ended", ["dagster_job"],
                  [([r.job], r.at) for r in d.last_runs])
     yield _gauge("es_pipeline_asset_failing", "1 while the asset's newest run failed and it has not been materialized "
                  "since: the failure's first line, and the stream, version and event type a reducer or fold failed on",
-                 ["asset", "job", "run_id", "error", "stream_id", "version", "event_type"],
+                 ["asset", "dagster_job", "run_id", "error", "stream_id", "version", "event_type"],
                  [([f.asset, f.job, f.run_id, f.error, f.failure.get("stream_id", ""), f.failure.get("version", ""),
                     f.failure.get("event_type", "")], 1.0) for f in d.failing])
     yield _gauge("es_pipeline_asset_last_materialization_timestamp_seconds", "When the asset was last materialized",

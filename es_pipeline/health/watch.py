@@ -11,6 +11,7 @@ from typing import TextIO
 from es_pipeline.health.exporter import Reader, Reading
 from es_pipeline.health.store import Holder
 
+LOOP_DAEMONS = ("SENSOR", "QUEUED_RUN_COORDINATOR", "ASSET")  # the daemons es_pipeline's loop stops without
 DAEMON_LATE = 60.0  # seconds without a heartbeat: a daemon is dead (Dagster's own heartbeat is every 30 s)
 TICK_LATE = 45.0  # seconds without a tick of a running sensor: its daemon or code server is not working (the alert's bound)
 RUN_LATE = 30.0  # seconds extractable events wait without a tailing run (a handoff takes a second or two)
@@ -43,7 +44,7 @@ def problems(r: Reading, *, tailing: bool) -> list[str]:
         if not d.heartbeats:
             out.append("no Dagster daemon has ever run on this instance")
         for kind, at in sorted(d.heartbeats.items()):
-            if d.taken_at - at > DAEMON_LATE:
+            if kind in LOOP_DAEMONS and d.taken_at - at > DAEMON_LATE:
                 out.append(f"Dagster daemon {kind} silent for {d.taken_at - at:.0f} s")
         for t in d.ticks:
             if t.running and t.failed:
