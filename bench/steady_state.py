@@ -26,8 +26,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,10 @@ def _processes() -> dict[int, tuple[str, int]]:
 def _part(comm: str, cmd: str, ppid: int) -> str:
     if comm == "postgres" or comm.startswith("postgres"):
         return "PostgreSQL"
+    if comm == "prometheus":
+        return "Prometheus (the operator's)"
+    if "es-pipeline metrics" in cmd:
+        return "health exporter"
     if comm == "java":
         return "Spark Connect (JVM)"
     if "dagster-daemon" in cmd or "dagster_daemon" in cmd:
@@ -250,8 +254,11 @@ def _run_facts(record: Any) -> dict[str, Any]:
                      "dagster/sensor", "dagster/auto", "es_pipeline/"))}}
 
 
-def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str, Any]:
-    name = f"bench_steady_{label.replace(' ', '_')}"
+def phase(label: str, seconds: float, rate: float, tail: int | None,
+          beside: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+    """One phase: writers alone (`tail` None), or make dev's loop with runs tailing `tail` s (0: one pass per
+    run); `beside(stack)`: what else runs through the window (the health exporter and its Prometheus)."""
+    name = f"bench_steady_{label.replace(' ', '_').replace('+', 'and')}"
     dsn = fresh_database(name)
     try:
         if tail is None:
@@ -260,8 +267,10 @@ def phase(label: str, seconds: float, rate: float, tail: int | None) -> dict[str
             stop.set()
             thread.join()
             return {"label": label, "busy_cores": cores, "runs": 0, "events": _store_rows(dsn), "delivered": None}
-        with _loop(dsn, rate, tail) as (stack, instance, stop, thread, warmup):
+        with _loop(dsn, rate, tail) as (stack, instance, stop, thread, warmup), \
+                (beside(stack) if beside is not None else nullcontext()):
             hourly_off(stack)
+            time.sleep(30 if beside is not None else 0)  # what runs beside warms up too (its first reading)
             before = len(instance.get_run_records())
             sampler = _Sampler()
             cores = _busy_cores(seconds, sampler.sleep)
