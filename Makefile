@@ -102,6 +102,7 @@ bench: setup
 	$(PY) -m bench.s3_lake
 	$(PY) -m bench.cluster
 	$(PY) -m bench.steady_state
+	$(PY) -m bench.exporter_cost
 	$(PY) -m bench.tenant_tick
 
 # The benchmarks' code paths at tiny sizes, results in a temporary folder (bench/results/ is left alone): a
