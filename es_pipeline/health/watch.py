@@ -13,7 +13,7 @@ from es_pipeline.health.store import Holder
 
 LOOP_DAEMONS = ("SENSOR", "QUEUED_RUN_COORDINATOR", "ASSET")  # the daemons es_pipeline's loop stops without
 DAEMON_LATE = 60.0  # seconds without a heartbeat: a daemon is dead (Dagster's own heartbeat is every 30 s)
-TICK_LATE = 45.0  # seconds without a tick of a running sensor: its daemon or code server is not working (the alert's bound)
+TICK_LATE = 40.0  # seconds without a tick of a running sensor: its daemon or code server is not working (the alert's bound)
 RUN_LATE = 30.0  # seconds extractable events wait without a tailing run (a handoff takes a second or two)
 HELD_LATE = 60.0  # seconds a transaction holds the horizon, with events waiting behind it, before it is a problem
 

@@ -1,0 +1,183 @@
+"""The health drills, on the whole stack as `make dev` runs it (a Dagster daemon and code server on Postgres
+storage, tailing runs, automation, a Spark Connect server), watched by a real Prometheus server that scrapes
+`es-pipeline metrics` with es_pipeline's own alert rules (es_pipeline/health/alerts.yml):
+
+1. a transaction held open while writers append: EsPipelineHorizonHeld fires once it has held 60 s, naming the
+   holder's pid and application name (and `status` names it in its health line), and resolves when it ends;
+2. a reducer that fails on an event: EsPipelineProjectionFailing names the stream, version and event type, and
+   `stream_state`'s freshness policy fails (EsPipelineAssetStale);
+3. Spark Connect gone: EsPipelineSparkConnectDown within 60 s;
+4. the tailing run SIGKILLed: EsPipelineEventsRunFailed within 60 s, then the next run catches up and the lake
+   holds every committed event exactly once;
+5. a tailing run sent SIGTERM (a deploy, `make dev` stopped) ends as succeeded, not failed;
+6. the code server killed: EsPipelineSensorStalled (or SensorFailing) within 60 s; then the daemon killed:
+   EsPipelineDaemonDown.
+Each alert's time to fire is printed (pytest -s) and bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from es_pipeline.dev.stack import dagster_stack, free_port, wait_port
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.health.prometheus import Prometheus, prometheus
+from es_pipeline.instance.launcher import PID_TAG
+from es_pipeline.settings import PROJECT_ROOT
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
+from es_pipeline_tests.support.roles import StoreDsn
+
+CLI = str(Path(sys.executable).parent / "es-pipeline")
+
+
+def _wait(probe: Callable[[], Any], seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"waited {seconds:.0f} s for {what}")
+
+
+def _fires(prom: Prometheus, name: str, seconds: float, **labels: str) -> tuple[dict[str, Any], float]:
+    """The first firing alert `name` with `labels`, and how long it took from now."""
+    began = time.monotonic()
+    alert = _wait(lambda: [a for a in prom.firing(name) if all(a["labels"].get(k) == v for k, v in labels.items())],
+                  seconds, f"{name}{labels} to fire")[0]
+    took = time.monotonic() - began
+    print(f"{name} fired after {took:.0f} s: {alert['annotations'].get('summary')}")
+    return alert, took
+
+
+def _tailing_runs(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
+    return [r.dagster_run for r in instance.get_run_records(dg.RunsFilter(
+        job_name="events_job", statuses=[dg.DagsterRunStatus.STARTED])) if PID_TAG in r.dagster_run.tags]
+
+
+def _in_lake(warehouse: Path, stream_id: str, version: int) -> bool:
+    from deltalake import DeltaTable
+
+    from es_pipeline.lake.feed import files
+
+    path = str(warehouse / "events")
+    rows = files(path, DeltaTable(path)).to_table(columns=["stream_id", "version"]).to_pylist()
+    return {"stream_id": stream_id, "version": version} in rows
+
+
+def _health_line(env: dict[str, str]) -> str:
+    out = subprocess.run([CLI, "status"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(1500)
+def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
+    pg_server: str, dsn: StoreDsn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {"ES_PIPELINE_TAIL_SECONDS": "60", "ES_PIPELINE_DOMAIN": "es_pipeline_tests.support.poison_domain",
+           "ES_PIPELINE_FRESHNESS_SECONDS": "60", "PYTHONPATH": str(PROJECT_ROOT)}
+    with dagster_stack(admin_dsn=pg_server, dsn=dsn.extractor, tmp=tmp_path, slice_ranges=2, sensor_interval=2,
+                       connect=True, automation=True, extra_env=env) as stack:
+        for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
+            monkeypatch.setenv(key, stack.env[key])
+        instance = dg.DagsterInstance.get()
+        connect, code_server, daemon = stack.processes
+        port = free_port()
+        exporter = subprocess.Popen([CLI, "metrics", "--port", str(port)], env=stack.env,
+                                    stdout=open(tmp_path / "exporter.log", "wb"), stderr=subprocess.STDOUT)
+        store = EventStore(dsn.writer)
+        stop = threading.Event()
+        writers = threading.Thread(target=run_workload, args=(store,), kwargs=dict(
+            streams=60, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.1, rate=20.0, stop=stop))
+        try:
+            wait_port(port, 60)
+            with prometheus([f"127.0.0.1:{port}"], tmp_path / "prometheus", port=free_port(), interval="2s") as prom:
+                writers.start()
+                store.append("drill-1", "drill", [NewEvent("Opened", {})], 0)
+                _wait(lambda: prom.query("es_pipeline_tailing_run_alive == 1"), 180, "a tailing run alive")
+                _wait(lambda: len(prom.query("es_pipeline_asset_last_materialization_timestamp_seconds")) >= 5
+                      and len(prom.query("es_pipeline_projection_behind_versions < 5")) == 4, 300,
+                      "events and the four projections built (their first builds use Spark Connect) and kept")
+                firing = [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing"]
+                assert not firing, f"alerts firing on a healthy pipeline: {firing}"
+                assert _health_line(stack.env).startswith("health: ok"), _health_line(stack.env)
+                for r in prom.query("max_over_time(es_pipeline_dagster_daemon_heartbeat_age_seconds[10m])"):
+                    print(f"daemon {r['metric']['daemon']}: heartbeat at most {float(r['value'][1]):.0f} s old")
+
+                # 1-3 at once: a poisoned stream (in the lake first: a held horizon would keep it out), a held
+                # transaction, Spark Connect gone.
+                store.append("drill-1", "drill", [NewEvent("Poisoned", {})], 1)
+                _wait(lambda: _in_lake(stack.warehouse, "drill-1", 2), 60, "the poisoned event in the lake")
+                holder = psycopg.connect(dsn.writer, application_name="drill-holder")
+                holder.execute("SELECT pg_current_xact_id()")
+                held_since = time.monotonic()
+                os.killpg(connect.pid, signal.SIGKILL)  # the first builds are done: nothing needs Spark now
+                _, took = _fires(prom, "EsPipelineSparkConnectDown", 90)
+                assert took <= 60
+                assert "Spark Connect at" in _health_line(stack.env)
+                failing, _ = _fires(prom, "EsPipelineProjectionFailing", 240, asset="stream_state")
+                assert (failing["labels"]["stream_id"], failing["labels"]["version"],
+                        failing["labels"]["event_type"]) == ("drill-1", "2", "Poisoned")
+                held, _ = _fires(prom, "EsPipelineHorizonHeld", 180)
+                fired = time.monotonic() - held_since
+                assert held["labels"]["pid"] == str(holder.info.backend_pid)
+                assert held["labels"]["application_name"] == "drill-holder"
+                assert fired <= 60 + 60, f"the held horizon alerted {fired:.0f} s after the hold began"
+                line = _health_line(stack.env)
+                assert f"pid {holder.info.backend_pid} 'drill-holder'" in line, line
+                assert "stream_state failing on stream 'drill-1' version 2" in line, line
+                holder.commit()
+                holder.close()
+                _wait(lambda: not prom.firing("EsPipelineHorizonHeld"), 60, "the held horizon's alert to resolve")
+                _fires(prom, "EsPipelineAssetStale", 240, asset="stream_state")
+
+                # 4: the tailing run SIGKILLed; the next one catches up.
+                run = _wait(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
+                os.kill(int(run.tags[PID_TAG]), signal.SIGKILL)
+                _, took = _fires(prom, "EsPipelineEventsRunFailed", 120)
+                assert took <= 60
+                _wait(lambda: [r for r in _tailing_runs(instance) if r.run_id != run.run_id], 120, "the next tailing run")
+                stop.set()
+                writers.join()
+                _wait(lambda: prom.query('sum(es_pipeline_events_waiting) == 0'), 120, "every event extracted")
+                assert assert_exactly_once_by_key(stack.warehouse, dsn) > 0
+
+                # 5: a tailing run asked to stop ends as succeeded.
+                run = _wait(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
+                os.kill(int(run.tags[PID_TAG]), signal.SIGTERM)
+                ended = _wait(lambda: (r := instance.get_run_by_id(run.run_id)) and r.is_finished and r, 60,
+                              "the run asked to stop to end")
+                assert ended.status == dg.DagsterRunStatus.SUCCESS, ended.status
+
+                # 6: the code server; then the daemon.
+                os.killpg(code_server.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                name = _wait(lambda: [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing" and
+                                      a["labels"]["alertname"] in ("EsPipelineSensorStalled", "EsPipelineSensorFailing")
+                                      and a["labels"].get("sensor") == "new_events_sensor"], 120,
+                             "the sensor's alert once its code server is gone")[0]
+                print(f"{name} fired {time.monotonic() - killed:.0f} s after the code server was killed")
+                assert time.monotonic() - killed <= 60
+                line = _health_line(stack.env)
+                assert line.startswith("health: PROBLEM") and "sensor new_events_sensor" in line, line
+                os.killpg(daemon.pid, signal.SIGKILL)
+                _, took = _fires(prom, "EsPipelineDaemonDown", 150)
+                assert took <= 100
+                assert "silent" in _health_line(stack.env)
+        finally:
+            stop.set()
+            exporter.terminate()
+            exporter.wait(30)
