@@ -16,7 +16,7 @@ export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 # The demo's domain: the example team package's reducers (examples/shop), for `make dev`, `dev-cluster` and `demo`.
 DEMO_DOMAIN := ES_PIPELINE_DOMAIN=$${ES_PIPELINE_DOMAIN-shop.domain}
 
-.PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions lint typecheck pytest pytest-fast bench bench-smoke clean
+.PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions test-e2e lint typecheck pytest pytest-fast bench bench-smoke clean
 
 help:
 	@echo "make dev    - set up everything, then Dagster UI + daemon + demo writers (Ctrl-C stops all)"
@@ -75,8 +75,13 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
+# The whole suite but the e2e tier (whole stacks in processes: daemons, code servers, Prometheus), which
+# `make test` runs beside the other majors' tests: its tests wait on daemons more than they compute.
 pytest: setup
-	$(VENV)/bin/pytest -q --durations=25 es_pipeline_tests examples/shop/tests
+	$(VENV)/bin/pytest -q --durations=25 -m "not e2e" es_pipeline_tests examples/shop/tests
+
+test-e2e: setup
+	$(VENV)/bin/pytest -q --durations=10 -m e2e es_pipeline_tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers).
@@ -91,9 +96,10 @@ test-pg-versions: setup
 check: lint typecheck pytest-fast
 
 # The benchmarks' smoke run waits more than it computes (user time 37 s of 2.5 min): it goes beside the other
-# majors' tests (each on its own cluster; bench_smoke on the local server), each one's output kept together.
+# majors' tests (each on its own cluster; bench_smoke on the local server) and the e2e tier (its own databases
+# and ports on the local server), each one's output kept together.
 test: lint typecheck pytest
-	@$(MAKE) --no-print-directory -j2 --output-sync=target bench-smoke test-pg-versions
+	@$(MAKE) --no-print-directory -j3 --output-sync=target bench-smoke test-pg-versions test-e2e
 
 bench: setup
 	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline

@@ -53,6 +53,7 @@ def _copy(tmp_path: Path, replace: tuple[str, str]) -> Path:
     return copy
 
 
+@pytest.mark.slow  # `dg` processes (20 s): make test's tier, not make check's
 def test_dg_checks_the_yaml_and_refuses_a_misspelled_attribute_or_a_bad_value_by_name(
     tmp_path: Path, dsn: StoreDsn
 ) -> None:

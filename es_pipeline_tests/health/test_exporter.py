@@ -112,6 +112,7 @@ def test_projection_distance_comes_from_the_delta_log(dsn: StoreDsn, settings: S
     assert behind["event_tables"].versions == 1 and behind["event_tables"].seconds >= 1.0
 
 
+@pytest.mark.slow  # three processes, each importing the CLI's command (8 s): not in `make check`
 def test_the_cli_prints_a_scrape_the_rules_and_a_health_line(dsn: StoreDsn, warehouse: Path) -> None:
     env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse),
            "ES_PIPELINE_TAIL_SECONDS": "0", "DAGSTER_HOME": ""}
