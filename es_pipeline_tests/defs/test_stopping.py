@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import dagster as dg
 import pytest
 
+from es_pipeline.defs import stopping
 from es_pipeline.defs.health.sensor import WEBHOOK_ENV, post_failure
 from es_pipeline.defs.stopping import projection_run, stop_requests
 from es_pipeline.errors import ReducerError
@@ -39,6 +40,23 @@ def test_a_pass_asked_to_stop_finishes_and_the_run_succeeds(signum: int) -> None
     result = dg.materialize([tailing], instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert result.success and passes[-1] == 2
     assert result.dagster_run.status == dg.DagsterRunStatus.SUCCESS
+
+
+def test_a_pass_that_does_not_end_after_one_signal_is_interrupted_and_canceled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One signal is all Terminate and run monitoring's time limit send: a pass that hangs still ends."""
+    monkeypatch.setattr(stopping, "GRACE_SECONDS", 1.0)
+
+    @dg.asset
+    def hung(context: dg.AssetExecutionContext) -> None:
+        with stop_requests(context, finish=True):
+            _signal_soon(signal.SIGINT, 0.5)
+            time.sleep(60)  # a lock wait: it never looks at the stop event
+
+    instance = dg.DagsterInstance.ephemeral()
+    began = time.monotonic()
+    result = dg.materialize([hung], instance=instance, raise_on_error=False)
+    assert time.monotonic() - began < 20
+    assert instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.CANCELED
 
 
 def test_a_projection_asked_to_stop_is_canceled_not_failed() -> None:

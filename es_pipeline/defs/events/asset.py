@@ -123,9 +123,10 @@ def _tail(
         tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=on_pass,
                       session=session, stop=stop)
         reports.flush()
-        projections.maybe_update(force=True)
-        projections.flush()
-        projections.confirm()
+        if not stop.is_set():  # asked to stop: the projections' automation takes what is left
+            projections.maybe_update(force=True)
+            projections.flush()
+            projections.confirm()
     last = tailed.last or first
     ended = "asked to stop, " if stop.is_set() else ""
     context.log.info(f"{slice_range.key}: {ended}tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
@@ -234,12 +235,15 @@ class _Projections:
             self.failed = True
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
             return
+        self.up_to_date = {}  # from this follow only: a projection skipped since (its turn taken, Spark) is not
         for name, result in done.items():
             metadata: dict[str, Any]
             if isinstance(result, StateResult):
                 worked, metadata = bool(result.events_folded), state_metadata(result)
             elif isinstance(result, CrossStreamResult):
                 worked, metadata = bool(result.events_folded), cross_stream_metadata(result)
+                if not worked and result.events_waiting:  # events held for the frontier: not up to date
+                    continue
             elif isinstance(result, EventTablesResult):
                 worked, metadata = bool(result.events), event_tables_metadata(result)
             else:
@@ -265,9 +269,9 @@ class _Projections:
         self.pending = {}
 
     def confirm(self) -> None:
-        """At the run's end, a materialization of each projection found up to date and not materialized by this
-        run (no event came): once a run, so that an idle store's projections stay fresh (their freshness policy)
-        while they are kept, and go stale when they are not."""
+        """At the run's end, a materialization of each projection the last follow found up to date and that this
+        run did not materialize (no event came for it): once a run, so that a projection kept up to date stays
+        fresh (its freshness policy) and one that fails or is skipped goes stale."""
         for name, metadata in self.up_to_date.items():
             if name not in self.reported and not self.failed:
                 self.context.log_event(dg.AssetMaterialization(asset_key=dg.AssetKey(name), metadata={

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 import dagster as dg
 
 WEBHOOK_ENV = "ES_PIPELINE_ALERT_WEBHOOK"
+QUIET_SECONDS = 3600.0  # the same failure (job, asset, stream, version, first line) is posted once in this long
+_posted: dict[tuple[str, ...], float] = {}  # in the code server's process: what was posted when
 UI_ENV = "ES_PIPELINE_DAGSTER_URL"  # the UI's address, for the link in the message (optional)
 
 
@@ -54,6 +57,12 @@ def post_failure(context: dg.RunFailureSensorContext) -> dg.SkipReason | None:
         break
     if not error:
         error = (context.failure_event.message or "").strip().splitlines()[0][:300]
+    # A poisoned projection fails again on every automation tick (30 s): one post per failure an hour, not a flood.
+    key = (context.dagster_run.job_name, error, *(f"{k}={v}" for k, v in sorted(failure.items())))
+    now = time.monotonic()
+    if now - _posted.get(key, -QUIET_SECONDS) < QUIET_SECONDS:
+        return dg.SkipReason(f"the same failure was posted less than {QUIET_SECONDS:.0f} s ago")
+    _posted[key] = now
     body = json.dumps(message(context.dagster_run, error, failure)).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
     try:
