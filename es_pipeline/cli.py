@@ -198,7 +198,7 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.health.watch import health_line
 
     print(status_report(settings))
-    print(health_line(reader.reading(), tailing=settings.tail_seconds > 0))
+    print(health_line(reader.reading(), tailing=settings.tail_seconds > 0, intervals=reader.intervals))
     return 0
 
 

@@ -321,7 +321,8 @@ def waiting(
     conn: psycopg.Connection, source: Source | str, pairs: Sequence[tuple[int, int]], horizon: int, *, cap: int
 ) -> Waiting:
     """What waits above each (slice, watermark) of `pairs`, read through the (slice, tx_id) index and counted up to
-    `cap` rows: a monitor asks every few seconds, and a backfill of millions must not make each reading a scan."""
+    `cap` rows: a monitor asks every few seconds, and a backfill of millions must not make each reading a scan.
+    Past the cap, the oldest is each slice's first waiting event by transaction id (one index probe a slice)."""
     if not pairs:
         return Waiting(0, 0, None, None)
     inner = _select(source, "e.tx_id, e.recorded_at", pairs, None)
@@ -333,4 +334,19 @@ def waiting(
         f"FROM ({inner} LIMIT {int(cap)}) w"
     ).fetchone()
     assert row is not None
-    return Waiting(int(row[0]), int(row[1]), row[2], row[3])
+    found = Waiting(int(row[0]), int(row[1]), row[2], row[3])
+    if found.extractable + found.behind_horizon < cap:
+        return found
+    table = as_source(source).relation()
+    slices = ",".join(str(int(s)) for s, _ in pairs)
+    lows = ",".join(str(int(w)) for _, w in pairs)
+    first = conn.execute(  # type: ignore[call-overload]
+        f"SELECT extract(epoch FROM min(f.recorded_at))::float8, min(f.tx_id::text::bigint) "
+        f"FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) AS w(slice, lo) CROSS JOIN LATERAL "
+        f"(SELECT e.recorded_at, e.tx_id FROM {table} e WHERE e.slice = w.slice AND e.tx_id >= w.lo "
+        f"ORDER BY e.tx_id LIMIT 1) f"
+    ).fetchone()
+    oldest, lowest = (first[0], first[1]) if first else (None, None)
+    if lowest is not None and int(lowest) < horizon:
+        return Waiting(found.extractable, found.behind_horizon, oldest, found.oldest_behind_at)
+    return Waiting(found.extractable, found.behind_horizon, found.oldest_extractable_at, oldest)

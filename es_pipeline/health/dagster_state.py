@@ -76,7 +76,10 @@ def open_instance() -> dg.DagsterInstance | None:
     return dg.DagsterInstance.from_config(home)
 
 
-def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterReading:
+def read_dagster(instance: dg.DagsterInstance, assets: list[str], *, declared: dict[str, bool] | None = None
+                 ) -> DagsterReading:
+    """`declared`: sensor → whether it runs where its status is declared in code (the instance does not record
+    which): the new-events sensor does, the automation sensor where ES_PIPELINE_AUTOMATION is on."""
     heartbeats = {kind: hb.timestamp for kind, hb in instance.get_daemon_heartbeats().items()}
     ticks = []
     for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
@@ -87,10 +90,8 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterRead
         error = ""
         if tick is not None and tick.status == TickStatus.FAILURE and tick.error is not None:
             error = (tick.error.message or "").strip().splitlines()[0][:300] if tick.error.message else ""
-        # Declared in code: running by default, or stopped by default (the automation sensor when it is off),
-        # which the instance does not record; such a sensor that has ticked is taken as running.
         running = state.status == InstigatorStatus.RUNNING or (
-            state.status == InstigatorStatus.DECLARED_IN_CODE and tick is not None)
+            state.status == InstigatorStatus.DECLARED_IN_CODE and (declared or {}).get(state.instigator_name, True))
         ticks.append(Tick(state.instigator_name, running, None if tick is None else float(tick.timestamp),
                           tick is not None and tick.status == TickStatus.FAILURE, error))
     tailing = [
@@ -101,7 +102,7 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterRead
     ]
     last_runs = []
     for job in JOBS:
-        records = instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=FINISHED), limit=1)
+        records = instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=ENDED), limit=1)
         if records:
             r = records[0]
             last_runs.append(LastRun(job, r.dagster_run.status.value, r.end_time or r.update_timestamp.timestamp(),
@@ -111,8 +112,8 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str]) -> DagsterRead
         key.to_user_string(): float(entry.timestamp)
         for key, entry in instance.get_latest_materialization_events(keys).items() if entry is not None
     }
-    return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized), materialized,
-                          _checks(instance), _freshness(instance, keys), time.time())
+    return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized, set(assets)),
+                          materialized, _checks(instance), _freshness(instance, keys), time.time())
 
 
 def _freshness(instance: dg.DagsterInstance, keys: list[dg.AssetKey]) -> dict[str, str]:
@@ -122,12 +123,15 @@ def _freshness(instance: dg.DagsterInstance, keys: list[dg.AssetKey]) -> dict[st
             for key, r in records.items() if r is not None}
 
 
-FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+# A canceled run (a deploy, `make dev` stopped, Terminate) is neither: it says nothing of the job's health.
+ENDED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE]
 FAILED_RUNS_READ = 5  # newest failed runs of the projections' and snapshots' jobs looked at, per job
 
 
-def _failing(instance: dg.DagsterInstance, materialized: dict[str, float]) -> list[Failing]:
-    """The assets (projections, snapshots) whose newest failed step is newer than their newest materialization."""
+def _failing(instance: dg.DagsterInstance, materialized: dict[str, float], assets: set[str]) -> list[Failing]:
+    """The assets (projections, snapshots) whose newest failed step is newer than their newest materialization.
+    A step is an asset's where its key is the asset's name (an asset check's step is not: the checks' results
+    are `checks`)."""
     out: dict[str, Failing] = {}
     for job in ("__ASSET_JOB", "snapshots_job"):
         for r in instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.FAILURE]),
@@ -137,7 +141,7 @@ def _failing(instance: dg.DagsterInstance, materialized: dict[str, float]) -> li
                                                        of_type=dg.DagsterEventType.STEP_FAILURE).records:
                 event = record.event_log_entry.dagster_event
                 asset = None if event is None else event.step_key
-                if event is None or asset is None or asset in out or materialized.get(asset, 0.0) > at:
+                if event is None or asset not in assets or asset in out or materialized.get(asset, 0.0) > at:
                     continue
                 data = event.step_failure_data
                 message = ((data.error.message if data and data.error else "") or "").strip()

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ALERTS = Path(__file__).with_name("alerts.yml")  # the Prometheus alert rules over these metrics
 DEFAULT_PORT = 9464  # https://github.com/prometheus/prometheus/wiki/Default-port-allocations: free in that list
+AUTOMATION_INTERVAL = 30  # seconds: projections_automation_sensor's minimum interval (defs/projections/automation.py)
 MIN_INTERVAL = 5.0  # seconds a reading is served again before a new one is taken
 LATENCY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0, float("inf"))
 
@@ -69,7 +70,7 @@ class _Latency:
         if self.seen is None:  # history is not ours to count: from the commits after the first reading on
             self.seen = newest
             return
-        for _, seconds, rows in lake.commit_latencies(self.seen):
+        for _, seconds, rows in lake.commit_latencies(self.seen, upto=newest):
             self.n += 1
             self.rows += rows
             self.total += seconds
@@ -93,6 +94,11 @@ class Reader:
         self._dagster = dagster
         self._lock = threading.Lock()
         self._last: Reading | None = None
+        # The sensors' intervals and whether each runs where its status is declared in code, as the code location
+        # sets them from the same settings (defs/events/sensor.py, defs/projections/automation.py).
+        self.intervals = {"new_events_sensor": float(settings.sensor_interval_seconds),
+                          "projections_automation_sensor": float(AUTOMATION_INTERVAL)}
+        self.declared = {"new_events_sensor": True, "projections_automation_sensor": settings.automation}
 
     def instance(self) -> Any:
         """Dagster's instance (DAGSTER_HOME), opened at the first reading; None without one."""
@@ -125,7 +131,8 @@ class Reader:
             def dagster() -> None:
                 from es_pipeline.health.dagster_state import read_dagster
                 if self.instance() is not None:
-                    r.dagster = read_dagster(self._instance, ["events", *(b.name for b in r.behind), "snapshots"])
+                    r.dagster = read_dagster(self._instance, ["events", *(b.name for b in r.behind), "snapshots"],
+                                             declared=self.declared)
             self._part(r, "dagster", dagster)
         if self.settings.spark_remote:
             r.spark_connect = _answers(self.settings.spark_remote)
@@ -170,6 +177,8 @@ class PipelineCollector(Collector):
         yield from _lake_metrics(r, consumer, self.reader.latency)
         if r.dagster is not None:
             yield from _dagster_metrics(r.dagster, consumer)
+            yield _gauge("es_pipeline_sensor_interval_seconds", "The sensor's minimum interval between ticks",
+                         ["sensor"], [([name], v) for name, v in sorted(self.reader.intervals.items())])
         if r.spark_connect is not None:
             g = GaugeMetricFamily("es_pipeline_spark_connect_up", "1 when the Spark Connect server accepts connections",
                                   labels=["endpoint"])
@@ -205,7 +214,7 @@ def _store_metrics(s: StoreReading, consumer: str, tail_seconds: int) -> Iterato
                         h.seconds)
     yield held
     yield _gauge("es_pipeline_events_waiting", "Committed events not yet in the lake, per range (counted up to "
-                 "100,000): extractable now, or behind the horizon", ["consumer", "range", "state"],
+                 "10,000): extractable now, or behind the horizon", ["consumer", "range", "state"],
                  [row for r in s.ranges for row in (([consumer, r.key, "extractable"], float(r.waiting.extractable)),
                                                     ([consumer, r.key, "behind_horizon"], float(r.waiting.behind_horizon)))])
     yield _gauge("es_pipeline_events_waiting_seconds", "Age of the oldest waiting event per range (by its recorded_at); "
@@ -275,10 +284,12 @@ def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
                  [([r.job], 1.0 if r.status == "SUCCESS" else 0.0) for r in d.last_runs])
     yield _gauge("es_pipeline_job_last_run_timestamp_seconds", "When the job's newest finished run ended", ["dagster_job"],
                  [([r.job], r.at) for r in d.last_runs])
+    # Not the error's text: a reducer's message may quote a payload, which has no place in the operators'
+    # monitoring; the run (its id here) has it.
     yield _gauge("es_pipeline_asset_failing", "1 while the asset's newest run failed and it has not been materialized "
-                 "since: the failure's first line, and the stream, version and event type a reducer or fold failed on",
-                 ["asset", "dagster_job", "run_id", "error", "stream_id", "version", "event_type"],
-                 [([f.asset, f.job, f.run_id, f.error, f.failure.get("stream_id", ""), f.failure.get("version", ""),
+                 "since: that run, and the stream, version and event type a reducer or fold failed on",
+                 ["asset", "dagster_job", "run_id", "stream_id", "version", "event_type"],
+                 [([f.asset, f.job, f.run_id, f.failure.get("stream_id", ""), f.failure.get("version", ""),
                     f.failure.get("event_type", "")], 1.0) for f in d.failing])
     yield _gauge("es_pipeline_asset_last_materialization_timestamp_seconds", "When the asset was last materialized",
                  ["asset"], [([a], at) for a, at in sorted(d.materialized.items())])

@@ -1,6 +1,7 @@
 """What the event store says about the pipeline's health, read as the extractor's role (no Dagster here).
 
-One reading is a handful of statements on one kept connection: the horizon and the transaction holding it,
+One reading is a handful of statements on one kept autocommit connection (no transaction held open, so it holds
+neither the horizon nor a lock), each given up after 5 s: the horizon and the transaction holding it,
 per slice range the events waiting (counted through the index, up to `CAP`) and the last time its watermarks
 moved, the slices whose locks a run holds (a tailing run alive holds all of its range's), the pending batches,
 and whether the store is still the one the offsets were recorded on.
@@ -19,7 +20,8 @@ from es_pipeline.extraction.offsets import check_source, lock_namespace, read_wa
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.source.mapping import Source
 
-CAP = 100_000  # events counted per range and reading at most (a backfill shows as "at least 100,000")
+CAP = 10_000  # events counted per range and reading at most (a backfill shows as 10,000: "at least")
+STATEMENT_TIMEOUT = "5s"  # a reading blocked (a lock, an overloaded server) gives up rather than hang every scrape
 
 _HOLDER = """
 SELECT kind, pid, application_name, usename, state, seconds, xid FROM (
@@ -70,6 +72,7 @@ class StoreReading:
 
 def read_store(conn: psycopg.Connection, source: Source, ranges: list[SliceRange]) -> StoreReading:
     consumer = source.consumer
+    conn.execute(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
     problem = None
     try:
         check_source(conn, consumer, source)
@@ -98,6 +101,5 @@ def read_store(conn: psycopg.Connection, source: Source, ranges: list[SliceRange
                                 sum(1 for s in r.slices if s in locked), len(r.slices)))
     pending = conn.execute("SELECT count(*) FROM es_pipeline.pending_batches WHERE consumer = %s",
                            (consumer,)).fetchone()
-    conn.rollback()  # a reading leaves no transaction open: it would hold the horizon itself
     return StoreReading(horizon, holder, out, int(pending[0]) if pending else 0, problem,
                         {int(pid): name for _, pid, name in locks}, time.time())

@@ -26,7 +26,7 @@ def _holder(h: Holder) -> str:
     return f"{who}{name}{user}, {h.state or 'open'}, {age}"
 
 
-def problems(r: Reading, *, tailing: bool) -> list[str]:
+def problems(r: Reading, *, tailing: bool, intervals: dict[str, float] | None = None) -> list[str]:
     """What is wrong, one short phrase each; empty when everything read is well."""
     out = [f"{part} unreadable ({r.errors.get(part, 'error')})" for part, ok in sorted(r.ok.items()) if not ok]
     s = r.store
@@ -49,7 +49,7 @@ def problems(r: Reading, *, tailing: bool) -> list[str]:
         for t in d.ticks:
             if t.running and t.failed:
                 out.append(f"sensor {t.sensor} failing: {t.error or 'see its ticks in the UI'} (code server down?)")
-            elif t.running and t.at is not None and d.taken_at - t.at > TICK_LATE:
+            elif t.running and t.at is not None and d.taken_at - t.at > _tick_late(t.sensor, intervals):
                 out.append(f"sensor {t.sensor} has not ticked for {d.taken_at - t.at:.0f} s")
         for f in d.failing:
             where = (f" on stream {f.failure['stream_id']!r} version {f.failure.get('version')}"
@@ -63,9 +63,15 @@ def problems(r: Reading, *, tailing: bool) -> list[str]:
     return out
 
 
-def health_line(r: Reading, *, tailing: bool) -> str:
+def _tick_late(sensor: str, intervals: dict[str, float] | None) -> float:
+    """The alert's bound: two of the sensor's intervals and 10 s (TICK_LATE where its interval is not known)."""
+    interval = (intervals or {}).get(sensor)
+    return TICK_LATE if interval is None else 2 * interval + 10
+
+
+def health_line(r: Reading, *, tailing: bool, intervals: dict[str, float] | None = None) -> str:
     """One line: `health: ok (...)`, or `health: PROBLEM: a; b`."""
-    wrong = problems(r, tailing=tailing)
+    wrong = problems(r, tailing=tailing, intervals=intervals)
     if wrong:
         return "health: PROBLEM: " + "; ".join(wrong)
     seen = []
@@ -86,7 +92,7 @@ def health_line(r: Reading, *, tailing: bool) -> str:
     return "health: ok (" + "; ".join(seen) + ")"
 
 
-def render(r: Reading, *, tailing: bool, throughput: float | None) -> str:
+def render(r: Reading, *, tailing: bool, throughput: float | None, intervals: dict[str, float] | None = None) -> str:
     lines = [time.strftime("es_pipeline %Y-%m-%d %H:%M:%S") + f"   (reading took {r.seconds * 1000:.0f} ms)", ""]
     s = r.store
     if s is not None:
@@ -109,7 +115,7 @@ def render(r: Reading, *, tailing: bool, throughput: float | None) -> str:
         lines.append(f"{'projection':<28} {'behind (commits)':>17} {'behind (s)':>11}")
         for b in r.behind:
             lines.append(f"{b.name:<28} {('not built' if b.folded is None else f'{b.versions:,}'):>17} {b.seconds:>11.0f}")
-    lines += ["", health_line(r, tailing=tailing)]
+    lines += ["", health_line(r, tailing=tailing, intervals=intervals)]
     return "\n".join(lines)
 
 
@@ -127,7 +133,7 @@ def watch(reader: Reader, *, interval: float, stop: threading.Event, out: TextIO
             throughput = (appended - last[1]) / (r.at - last[0])
         last = (r.at, appended)
         clear = "\x1b[H\x1b[2J" if out.isatty() else ""
-        out.write(clear + render(r, tailing=tailing, throughput=throughput) + "\n")
+        out.write(clear + render(r, tailing=tailing, throughput=throughput, intervals=reader.intervals) + "\n")
         out.flush()
         n += 1
         stop.wait(interval)

@@ -20,6 +20,7 @@ from es_pipeline.lake.fold import REVISION_SLOTS
 from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.tables import Location
 
+LOOKBACK = 1000  # `events` commits whose times a Lake keeps (read from the log once each)
 NAMES_EVERY = 60.0  # seconds between two listings of the lake's cross-stream tables (a listing opens each)
 
 
@@ -42,7 +43,7 @@ class Lake:
         self._open: dict[str, DeltaTable] = {}
         self._cross: list[str] = []
         self._cross_listed = -NAMES_EVERY
-        self._commit_times: dict[int, float] = {}  # `events` version → its commit time (s since the epoch)
+        self._commits: dict[int, tuple[float, bool]] = {}  # `events` version → (commit time, added events)
 
     def table(self, name: str) -> DeltaTable | None:
         """The table `name` at its newest version; None while it does not exist."""
@@ -63,22 +64,19 @@ class Lake:
         events = self.table("events")
         return None if events is None else int(events.version())
 
-    def commit_time(self, version: int) -> float | None:
-        """When `events` version `version` was committed (its commitInfo timestamp), remembered once read."""
-        if version in self._commit_times:
-            return self._commit_times[version]
+    def commits(self, newest: int) -> dict[int, tuple[float, bool]]:
+        """`events`' commits of the last LOOKBACK versions up to `newest`: version → (commit time, whether it added
+        events: an extraction's WRITE, not a compaction, an erasure, a property change). Read once each."""
         events = self.table("events")
-        if events is None or version > events.version():
-            return None
-        newest = int(events.version())
-        for entry in events.history(limit=max(1, newest - version + 1)):
-            v, ts = entry.get("version"), entry.get("timestamp")
-            if v is not None and ts is not None:
-                self._commit_times[int(v)] = float(ts) / 1000.0
-        if len(self._commit_times) > 10_000:  # forget the oldest: a reading asks only for recent versions
-            for v in sorted(self._commit_times)[:5_000]:
-                del self._commit_times[v]
-        return self._commit_times.get(version)
+        have = max(self._commits, default=newest - LOOKBACK)
+        if events is not None and newest > have:
+            for entry in events.history(limit=min(newest - have, LOOKBACK)):
+                v, ts = entry.get("version"), entry.get("timestamp")
+                if v is not None and ts is not None:
+                    self._commits[int(v)] = (float(ts) / 1000.0, entry.get("operation") == "WRITE")
+        for v in [v for v in self._commits if v <= newest - LOOKBACK]:
+            del self._commits[v]
+        return self._commits
 
     def cross_stream_names(self) -> list[str]:
         if time.monotonic() - self._cross_listed >= NAMES_EVERY:
@@ -107,22 +105,31 @@ class Lake:
         return out
 
     def behind(self, now: float | None = None) -> list[Behind]:
-        """Every projection's distance behind `events` now (none before `events` exists)."""
+        """Every projection's distance behind `events` now (none before `events` exists): the commits that added
+        events it has not folded, and the age of the oldest. A compaction or an erasure adds no event, and
+        leaves no projection behind. Where the unfolded commits go back past the last LOOKBACK versions, every
+        version counts, and the age is that of the oldest commit known: at least that far behind."""
         newest = self.events_version()
         if newest is None:
             return []
         now = time.time() if now is None else now
+        commits = self.commits(newest)
+        known_from = min(commits, default=newest + 1)
         out = []
         for name, folded in self.folded().items():
-            first_unfolded = 0 if folded is None else folded + 1
-            versions = max(0, newest - first_unfolded + 1)
-            since = self.commit_time(first_unfolded) if versions else None
-            out.append(Behind(name, folded, versions, max(0.0, now - since) if since is not None else 0.0))
+            first = 0 if folded is None else folded + 1
+            if first < known_from:
+                oldest = commits[known_from][0] if commits else None
+                versions = newest - first + 1
+            else:
+                pending = [v for v in commits if v >= first and commits[v][1]]
+                versions = len(pending)
+                oldest = commits[min(pending)][0] if pending else None
+            out.append(Behind(name, folded, versions, max(0.0, now - oldest) if oldest is not None else 0.0))
         return out
 
-
-    def commit_latencies(self, after: int) -> list[tuple[int, float, int]]:
-        """(version, seconds, rows) of each `events` commit after version `after` that added rows: the seconds from
+    def commit_latencies(self, after: int, upto: int) -> list[tuple[int, float, int]]:
+        """(version, seconds, rows) of each `events` commit after version `after`, up to `upto`, that added rows: the seconds from
         its oldest event's `recorded_at` (its transaction's start, by the store's clock) to the commit (the lake's
         clock), read from the commit's own log entry and its files' statistics, not from the rows. A commit whose
         log entry is gone (a checkpoint and log cleanup) is left out."""
@@ -131,7 +138,7 @@ class Lake:
             return []
         fs, root = tables.filesystem(tables.table_path(self.warehouse, "events"))
         out = []
-        for version in range(after + 1, int(events.version()) + 1):
+        for version in range(after + 1, min(upto, int(events.version())) + 1):
             try:
                 with fs.open_input_stream(f"{root}/_delta_log/{version:020d}.json") as f:
                     lines = f.read().decode().splitlines()
