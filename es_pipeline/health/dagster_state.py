@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType, TickStatus
@@ -43,6 +44,16 @@ class LastRun:
 
 
 @dataclass(frozen=True)
+class LastPass:
+    """A range's newest `events` materialization (a one-pass run's, or a tailing run's report of its passes):
+    when, the events it brought, and the mean seconds of a pass."""
+
+    at: float
+    events: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Failing:
     """An asset whose newest run failed, and that has not been materialized since: the step's first line, and
     the metadata of its `dg.Failure` (the stream, version and event type a reducer or a fold failed on)."""
@@ -65,6 +76,7 @@ class DagsterReading:
     materialized: dict[str, float]  # asset → newest materialization's time
     checks: dict[tuple[str, str], bool]  # (asset, check) → passed, newest evaluation
     freshness: dict[str, str] = field(default_factory=dict)  # asset → its freshness policy's state (PASS, WARN, FAIL)
+    passes: dict[str, LastPass] = field(default_factory=dict)  # range → its newest report of passes
     taken_at: float = 0.0
 
 
@@ -76,8 +88,8 @@ def open_instance() -> dg.DagsterInstance | None:
     return dg.DagsterInstance.from_config(home)
 
 
-def read_dagster(instance: dg.DagsterInstance, assets: list[str], *, declared: dict[str, bool] | None = None
-                 ) -> DagsterReading:
+def read_dagster(instance: dg.DagsterInstance, assets: list[str], *, declared: dict[str, bool] | None = None,
+                 ranges: list[str] | None = None) -> DagsterReading:
     """`declared`: sensor → whether it runs where its status is declared in code (the instance does not record
     which): the new-events sensor does, the automation sensor where ES_PIPELINE_AUTOMATION is on."""
     heartbeats = {kind: hb.timestamp for kind, hb in instance.get_daemon_heartbeats().items()}
@@ -113,7 +125,25 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str], *, declared: d
         for key, entry in instance.get_latest_materialization_events(keys).items() if entry is not None
     }
     return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized, set(assets)),
-                          materialized, _checks(instance), _freshness(instance, keys), time.time())
+                          materialized, _checks(instance), _freshness(instance, keys), _passes(instance, ranges or []),
+                          time.time())
+
+
+def _passes(instance: dg.DagsterInstance, ranges: list[str]) -> dict[str, LastPass]:
+    """Each range's newest `events` materialization (one query a range: its partition)."""
+    out = {}
+    for key in ranges:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("events"), asset_partitions=[key]), limit=1).records
+        entry = records[0].event_log_entry if records else None
+        m = entry.asset_materialization if entry is not None else None
+        if entry is None or m is None:
+            continue
+        meta: dict[str, Any] = {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+        passes = int(meta.get("passes") or 1)
+        out[key] = LastPass(float(entry.timestamp), int(meta.get("rows") or 0),
+                            float(meta.get("total_seconds") or 0.0) / max(passes, 1))
+    return out
 
 
 def _freshness(instance: dg.DagsterInstance, keys: list[dg.AssetKey]) -> dict[str, str]:

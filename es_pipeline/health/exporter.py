@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 ALERTS = Path(__file__).with_name("alerts.yml")  # the Prometheus alert rules over these metrics
 DEFAULT_PORT = 9464  # https://github.com/prometheus/prometheus/wiki/Default-port-allocations: free in that list
 AUTOMATION_INTERVAL = 30  # seconds: projections_automation_sensor's minimum interval (defs/projections/automation.py)
-MIN_INTERVAL = 5.0  # seconds a reading is served again before a new one is taken
+MIN_INTERVAL = 5.0
+BACKLOG_EVERY = 600  # seconds: the write-back backlog is read again at least this often (a snapshots run's cadence)  # seconds a reading is served again before a new one is taken
 LATENCY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0, float("inf"))
 
 
@@ -47,6 +48,7 @@ class Reading:
     events_version: int | None = None
     dagster: Any = None  # health.dagster_state.DagsterReading, when an instance is configured
     spark_connect: tuple[str, bool] | None = None  # (host:port, answering) when ES_PIPELINE_SPARK_REMOTE is set
+    snapshot_backlog: int | None = None  # streams whose latest snapshot in the lake the store lacks
     ok: dict[str, bool] = field(default_factory=dict)  # part → read without error
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # what the reading cost, wall clock
@@ -99,6 +101,7 @@ class Reader:
         self.intervals = {"new_events_sensor": float(settings.sensor_interval_seconds),
                           "projections_automation_sensor": float(AUTOMATION_INTERVAL)}
         self.declared = {"new_events_sensor": True, "projections_automation_sensor": settings.automation}
+        self._backlog: tuple[Any, int | None] = ((), None)  # (what it was read at, streams)
 
     def instance(self) -> Any:
         """Dagster's instance (DAGSTER_HOME), opened at the first reading; None without one."""
@@ -107,6 +110,22 @@ class Reader:
             self._instance = open_instance()
             self._dagster = self._instance is not None
         return self._instance
+
+    def _snapshot_backlog(self, r: Reading) -> None:
+        """Streams whose latest snapshot in the lake the store does not hold (the write-back's backlog), read
+        again when the snapshots table or its newest materialization changed (a snapshots run does both), and
+        every BACKLOG_EVERY seconds."""
+        from es_pipeline.lake.snapshots import not_in_store_small
+        from es_pipeline.store.event_store import EventStore
+
+        table = self.lake.table("snapshots")
+        key = (None if table is None else int(table.version()), (r.dagster.materialized if r.dagster else {}).get(
+            "snapshots"), int(time.time() // BACKLOG_EVERY))
+        if key != self._backlog[0]:
+            missing = None if table is None else not_in_store_small(
+                self.settings.warehouse, EventStore.for_source(self.settings.pg_dsn, self.source))
+            self._backlog = (key, None if missing is None else missing.num_rows)
+        r.snapshot_backlog = self._backlog[1]
 
     def reading(self, min_interval: float = MIN_INTERVAL) -> Reading:
         with self._lock:
@@ -132,8 +151,9 @@ class Reader:
                 from es_pipeline.health.dagster_state import read_dagster
                 if self.instance() is not None:
                     r.dagster = read_dagster(self._instance, ["events", *(b.name for b in r.behind), "snapshots"],
-                                             declared=self.declared)
+                                             declared=self.declared, ranges=[x.key for x in self.ranges])
             self._part(r, "dagster", dagster)
+        self._part(r, "snapshots", lambda: self._snapshot_backlog(r))
         if self.settings.spark_remote:
             r.spark_connect = _answers(self.settings.spark_remote)
         r.seconds = time.perf_counter() - began
@@ -175,6 +195,10 @@ class PipelineCollector(Collector):
         if r.store is not None:
             yield from _store_metrics(r.store, consumer, self.reader.settings.tail_seconds)
         yield from _lake_metrics(r, consumer, self.reader.latency)
+        if r.snapshot_backlog is not None:
+            yield _gauge("es_pipeline_snapshot_writeback_backlog", "Streams whose latest snapshot in the lake the "
+                         "store does not hold (written back by the next snapshots run)", ["consumer"],
+                         [([consumer], float(r.snapshot_backlog))])
         if r.dagster is not None:
             yield from _dagster_metrics(r.dagster, consumer)
             yield _gauge("es_pipeline_sensor_interval_seconds", "The sensor's minimum interval between ticks",
@@ -277,6 +301,13 @@ def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
                  [([t.sensor], max(0.0, now - t.at)) for t in d.ticks if t.at is not None])
     yield _gauge("es_pipeline_sensor_tick_failed", "1 when the sensor's newest tick failed (the code server down, "
                  "an error)", ["sensor"], [([t.sensor], 1.0 if t.failed else 0.0) for t in d.ticks])
+    yield _gauge("es_pipeline_range_last_pass_timestamp_seconds", "When the range's newest pass was reported (its "
+                 "newest `events` materialization)", ["consumer", "range"],
+                 [([consumer, k], p.at) for k, p in sorted(d.passes.items())])
+    yield _gauge("es_pipeline_range_last_pass_events", "Events the range's newest report of passes brought",
+                 ["consumer", "range"], [([consumer, k], float(p.events)) for k, p in sorted(d.passes.items())])
+    yield _gauge("es_pipeline_range_pass_seconds", "Mean seconds of a pass in the range's newest report",
+                 ["consumer", "range"], [([consumer, k], p.seconds) for k, p in sorted(d.passes.items())])
     yield _gauge("es_pipeline_tailing_runs_started", "Tailing runs Dagster has in progress", ["consumer"],
                  [([consumer], float(len(d.tailing_runs)))])
     # `dagster_job`, not `job`: Prometheus's own `job` label (the scrape job) would take its place.

@@ -114,6 +114,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 firing = [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing"]
                 assert not firing, f"alerts firing on a healthy pipeline: {firing}"
                 assert _health_line(stack.env).startswith("health: ok"), _health_line(stack.env)
+                assert len(prom.query("es_pipeline_range_last_pass_timestamp_seconds")) == 2  # a report per range
                 for r in prom.query("max_over_time(es_pipeline_dagster_daemon_heartbeat_age_seconds[10m])"):
                     print(f"daemon {r['metric']['daemon']}: heartbeat at most {float(r['value'][1]):.0f} s old")
 

@@ -5,6 +5,7 @@ ends; commit→lake latency and projection distances come from the Delta log; th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -143,3 +144,48 @@ def test_no_metric_takes_a_label_prometheus_sets_itself() -> None:
     families = [*_dagster_metrics(d, "events"), *_lake_metrics(Reading(events_version=3), "events", _Latency())]
     labels = {name for f in families for s in f.samples for name in s.labels}
     assert labels and not labels & {"job", "instance"}, labels
+
+
+def test_status_watch_draws_lag_holder_throughput_and_projections(
+    dsn: StoreDsn, settings: Settings, warehouse: Path
+) -> None:
+    import io
+
+    store = EventStore(dsn.writer)
+    store.append("w-1", "account", [NewEvent("Opened", {"n": 1})], 0)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    extractor.run(ALL)
+    event_tables.update(warehouse, Domain("plain"), store_dsn=dsn.extractor)
+    reader = Reader(replace(settings, slice_ranges=2, tail_seconds=0), dagster=False)
+    out = io.StringIO()
+    stop = threading.Event()
+    appended = threading.Thread(target=lambda: (time.sleep(0.3), store.append(
+        "w-1", "account", [NewEvent("Renamed", {"n": i}) for i in range(2, 12)], 1), extractor.run(ALL)))
+    appended.start()
+    watch.watch(reader, interval=1.0, stop=stop, out=out, rounds=3)
+    appended.join()
+    frames = out.getvalue().split("es_pipeline 20")[1:]
+    assert len(frames) == 3
+    assert "0000-0511" in frames[0] and "horizon" in frames[0] and "event_tables" in frames[0]
+    assert all(f.rstrip().splitlines()[-1].startswith("health: ok") for f in frames)
+    rates = [float(m.group(1).replace(",", "")) for f in frames[1:] if (m := re.search(r"into the lake: ([\d,.]+)", f))]
+    assert len(rates) == 2 and max(rates) > 0, rates  # the 10 events appended between two frames
+
+
+def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
+    dsn: StoreDsn, settings: Settings, warehouse: Path
+) -> None:
+    from shop.domain import domain as shop
+
+    from es_pipeline.lake.snapshots import take_snapshots
+    from es_pipeline.lake.stream_state import update_stream_state
+
+    run_workload(EventStore(dsn.writer), streams=10, events=300, writers=1, rollback_rate=0, max_commit_delay=0)
+    Extractor(dsn.extractor, None, warehouse).run(ALL)
+    update_stream_state(None, warehouse, domain=shop)  # small: no JVM
+    taken = take_snapshots(None, warehouse, EventStore.for_source(dsn.snapshots, settings.source), threshold=5)
+    assert taken.written_back > 3
+    assert Reader(replace(settings, slice_ranges=2), dagster=False).reading(0).snapshot_backlog == 0
+    with psycopg.connect(dsn) as conn:
+        conn.execute("DELETE FROM es.snapshots WHERE stream_id IN (SELECT stream_id FROM es.snapshots LIMIT 3)")
+    assert Reader(replace(settings, slice_ranges=2), dagster=False).reading(0).snapshot_backlog == 3
