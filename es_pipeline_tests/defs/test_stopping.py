@@ -23,6 +23,7 @@ def _signal_soon(signum: int, after: float = 1.0) -> None:
     threading.Timer(after, os.kill, args=(os.getpid(), signum)).start()
 
 
+@pytest.mark.slow  # make check's budget (3 min): make test's tier
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_pass_asked_to_stop_finishes_and_the_run_succeeds(signum: int) -> None:
     passes: list[int] = []
@@ -42,6 +43,7 @@ def test_a_pass_asked_to_stop_finishes_and_the_run_succeeds(signum: int) -> None
     assert result.dagster_run.status == dg.DagsterRunStatus.SUCCESS
 
 
+@pytest.mark.slow  # make check's budget (3 min): make test's tier
 def test_a_pass_that_does_not_end_after_one_signal_is_interrupted_and_canceled(monkeypatch: pytest.MonkeyPatch) -> None:
     """One signal is all Terminate and run monitoring's time limit send: a pass that hangs still ends."""
     monkeypatch.setattr(stopping, "GRACE_SECONDS", 1.0)

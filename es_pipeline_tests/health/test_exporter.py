@@ -147,6 +147,7 @@ def test_no_metric_takes_a_label_prometheus_sets_itself() -> None:
     assert labels and not labels & {"job", "instance"}, labels
 
 
+@pytest.mark.slow  # make check's budget (3 min): make test's tier
 def test_status_watch_draws_lag_holder_throughput_and_projections(
     dsn: StoreDsn, settings: Settings, warehouse: Path
 ) -> None:
@@ -173,6 +174,7 @@ def test_status_watch_draws_lag_holder_throughput_and_projections(
     assert len(rates) == 2 and max(rates) > 0, rates  # the 10 events appended between two frames
 
 
+@pytest.mark.slow  # make check's budget (3 min): make test's tier
 def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
     dsn: StoreDsn, settings: Settings, warehouse: Path
 ) -> None:
