@@ -24,6 +24,7 @@ from es_pipeline.instance.launcher import PID_TAG
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, source_events
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.waiting import wait_for
 
 
 def _lake_keys(warehouse: Path) -> set[tuple[str, int]]:
@@ -117,8 +118,8 @@ def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
             monkeypatch.setenv(key, stack.env[key])
         instance = dg.DagsterInstance.get()
         run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
-        _wait_for(lambda: _lake_keys(stack.warehouse) == set(source_events(dsn)), 180, "the first events in the lake")
-        _wait_for(lambda: not _runs(instance, dg.DagsterRunStatus.STARTED), 60, "the first runs to finish")
+        wait_for(lambda: _lake_keys(stack.warehouse) == set(source_events(dsn)), 180, "the first events in the lake")
+        wait_for(lambda: not _runs(instance, dg.DagsterRunStatus.STARTED), 60, "the first runs to finish")
         before = {r.run_id for r in _runs(instance, None)}
         with psycopg.connect(dsn) as holder:
             # Every run now waits to record its batch; a SHARE lock takes no transaction id, so the
@@ -126,16 +127,16 @@ def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
             holder.execute("LOCK TABLE es_pipeline.pending_batches IN SHARE MODE")
             run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
             started = time.monotonic()
-            hung = _wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED) if r.run_id not in before],
+            hung = wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED) if r.run_id not in before],
                              120, "a run that hangs")[0]
-            _wait_for(lambda: instance.get_run_by_id(hung.run_id).is_finished, 120, "the hung run to be stopped")
+            wait_for(lambda: instance.get_run_by_id(hung.run_id).is_finished, 120, "the hung run to be stopped")
             stopped_after = time.monotonic() - started
             assert instance.get_run_by_id(hung.run_id).status == dg.DagsterRunStatus.FAILURE
             pid = int(hung.tags[PID_TAG])
-            _wait_for(lambda: not alive(pid), 30, "the hung run's process to end")
+            wait_for(lambda: not alive(pid), 30, "the hung run's process to end")
             holder.rollback()
         expected = set(source_events(dsn))
-        _wait_for(lambda: _lake_keys(stack.warehouse) == expected, 180, "every event in the lake after the lock")
+        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 180, "every event in the lake after the lock")
         from deltalake import DeltaTable
 
         assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected) == 40
@@ -146,16 +147,6 @@ def _runs(instance: Any, status: Any) -> list[Any]:
     """The `events_job` runs in `status` (None: all)."""
     runs = dg.RunsFilter(job_name="events_job", statuses=[status] if status else [])
     return [r.dagster_run for r in instance.get_run_records(runs)]
-
-
-def _wait_for(probe: Any, seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"waited {seconds:.0f} s for {what}")
 
 
 @pytest.mark.timeout(600)
@@ -188,21 +179,21 @@ def test_tailing_runs_report_their_passes_and_a_run_killed_mid_batch_loses_and_r
                 return [r.dagster_run for r in started if r.start_time and time.time() - r.start_time < 70
                         and passes_of(r.dagster_run.run_id) >= 3]
 
-            tailing = _wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left")[0]
+            tailing = wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left")[0]
             with psycopg.connect(dsn) as holder:
                 holder.execute("LOCK TABLE es_pipeline.offsets IN SHARE MODE")  # the next offsets commit waits
-                _wait_for(lambda: _in_delta_not_in_offsets(dsn, stack.warehouse, tailing.run_id), 60,
+                wait_for(lambda: _in_delta_not_in_offsets(dsn, stack.warehouse, tailing.run_id), 60,
                           "a batch of the tailing run in Delta, its offsets waiting")
                 os.kill(int(tailing.tags[PID_TAG]), signal.SIGKILL)
                 holder.rollback()
-            _wait_for(lambda: instance.get_run_by_id(tailing.run_id).status == dg.DagsterRunStatus.FAILURE, 90,
+            wait_for(lambda: instance.get_run_by_id(tailing.run_id).status == dg.DagsterRunStatus.FAILURE, 90,
                       "the killed run to be marked failed")
             time.sleep(10)
         finally:
             stop.set()
             writer.join()
         expected = set(source_events(dsn))
-        _wait_for(lambda: _lake_keys(stack.warehouse) == expected, 240, "every event in the lake")
+        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 240, "every event in the lake")
         from deltalake import DeltaTable
 
         assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected)

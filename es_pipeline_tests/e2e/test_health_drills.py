@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +37,15 @@ from es_pipeline.settings import PROJECT_ROOT
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.waiting import wait_for
 
 CLI = str(Path(sys.executable).parent / "es-pipeline")
-
-
-def _wait(probe: Callable[[], Any], seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(1)
-    raise AssertionError(f"waited {seconds:.0f} s for {what}")
 
 
 def _fires(prom: Prometheus, name: str, seconds: float, **labels: str) -> tuple[dict[str, Any], float]:
     """The first firing alert `name` with `labels`, and how long it took from now."""
     began = time.monotonic()
-    alert = _wait(lambda: [a for a in prom.firing(name) if all(a["labels"].get(k) == v for k, v in labels.items())],
+    alert = wait_for(lambda: [a for a in prom.firing(name) if all(a["labels"].get(k) == v for k, v in labels.items())],
                   seconds, f"{name}{labels} to fire")[0]
     took = time.monotonic() - began
     print(f"{name} fired after {took:.0f} s: {alert['annotations'].get('summary')}")
@@ -107,8 +97,8 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
             with prometheus([f"127.0.0.1:{port}"], tmp_path / "prometheus", port=free_port(), interval="2s") as prom:
                 writers.start()
                 store.append("drill-1", "drill", [NewEvent("Opened", {})], 0)
-                _wait(lambda: prom.query("es_pipeline_tailing_run_alive == 1"), 180, "a tailing run alive")
-                _wait(lambda: len(prom.query("es_pipeline_asset_last_materialization_timestamp_seconds")) >= 5
+                wait_for(lambda: prom.query("es_pipeline_tailing_run_alive == 1"), 180, "a tailing run alive")
+                wait_for(lambda: len(prom.query("es_pipeline_asset_last_materialization_timestamp_seconds")) >= 5
                       and len(prom.query("es_pipeline_projection_behind_versions < 5")) == 4, 300,
                       "events and the four projections built (their first builds use Spark Connect) and kept")
                 firing = [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing"]
@@ -121,7 +111,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 # 1-3 at once: a poisoned stream (in the lake first: a held horizon would keep it out), a held
                 # transaction, Spark Connect gone.
                 store.append("drill-1", "drill", [NewEvent("Poisoned", {})], 1)
-                _wait(lambda: _in_lake(stack.warehouse, "drill-1", 2), 60, "the poisoned event in the lake")
+                wait_for(lambda: _in_lake(stack.warehouse, "drill-1", 2), 60, "the poisoned event in the lake")
                 holder = psycopg.connect(dsn.writer, application_name="drill-holder")
                 holder.execute("SELECT pg_current_xact_id()")
                 held_since = time.monotonic()
@@ -142,31 +132,31 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 assert "stream_state failing on stream 'drill-1' version 2" in line, line
                 holder.commit()
                 holder.close()
-                _wait(lambda: not prom.firing("EsPipelineHorizonHeld"), 60, "the held horizon's alert to resolve")
+                wait_for(lambda: not prom.firing("EsPipelineHorizonHeld"), 60, "the held horizon's alert to resolve")
                 _fires(prom, "EsPipelineAssetStale", 240, asset="stream_state")
 
                 # 4: the tailing run SIGKILLed; the next one catches up.
-                run = _wait(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
+                run = wait_for(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
                 os.kill(int(run.tags[PID_TAG]), signal.SIGKILL)
                 _, took = _fires(prom, "EsPipelineEventsRunFailed", 120)
                 assert took <= 60
-                _wait(lambda: [r for r in _tailing_runs(instance) if r.run_id != run.run_id], 120, "the next tailing run")
+                wait_for(lambda: [r for r in _tailing_runs(instance) if r.run_id != run.run_id], 120, "the next tailing run")
                 stop.set()
                 writers.join()
-                _wait(lambda: prom.query('sum(es_pipeline_events_waiting) == 0'), 120, "every event extracted")
+                wait_for(lambda: prom.query('sum(es_pipeline_events_waiting) == 0'), 120, "every event extracted")
                 assert assert_exactly_once_by_key(stack.warehouse, dsn) > 0
 
                 # 5: a tailing run asked to stop ends as succeeded.
-                run = _wait(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
+                run = wait_for(lambda: _tailing_runs(instance), 120, "a tailing run")[0]
                 os.kill(int(run.tags[PID_TAG]), signal.SIGTERM)
-                ended = _wait(lambda: (r := instance.get_run_by_id(run.run_id)) and r.is_finished and r, 60,
+                ended = wait_for(lambda: (r := instance.get_run_by_id(run.run_id)) and r.is_finished and r, 60,
                               "the run asked to stop to end")
                 assert ended.status == dg.DagsterRunStatus.SUCCESS, ended.status
 
                 # 6: the code server; then the daemon.
                 os.killpg(code_server.pid, signal.SIGKILL)
                 killed = time.monotonic()
-                name = _wait(lambda: [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing" and
+                name = wait_for(lambda: [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing" and
                                       a["labels"]["alertname"] in ("EsPipelineSensorStalled", "EsPipelineSensorFailing")
                                       and a["labels"].get("sensor") == "new_events_sensor"], 120,
                              "the sensor's alert once its code server is gone")[0]
@@ -178,7 +168,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 stack.processes.append(subprocess.Popen(
                     code_server.args, env=stack.env, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT, start_new_session=True))
-                _wait(lambda: not [a for a in prom.alerts() if a["state"] == "firing" and a["labels"]["alertname"]
+                wait_for(lambda: not [a for a in prom.alerts() if a["state"] == "firing" and a["labels"]["alertname"]
                                    in ("EsPipelineSensorStalled", "EsPipelineSensorFailing")], 180,
                       "the sensor's alerts to resolve once its code server is back")
                 os.killpg(daemon.pid, signal.SIGKILL)
