@@ -12,11 +12,12 @@ import dagster as dg
 import pytest
 from shop.domain import domain as SHOP
 
-from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG, build_events_asset
+from es_pipeline.defs.events.asset import build_events_asset
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import tailing_request
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.slices import split
+from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG
 from es_pipeline.lake import tables
 from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.stream_state import update_stream_state

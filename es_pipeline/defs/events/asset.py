@@ -22,7 +22,7 @@ from es_pipeline.errors import Retryable, explain
 from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_extractor
 from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG, tail
+from es_pipeline.extraction.tail import TAIL_TAG, tail
 from es_pipeline.lake.cross_stream import CrossStreamResult
 from es_pipeline.lake.event_tables import EventTablesResult
 from es_pipeline.lake.fold import StateResult
@@ -30,8 +30,6 @@ from es_pipeline.lake.projections import follow
 from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import lock_transaction
-
-__all__ = ["RANGE_TAG", "TAIL_TAG", "build_events_asset", "build_events_job"]
 
 
 def build_events_asset(

@@ -8,7 +8,6 @@ import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from es_pipeline.defs.events.asset import RANGE_TAG, TAIL_TAG
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.errors import (
     EsPipelineError,
@@ -20,6 +19,7 @@ from es_pipeline.errors import (
 from es_pipeline.extraction.offsets import check_source
 from es_pipeline.extraction.probe import Probe, decide, format_cursor, parse_cursor, probe, retry_key
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
+from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG
 from es_pipeline.store.conninfo import KeptConnection
 
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
