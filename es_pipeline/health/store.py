@@ -16,7 +16,7 @@ import psycopg
 
 from es_pipeline.errors import EsPipelineError
 from es_pipeline.extraction import reader
-from es_pipeline.extraction.offsets import check_source, lock_namespace, read_watermarks
+from es_pipeline.extraction.offsets import check_source, lock_namespace
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.source.mapping import Source
 
@@ -89,13 +89,15 @@ def read_store(conn: psycopg.Connection, source: Source, ranges: list[SliceRange
         "WHERE l.locktype = 'advisory' AND l.classid = %s::oid AND l.objsubid = 2 AND l.granted",
         (lock_namespace(consumer),)).fetchall()
     locked = {int(s) for s, _, _ in locks}
-    updated: dict[int, float] = dict(conn.execute(
-        "SELECT slice, extract(epoch FROM updated_at)::float8 FROM es_pipeline.offsets WHERE consumer = %s",
-        (consumer,)).fetchall())
+    # Every slice's watermark and when it last moved, in one read (a slice never extracted: watermark 0).
+    offsets = conn.execute(
+        "SELECT slice, watermark::text::bigint, extract(epoch FROM updated_at)::float8 FROM es_pipeline.offsets "
+        "WHERE consumer = %s", (consumer,)).fetchall()
+    marks = {int(s): int(w) for s, w, _ in offsets}
+    updated = {int(s): float(t) for s, _, t in offsets}
     out = []
     for r in ranges:
-        marks = read_watermarks(conn, consumer, r.slices)
-        w = reader.waiting(conn, source, list(marks.items()), horizon, cap=CAP)
+        w = reader.waiting(conn, source, [(s, marks.get(s, 0)) for s in r.slices], horizon, cap=CAP)
         times = [updated[s] for s in r.slices if s in updated]
         out.append(RangeReading(r.key, w, max(times) if times else None,
                                 sum(1 for s in r.slices if s in locked), len(r.slices)))
