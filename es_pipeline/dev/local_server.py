@@ -131,15 +131,36 @@ def _ensure_postgres_user() -> None:
 
 
 def chown_to_postgres(path: Path) -> None:
+    """Give `path` itself (a file, or a folder but not what is in it) to the `postgres` user, when running as root.
+
+    Only ever on what the caller made: `.pgdata/` holds other clusters too, some of them running (a parallel
+    tier's), and their files are theirs."""
     if os.geteuid() != 0:
         return
     _ensure_postgres_user()
     pw = pwd.getpwnam("postgres")
-    os.chown(path, pw.pw_uid, pw.pw_gid)
+    os.chown(path, pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+
+
+def chown_tree_to_postgres(path: Path) -> None:
+    """Give a folder the caller made, and everything in it, to the `postgres` user (when running as root)."""
+    if os.geteuid() != 0:
+        return
+    chown_to_postgres(path)
+    pw = pwd.getpwnam("postgres")
     for root, dirs, files in os.walk(path):
-        os.chown(root, pw.pw_uid, pw.pw_gid)
         for name in dirs + files:
             os.chown(os.path.join(root, name), pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+
+
+def _own_parent(folder: Path) -> None:
+    """The folder a cluster's data folder goes in, made if missing and writable by the `postgres` user (initdb
+    creates the data folder as it): the folder alone is given, never the clusters beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        _ensure_postgres_user()
+        if folder.stat().st_uid != pwd.getpwnam("postgres").pw_uid:
+            chown_to_postgres(folder)
 
 
 def is_running(data: Path = PGDATA) -> bool:
@@ -151,8 +172,7 @@ def init(data: Path = PGDATA) -> bool:
     """Create the cluster if missing. Returns True when it was created now."""
     if (data / "PG_VERSION").exists():
         return False
-    data.parent.mkdir(parents=True, exist_ok=True)
-    chown_to_postgres(data.parent)
+    _own_parent(data.parent)
     for needed in (data.parent, bindir()):
         if os.geteuid() == 0 and _as_postgres(["test", "-x", str(needed)]).returncode != 0:
             raise LocalServerError(
@@ -170,8 +190,8 @@ def init(data: Path = PGDATA) -> bool:
         pwfile.unlink(missing_ok=True)
     if res.returncode != 0:
         raise LocalServerError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
-    (data / "pg_hba.conf").write_text(HBA)
-    chown_to_postgres(data.parent)
+    (data / "pg_hba.conf").write_text(HBA)  # initdb's file, still the server's: rewriting keeps its owner
+    chown_to_postgres(data / "pg_hba.conf")
     return True
 
 

@@ -39,7 +39,7 @@ def pgbouncer(server_port: int, *, pool_mode: str = "transaction", users: Iterab
         f"logfile = {home}/pgbouncer.log\npidfile = {home}/pgbouncer.pid\n"
         "ignore_startup_parameters = extra_float_digits,options\n"
     )
-    local_server.chown_to_postgres(home)
+    local_server.chown_tree_to_postgres(home)
     proc = subprocess.Popen(["runuser", "-u", "postgres", "--", pgbouncer_binary(), str(home / "pgbouncer.ini")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
