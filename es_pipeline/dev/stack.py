@@ -8,11 +8,13 @@ as `make dev` runs them.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,10 +31,37 @@ from es_pipeline.settings import PROJECT_ROOT, dagster_storage_url
 VENV_BIN = Path(sys.executable).parent
 
 
+# Ports handed out by free_port, one claim file each, for every process of this machine: between choosing a
+# port and a server binding it, another process (a parallel test tier) must not be handed the same one.
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "es_pipeline-ports"
+PORT_RANGE = (20_000, 32_768)  # below Linux's ephemeral range: no client connection's own port is taken
+CLAIM_SECONDS = 600.0  # a claim older than this is over: its server is listening by then, or gone
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port of 127.0.0.1 nothing listens on and no other caller on this machine was handed in the last
+    CLAIM_SECONDS (the claim is a file in PORT_CLAIMS, made with O_EXCL)."""
+    PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
+    for _ in range(1_000):
+        port = random.randrange(*PORT_RANGE)
+        claim = PORT_CLAIMS / str(port)
+        try:
+            if time.time() - claim.stat().st_mtime < CLAIM_SECONDS:
+                continue
+            claim.unlink(missing_ok=True)  # an old claim: over
+        except FileNotFoundError:
+            pass
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue  # another process claimed it between our look and now
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE[0]}..{PORT_RANGE[1]} after 1,000 tries (claims in {PORT_CLAIMS})")
 
 
 @dataclass
