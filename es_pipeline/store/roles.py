@@ -47,8 +47,10 @@ def statements(schema: str, *, tenants: bool = False) -> list[sql.Composed]:
     columns = sql.SQL(", ").join(sql.Identifier(c) for c in (*WRITER_EVENT_COLUMNS, *(("tenant",) if tenants else ())))
     out: list[sql.Composed] = [
         sql.SQL(
+            # Roles are the cluster's: another database's `db roles` may create it between the look and CREATE.
             "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {name}) "
-            "THEN CREATE ROLE {role} NOLOGIN; END IF; END $$"
+            "THEN CREATE ROLE {role} NOLOGIN; END IF; "
+            "EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$"
         ).format(name=sql.Literal(r), role=sql.Identifier(r))
         for r in ROLES
     ]
