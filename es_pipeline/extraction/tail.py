@@ -89,9 +89,11 @@ def tail(
     extractor: Extractor, slice_range: SliceRange, *, run_id: str, seconds: float,
     on_pass: Callable[[ExtractResult], None], poll_seconds: float = POLL_SECONDS,
     clock: Callable[[], float] = time.monotonic, session: OffsetSession | None = None,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, on_idle: Callable[[], None] | None = None,
 ) -> TailResult:
-    """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events.
+    """Passes over `slice_range` for `seconds` after the first: `on_pass` gets each pass that moved events;
+    `on_idle` is called after each wait that found nothing to extract (what the caller gathered may be due:
+    with the horizon held or the writers quiet, no pass comes to carry it).
 
     The passes share one `session` (the caller's, or one opened here): its connections, and the slice
     locks, held from the first pass to the last, so a pass repeats none of the first one's checks. `stop`: set
@@ -115,6 +117,8 @@ def tail(
             out.probes += 1
             found = probe(probe_conn, extractor.events_source, extractor.consumer)
             if not any(s in found.ready_slices for s in slice_range.slices):
+                if on_idle is not None:
+                    on_idle()
                 continue
             began = clock()
             result = extractor.run(slice_range, run_id=run_id, session=session)

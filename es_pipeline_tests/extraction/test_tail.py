@@ -95,3 +95,24 @@ def test_gathering_spaces_the_passes_and_stops_at_the_deadline() -> None:
     assert _gather(began=100.0, now=100.3, left=60) == pytest.approx(PASS_GAP - 0.3)
     assert _gather(began=100.0, now=100.0 + PASS_GAP, left=60) == GATHER_SECONDS  # a quiet spell: 1 s
     assert _gather(began=100.0, now=100.3, left=0.5) == 0.5
+
+
+def test_a_quiet_store_calls_on_idle_so_what_was_gathered_is_reported_without_a_next_pass(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """A pass gathered for a later report must not wait for the next pass with rows: with the writers quiet or
+    the horizon held, none comes before the run's end. Each probe that finds nothing calls `on_idle`."""
+    store = EventStore(dsn.writer)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    everything = SliceRange(0, 1023)
+    calls: list[str] = []
+    tailing = threading.Thread(target=lambda: tail(
+        extractor, everything, run_id="tail-idle", seconds=6, on_pass=lambda r: calls.append(f"pass {r.rows}"),
+        on_idle=lambda: calls.append("idle"), poll_seconds=0.5))
+    tailing.start()
+    time.sleep(1.0)
+    run_workload(store, streams=3, events=6, writers=1, rollback_rate=0, max_commit_delay=0)
+    tailing.join(30)
+    passes = [i for i, c in enumerate(calls) if c.startswith("pass")]
+    assert sum(int(calls[i].split()[1]) for i in passes) == 6, calls
+    assert calls[passes[-1] + 1:].count("idle") >= 3, calls  # no pass after the last, yet the run is told, probe by probe

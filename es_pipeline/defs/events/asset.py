@@ -114,12 +114,18 @@ def _tail(
         if reported:
             projections.flush()
 
+    def on_idle() -> None:  # passes gathered, and none comes to report them: reported once their gap is over
+        if reports.due():
+            reports.flush()
+            projections.maybe_update(force=True)
+            projections.flush()
+
     with projections:
         first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         if first.rows:
             on_pass(first)
         tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=on_pass,
-                      session=session, stop=stop)
+                      session=session, stop=stop, on_idle=on_idle)
         reports.flush()
         if not stop.is_set():  # asked to stop: the projections' automation takes what is left
             projections.maybe_update(force=True)
@@ -171,6 +177,10 @@ class _Reports:
             self.flush()
             return True
         return False
+
+    def due(self) -> bool:
+        """Passes gathered whose report is due (the gap since the last is over)."""
+        return self.gathered > 0 and time.monotonic() - self.last >= self.gap
 
     def flush(self) -> None:
         if self.newest is not None and self.rows:
