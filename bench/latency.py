@@ -267,12 +267,19 @@ def _folded(warehouse: Path, reached: dict[str, list[tuple[float, int]]], stop: 
     from deltalake import DeltaTable
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
+    from es_pipeline.lake import tables
+    from es_pipeline.lake.table import over
+
     while not stop.is_set():
+        if not (warehouse / "events" / "_delta_log").is_dir():
+            time.sleep(0.25)
+            continue
+        events_id = tables.table_id(str(warehouse / "events"))  # the app ids name the `events` folded
         for name, (app, slots) in PROJECTION_APPS.items():
             if not (warehouse / name / "_delta_log").is_dir():
                 continue
             try:
-                v = DeltaTable(str(warehouse / name)).transaction_version(app)
+                v = DeltaTable(str(warehouse / name)).transaction_version(over(app, events_id))
             except (OSError, DeltaError, TableNotFoundError):
                 continue
             if v is not None and (not reached[name] or v // slots > reached[name][-1][1]):

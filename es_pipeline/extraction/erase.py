@@ -63,18 +63,20 @@ class Erasure:
     replayed_batches: int = 0
 
 
-def _projection_after(name: str, path: str, before: int, erased_at: int) -> tuple[tuple[str, int] | None, bool]:
+def _projection_after(
+    name: str, path: str, events_id: str, before: int, erased_at: int
+) -> tuple[tuple[str, int] | None, bool]:
     """For a projection about to lose the tenant's rows: (the (app id, version) its DELETE records, or None; whether
     its next update must rebuild it whole). Up to date with `events` just before the erasure (`before`): it records
     the erasure's version and goes on from there. Already past the erasure (it folded it meanwhile): nothing to
     record. Behind: its change feed across the erasure is purged, so it is rebuilt."""
     if name == "stream_state":
-        app_id = st.APP_ID
+        app_id = st.app_id(events_id)
     else:
         projection = {p.name: p for p in (STREAM_CATALOG, EVENT_TYPE_DAILY)}.get(name)
         if projection is None or not tables.is_delta_table(path):
             return None, False
-        app_id = projection.app_id
+        app_id = projection.table.app_id_over(events_id)
     read = tables.transaction_version(path, app_id)
     if read is None:
         return None, False  # never built: its first update builds it whole anyway
@@ -202,10 +204,12 @@ def _erase_projections(
     # deletes from stream_state's change feed (or rebuilds from stream_state, the tenant gone), so none comes back.
     names = inventory.lake_tables(warehouse)[1:]
     crossing = set(cross_stream.table_names(warehouse))
+    events_path = tables.table_path(warehouse, "events")
+    events_id = tables.table_id(events_path) if tables.is_delta_table(events_path) else ""
     for name in names:
         path = tables.table_path(warehouse, name)
         with one_at_a_time(settings.pg_dsn, inventory.turn_of(name)):
-            advance, lagging = _projection_after(name, path, before, erased_at) if deleted else (None, False)
+            advance, lagging = _projection_after(name, path, events_id, before, erased_at) if deleted else (None, False)
             gone = lake_erase.delete_tenant(path, tenant, advance=advance)
             done.lake_rows[name] = gone[0] if gone else 0
             if name in crossing:  # its change feed may still hold the tenant's waiting events: folded anew

@@ -39,8 +39,9 @@ class Aggregate:
     Each run aggregates only the rows that the `events` commits since the last run added (Delta's
     change data feed) and merges them in: counts add up, first/last times take the min/max. The
     `events` version folded in is the MERGE's own Delta transaction id (`txnAppId`/`txnVersion`),
-    committed atomically with the rows, so a retry or a crash never counts an event twice. The
-    first run, or one on a table with no such id, builds from the whole table instead.
+    committed atomically with the rows, so a retry or a crash never counts an event twice; the app id names
+    the `events` table (lake/table.py `over`). The first run, or one on a table with no such id (built from
+    another `events`, or by an older es_pipeline), builds from the whole table instead, overwriting it.
     """
 
     table: Table
@@ -91,10 +92,11 @@ class Aggregate:
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return None
         target = DeltaTable(path)
-        prev = target.transaction_version(self.app_id)
-        if prev is None or not tables.has_columns(target, self.key):
-            return None  # a first build, or a table of an older es_pipeline: Spark builds it whole
         events_feed = events_feed or Feed(events_path, list(self.columns))
+        app_id = self.table.app_id_over(events_feed.table_id)
+        prev = target.transaction_version(app_id)
+        if prev is None or not tables.has_columns(target, self.key):
+            return None  # a first build, one from another `events`, or a table of an older es_pipeline: Spark's
         now = events_feed.version
         if prev >= now:
             return ProjectionResult(feed.row_count(target), now, int(prev), 0, 0)
@@ -102,14 +104,14 @@ class Aggregate:
         if rows is None:
             return None
         agg = self.aggregate_arrow(rows)
-        turn.confirm(path, self.app_id, int(prev))
+        turn.confirm(path, app_id, int(prev))
         if agg.num_rows:
             target.merge(agg, predicate=" AND ".join(f"t.{k} = u.{k}" for k in self.key), source_alias="u",
-                         target_alias="t", commit_properties=feed.commit_properties(self.app_id, now)) \
+                         target_alias="t", commit_properties=feed.commit_properties(app_id, now)) \
                 .when_matched_update(self.updates).when_not_matched_insert_all().execute()
         else:  # nothing added (only compaction since): record the version all the same
             target.create_write_transaction([], mode="append", schema=target.schema(),
-                                            commit_properties=feed.commit_properties(self.app_id, now))
+                                            commit_properties=feed.commit_properties(app_id, now))
         target.update_incremental()
         return ProjectionResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
@@ -117,7 +119,8 @@ class Aggregate:
         events_path = tables.table_path(warehouse, "events")
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
-        prev = tables.transaction_version(path, self.app_id)
+        app_id = self.table.app_id_over(tables.table_id(events_path))
+        prev = tables.transaction_version(path, app_id)  # None: a first build, or the table is of another `events`
         if prev is not None and not tables.has_columns(path, self.key):
             prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
@@ -126,8 +129,8 @@ class Aggregate:
             agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
             try:
                 n, read = _figures(agg)
-                turn.confirm(path, self.app_id, prev)
-                tables.merge_by_key(spark, path, agg, self.key, app_id=self.app_id, version=now, update_set=self.merge_set)
+                turn.confirm(path, app_id, prev)
+                tables.merge_by_key(spark, path, agg, self.key, app_id=app_id, version=now, update_set=self.merge_set)
                 return ProjectionResult(_count(spark, path), now, prev, read, n)
             except tables.spark_errors() as exc:
                 if not tables.change_feed_gone(exc):
@@ -141,9 +144,9 @@ class Aggregate:
         agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
         try:
             n, read = _figures(agg)
-            turn.confirm(path, self.app_id, prev)
+            turn.confirm(path, app_id, prev)
             (agg.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-             .option("txnAppId", self.app_id).option("txnVersion", str(now)).save(path))
+             .option("txnAppId", app_id).option("txnVersion", str(now)).save(path))
         finally:
             agg.unpersist()
         return ProjectionResult(_count(spark, path), now, -1, read, n)

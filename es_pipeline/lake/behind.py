@@ -85,22 +85,31 @@ class Lake:
 
     def folded(self) -> dict[str, int | None]:
         """Each projection's folded `events` version: the built-in ones, every cross-stream table, the typed event
-        tables (their mapping's cursor); None where the projection has not been built."""
+        tables (their mapping's cursor); None where the projection has not been built from the `events` table the
+        lake holds now (not built, or built from another: it is rebuilt at its next update, never up to date)."""
         out: dict[str, int | None] = {}
+        events = self.table("events")
+        if events is None:
+            return out
+        events_id = str(events.metadata().id)
         state = self.table("stream_state")
-        read = None if state is None else state.transaction_version(stream_state.APP_ID)
+        read = None if state is None else state.transaction_version(stream_state.app_id(events_id))
         out["stream_state"] = None if read is None else int(read) // REVISION_SLOTS
         for aggregate in (STREAM_CATALOG, EVENT_TYPE_DAILY):
             t = self.table(aggregate.name)
-            v = None if t is None else t.transaction_version(aggregate.app_id)
+            v = None if t is None else t.transaction_version(aggregate.table.app_id_over(events_id))
             out[aggregate.name] = None if v is None else int(v)
         for name in self.cross_stream_names():
             t = self.table(name)
             definition = None if t is None else t.metadata().configuration.get(cross_stream.KIND)
-            cursor = None if definition is None else t.transaction_version(cross_stream.app_ids(name, definition)[1])  # type: ignore[union-attr]
+            cursor = None if definition is None else t.transaction_version(  # type: ignore[union-attr]
+                cross_stream.app_ids(name, definition, events_id)[1])
             out[name] = None if cursor is None else int(cursor)
         mapping = self.table(event_tables.NAME)
         v = None if mapping is None else mapping.transaction_version(event_tables.APP_ID)
+        built_from = None if mapping is None else mapping.metadata().configuration.get(event_tables.BUILT_FROM)
+        if built_from is not None and built_from != events_id:
+            v = None  # built from another `events`: its next update builds them anew
         out[event_tables.NAME] = None if v is None else int(v)
         return out
 

@@ -51,7 +51,7 @@ from es_pipeline.lake import feed, tables, typed_state
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import loads, with_schema_versions
 from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Table
+from es_pipeline.lake.table import Table, over
 from es_pipeline.lake.tables import Location
 from es_pipeline.source import payloads
 
@@ -145,10 +145,11 @@ def increment(
     f_new = NO_FRONTIER if frontier is None else frontier()
     target = DeltaTable(path) if tables.is_delta_table(path) else None
     seen = cursor = f_prev = None
-    if target is not None and tables.has_columns(target, table.schema.names):
-        seen, cursor, f_prev = (target.transaction_version(a) for a in app_ids(projection.name, definition))
     columns = columns_of(domain)
     events_feed = events_feed or Feed(events_path, columns)
+    if target is not None and tables.has_columns(target, table.schema.names):
+        seen, cursor, f_prev = (target.transaction_version(a)
+                                for a in app_ids(projection.name, definition, events_feed.table_id))
     now = events_feed.version
     new = None
     if seen is not None and cursor is not None and f_prev and seen <= now:
@@ -171,21 +172,24 @@ def mark_for_rebuild(warehouse: Location, name: str) -> None:
     target = DeltaTable(tables.table_path(warehouse, name))
     definition = target.metadata().configuration.get(KIND)
     if definition is not None:
+        events_id = tables.table_id(tables.table_path(warehouse, "events"))
         target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=CommitProperties(
-            app_transactions=[Transaction(app_ids(name, definition)[2], 0)]))
+            app_transactions=[Transaction(app_ids(name, definition, events_id)[2], 0)]))
 
 
-def app_ids(name: str, definition: str) -> tuple[str, str, str]:
-    """The Delta app ids of the three numbers (module docstring), of this definition: a changed one finds none
-    and builds whole (so the table property `KIND`, set before the rows, never vouches for rows of another)."""
+def app_ids(name: str, definition: str, events_id: str) -> tuple[str, str, str]:
+    """The Delta app ids of the three numbers (module docstring), of this definition over the `events` table of
+    Delta id `events_id`: a changed definition, or another `events` (the lake rebuilt), finds none and builds
+    whole (so the table property `KIND`, set before the rows, never vouches for rows of another)."""
     tag = hashlib.sha256(definition.encode()).hexdigest()[:12]
-    seen = f"es_pipeline.{name}.{tag}"
+    seen = over(f"es_pipeline.{name}.{tag}", events_id)
     return seen, f"{seen}.cursor", f"{seen}.frontier"
 
 
-def _commit(table: Table, seen: int, cursor: int, frontier: int) -> CommitProperties:
+def _commit(table: Table, events: DeltaTable, seen: int, cursor: int, frontier: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(a, v) for a, v in zip(
-        app_ids(table.name, table.properties[KIND]), (seen, cursor, frontier), strict=True)])
+        app_ids(table.name, table.properties[KIND], str(events.metadata().id)), (seen, cursor, frontier),
+        strict=True)])
 
 
 # -- reading and ordering events -----------------------------------------------------------------------
@@ -543,7 +547,7 @@ def _build(
     keyed = _keyed(rows, projection, domain)
     out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
-    seen_id = app_ids(table.name, table.properties[KIND])[0]
+    seen_id = app_ids(table.name, table.properties[KIND], str(events.metadata().id))[0]
     turn.confirm(path, seen_id, read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
@@ -551,7 +555,7 @@ def _build(
     if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
-                    commit_properties=_commit(table, version, version, frontier))
+                    commit_properties=_commit(table, events, version, version, frontier))
     return CrossStreamResult(out.num_rows, version, -1, keyed.count, out.num_rows, 0, 0, keyed.without_key, frontier)
 
 
@@ -583,8 +587,8 @@ def _increment(
     if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
         return CrossStreamResult(feed.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
     out = _table_rows(projection, table, folded)
-    turn.confirm(path, app_ids(table.name, table.properties[KIND])[0], seen)
-    props = _commit(table, now, new_cursor, f_new)
+    turn.confirm(path, app_ids(table.name, table.properties[KIND], str(events.metadata().id))[0], seen)
+    props = _commit(table, events, now, new_cursor, f_new)
     if out.num_rows:
         target.merge(out, predicate=f"t.tenant = u.tenant AND t.{table.key[1]} = u.{table.key[1]}", source_alias="u",
                      target_alias="t", commit_properties=props).when_matched_update_all() \

@@ -133,6 +133,7 @@ def definition_of(domain: Domain) -> str:
 
 APP_ID = "es_pipeline.event_tables"  # the Delta transaction id of every typed table, and of the mapping (the cursor)
 BUILT_FOR = "es_pipeline.event_tables.built_for"  # the mapping's property: what its last whole build was for
+BUILT_FROM = "es_pipeline.event_tables.built_from"  # and the Delta id of the `events` it was built from (for health)
 OWNER = "es_pipeline.event_table"  # a typed table's property: the event type it holds (only such tables are touched)
 
 
@@ -166,8 +167,8 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         return EventTablesResult(None)
     events = DeltaTable(events_path)
     now = int(events.version())
-    key = build_key(tables.table_id(events_path), definition_of(domain))
-    keeper = _Keeper(warehouse, domain, key, now)
+    events_id = tables.table_id(events_path)
+    keeper = _Keeper(warehouse, domain, build_key(events_id, definition_of(domain)), now, events_id)
     cursor = keeper.cursor()
     if cursor is not None and cursor >= now:
         return EventTablesResult(now, seconds=time.monotonic() - started)
@@ -225,8 +226,8 @@ def _with_last(chunks: Iterator[pa.Table]) -> Iterator[tuple[pa.Table, bool]]:
 class _Keeper:
     """One update's work: the mapping as read, the tables touched, what changed."""
 
-    def __init__(self, warehouse: Location, domain: Domain, key: str, now: int) -> None:
-        self.warehouse, self.domain, self.key, self.now = warehouse, domain, key, now
+    def __init__(self, warehouse: Location, domain: Domain, key: str, now: int, events_id: str) -> None:
+        self.warehouse, self.domain, self.key, self.now, self.events_id = warehouse, domain, key, now, events_id
         self.app = APP_ID
         self.mapping_path = MAPPING.path(warehouse)
         self.result = EventTablesResult(now)
@@ -263,7 +264,8 @@ class _Keeper:
             write_deltalake(self.mapping_path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             _OPEN.pop(self.mapping_path, None)
             if built:
-                _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key}, raise_if_not_exists=False)
+                _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key, BUILT_FROM: self.events_id},
+                                                                    raise_if_not_exists=False)
         else:
             mapping = _open(self.mapping_path)
             mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)

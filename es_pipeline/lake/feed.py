@@ -48,6 +48,7 @@ class Feed:
     def __init__(self, events_path: str, columns: list[str]) -> None:
         self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
         self.version = self.table.version()
+        self.table_id = str(self.table.metadata().id)  # which `events` (lake/table.py `over`)
         self._after: int | None = None
         self._rows: pa.Table | None = None
 

@@ -52,19 +52,25 @@ from es_pipeline.source import payloads
 
 # Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
 STREAM_STATE = Table("stream_state", STATE_SCHEMA, key=("tenant", "stream_id"), comment="current state per stream")
-APP_ID = STREAM_STATE.app_id
 KEY = STREAM_STATE.key
 _FOLD_OUT_DDL = ", ".join(f"{f.name} {spark_type(f.type)}" for f in FOLD_OUT)
 _PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
 
 
-def folded_version(state_path: str) -> tuple[int, int] | None:
-    """(stream_state's Delta version, the `events` version it has folded up to), read from one version of
-    its log; None before its first update."""
-    if not tables.is_delta_table(state_path):
+def app_id(events_id: str) -> str:
+    """The app id of `stream_state`'s commits folded from the `events` table of Delta id `events_id`."""
+    return STREAM_STATE.app_id_over(events_id)
+
+
+def folded_version(warehouse: Location) -> tuple[int, int] | None:
+    """(stream_state's Delta version, the version of the `events` table now in the lake it has folded up to),
+    read from one version of its log; None before its first update from that `events`."""
+    state_path = tables.table_path(warehouse, "stream_state")
+    events_path = tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return None
     table = DeltaTable(state_path)
-    read = table.transaction_version(APP_ID)
+    read = table.transaction_version(app_id(tables.table_id(events_path)))
     return None if read is None else (int(table.version()), int(read) // REVISION_SLOTS)
 
 
@@ -117,12 +123,13 @@ def small_increment(
     if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return None
     state = DeltaTable(state_path)
-    read = state.transaction_version(APP_ID)
-    if read is None or not tables.has_columns(state, KEY):
-        return None  # a first build, or a table made before tenants: Spark adds the column
-    prev = int(read) // REVISION_SLOTS
     columns = read_columns(domain)
     events_feed = events_feed or Feed(events_path, columns)
+    app = app_id(events_feed.table_id)
+    read = state.transaction_version(app)
+    if read is None or not tables.has_columns(state, KEY):
+        return None  # a first build, one from another `events`, or a table made before tenants: Spark adds the column
+    prev = int(read) // REVISION_SLOTS
     now = events_feed.version
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
@@ -143,10 +150,10 @@ def small_increment(
     out = pa.Table.from_batches(list(fold_partitions(dict(domain.folds), skip_unknown)(rows.to_batches())),
                                 schema=FOLD_OUT)
     updates = arrow_updates(out)
-    turn.confirm(state_path, APP_ID, int(read))
+    turn.confirm(state_path, app, int(read))
     before = int(state.version())
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
-                commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds))) \
+                commit_properties=feed.commit_properties(app, txn_version(now, domain.folds))) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
     result = arrow_result(out, now, prev)
     if not typed_state.typed_tables(domain):
@@ -157,24 +164,24 @@ def small_increment(
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
-    """The first build folded by this machine's cores and written by delta-rs; None: Spark's to do."""
+    """The first build from this `events` (a rebuild where the table was folded from another) folded by this
+    machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
     events_path = tables.table_path(warehouse, "events")
     state_path = STREAM_STATE.path(warehouse)
     if not tables.is_delta_table(events_path):
         return None
-    if tables.is_delta_table(state_path):
-        state = DeltaTable(state_path)
-        if state.transaction_version(APP_ID) is not None or feed.row_count(state):
-            return None  # built already: an increment, or a revision rebuild, is Spark's or the small path's
+    app = app_id(tables.table_id(events_path))
+    if tables.is_delta_table(state_path) and DeltaTable(state_path).transaction_version(app) is not None:
+        return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
     folded = whole_fold.fold_table(events_path, domain, skip_unknown)
     if folded is None:
         return None
     out, now = folded
     updates = arrow_updates(out)
     STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
-    turn.confirm(state_path, APP_ID, None)
-    write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="append",
-                    commit_properties=feed.commit_properties(APP_ID, txn_version(now, domain.folds)))
+    turn.confirm(state_path, app, None)
+    write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
+                    commit_properties=feed.commit_properties(app, txn_version(now, domain.folds)))
     return arrow_result(out, now, -1)
 
 
@@ -189,9 +196,12 @@ def _update_with_spark(
         spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (tenant STRING)")
         spark.sql(f"UPDATE delta.`{state_path}` SET tenant = '' WHERE tenant IS NULL")
     now = tables.table_version(spark, events_path)
-    read = tables.transaction_version(state_path, APP_ID)
+    app = app_id(tables.table_id(events_path))
+    read = tables.transaction_version(state_path, app)
     prev = -1 if read is None else read // REVISION_SLOTS
-    state = tables.read(spark, state_path)
+    # Not folded from this `events` (a first build, or the lake's `events` replaced): folded whole, onto nothing,
+    # and the table overwritten, so that no row of another `events` stays.
+    state = tables.read(spark, state_path) if read is not None else tables.read(spark, state_path).limit(0)
     stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
@@ -252,8 +262,13 @@ def _update_with_spark(
             raise ReducerError(stream_id, version, event_type, reason)
         n_events = stats["folded"] or 0
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
-        turn.confirm(state_path, APP_ID, read)
-        tables.merge_by_key(spark, state_path, updates, KEY, app_id=APP_ID, version=next_txn_version(now, domain.folds, read))
+        turn.confirm(state_path, app, read)
+        version = next_txn_version(now, domain.folds, read)
+        if read is None:
+            (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
+             .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
+        else:
+            tables.merge_by_key(spark, state_path, updates, KEY, app_id=app, version=version)
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
@@ -277,7 +292,7 @@ def versions_off_small(warehouse: Location) -> VersionsOff | None:
     """The check of `stream_state` without a JVM (the snapshots' write-back waits on it): None where Arrow should
     not read it (deletion vectors, which the files alone do not honour, or more than SMALL_CHECK_EVENTS events)."""
     state_path = tables.table_path(warehouse, "stream_state")
-    folded = folded_version(state_path)
+    folded = folded_version(warehouse)
     if folded is None:
         return VersionsOff(0, [], None)
     state_version, events_version = folded

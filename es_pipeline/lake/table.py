@@ -4,7 +4,9 @@ Every table built from `events` is an instance: `stream_state` (lake/stream_stat
 aggregates (lake/aggregate.py, lake/projections.py), `snapshots` (lake/snapshots.py). From the one Arrow
 schema come Spark's DDL and delta-rs's schema alike, so that either engine creates the table the other reads.
 The app id is the Delta transaction id its updates commit with (`txnAppId`): the `events` version folded
-in, in the same commit as the rows (docs/architecture.md, "Tables").
+in, in the same commit as the rows (docs/architecture.md, "Tables"). It names the `events` table too (`over`:
+its Delta id), so that a table built from one `events` never reads on from its position in another: the lake
+rebuilt, `events` replaced, finds no version under the new id, and the table is built whole again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class Table:
     def app_id(self) -> str:
         return f"es_pipeline.{self.name}"
 
+    def app_id_over(self, events_id: str) -> str:
+        """The app id of this table's updates from the `events` table whose Delta id is `events_id`."""
+        return over(self.app_id, events_id)
+
     @property
     def ddl(self) -> str:
         """The schema as Spark SQL's column list."""
@@ -58,8 +64,17 @@ class Table:
         return path
 
     def transaction_version(self, warehouse: Location) -> int | None:
-        """The last `events` version (or what the table's app id counts) committed with the table's rows."""
-        return tables.transaction_version(self.path(warehouse), self.app_id)
+        """The last `events` version (or what the table's app id counts) committed with the table's rows, from
+        the `events` table the warehouse holds now (None: not built from that one)."""
+        events = tables.table_path(warehouse, "events")
+        if not tables.is_delta_table(events):
+            return None
+        return tables.transaction_version(self.path(warehouse), self.app_id_over(tables.table_id(events)))
+
+
+def over(app_id: str, events_id: str) -> str:
+    """`app_id` bound to the `events` table of Delta id `events_id` (table ids are UUIDs, new at each creation)."""
+    return f"{app_id}@{events_id}"
 
 
 def spark_type(arrow: pa.DataType) -> str:

@@ -77,8 +77,11 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
     new), not from the change feed."""
     typed = typed_tables(domain)
     state_path = tables.table_path(warehouse, "stream_state")
-    if not typed or not tables.is_delta_table(state_path):
+    events_path = tables.table_path(warehouse, "events")
+    if not typed or not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return {}
+    # Bound to the `events` table stream_state folds now: after a rebuild from another, each is built whole.
+    events_id = tables.table_id(events_path)
     loaded: list[DeltaTable] = []
 
     def state() -> DeltaTable:  # loaded only where a table needs more than `commit`
@@ -102,7 +105,8 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
                 commit.rows["stream_type"], stream_type)).as_py() and tables.is_delta_table(path):
             continue  # nothing of its type in the commit: its rows stand; its version catches up when its type moves
         target = DeltaTable(path) if feed_on and tables.is_delta_table(path) else None  # its log, loaded once
-        found = None if target is None else target.transaction_version(table.app_id)
+        app = table.app_id_over(events_id)
+        found = None if target is None else target.transaction_version(app)
         read = None if found is None else int(found)
         if target is not None and read is not None and not _same_columns(target, table.schema):
             read = None  # its fields changed: built whole
@@ -110,7 +114,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             _CHECKED.add(checked)
         if read is not None and read >= now:
             continue
-        props = feed.commit_properties(table.app_id, now)
+        props = feed.commit_properties(app, now)
         if commit is not None and read == commit.before:  # the one commit since: its rows, as written
             of_type = pc.equal(commit.rows["stream_type"], stream_type)
             rows = _typed(commit.rows.filter(of_type).select(_STATE_COLUMNS), reducer, table)

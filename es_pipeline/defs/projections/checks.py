@@ -27,7 +27,7 @@ def stream_state_version_matches_events(spark: SparkResource, warehouse: Warehou
             "events_version_folded": small.events_version, "read_with": "arrow"})
     s = spark.spark_session
     state_path = tables.table_path(warehouse.root, "stream_state")
-    folded = folded_version(state_path)
+    folded = folded_version(warehouse.root)
     if folded is None:
         return dg.AssetCheckResult(passed=True, metadata={"streams_off": 0, "note": "stream_state not built yet"})
     state_version, events_version = folded
