@@ -24,7 +24,7 @@ from es_pipeline.instance.launcher import PID_TAG
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, source_events
 from es_pipeline_tests.support.roles import StoreDsn
-from es_pipeline_tests.support.waiting import wait_for
+from es_pipeline_tests.support.waiting import stack_doing, wait_for
 
 
 def _lake_keys(warehouse: Path) -> set[tuple[str, int]]:
@@ -62,9 +62,9 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
         writer = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
             streams=100, events=None, writers=4, rollback_rate=0.1, max_commit_delay=0.2, rate=25.0, stop=stop))
         writer.start()
-        killed = None
-        deadline = time.monotonic() + 240
-        while killed is None and time.monotonic() < deadline:  # kill the first run caught mid-flight
+        doing = stack_doing(instance, tmp_path / "logs")
+
+        def kill_one_mid_flight() -> Any:
             for record in instance.get_run_records(dg.RunsFilter(job_name="events_job", statuses=[dg.DagsterRunStatus.STARTED])):
                 pid = run_pid(instance, record.dagster_run.run_id)
                 if pid and alive(pid):
@@ -73,23 +73,21 @@ def test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_kille
                     # landed was not killed, so look for another.
                     time.sleep(3.0)
                     if instance.get_run_by_id(record.dagster_run.run_id).status != dg.DagsterRunStatus.SUCCESS:
-                        killed = record.dagster_run
-                        break
-            time.sleep(0.2)
-        assert killed is not None, "no run was ever seen running"
+                        return record.dagster_run
+            return None
+
+        killed = wait_for(kill_one_mid_flight, 240, "a run caught mid-flight and killed", every=0.2, doing=doing)
         # Run monitoring asks the launcher whether the run's process lives: the killed run is marked
         # failed by the daemon itself, which frees its range's place in the queue.
-        deadline = time.monotonic() + 90
-        while instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.STARTED and time.monotonic() < deadline:
-            time.sleep(1.0)
+        wait_for(lambda: instance.get_run_by_id(killed.run_id).status != dg.DagsterRunStatus.STARTED, 90,
+                 "run monitoring to mark the killed run ended", every=1.0, doing=doing)
         assert instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.FAILURE
         time.sleep(15)
         stop.set()
         writer.join()
         expected = set(source_events(dsn))
-        deadline = time.monotonic() + 300
-        while _lake_keys(stack.warehouse) != expected and time.monotonic() < deadline:
-            time.sleep(2)
+        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 300, "every committed event in the lake",
+                 every=2.0, doing=doing)
         records = instance.get_run_records(dg.RunsFilter(job_name="events_job"))
     assert assert_exactly_once(spark, stack.warehouse, dsn) == len(expected) > 0
     by_range: dict[str, list[tuple[float, float]]] = {}
@@ -117,9 +115,10 @@ def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
             monkeypatch.setenv(key, stack.env[key])
         instance = dg.DagsterInstance.get()
+        doing = stack_doing(instance, tmp_path / "logs")
         run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
-        wait_for(lambda: _lake_keys(stack.warehouse) == set(source_events(dsn)), 180, "the first events in the lake")
-        wait_for(lambda: not _runs(instance, dg.DagsterRunStatus.STARTED), 60, "the first runs to finish")
+        wait_for(lambda: _lake_keys(stack.warehouse) == set(source_events(dsn)), 180, "the first events in the lake", doing=doing)
+        wait_for(lambda: not _runs(instance, dg.DagsterRunStatus.STARTED), 60, "the first runs to finish", doing=doing)
         before = {r.run_id for r in _runs(instance, None)}
         with psycopg.connect(dsn) as holder:
             # Every run now waits to record its batch; a SHARE lock takes no transaction id, so the
@@ -128,15 +127,15 @@ def test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on(
             run_workload(store, streams=10, events=20, writers=1, rollback_rate=0, max_commit_delay=0)
             started = time.monotonic()
             hung = wait_for(lambda: [r for r in _runs(instance, dg.DagsterRunStatus.STARTED) if r.run_id not in before],
-                             120, "a run that hangs")[0]
-            wait_for(lambda: instance.get_run_by_id(hung.run_id).is_finished, 120, "the hung run to be stopped")
+                             120, "a run that hangs", doing=doing)[0]
+            wait_for(lambda: instance.get_run_by_id(hung.run_id).is_finished, 120, "the hung run to be stopped", doing=doing)
             stopped_after = time.monotonic() - started
             assert instance.get_run_by_id(hung.run_id).status == dg.DagsterRunStatus.FAILURE
             pid = int(hung.tags[PID_TAG])
-            wait_for(lambda: not alive(pid), 30, "the hung run's process to end")
+            wait_for(lambda: not alive(pid), 30, "the hung run's process to end", doing=doing)
             holder.rollback()
         expected = set(source_events(dsn))
-        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 180, "every event in the lake after the lock")
+        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 180, "every event in the lake after the lock", doing=doing)
         from deltalake import DeltaTable
 
         assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected) == 40
@@ -163,6 +162,7 @@ def test_tailing_runs_report_their_passes_and_a_run_killed_mid_batch_loses_and_r
         for key in ("DAGSTER_HOME", "DAGSTER_PG_URL"):
             monkeypatch.setenv(key, stack.env[key])
         instance = dg.DagsterInstance.get()
+        doing = stack_doing(instance, tmp_path / "logs")
         stop = threading.Event()
         writer = threading.Thread(target=run_workload, args=(EventStore(dsn.writer),), kwargs=dict(
             streams=60, events=None, writers=2, rollback_rate=0.1, max_commit_delay=0.1, rate=20.0, stop=stop))
@@ -179,21 +179,21 @@ def test_tailing_runs_report_their_passes_and_a_run_killed_mid_batch_loses_and_r
                 return [r.dagster_run for r in started if r.start_time and time.time() - r.start_time < 70
                         and passes_of(r.dagster_run.run_id) >= 3]
 
-            tailing = wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left")[0]
+            tailing = wait_for(young_with_three_passes, 180, "a run with three passes and most of its tail left", doing=doing)[0]
             with psycopg.connect(dsn) as holder:
                 holder.execute("LOCK TABLE es_pipeline.offsets IN SHARE MODE")  # the next offsets commit waits
                 wait_for(lambda: _in_delta_not_in_offsets(dsn, stack.warehouse, tailing.run_id), 60,
-                          "a batch of the tailing run in Delta, its offsets waiting")
+                          "a batch of the tailing run in Delta, its offsets waiting", doing=doing)
                 os.kill(int(tailing.tags[PID_TAG]), signal.SIGKILL)
                 holder.rollback()
             wait_for(lambda: instance.get_run_by_id(tailing.run_id).status == dg.DagsterRunStatus.FAILURE, 90,
-                      "the killed run to be marked failed")
+                      "the killed run to be marked failed", doing=doing)
             time.sleep(10)
         finally:
             stop.set()
             writer.join()
         expected = set(source_events(dsn))
-        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 240, "every event in the lake")
+        wait_for(lambda: _lake_keys(stack.warehouse) == expected, 240, "every event in the lake", doing=doing)
         from deltalake import DeltaTable
 
         assert DeltaTable(str(stack.warehouse / "events")).to_pyarrow_dataset().count_rows() == len(expected)

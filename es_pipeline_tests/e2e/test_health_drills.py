@@ -39,7 +39,7 @@ from es_pipeline.settings import PROJECT_ROOT
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
 from es_pipeline_tests.support.roles import StoreDsn
-from es_pipeline_tests.support.waiting import wait_for
+from es_pipeline_tests.support.waiting import stack_doing, wait_for
 
 CLI = str(Path(sys.executable).parent / "es-pipeline")
 
@@ -53,26 +53,6 @@ def _fires(prom: Prometheus, name: str, seconds: float, doing: Callable[[], str]
     took = time.monotonic() - began
     print(f"{name} fired after {took:.0f} s: {alert['annotations'].get('summary')}")
     return alert, took
-
-
-def _doing(instance: dg.DagsterInstance, prom: Prometheus, logs: Path) -> Callable[[], str]:
-    """What the stack is doing, for a wait's failure message: the newest runs, the alerts, the failing assets the
-    exporter reads, the machine's load and the daemon's last lines."""
-    def say() -> str:
-        now = time.time()
-        lines = [f"load average {os.getloadavg()[0]:.1f}"]
-        for r in instance.get_run_records(limit=12):
-            run = r.dagster_run
-            assets = ",".join(sorted(k.to_user_string() for k in run.asset_selection or ()))
-            ended = f", ended {now - r.end_time:.0f} s ago" if r.end_time else ""
-            lines.append(f"run {run.run_id[:8]} {run.job_name} [{assets}] {run.status.value}, "
-                         f"created {now - r.create_timestamp.timestamp():.0f} s ago{ended}")
-        lines.append(f"alerts: {[(a['labels']['alertname'], a['state']) for a in prom.alerts()]}")
-        lines.append(f"failing assets read: {[m['metric'] for m in prom.query('es_pipeline_asset_failing == 1')]}")
-        lines.append(f"parts unread: {[m['metric'] for m in prom.query('es_pipeline_reading_ok == 0')]}")
-        daemon = (logs / "daemon.log").read_text(errors="replace").splitlines()[-12:]
-        return "\n".join(["  " + line for line in lines] + ["  daemon.log: " + line for line in daemon])
-    return say
 
 
 def _runs_of(instance: dg.DagsterInstance, asset: str, created_after: float) -> list[dg.RunRecord]:
@@ -125,7 +105,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
         try:
             wait_port(port, 60)
             with prometheus([f"127.0.0.1:{port}"], tmp_path / "prometheus", port=free_port(), interval="2s") as prom:
-                doing = _doing(instance, prom, tmp_path / "logs")
+                doing = stack_doing(instance, tmp_path / "logs", prom)
                 writers.start()
                 store.append("drill-1", "drill", [NewEvent("Opened", {})], 0)
                 wait_for(lambda: prom.query("es_pipeline_tailing_run_alive == 1"), 180, "a tailing run alive", doing=doing)
