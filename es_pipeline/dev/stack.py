@@ -7,6 +7,7 @@ as `make dev` runs them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -41,7 +42,10 @@ CLAIM_SECONDS = 600.0  # a claim older than this is over: its server is listenin
 def free_port() -> int:
     """A port of 127.0.0.1 nothing listens on and no other caller on this machine was handed in the last
     CLAIM_SECONDS (the claim is a file in PORT_CLAIMS, made with O_EXCL)."""
-    PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
+    if not PORT_CLAIMS.is_dir():
+        PORT_CLAIMS.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # shared by every user's runs, as /tmp is (umask left aside)
+            PORT_CLAIMS.chmod(0o1777)
     for _ in range(1_000):
         port = random.randrange(*PORT_RANGE)
         claim = PORT_CLAIMS / str(port)
