@@ -213,7 +213,7 @@ def _erase_projections(
             gone = lake_erase.delete_tenant(path, tenant, advance=advance)
             done.lake_rows[name] = gone[0] if gone else 0
             if name in crossing:  # its change feed may still hold the tenant's waiting events: folded anew
-                cross_stream.mark_for_rebuild(warehouse, name)
+                cross_stream.mark_for_rebuild(warehouse, name, events_id)
                 done.rebuilt.append(name)
             if lagging:
                 done.rebuilt.append(name)

@@ -59,10 +59,6 @@ class Aggregate:
         return self.table.key
 
     @property
-    def app_id(self) -> str:
-        return self.table.app_id
-
-    @property
     def merge_set(self) -> str:
         """The UPDATE SET clause of Spark's MERGE."""
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
@@ -140,7 +136,9 @@ class Aggregate:
                 log.warning("%s: the change feed after version %s is gone (vacuumed); rebuilding", self.name, prev)
             finally:
                 agg.unpersist()
-        # First run, a table of an older es_pipeline, or a change feed vacuumed away: build it whole.
+        # First run, a table of another `events` or an older es_pipeline, or a change feed vacuumed away: built whole.
+        if prev is None:
+            feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
         agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
         try:
             n, read = _figures(agg)

@@ -48,13 +48,16 @@ class Lake:
     def table(self, name: str) -> DeltaTable | None:
         """The table `name` at its newest version; None while it does not exist."""
         kept = self._open.get(name)
+        path = tables.table_path(self.warehouse, name)
         if kept is not None:
             try:
-                kept.update_incremental()
-                return kept
+                made_anew = tables.first_commit_id(path) not in (None, str(kept.metadata().id))
+                if not made_anew:  # (a folder removed and made again is another table: its log starts over)
+                    kept.update_incremental()
+                    return kept
             except Exception:  # noqa: BLE001 - replaced, vacuumed under us: open it again below
-                self._open.pop(name, None)
-        path = tables.table_path(self.warehouse, name)
+                pass
+            self._open.pop(name, None)
         if not tables.is_delta_table(path):
             return None
         self._open[name] = DeltaTable(path)
@@ -107,9 +110,9 @@ class Lake:
             out[name] = None if cursor is None else int(cursor)
         mapping = self.table(event_tables.NAME)
         v = None if mapping is None else mapping.transaction_version(event_tables.APP_ID)
-        built_from = None if mapping is None else mapping.metadata().configuration.get(event_tables.BUILT_FROM)
-        if built_from is not None and built_from != events_id:
-            v = None  # built from another `events`: its next update builds them anew
+        conf = {} if mapping is None else mapping.metadata().configuration
+        if conf.get(event_tables.BUILT_FROM) != events_id or conf.get(event_tables.BUILT_FOR) == event_tables.BUILDING:
+            v = None  # built from another `events` (its next update builds them anew), or a build under way
         out[event_tables.NAME] = None if v is None else int(v)
         return out
 

@@ -166,13 +166,13 @@ def increment(
                       int(seen), int(cursor), int(f_prev), f_new, now)  # type: ignore[arg-type]
 
 
-def mark_for_rebuild(warehouse: Location, name: str) -> None:
-    """After a tenant's erasure: the projection's next update folds every key from `events` again (frontier 0), so
-    that none of the erased events waiting in `events`' change feed comes back."""
+def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:
+    """After a tenant's erasure: the projection's next update folds every key from `events` (of Delta id
+    `events_id`) again (frontier 0), so that none of the erased events waiting in `events`' change feed comes back.
+    Without an `events` (""), there is no position to mark: its next update builds it whole anyway."""
     target = DeltaTable(tables.table_path(warehouse, name))
     definition = target.metadata().configuration.get(KIND)
-    if definition is not None:
-        events_id = tables.table_id(tables.table_path(warehouse, "events"))
+    if definition is not None and events_id:
         target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=CommitProperties(
             app_transactions=[Transaction(app_ids(name, definition, events_id)[2], 0)]))
 
@@ -548,6 +548,8 @@ def _build(
     out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
     seen_id = app_ids(table.name, table.properties[KIND], str(events.metadata().id))[0]
+    unbound = f"es_pipeline.{table.name}.{hashlib.sha256(table.properties[KIND].encode()).hexdigest()[:12]}"
+    feed.fence_older(path, [(f"{unbound}.cursor", feed.FENCE)])  # an older release: its cursor past `events`
     turn.confirm(path, seen_id, read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")

@@ -133,7 +133,8 @@ def definition_of(domain: Domain) -> str:
 
 APP_ID = "es_pipeline.event_tables"  # the Delta transaction id of every typed table, and of the mapping (the cursor)
 BUILT_FOR = "es_pipeline.event_tables.built_for"  # the mapping's property: what its last whole build was for
-BUILT_FROM = "es_pipeline.event_tables.built_from"  # and the Delta id of the `events` it was built from (for health)
+BUILT_FROM = "es_pipeline.event_tables.built_from"  # and the Delta id of the `events` it follows (for health)
+BUILDING = "building"  # BUILT_FOR while a whole build is under way
 OWNER = "es_pipeline.event_table"  # a typed table's property: the event type it holds (only such tables are touched)
 
 
@@ -167,7 +168,7 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         return EventTablesResult(None)
     events = DeltaTable(events_path)
     now = int(events.version())
-    events_id = tables.table_id(events_path)
+    events_id = str(events.metadata().id)  # of the table loaded above: the version and the id of one table
     keeper = _Keeper(warehouse, domain, build_key(events_id, definition_of(domain)), now, events_id)
     cursor = keeper.cursor()
     if cursor is not None and cursor >= now:
@@ -269,6 +270,9 @@ class _Keeper:
         else:
             mapping = _open(self.mapping_path)
             mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)
+        mapping = _open(self.mapping_path)
+        if mapping.metadata().configuration.get(BUILT_FROM) != self.events_id:  # a mapping built by an older release
+            mapping.alter.set_table_properties({BUILT_FROM: self.events_id}, raise_if_not_exists=False)
 
     def _name_for(self, event_type: str) -> str:
         """The table of `event_type`: the mapping's, else its own name (with a hash where another type holds it)."""
@@ -295,7 +299,7 @@ class _Keeper:
         last commit of each records the transaction id (a build cut short leaves the cursor unset: built again)."""
         self.result.rebuilt = True
         if tables.is_delta_table(self.mapping_path):  # until it ends, no cursor: a build cut short is built again
-            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: "building"}, raise_if_not_exists=False)
+            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: BUILDING}, raise_if_not_exists=False)
         owned = set(self.names.values())
         self.history, self.changed = [], True
         kept_names = dict(self.names)  # the names types had: kept, so that a rebuild moves no table
@@ -492,10 +496,12 @@ def _open(path: str) -> DeltaTable:
     held = _OPEN.get(path)
     if held is not None:
         try:
-            held.update_incremental()
-            return held
+            if tables.first_commit_id(path) in (None, str(held.metadata().id)):  # else made anew (`lake rebuild`)
+                held.update_incremental()
+                return held
         except Exception:  # noqa: BLE001 - made anew or cleaned up under us: loaded whole again
-            _OPEN.pop(path, None)
+            pass
+        _OPEN.pop(path, None)
     table = _OPEN[path] = DeltaTable(path)
     return table
 

@@ -8,12 +8,17 @@ an update commits with.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction
 
 from es_pipeline.lake import tables
+
+log = logging.getLogger(__name__)
 
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
 
@@ -89,6 +94,28 @@ def row_count(table: DeltaTable) -> int:
 
 def commit_properties(app_id: str, version: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(app_id, version)])
+
+
+FENCE = 2**62  # a position past any `events` version
+
+
+def fence_older(path: str, positions: Sequence[tuple[str, int]]) -> None:
+    """Before a whole build of a table that an older es_pipeline kept under unbound app ids (lake/table.py `over`):
+    those ids set to `positions` (FENCE: "nothing new"), so that an older release still running (a tailing run
+    started before the upgrade) finds nothing to fold there, rather than merging its increments from its old
+    position onto the rows rebuilt; its update under way finds its position moved and commits nothing
+    (lake/serial.py `confirm`). A table without them (new, or fenced already) is left as it is."""
+    if not tables.is_delta_table(path):
+        return
+    table = DeltaTable(path)
+    todo = [(a, v) for a, v in positions if (held := table.transaction_version(a)) is not None and held != v]
+    if not todo:
+        return
+    try:
+        table.create_write_transaction([], mode="append", schema=table.schema(), commit_properties=CommitProperties(
+            app_transactions=[Transaction(a, v) for a, v in todo]))
+    except Exception as exc:  # noqa: BLE001 - a table delta-rs will not write (its features): the build goes on
+        log.warning("%s: could not fence the positions of an older es_pipeline (%s)", path, exc)
 
 
 def has_deletion_vectors(table: DeltaTable) -> bool:

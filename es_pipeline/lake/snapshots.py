@@ -39,7 +39,10 @@ SNAPSHOTS = Table("snapshots", pa.schema([
     pa.field("state", pa.string()), pa.field("revision", pa.int32()), pa.field("taken_at", pa.timestamp("us", tz="UTC")),
     pa.field("tenant", pa.string()),  # last: where a table made before tenants takes it
 ]), key=("tenant", "stream_id", "version"), comment="snapshots taken per stream and version")
-APP_ID = SNAPSHOTS.app_id
+def app_id(state_path: str) -> str:
+    """The app id of snapshots taken from the `stream_state` table at `state_path` (its Delta id): a `stream_state`
+    made anew (`lake rebuild stream_state`) starts its versions over, and must not find them taken already."""
+    return SNAPSHOTS.app_id_over(tables.table_id(state_path))
 KEY = ["tenant", "stream_id"]  # a stream: its latest snapshot is the highest version, then revision
 DEFAULT_THRESHOLD = 50
 SMALL_SNAPSHOTS = 200_000  # streams in stream_state at most; above, Spark takes the snapshots
@@ -85,12 +88,13 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple
         if feed.has_deletion_vectors(state) or feed.row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state, KEY):
             return None
         state_version = state.version()
+        app = SNAPSHOTS.app_id_over(str(state.metadata().id))
         snap = DeltaTable(snap_path)  # the version this turn reads, from which it commits
-        read = snap.transaction_version(APP_ID)
+        read = snap.transaction_version(app)
         lake = feed.files(snap_path, snap).to_table(columns=_COLUMNS)
         due = _due(feed.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
-        taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=APP_ID, version=state_version, table=snap,
-                               before_commit=lambda: turn.confirm(snap_path, APP_ID, None if read is None else int(read)))
+        taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=app, version=state_version, table=snap,
+                               before_commit=lambda: turn.confirm(snap_path, app, None if read is None else int(read)))
         if taken:  # the lake is the record: what it now holds, these included
             lake = pa.concat_tables([lake, due.select(_COLUMNS)])
         elif taken is None:  # this state version was taken already (a replay): read what is there
@@ -188,7 +192,7 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
         taken = due.count()
         if taken:
             (due.write.format("delta").mode("append")
-             .option("txnAppId", APP_ID).option("txnVersion", str(state_version)).save(snap_path))
+             .option("txnAppId", app_id(state_path)).option("txnVersion", str(state_version)).save(snap_path))
     finally:
         due.unpersist()
     # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed

@@ -171,13 +171,18 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
     if not tables.is_delta_table(events_path):
         return None
     app = app_id(tables.table_id(events_path))
-    if tables.is_delta_table(state_path) and DeltaTable(state_path).transaction_version(app) is not None:
-        return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
+    if tables.is_delta_table(state_path):
+        state = DeltaTable(state_path)
+        if state.transaction_version(app) is not None:
+            return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
+        if feed.has_deletion_vectors(state):
+            return None  # delta-rs does not write such a table: Spark rebuilds it
     folded = whole_fold.fold_table(events_path, domain, skip_unknown)
     if folded is None:
         return None
     out, now = folded
     updates = arrow_updates(out)
+    feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
     STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
     turn.confirm(state_path, app, None)
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
@@ -265,6 +270,7 @@ def _update_with_spark(
         turn.confirm(state_path, app, read)
         version = next_txn_version(now, domain.folds, read)
         if read is None:
+            feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
             (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
              .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
         else:

@@ -254,6 +254,22 @@ def has_columns(table: str | DeltaTable, names: Sequence[str]) -> bool:
     return all(n in held for n in names)
 
 
+def first_commit_id(path: str) -> str | None:
+    """Delta's id of the table from its first commit file, None where that file is gone (log cleanup) or not there:
+    what a reader that keeps a table open asks each time, to see that the folder now holds another table (a new
+    table has its first commit; one so old its first commit was cleaned up has not been made anew)."""
+    fs, root = filesystem(path)
+    try:
+        with fs.open_input_stream(f"{root}/_delta_log/{0:020d}.json") as log:
+            for line in log.read().decode("utf-8").splitlines():
+                action = json.loads(line) if line.strip() else {}
+                if "metaData" in action:
+                    return str(action["metaData"]["id"])
+    except (FileNotFoundError, OSError):
+        return None
+    return None
+
+
 def table_id(path: str) -> str:
     """Delta's id of the table (`metaData.id`, set at creation): a recreated table at the same path has a new one.
 

@@ -9,7 +9,8 @@ column per field of the state, so an analyst asks `SELECT count(*) FROM stream_s
 Kept from `stream_state` itself, in its turn, right after each update: the rows that `stream_state`'s
 commits since the version a typed table records changed (its change data feed: inserts and updates'
 post-images), the latest per stream, upserted by delta-rs under the table's own Delta transaction id
-(`es_pipeline.stream_state_<type>`, the `stream_state` version read). A state row is the stream's whole
+(`es_pipeline.stream_state_<type>@<events id>/<stream_state id>`: the `stream_state` version read, of that
+`stream_state` folded from that `events`; lake/table.py `over`). A state row is the stream's whole
 state, so upserting one again is harmless: a crash between the two commits, or a replay, leaves the same
 rows. A table that is new, whose declared fields changed, or whose feed cannot be read (vacuumed, or from
 before the feed was on) is rebuilt from `stream_state`'s current rows of its type, alone.
@@ -80,8 +81,9 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
     events_path = tables.table_path(warehouse, "events")
     if not typed or not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return {}
-    # Bound to the `events` table stream_state folds now: after a rebuild from another, each is built whole.
-    events_id = tables.table_id(events_path)
+    # Bound to the `events` table stream_state folds now and to the stream_state table itself (its versions are the
+    # position): after a rebuild from another `events`, or a stream_state made anew, each is built whole.
+    source_id = f"{tables.table_id(events_path)}/{tables.table_id(state_path)}"
     loaded: list[DeltaTable] = []
 
     def state() -> DeltaTable:  # loaded only where a table needs more than `commit`
@@ -105,7 +107,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
                 commit.rows["stream_type"], stream_type)).as_py() and tables.is_delta_table(path):
             continue  # nothing of its type in the commit: its rows stand; its version catches up when its type moves
         target = DeltaTable(path) if feed_on and tables.is_delta_table(path) else None  # its log, loaded once
-        app = table.app_id_over(events_id)
+        app = table.app_id_over(source_id)
         found = None if target is None else target.transaction_version(app)
         read = None if found is None else int(found)
         if target is not None and read is not None and not _same_columns(target, table.schema):

@@ -16,7 +16,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import tables
-from es_pipeline.lake.snapshots import APP_ID, latest, take_snapshots
+from es_pipeline.lake.snapshots import app_id, latest, take_snapshots
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
@@ -75,7 +75,8 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
     assert take_snapshots(None, small, store, threshold=1).taken == 0
     take_snapshots(spark, small, store, threshold=1, small=False)
     assert DeltaTable(tables.table_path(small, "snapshots")).version() == version
-    assert DeltaTable(tables.table_path(small, "snapshots")).transaction_version(APP_ID) == on_small.state_version
+    assert DeltaTable(tables.table_path(small, "snapshots")).transaction_version(
+        app_id(tables.table_path(small, "stream_state"))) == on_small.state_version
 
     # A lost write-back is redone by the small path.
     with psycopg.connect(dsn, autocommit=True) as conn:
