@@ -180,6 +180,23 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _lake(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.extraction.rebuild import EVENTS, rebuild, rebuildable
+
+    names = list(dict.fromkeys(args.tables or [EVENTS]))
+    if args.list:
+        print("\n".join(rebuildable(settings.warehouse)))
+        return 0
+    try:
+        rebuild(settings.pg_dsn, settings.source, settings.warehouse, names, accept_loss=args.accept_loss)
+    except SliceLocked as exc:
+        print(f"es-pipeline lake rebuild: refused, nothing was changed: {exc.holder} is extracting slices of "
+              f"consumer {settings.source.consumer!r}. Let the running events runs finish (turn new_events_sensor off "
+              "to stop new ones), then run this again.", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _status(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.health.exporter import Reader
 
@@ -302,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--lake-removed", action="store_true",
                      help="the lake's events table is gone, though it cannot be checked from here")
     off.set_defaults(func=_offsets)
+
+    lake = sub.add_parser("lake", help="the lake's tables (docs/operations.md, \"Rebuilding the lake\")")
+    lake.add_argument("action", choices=["rebuild"],
+                      help="rebuild: build tables again from their source. `events` (the default) from the store: "
+                      "refused while a run extracts or where the lake holds events the store lacks; then removed and "
+                      "the offsets reset, and every projection rebuilds itself at its next update. A projection: "
+                      "removed in its turn; its next update builds it whole from `events`")
+    lake.add_argument("tables", nargs="*", help="events (default) and/or projections; --list names them")
+    lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild, and do nothing")
+    lake.add_argument("--accept-loss", action="store_true",
+                      help="rebuild events even where the lake holds events the store lacks: they are lost")
+    lake.set_defaults(func=_lake)
 
     src = sub.add_parser("source", help="the event table read (ES_PIPELINE_SOURCE, docs/sources.md)")
     src.add_argument("action", choices=["adopt", "show"],

@@ -142,8 +142,8 @@ class LakeOffsetsMismatch(EsPipelineError):
         super().__init__(
             f"{what} es_pipeline.offsets says {len(slices)} slice(s) were already extracted for consumer "
             f"{consumer!r} {where}. Nothing was written. Either point ES_PIPELINE_WAREHOUSE back at the old lake, "
-            f"or rebuild from the event store: remove {path} if it holds any rows (a reset extracts everything "
-            f"again), then run `es-pipeline offsets reset --consumer {consumer}`."
+            "or rebuild it from the event store: `es-pipeline lake rebuild` (it checks the lake against the store, "
+            "removes the table, resets the offsets; every projection follows)."
         )
 
 
@@ -279,6 +279,32 @@ class RebaseRefused(EsPipelineError):
         )
 
 
+class RebuildRefused(EsPipelineError):
+    """`lake rebuild` of `events` would lose events of the lake that the store does not hold."""
+
+    def __init__(self, path: str, missing: int, example: str) -> None:
+        self.path, self.missing, self.example = path, missing, example
+        super().__init__(
+            f"refusing to rebuild events: the lake at {path} holds {missing} event(s) that the event store does not, "
+            f"e.g. {example} (same stream, version and recorded_at), and a rebuild from the store would lose them. "
+            "Nothing was changed. If the store is right (they were lost with a failed primary, or the store was "
+            "restored on purpose), run again with --accept-loss; else restore the store. See docs/operations.md, "
+            "\"Rebuilding the lake\"."
+        )
+
+
+class UnknownLakeTable(EsPipelineError):
+    """A table named to `lake rebuild` that the lake does not hold, or that is rebuilt with another."""
+
+    def __init__(self, names: list[str], known: list[str]) -> None:
+        self.names, self.known = names, known
+        super().__init__(
+            f"no table {', '.join(repr(n) for n in names)} to rebuild in this lake: name one of "
+            f"{', '.join(known)} (a typed state table is rebuilt with stream_state, a typed event table with "
+            "event_tables). Nothing was changed."
+        )
+
+
 class LakeNotEmpty(EsPipelineError):
     """`offsets reset` would extract every event again into a table that still holds them."""
 
@@ -286,9 +312,9 @@ class LakeNotEmpty(EsPipelineError):
         self.path, self.consumer, self.reason = path, consumer, reason
         super().__init__(
             f"refusing to reset the offsets of consumer {consumer!r}: the Delta table at {path} {reason}, and a reset "
-            "extracts every event again, so each would be there twice. Nothing was forgotten. Remove that table "
-            "(or point ES_PIPELINE_WAREHOUSE at an empty place) and run the reset again; if the table is gone but "
-            "cannot be checked from here, pass --lake-removed."
+            "extracts every event again, so each would be there twice. Nothing was forgotten. To rebuild the lake from "
+            "the store, run `es-pipeline lake rebuild` (it removes the table and resets, once the lake's events are "
+            "found in the store); if the table is gone but cannot be checked from here, pass --lake-removed."
         )
 
 
