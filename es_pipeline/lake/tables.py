@@ -276,16 +276,8 @@ def table_id(path: str) -> str:
     Read from the first commit, whose size does not grow with the table; only once log cleanup has
     removed that file is the whole log loaded (the id never changes over a table's life).
     """
-    fs, root = filesystem(path)
-    try:
-        with fs.open_input_stream(f"{root}/_delta_log/{0:020d}.json") as log:
-            for line in log.read().decode("utf-8").splitlines():
-                action = json.loads(line) if line.strip() else {}
-                if "metaData" in action:
-                    return str(action["metaData"]["id"])
-    except FileNotFoundError:
-        pass
-    return str(DeltaTable(path).metadata().id)
+    found = first_commit_id(path)
+    return found if found is not None else str(DeltaTable(path).metadata().id)
 
 
 # -- events by key, for `offsets rebase` -------------------------------------------------------------
