@@ -170,7 +170,7 @@ def test_a_lost_lake_is_refused_not_silently_half_filled(dsn: StoreDsn, spark: A
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
     new_lake = tmp_path / "moved"
-    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+    with pytest.raises(LakeOffsetsMismatch, match="es-pipeline lake rebuild"):
         Extractor(dsn.extractor, spark, new_lake).run(SliceRange(0, 1023))
     with psycopg.connect(dsn) as conn:
         offsets.reset(conn, "events")
@@ -219,7 +219,7 @@ def test_a_lake_recreated_by_another_range_is_refused(dsn: StoreDsn, spark: Any,
     shutil.rmtree(warehouse / "events")
     with pytest.raises(LakeOffsetsMismatch, match="not the one es_pipeline.offsets describes"):
         Extractor(dsn.extractor, spark, warehouse).run(high)  # creates the new table, then refuses
-    with pytest.raises(LakeOffsetsMismatch, match="offsets reset"):
+    with pytest.raises(LakeOffsetsMismatch, match="es-pipeline lake rebuild"):
         Extractor(dsn.extractor, spark, warehouse).run(low)  # the table exists now: refused all the same
     with psycopg.connect(dsn) as conn:
         offsets.reset(conn, "events")
