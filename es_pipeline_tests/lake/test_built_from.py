@@ -180,6 +180,7 @@ def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_t
     _assert_every_projection_equals_the_store(warehouse, dsn)
 
 
+@pytest.mark.slow  # a store, a lake and three rebuilds: make check's budget keeps it in the slow tier
 def test_a_rebuild_that_would_lose_events_or_race_a_run_is_refused_and_changes_nothing(
     dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
