@@ -181,15 +181,18 @@ def app_ids(name: str, definition: str, events_id: str) -> tuple[str, str, str]:
     """The Delta app ids of the three numbers (module docstring), of this definition over the `events` table of
     Delta id `events_id`: a changed definition, or another `events` (the lake rebuilt), finds none and builds
     whole (so the table property `KIND`, set before the rows, never vouches for rows of another)."""
-    tag = hashlib.sha256(definition.encode()).hexdigest()[:12]
-    seen = over(f"es_pipeline.{name}.{tag}", events_id)
+    seen = over(_unbound_seen(name, definition), events_id)
     return seen, f"{seen}.cursor", f"{seen}.frontier"
 
 
-def _commit(table: Table, events: DeltaTable, seen: int, cursor: int, frontier: int) -> CommitProperties:
-    return CommitProperties(app_transactions=[Transaction(a, v) for a, v in zip(
-        app_ids(table.name, table.properties[KIND], str(events.metadata().id)), (seen, cursor, frontier),
-        strict=True)])
+def _unbound_seen(name: str, definition: str) -> str:
+    """The app id an older es_pipeline kept `seen` under, before ids named their `events` (fenced at a build)."""
+    return f"es_pipeline.{name}.{hashlib.sha256(definition.encode()).hexdigest()[:12]}"
+
+
+def _commit(ids: tuple[str, str, str], seen: int, cursor: int, frontier: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(a, v) for a, v in zip(ids, (seen, cursor, frontier),
+                                                                                 strict=True)])
 
 
 # -- reading and ordering events -----------------------------------------------------------------------
@@ -547,17 +550,17 @@ def _build(
     keyed = _keyed(rows, projection, domain)
     out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
     path = table.path(warehouse)
-    seen_id = app_ids(table.name, table.properties[KIND], str(events.metadata().id))[0]
-    unbound = f"es_pipeline.{table.name}.{hashlib.sha256(table.properties[KIND].encode()).hexdigest()[:12]}"
+    ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
+    unbound = _unbound_seen(table.name, table.properties[KIND])
     feed.fence_older(path, [(f"{unbound}.cursor", feed.FENCE)])  # an older release: its cursor past `events`
-    turn.confirm(path, seen_id, read)
+    turn.confirm(path, ids[0], read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
     target = DeltaTable(path)
     if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
-                    commit_properties=_commit(table, events, version, version, frontier))
+                    commit_properties=_commit(ids, version, version, frontier))
     return CrossStreamResult(out.num_rows, version, -1, keyed.count, out.num_rows, 0, 0, keyed.without_key, frontier)
 
 
@@ -589,8 +592,9 @@ def _increment(
     if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
         return CrossStreamResult(feed.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
     out = _table_rows(projection, table, folded)
-    turn.confirm(path, app_ids(table.name, table.properties[KIND], str(events.metadata().id))[0], seen)
-    props = _commit(table, events, now, new_cursor, f_new)
+    ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
+    turn.confirm(path, ids[0], seen)
+    props = _commit(ids, now, new_cursor, f_new)
     if out.num_rows:
         target.merge(out, predicate=f"t.tenant = u.tenant AND t.{table.key[1]} = u.{table.key[1]}", source_alias="u",
                      target_alias="t", commit_properties=props).when_matched_update_all() \
