@@ -38,6 +38,12 @@ from es_pipeline_tests.support.roles import StoreDsn
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily", "sku_sales", event_tables.NAME)
 
 
+def _cli_on(monkeypatch: pytest.MonkeyPatch, dsn: StoreDsn, warehouse: Path) -> None:
+    """`es-pipeline` commands (`main`) on this store, as its extractor, and this lake."""
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
+    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+
+
 def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn) -> None:
     """Every projection's update, as their assets run it (Spark where a whole build needs it)."""
     consumer = mapping.load(None, "es").consumer
@@ -95,8 +101,7 @@ def _rebuild_events(warehouse: Path, dsn: StoreDsn, n_ranges: int) -> None:
 def test_the_lake_rebuilt_in_more_then_fewer_commits_leaves_every_projection_equal_to_the_store(
     dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
-    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    _cli_on(monkeypatch, dsn, warehouse)
     store = EventStore(dsn.writer)
     run_workload(store, streams=80, events=1500, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=71)
     extract_all(dsn.extractor, None, warehouse, n_ranges=1)
@@ -154,8 +159,7 @@ def _watermarks(dsn: StoreDsn) -> int:
 def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_to_the_store(
     dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
-    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    _cli_on(monkeypatch, dsn, warehouse)
     store = EventStore(dsn.writer)
     run_workload(store, streams=60, events=900, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=81)
     extract_all(dsn.extractor, None, warehouse, n_ranges=2)
@@ -184,8 +188,7 @@ def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_t
 def test_a_rebuild_that_would_lose_events_or_race_a_run_is_refused_and_changes_nothing(
     dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
-    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    _cli_on(monkeypatch, dsn, warehouse)
     run_workload(EventStore(dsn.writer), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse, n_ranges=1)
     path = str(warehouse / "events")
