@@ -281,8 +281,9 @@ class Extractor:
     def _check_lake_below_watermarks(self, session: OffsetSession, slices: Sequence[int], table: DeltaTable) -> None:
         """`LakeAheadOfOffsets` when the lake holds an event of `slices` at or above its slice's watermark outside
         a pending batch: a batch whose offsets PostgreSQL lost (a failover, a restore), by whatever app id it was
-        written. Exempt: the restored events a rebase brings early (batch 0) and, until the watermarks pass its
-        mark, the events extracted before it. Only the files whose statistics reach the lowest watermark are read.
+        written. Exempt: the restored events a rebase brings early (batch 0 before this release, now the rebase's
+        batch, as are a pending first run's rows) and, until the watermarks pass its mark, the events extracted
+        before it. Only the files whose statistics reach the lowest watermark are read.
 
         The lake is read before the offsets: a batch in that version is, when they are read, either below its
         watermarks or still pending (our slice locks keep any other run from committing on these slices)."""
@@ -297,6 +298,8 @@ class Extractor:
             return
         by_slice = pa.array([marks.get(s, 0) for s in range(max(slices) + 1)], pa.int64())
         above = pc.greater_equal(held["tx_id"], pc.take(by_slice, held["slice"]))
+        # A pending batch of a first run after a rebase wrote its rows as the rebase's batch (`rows_batch_id`).
+        pending = [*pending, *([session.rebase_batch] if session.rebase_batch is not None else [])]
         known = pc.or_(pc.equal(held["batch_id"], 0), pc.is_in(held["batch_id"], pa.array(sorted(pending), pa.int64())))
         stray = held.filter(pc.and_(above, pc.invert(pc.fill_null(known, False))))
         if stray.num_rows:
@@ -401,6 +404,9 @@ class Extractor:
             stream = self._rows(batch, counted, waited)
             if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
                 stream = tables.without_events_in_lake(stream, self.events_path)  # see extraction/rebase.py
+            sort_as = session.rows_batch_id(batch)
+            if sort_as != batch.batch_id:  # a slice's first run after a rebase: its rows sort as the rebase's
+                stream = _sorting_as(stream, sort_as)
             written = self._append(_counting(stream, result.rows_by_slice), batch)
             if written is None and not replay:  # a new batch Delta says it has: never skip it and go on
                 session.forget_pending(batch)
@@ -438,6 +444,8 @@ class Extractor:
                 app = f"es_pipeline.{self.consumer}.rebase.{session.cluster}.{below}.{chunk[0]:04d}-{chunk[-1]:04d}"
                 span = Batch(self.consumer, app, tuple(chunk), (horizon,) * len(chunk), below, 0)
                 stream = tables.without_events_in_lake(self._rows(span, None, [0.0]), self.events_path)
+                if session.rebase_batch is not None:  # sorting with the first runs' rows (`rows_batch_id`)
+                    stream = _sorting_as(stream, session.rebase_batch)
                 rows += self._append(stream, span, before_commit=partial(session.verify_locks, chunk)) or 0
             session.catchup_done(chunk)
         if rows:
@@ -530,6 +538,20 @@ def _app_overlaps(app_id: str, consumer: str, slice_range: SliceRange) -> bool:
     except ValueError:
         return False
     return other.lo <= slice_range.hi and slice_range.lo <= other.hi
+
+
+def _sorting_as(rows: Iterator[pa.RecordBatch], batch_id: int) -> Iterator[pa.RecordBatch]:
+    """`rows` with `batch_id` as the batch they sort in (`OffsetSession.rows_batch_id`); closing this closes `rows`."""
+    column = EVENTS_LAKE_ARROW_SCHEMA.get_field_index("batch_id")
+    try:
+        for record_batch in rows:
+            arrays = list(record_batch.columns)
+            arrays[column] = pa.repeat(pa.scalar(batch_id, pa.int64()), record_batch.num_rows)
+            yield pa.RecordBatch.from_arrays(arrays, schema=record_batch.schema)
+    finally:
+        close = getattr(rows, "close", None)
+        if close is not None:
+            close()
 
 
 def _counting(rows: Iterator[pa.RecordBatch], by_slice: dict[int, int]) -> Iterator[pa.RecordBatch]:

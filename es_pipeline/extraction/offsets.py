@@ -100,6 +100,7 @@ class OffsetSession:
         self.sink_id: str | None = None  # the Delta table these offsets were checked against (bind_sink)
         self.cluster: str | None = None  # the source cluster's identity, once checked (check_source)
         self.rebased_below: int | None = None  # set by `offsets rebase`: below it, batches leave out what the lake holds
+        self.rebase_batch: int | None = None  # set with it: the batch id a slice's first run after it writes its rows as
 
     def _name(self) -> str:
         return f"es_pipeline {self.label} run {self.run_id}"[:63]
@@ -158,7 +159,8 @@ class OffsetSession:
     def clear_rebase_mark_if_passed(self) -> None:
         """Forget the rebase mark once every slice's watermark has passed it and every first run is done."""
         self.conn.execute(
-            "UPDATE es_pipeline.sinks s SET rebased_below = NULL WHERE consumer = %(c)s AND rebased_below IS NOT NULL "
+            "UPDATE es_pipeline.sinks s SET rebased_below = NULL, rebase_batch = NULL "
+            "WHERE consumer = %(c)s AND rebased_below IS NOT NULL "
             "AND NOT EXISTS (SELECT 1 FROM es_pipeline.rebase_catchup WHERE consumer = %(c)s) "
             "AND (SELECT count(*) FROM es_pipeline.offsets o WHERE o.consumer = %(c)s "
             "     AND o.watermark >= s.rebased_below) = %(n)s",
@@ -202,10 +204,11 @@ class OffsetSession:
             self._bind(table_id, path, created_now)
             row = self.conn.execute(
                 "UPDATE es_pipeline.sinks SET source_cluster = coalesce(source_cluster, %s) WHERE consumer = %s "
-                "RETURNING rebased_below::text::bigint",
+                "RETURNING rebased_below::text::bigint, rebase_batch",
                 (self.cluster, self.consumer),
             ).fetchone()
         self.rebased_below = None if row is None or row[0] is None else int(row[0])
+        self.rebase_batch = None if row is None or row[1] is None else int(row[1])
         self.sink_id = table_id
 
     def _bind(self, table_id: str, path: str, created_now: bool) -> None:
@@ -307,6 +310,15 @@ class OffsetSession:
         return [int(s) for (s,) in self.conn.execute(
             "SELECT slice FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[]) "
             "ORDER BY slice", (self.consumer, list(slices)))]
+
+    def rows_batch_id(self, batch: Batch) -> int:
+        """The `batch_id` a batch's rows carry: its own, but in a slice's first run after a rebase the rebase's
+        (`mark_rebased`), so that the restored tail and what the new cluster committed meanwhile sort together, by
+        position, after everything extracted before the move and before everything after (docs/domain.md)."""
+        assert batch.batch_id is not None
+        if self.rebase_batch is None or not self.catchup_slices(batch.slices):
+            return batch.batch_id
+        return self.rebase_batch
 
     def catchup_done(self, slices: Sequence[int]) -> None:
         self.conn.execute("DELETE FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[])",
@@ -435,11 +447,14 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     return {s: found.get(s, 0) for s in slices}
 
 
-def mark_rebased(conn: psycopg.Connection, source: Source | str, consumer: str) -> tuple[str, int, int]:
+def mark_rebased(
+    conn: psycopg.Connection, source: Source | str, consumer: str, lake_batches: int = 0
+) -> tuple[str, int, int]:
     """The bookkeeping of `offsets rebase` (see `extraction.rebase`), in one transaction: forget the
     watermarks, pending batches and lake commits of `consumer`; record the store's cluster and the mark
     below which batches leave out what the lake holds: past every transaction id in the store and the
-    horizon. Returns (cluster, mark, watermarks forgotten)."""
+    horizon; and take the batch id the first runs after it write their rows as, past `lake_batches` (the highest
+    batch id in the lake: a restored sequence may be behind it). Returns (cluster, mark, watermarks forgotten)."""
     with conn.transaction():
         row = conn.execute(
             sql.SQL(
@@ -455,10 +470,13 @@ def mark_rebased(conn: psycopg.Connection, source: Source | str, consumer: str) 
         conn.execute("DELETE FROM es_pipeline.lake_commits WHERE consumer = %s", (consumer,))
         # A consumer that never bound a table (rows restored before its first run) gets its record now, bound to
         # no table (''): its first run binds the lake as it would a fresh start's, keeping the mark.
+        conn.execute("SELECT setval('es_pipeline.pending_batches_batch_id_seq', greatest(%s, "
+                     "(SELECT last_value FROM es_pipeline.pending_batches_batch_id_seq)))", (max(lake_batches, 1),))
         conn.execute(
-            "INSERT INTO es_pipeline.sinks (consumer, table_id, path, source_cluster, rebased_below) "
-            "VALUES (%s, '', '', %s, %s::text::xid8) ON CONFLICT (consumer) DO UPDATE "
-            "SET source_cluster = excluded.source_cluster, rebased_below = excluded.rebased_below",
+            "INSERT INTO es_pipeline.sinks (consumer, table_id, path, source_cluster, rebased_below, rebase_batch) "
+            "VALUES (%s, '', '', %s, %s::text::xid8, nextval('es_pipeline.pending_batches_batch_id_seq')) "
+            "ON CONFLICT (consumer) DO UPDATE SET source_cluster = excluded.source_cluster, "
+            "rebased_below = excluded.rebased_below, rebase_batch = excluded.rebase_batch",
             (consumer, cluster, str(below)),
         )
         conn.execute(
@@ -504,16 +522,20 @@ def reset(conn: psycopg.Connection, consumer: str) -> int:
 
 def batch_frontier(dsn: str | psycopg.Connection, consumer: str) -> int:
     """The lowest batch id that may still reach the lake: the lowest one `consumer` holds pending, else the next
-    one the sequence gives (a batch taken later has a higher id). Every batch below it that ever reaches the lake
-    is there already in any version of the lake read after this (lake/cross_stream.py folds up to it)."""
-    query = ("SELECT least((SELECT min(batch_id) FROM es_pipeline.pending_batches WHERE consumer = %s), "
+    one the sequence gives (a batch taken later has a higher id), or, while some slice's first run after a rebase
+    is still to come, the rebase's (its rows carry that id: `OffsetSession.rows_batch_id`). Every batch below it
+    that ever reaches the lake is there already in any version of the lake read after this (lake/cross_stream.py
+    folds up to it)."""
+    query = ("SELECT least((SELECT min(batch_id) FROM es_pipeline.pending_batches WHERE consumer = %(c)s), "
              "(SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
-             "FROM es_pipeline.pending_batches_batch_id_seq))")
+             "FROM es_pipeline.pending_batches_batch_id_seq), "
+             "(SELECT rebase_batch FROM es_pipeline.sinks WHERE consumer = %(c)s "
+             " AND EXISTS (SELECT 1 FROM es_pipeline.rebase_catchup WHERE consumer = %(c)s)))")
     if isinstance(dsn, psycopg.Connection):
-        row = dsn.execute(query, (consumer,)).fetchone()
+        row = dsn.execute(query, {"c": consumer}).fetchone()
     else:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute(query, (consumer,)).fetchone()
+            row = conn.execute(query, {"c": consumer}).fetchone()
     assert row is not None and row[0] is not None
     return int(row[0])
 
@@ -528,6 +550,12 @@ def rebased_below(conn: psycopg.Connection, consumer: str) -> int | None:
     """The mark `offsets rebase` left for `consumer` (see extraction/rebase.py), if any."""
     row = conn.execute("SELECT rebased_below::text::bigint FROM es_pipeline.sinks WHERE consumer = %s",
                        (consumer,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def rebase_batch(conn: psycopg.Connection, consumer: str) -> int | None:
+    """The batch id the first runs after `consumer`'s rebase write their rows as (`OffsetSession.rows_batch_id`)."""
+    row = conn.execute("SELECT rebase_batch FROM es_pipeline.sinks WHERE consumer = %s", (consumer,)).fetchone()
     return None if row is None or row[0] is None else int(row[0])
 
 

@@ -16,6 +16,10 @@ makes it safe again:
    the events the lake holds already (`Extractor`), and above the mark runs are as before. The first run on
    each slice also reads the restored events above the horizon at once (`Extractor._catch_up`), in Delta
    transactions named by the cluster and the mark, so that every later move catches up anew.
+4. the rows of each slice's first run (the restored tail, and what the new cluster committed meanwhile) carry as
+   their `batch_id` one id the rebase takes from the sequence past every batch of the lake: they sort together,
+   by position, after everything extracted from the old cluster and before everything extracted after them
+   (docs/domain.md, "The order of events"); cross-stream projections fold them once every first run is done.
 
 Where the consumer has extracted nothing and the lake is empty (a store restored before its first extraction,
 or a lake rebuilt after `offsets reset`), the first run rebases by itself: there is nothing to compare.
@@ -61,7 +65,7 @@ def rebase(dsn: str, source: Source | str, consumer: str, events_path: str) -> R
         missing, deleted = lake_not_in_store(lake_keys, dsn, source)
         if missing.num_rows:
             raise RebaseRefused(events_path, missing.num_rows, tables.key_label(missing, 0))
-        cluster, below, n = mark_rebased(session.conn, source, consumer)
+        cluster, below, n = mark_rebased(session.conn, source, consumer, tables.highest_batch_id(events_path))
         return Rebase(cluster, below, lake_keys.num_rows, n, deleted)
 
 

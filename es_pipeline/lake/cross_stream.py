@@ -4,8 +4,9 @@ the payload (a customer id, an account id), one row per (tenant, key), kept incr
 A team declares one in its package (`Domain.projection`, docs/domain.md); its table is an instance of `Table`
 named after it. What a row holds is the fold of its key's events in **the lake's order**: `(batch_id,
 global_position, stream_id, version)`, the extraction batch that brought the event, then the store's position
-within it. That order is a property of the rows themselves, so an increment and a rebuild fold the same events
-in the same order and agree (docs/decisions.md, "Cross-stream order").
+within it (through a move of the store, the rebase's batch: docs/domain.md, "The order of events"). That order is
+a property of the rows themselves, so an increment and a rebuild fold the same events in the same order and agree
+(docs/decisions.md, "Cross-stream order").
 
 Batches reach the lake out of their id order (ranges extract concurrently). A batch is folded once no batch of a
 lower id can still come: the frontier F, the lowest batch id the store's offsets still hold pending (or the next
@@ -17,9 +18,9 @@ Three numbers, each a Delta transaction id of the table committed with its rows,
 - `es_pipeline.<name>.frontier`: of the commits after C up to V, the rows of batches below it are (F).
 
 An update reads `events`' change feed after C, folds what is new below the new frontier onto each key's state,
-and commits the three with the rows. An event that still sorts before its key's last folded one (a catch-up of a
-restored store, batch 0; a batch whose id was reused) makes that key fold again from all its events in `events`:
-slower, never wrong. A first build, a changed definition or revision, a feed that cannot be read (vacuumed, or
+and commits the three with the rows. An event that still sorts before its key's last folded one (a restored tail
+caught up by an older release, batch 0; a batch whose id was reused) makes that key fold again from all its
+events in `events`: slower, never wrong. A first build, a changed definition or revision, a feed that cannot be read (vacuumed, or
 larger than `feed.SMALL_INCREMENT`), or a tenant's erasure (it records frontier 0) folds every key from `events`.
 
 No JVM: the fold is plain Python per event, as reducers are (lake/fold.py); the table is written by delta-rs.

@@ -300,6 +300,14 @@ def event_keys(path: str) -> pa.Table:
     })
 
 
+def highest_batch_id(path: str) -> int:
+    """The highest `batch_id` the `events` table at `path` holds (0 for none): one column read."""
+    if not is_delta_table(path):
+        return 0
+    top = pc.max(DeltaTable(path).to_pyarrow_dataset().to_table(columns=["batch_id"])["batch_id"]).as_py()
+    return int(top or 0)
+
+
 def keys_tenant(rows: pa.Table) -> pa.Array | pa.ChunkedArray:
     """The `tenant` column of `rows` as the key has it: '' where it is NULL or absent (a lake from before tenants)."""
     if "tenant" not in rows.column_names:

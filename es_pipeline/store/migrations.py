@@ -276,6 +276,17 @@ DO $$ BEGIN
 END $$;
 """,
     ),
+    Migration(
+        11,
+        "sinks: the batch id a rebase's first pass sorts its events by",
+        """
+-- Set by `es-pipeline offsets rebase` (a batch id taken from the sequence, past every batch of the lake): the
+-- events each slice's first run after the rebase brings (the restored tail and what the new cluster committed
+-- meanwhile) carry it as their `batch_id`, so that they sort after everything extracted before the move and before
+-- everything extracted after (docs/domain.md, "The order of events"). Cleared with `rebased_below`.
+ALTER TABLE es_pipeline.sinks ADD COLUMN IF NOT EXISTS rebase_batch bigint;
+""",
+    ),
 )
 
 
@@ -320,7 +331,7 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 
 # es_pipeline's own tables (schema es_pipeline): needed by every source, created by these migrations alone,
 # whose statements are all idempotent (`IF NOT EXISTS`). `source adopt` runs them for a store not our own.
-OWN_TABLES_MIGRATIONS = (2, 4, 6, 8, 9)
+OWN_TABLES_MIGRATIONS = (2, 4, 6, 8, 9, 11)
 
 
 def own_tables_statements() -> list[sql.Composed]:

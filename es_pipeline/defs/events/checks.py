@@ -112,6 +112,7 @@ class _StoreView:
     marks: dict[int, int]
     counts: dict[int, int]  # events of the store below each slice's watermark
     rebased: int | None
+    rebase_batch: int | None  # what a pending first run after the rebase wrote its rows as
     foreign: int  # events whose tx_id this cluster has not assigned yet (offsets.check_source)
 
 
@@ -124,6 +125,7 @@ def _store_view(dsn: str, source: Source, consumer: str, slices: list[int] | Non
                 marks=offsets.read_watermarks(conn, consumer, range(NUM_SLICES) if slices is None else slices),
                 counts=offsets.counts_below_watermarks(conn, source, consumer, slices),
                 rebased=offsets.rebased_below(conn, consumer),
+                rebase_batch=offsets.rebase_batch(conn, consumer),
                 foreign=offsets.events_from_another_cluster(conn, source, consumer),
             )
 
@@ -159,11 +161,13 @@ def reconcile(
 
     below = beside(before).where("tx_id < watermark").groupBy("slice").count().collect()
     lake_counts = {int(r["slice"]): int(r["count"]) for r in below}
-    # Above a watermark the lake holds nothing, but restored events a rebase brought early (batch 0), and,
-    # until the new cluster's ids pass them, the events extracted before it (ids of the old cluster).
+    # Above a watermark the lake holds nothing, but the restored events a rebase brought early (batch 0 before this
+    # release, its own batch since), a pending first run after it (the rebase's batch too) and, until the new
+    # cluster's ids pass them, the events extracted before it (ids of the old cluster).
     rebased = after.rebased
     n_stray = int(beside(after).where(
-        "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")).count())
+        "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")
+        + (f" AND batch_id <> {int(after.rebase_batch)}" if after.rebase_batch is not None else "")).count())
     store_counts = before.counts
     lost = _lost_tenants(df, dsn, source)
     pairs = {s: (store_counts.get(s, 0), lake_counts.get(s, 0)) for s in set(store_counts) | set(lake_counts)}
