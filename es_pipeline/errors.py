@@ -344,7 +344,8 @@ class StoreNotMigrated(EsPipelineError):
     def __init__(self, detail: str) -> None:
         super().__init__(
             f"the event store is not migrated for es_pipeline ({detail}): run `es-pipeline db migrate` "
-            "as a role that may create schemas, then retry. Nothing was written."
+            "(a framework's store: `es-pipeline source adopt`) as a role that may create schemas, then retry. "
+            "Nothing was written."
         )
 
 

@@ -30,6 +30,7 @@ from es_pipeline.errors import (
     SliceLocked,
     SliceLockLost,
     SourceChanged,
+    StoreNotMigrated,
     XidSpaceWentBack,
 )
 from es_pipeline.extraction.slices import NUM_SLICES
@@ -200,13 +201,16 @@ class OffsetSession:
         slice extracted (a fresh start, or after `offsets reset`) the table is simply recorded. The
         source cluster (`check_source`) is recorded with it where none is yet.
         """
-        with self.conn.transaction():
-            self._bind(table_id, path, created_now)
-            row = self.conn.execute(
-                "UPDATE es_pipeline.sinks SET source_cluster = coalesce(source_cluster, %s) WHERE consumer = %s "
-                "RETURNING rebased_below::text::bigint, rebase_batch",
-                (self.cluster, self.consumer),
-            ).fetchone()
+        try:
+            with self.conn.transaction():
+                self._bind(table_id, path, created_now)
+                row = self.conn.execute(
+                    "UPDATE es_pipeline.sinks SET source_cluster = coalesce(source_cluster, %s) WHERE consumer = %s "
+                    "RETURNING rebased_below::text::bigint, rebase_batch",
+                    (self.cluster, self.consumer),
+                ).fetchone()
+        except psycopg.errors.UndefinedColumn as exc:  # a store migrated by an older release
+            raise StoreNotMigrated(f"es_pipeline.sinks lacks a column of migration 11: {exc}") from None
         self.rebased_below = None if row is None or row[0] is None else int(row[0])
         self.rebase_batch = None if row is None or row[1] is None else int(row[1])
         self.sink_id = table_id

@@ -19,9 +19,9 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.cli import main
 from es_pipeline.domain import Event
+from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import split
-from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake import cross_stream
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -46,13 +46,20 @@ def _burn(dsn: str, transactions: int) -> None:
 
 
 def _update(warehouse: Path, extractor_dsn: str) -> cross_stream.CrossStreamResult:
-    return cross_stream.update(warehouse, SHOP, "sku_sales", store_dsn=extractor_dsn,
-                               frontier=lambda: batch_frontier(extractor_dsn, CONSUMER))
+    return cross_stream.update(
+        warehouse,
+        SHOP,
+        "sku_sales",
+        store_dsn=extractor_dsn,
+        frontier=lambda: batch_frontier(extractor_dsn, CONSUMER),
+    )
 
 
 def _lake(warehouse: Path) -> dict[str, tuple[int, int, float | None, str | None]]:
-    return {r["sku"]: (r["events"], r["units_added"], r["last_price"], r["last_cart"])
-            for r in DeltaTable(str(warehouse / "sku_sales")).to_pyarrow_table().to_pylist()}
+    return {
+        r["sku"]: (r["events"], r["units_added"], r["last_price"], r["last_cart"])
+        for r in DeltaTable(str(warehouse / "sku_sales")).to_pyarrow_table().to_pylist()
+    }
 
 
 def _expected(dsn: str, extracted_up_to: int) -> dict[str, tuple[int, int, float | None, str | None]]:
@@ -62,7 +69,9 @@ def _expected(dsn: str, extracted_up_to: int) -> dict[str, tuple[int, int, float
         rows = conn.execute(
             "SELECT stream_id, version, event_type, payload, global_position FROM es.events "
             "WHERE event_type IN ('ItemAdded', 'ItemRemoved') "
-            "ORDER BY global_position > %s, global_position", (extracted_up_to,)).fetchall()
+            "ORDER BY global_position > %s, global_position",
+            (extracted_up_to,),
+        ).fetchall()
     fold = SHOP.projections["sku_sales"].fold
     states: dict[str, tuple[int, dict[str, Any]]] = {}
     for stream_id, version, event_type, payload, _ in rows:
@@ -80,7 +89,10 @@ def _top_position(dsn: str) -> int:
 
 @pytest.mark.slow  # a cluster of its own: once, on the suite's PostgreSQL (pg_versions skips it)
 def test_the_restored_tail_folds_after_what_was_extracted_and_before_what_the_new_cluster_committed(
-    dsn: StoreDsn, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    dsn: StoreDsn,
+    warehouse: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
     _add(dsn.writer, "c1", 1.0)
@@ -88,22 +100,30 @@ def test_the_restored_tail_folds_after_what_was_extracted_and_before_what_the_ne
     assert _update(warehouse, dsn.extractor).events_folded == 1
     assert _lake(warehouse) == {"X": (1, 1, 1.0, "c1")}
     extracted = _top_position(dsn)
-    _burn(dsn, 3000)  # the old cluster's ids run ahead of the new one's: the restored tail lies above its horizon
+    _burn(
+        dsn, 3000
+    )  # the old cluster's ids run ahead of the new one's: the restored tail lies above its horizon
     for i, cart in enumerate(("c2", "c3", "c4", "c5")):  # committed on the old cluster, not extracted
         _add(dsn.writer, cart, 2.0 + i / 10)
 
     with ExitStack() as stack:
         admin = stack.enter_context(another_cluster("order"))
-        new = StoreDsn.of(restore(dump(dsn, tmp_path / "old.dump"), admin, "es_moved"),
-                          stack.enter_context(login_roles(admin)))
+        new = StoreDsn.of(
+            restore(dump(dsn, tmp_path / "old.dump"), admin, "es_moved"),
+            stack.enter_context(login_roles(admin)),
+        )
         _add(new.writer, "n1", 3.0)  # the new cluster's own, before the rebase: ids below the restored tail's
         monkeypatch.setenv("ES_PIPELINE_PG_DSN", new.extractor)
         assert main(["offsets", "rebase"]) == 0
         _add(new.writer, "n2", 3.1)  # after the rebase, before the first runs
         with psycopg.connect(new) as conn:
-            below = conn.execute("SELECT count(*) FROM es.events WHERE stream_id IN ('n1', 'n2') AND tx_id < "
-                                 "(SELECT min(tx_id) FROM es.events WHERE stream_id = 'c2')").fetchone()
-        assert below is not None and below[0] == 2, "the drill needs the new cluster's ids below the restored tail's"
+            below = conn.execute(
+                "SELECT count(*) FROM es.events WHERE stream_id IN ('n1', 'n2') AND tx_id < "
+                "(SELECT min(tx_id) FROM es.events WHERE stream_id = 'c2')"
+            ).fetchone()
+        assert below is not None and below[0] == 2, (
+            "the drill needs the new cluster's ids below the restored tail's"
+        )
 
         # Some slices' first runs: the projection waits for the others (their rows may sort before these).
         ranges = split(4)
