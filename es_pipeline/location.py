@@ -18,6 +18,7 @@ from es_pipeline.defs.maintenance.jobs import CHECKS, delta_maintenance_job, lak
 from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, lake_checks_schedule
 from es_pipeline.defs.projections.assets import build_projection_assets
 from es_pipeline.defs.projections.automation import build_projections_automation_sensor
+from es_pipeline.defs.projections.checks import build_projection_checks
 from es_pipeline.defs.resources import build_resources
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.schedule import snapshots_job, snapshots_schedule
@@ -62,7 +63,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
     )
     return dg.Definitions(
         assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
-        asset_checks=CHECKS,
+        asset_checks=[*CHECKS, *build_projection_checks(domain)],
         jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),
                  build_run_failure_alert()],

@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from es_pipeline.lake import feed, tables
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Table
+from es_pipeline.lake.table import Reconciled, Table, rows_off
 from es_pipeline.lake.tables import Location
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,33 @@ class Aggregate:
                                             commit_properties=feed.commit_properties(app_id, now))
         target.update_incremental()
         return ProjectionResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
+
+    def reconcile(self, spark: Any, warehouse: Location) -> Reconciled:
+        """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
+        every row equal. Arrow and delta-rs up to `feed.SMALL_CHECK_EVENTS` events; above, or with deletion vectors,
+        Spark (`spark`: a session, or a function that returns one)."""
+        path, events_path = self.table.path(warehouse), tables.table_path(warehouse, "events")
+        if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+            return Reconciled(None, note=f"{self.name} not built yet")
+        target = DeltaTable(path)
+        folded = target.transaction_version(self.table.app_id_over(tables.table_id(events_path)))
+        if folded is None:
+            return Reconciled(None, note=f"{self.name} not built from this `events` yet: its next update builds it")
+        events = DeltaTable(events_path, version=int(folded))
+        key = list(self.key)
+        if feed.has_deletion_vectors(events) or feed.has_deletion_vectors(target) or \
+                feed.row_count(events) > feed.SMALL_CHECK_EVENTS:
+            session = tables.session_of(spark)
+            expected = self.aggregate(tables.with_tenant(tables.read(session, events_path, version=int(folded))))
+            actual = tables.read(session, path, version=int(target.version())).select(*expected.columns)
+            bad = expected.exceptAll(actual).select(*key).union(actual.exceptAll(expected).select(*key)).distinct()
+            examples = tuple(" ".join(str(v) for v in r) for r in bad.limit(5).collect())
+            return Reconciled(int(folded), int(bad.count()), examples)
+        rows = feed.files(events_path, events).to_table(columns=[c for c in self.columns
+                                                                  if c in events.schema().to_arrow().names])
+        expected = self.aggregate_arrow(feed.plain(rows))
+        n, examples = rows_off(expected, feed.files(path, target).to_table(), key)
+        return Reconciled(int(folded), n, examples)
 
     def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
         events_path = tables.table_path(warehouse, "events")

@@ -52,7 +52,7 @@ from es_pipeline.lake import feed, tables, typed_state
 from es_pipeline.lake.feed import Feed
 from es_pipeline.lake.fold import loads, with_schema_versions
 from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Table, over
+from es_pipeline.lake.table import Reconciled, Table, over, rows_off
 from es_pipeline.lake.tables import Location
 from es_pipeline.source import payloads
 
@@ -165,6 +165,49 @@ def increment(
     assert target is not None
     return _increment(warehouse, projection, domain, table, turn, target, new, events_path, events_feed.table,
                       int(seen), int(cursor), int(f_prev), f_new, now)  # type: ignore[arg-type]
+
+
+def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
+    """Projection `name` (one snapshot of its table) against `events` at the version it read (V): each key's
+    `events` equals the events of its types there that have the key, less those still waiting (rows of the commits
+    after its cursor, in batches at or above its frontier: folded by a later update). Like with like, so it cannot
+    flap; the keys are read as the fold reads them (in this process, as the fold runs)."""
+    projection = domain.projections[name]
+    table = table_of(projection, domain)
+    path, events_path = table.path(warehouse), tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+        return Reconciled(None, note=f"{name} not built yet")
+    target = DeltaTable(path)
+    definition = target.metadata().configuration.get(KIND)
+    ids = app_ids(name, definition or "", tables.table_id(events_path))
+    seen, cursor, frontier = (target.transaction_version(a) for a in ids)
+    if definition != table.properties[KIND] or seen is None or cursor is None or frontier is None:
+        return Reconciled(None, note=f"{name} not built from this `events` and definition yet: its next update builds it")
+    events = DeltaTable(events_path, version=int(seen))
+    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
+    if cursor < seen:
+        later = feed.new_rows(events, int(cursor), int(seen), [*KEY_COLUMNS, "batch_id"], whole=True)
+        if later is None:
+            return Reconciled(None, note=f"`events`' change feed after version {cursor} is gone (vacuumed): "
+                                         "the rows still waiting cannot be told apart")
+        waiting = later.filter(pc.greater_equal(pc.fill_null(later["batch_id"], 0), int(frontier)))
+        rows = rows.filter(pc.invert(pc.is_in(_event_keys(rows), _event_keys(waiting))))
+    keyed = _keyed(rows, projection, domain).rows
+    counts = keyed.group_by(["tenant", "key"]).aggregate([([], "count_all")])
+    expected = pa.table({"tenant": counts["tenant"], projection.key_column: counts["key"].cast(pa.string()),
+                         "events": counts["count_all"].cast(pa.int64())})
+    n, examples = rows_off(expected, feed.files(path, target).to_table(columns=list(expected.column_names)),
+                           ["tenant", projection.key_column])
+    return Reconciled(int(seen), n, examples)
+
+
+KEY_COLUMNS = ("tenant", "stream_id", "version")
+
+
+def _event_keys(rows: pa.Table) -> pa.Array:
+    """Each row's event key as one string (tenant, stream id, version)."""
+    return pc.binary_join_element_wise(tables.keys_tenant(rows), rows["stream_id"].cast(pa.string()),
+                                       rows["version"].cast(pa.string()), "\x00")
 
 
 def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:

@@ -281,7 +281,7 @@ def _update_with_spark(
                        int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0))
 
 
-SMALL_CHECK_EVENTS = 5_000_000  # `events` rows the check reads with Arrow at most (their keys, some 200 MB); above, Spark
+SMALL_CHECK_EVENTS = feed.SMALL_CHECK_EVENTS
 
 
 @dataclass(frozen=True)

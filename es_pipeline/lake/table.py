@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from es_pipeline.lake import tables
 from es_pipeline.lake.tables import Location
@@ -81,3 +82,37 @@ def spark_type(arrow: pa.DataType) -> str:
     if arrow in _SPARK_TYPES:
         return _SPARK_TYPES[arrow]
     raise TypeError(f"no Spark type for Arrow's {arrow}")
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """A projection compared with `events` at the version it folded (like with like: events committed since wait
+    for its next update and differ from nothing, so the check cannot flap)."""
+
+    events_version: int | None  # the `events` version compared at; None: not built from the `events` held now
+    keys_off: int = 0  # keys whose row is not what `events` at that version gives (missing, extra or other)
+    examples: tuple[str, ...] = ()
+    note: str = ""  # why nothing was compared, where nothing was
+
+    def metadata(self) -> dict[str, Any]:
+        return {"keys_off": self.keys_off, "examples": ", ".join(self.examples) or "-",
+                "events_version_folded": -1 if self.events_version is None else self.events_version,
+                **({"note": self.note} if self.note else {})}
+
+
+def rows_off(expected: pa.Table, actual: pa.Table, key: list[str]) -> tuple[int, tuple[str, ...]]:
+    """How many keys' rows differ between two tables of the same columns (a key on one side only counts too), and
+    up to five of those keys."""
+    values = [c for c in expected.column_names if c not in key]
+    actual = actual.select(expected.column_names).cast(expected.schema)
+    joined = expected.join(actual.rename_columns([c if c in key else f"{c}__lake" for c in actual.column_names]),
+                           key, join_type="full outer")
+    off = pa.array([False] * joined.num_rows, pa.bool_())
+    for c in values:
+        a, b = joined[c], joined[f"{c}__lake"]
+        differ = pc.or_(pc.fill_null(pc.not_equal(a, b), False), pc.xor(pc.is_null(a), pc.is_null(b)))
+        off = pc.or_(off, differ)
+    bad = joined.filter(off)
+    label = [" ".join(str(v) for v in row.values()) for row in bad.select(key).slice(0, 5).to_pylist()]
+    return bad.num_rows, tuple(label)
+

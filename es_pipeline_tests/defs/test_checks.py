@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psycopg
 import pytest
 from shop.domain import domain as SHOP
 
@@ -17,7 +18,8 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import stream_state, tables
+from es_pipeline.lake import cross_stream, feed, stream_state, tables
+from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.spark import spark_conf
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
@@ -166,3 +168,56 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     assert not result.success
     assert "snapshots" not in {e.step_key for e in result.get_step_success_events()}
     assert EventStore(dsn).snapshot_keys() == []
+
+
+def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each projection against `events` at the version it folded: events extracted since (not folded yet) and
+    events waiting for a lower batch fail nothing; a row that is not what `events` gives fails its check."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=40, events=400, writers=2, rollback_rate=0, max_commit_delay=0, seed=5)
+    extractor = Extractor(settings.pg_dsn, None, warehouse)
+    extractor.run(SliceRange(0, 1023))
+    update_stream_catalog(spark, warehouse)
+    update_event_type_daily(spark, warehouse)
+    # A frontier below the last batch: its rows wait in `events`, and the check leaves them out as the fold did.
+    last_batch = int(tables.read(spark, str(warehouse / "events")).agg({"batch_id": "max"}).first()[0])
+    cross_stream.update(warehouse, SHOP, "sku_sales", frontier=lambda: last_batch + 1)
+    run_workload(store, streams=40, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=6)
+    extractor.run(SliceRange(0, 1023))
+    waiting = cross_stream.update(warehouse, SHOP, "sku_sales", frontier=lambda: last_batch + 1)
+    assert waiting.events_waiting > 0
+    run_workload(store, streams=40, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
+    extractor.run(SliceRange(0, 1023))  # extracted, folded by none of them yet: not a failure
+
+    r = _resources(settings)
+    checks = [projections_checks.stream_catalog_matches_events, projections_checks.event_type_daily_matches_events,
+              *projections_checks.build_projection_checks(SHOP)]
+    for check in checks:
+        result = _run(check, r)
+        assert result.passed, (check.check_key.name, result.metadata)
+        assert result.metadata["events_version_folded"].value >= 0
+    with monkeypatch.context() as m:  # the aggregates' Spark path, taken above SMALL_CHECK_EVENTS
+        m.setattr(feed, "SMALL_CHECK_EVENTS", 0)
+        assert all(_run(check, r).passed for check in checks[:2])
+
+    # The expected counts, from the store: the checks above agreed with `events`, which equals the store.
+    cross_stream.update(warehouse, SHOP, "sku_sales")
+    with psycopg.connect(dsn) as conn:
+        units = dict(conn.execute("SELECT payload->>'sku', count(*) FROM es.events WHERE event_type IN "
+                                  "('ItemAdded', 'ItemRemoved') AND payload ? 'sku' GROUP BY 1").fetchall())
+    folded = {row["sku"]: row["events"] for row in tables.read(spark, str(warehouse / "sku_sales")).collect()}
+    assert folded == units
+
+    sku = min(folded)
+    stream = tables.read(spark, str(warehouse / "stream_catalog")).agg({"stream_id": "min"}).first()[0]
+    spark.sql(f"UPDATE delta.`{warehouse / 'stream_catalog'}` SET events = events + 1 WHERE stream_id = '{stream}'")
+    spark.sql(f"DELETE FROM delta.`{warehouse / 'event_type_daily'}` WHERE event_type = 'ItemAdded'")
+    spark.sql(f"UPDATE delta.`{warehouse / 'sku_sales'}` SET events = events - 1 WHERE sku = '{sku}'")
+    for check in checks:
+        result = _run(check, r)
+        assert not result.passed, check.check_key.name
+        assert result.metadata["keys_off"].value >= 1
+    monkeypatch.setattr(feed, "SMALL_CHECK_EVENTS", 0)
+    assert not any(_run(check, r).passed for check in checks[:2])

@@ -12,7 +12,8 @@ def test_defs_load_with_the_designed_names() -> None:
     assert keys == {"events", "stream_catalog", "event_type_daily", "stream_state", "event_tables", "snapshots"}
     checks = {k.name for k in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {"events_no_duplicates", "events_versions_contiguous", "events_reconcile_with_source",
-                      "stream_state_version_matches_events", "snapshots_match_store"}
+                      "stream_state_version_matches_events", "snapshots_match_store",
+                      "stream_catalog_matches_events", "event_type_daily_matches_events"}
     assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor", "run_failure_alert"}
     assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule", "lake_checks_schedule"}
     events = defs.resolve_assets_def("events")

@@ -26,7 +26,9 @@ def delta_maintenance_job() -> None:
 
 
 # In-process: the checks read the whole lake with Spark; a step subprocess would only add a start-up.
+# Every check of the location: these, and one per cross-stream projection of the team's domain
+# (defs/projections/checks.py `build_projection_checks`).
 lake_checks_job = dg.define_asset_job(
-    "lake_checks_job", selection=dg.AssetSelection.checks(*CHECKS), executor_def=dg.in_process_executor,
-    description="Table-wide invariants of `events`, `stream_state` and `snapshots`.",
+    "lake_checks_job", selection=dg.AssetSelection.all_asset_checks(), executor_def=dg.in_process_executor,
+    description="Table-wide invariants of `events` against the store, and of every projection against `events`.",
 )

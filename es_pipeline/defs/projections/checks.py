@@ -1,16 +1,28 @@
-"""Table-wide check of `stream_state`: every stream is folded up to its last event in `events`, as of the
-`events` version the state has folded (its commits record it): events committed since wait for the next
-update, and are not a failure.
+"""Table-wide checks of the projections against `events`, each as of the `events` version the projection folded
+(its commits record it): events committed since wait for the next update and are not a failure, so a check
+compares like with like and cannot flap.
 
-Blocking, and part of `snapshots_job` (defs/snapshots/schedule.py): a failure stops the snapshots' write-back,
-which would otherwise write a state that does not match the events into the store. Read with Arrow (no JVM)
-up to `SMALL_CHECK_EVENTS` events, which the snapshots' schedule can afford every ten minutes."""
+- `stream_state`: every stream folded up to its last event. Blocking, and part of `snapshots_job`
+  (defs/snapshots/schedule.py): a failure stops the snapshots' write-back, which would otherwise write a state
+  that does not match the events into the store. Read with Arrow (no JVM) up to `SMALL_CHECK_EVENTS` events, which
+  the snapshots' schedule can afford every ten minutes.
+- `stream_catalog`, `event_type_daily`: every row equal to the aggregate of `events` (lake/aggregate.py).
+- each cross-stream projection: each key's event count equal to its events in `events`, less those waiting
+  (lake/cross_stream.py `reconcile`).
+
+On `lake_checks_job`'s schedule; a failure fires EsPipelineProjectionCheckFailed (health/alerts.yml)."""
+
+from typing import Any
 
 import dagster as dg
 
 from es_pipeline.defs.resources import SparkResource, WarehouseResource
-from es_pipeline.lake import tables
+from es_pipeline.domain import Domain
+from es_pipeline.lake import cross_stream, tables
+from es_pipeline.lake.aggregate import Aggregate
+from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.stream_state import KEY, folded_version, versions_off_small
+from es_pipeline.lake.table import Reconciled
 
 
 @dg.asset_check(
@@ -44,4 +56,41 @@ def stream_state_version_matches_events(spark: SparkResource, warehouse: Warehou
     )
 
 
-CHECKS = [stream_state_version_matches_events]
+def _result(r: Reconciled) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=r.keys_off == 0, metadata=r.metadata())
+
+
+def _aggregate_check(aggregate: Aggregate) -> Any:
+    @dg.asset_check(
+        asset=aggregate.name, name=f"{aggregate.name}_matches_events",
+        description=f"Every row of {aggregate.name} equals the aggregate of `events` at the version it folded.",
+    )
+    def check(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
+        return _result(aggregate.reconcile(lambda: spark.spark_session, warehouse.root))
+
+    return check
+
+
+def build_cross_stream_check(domain: Domain, name: str) -> dg.AssetChecksDefinition:
+    """The check of the team's cross-stream projection `name`: each key's events folded, against `events`."""
+
+    @dg.asset_check(
+        asset=name, name=f"{name}_matches_events",
+        description=f"Each key of {name} folded as many events as `events` holds of its types for it, at the version "
+        "it folded (less those waiting for a lower batch).",
+    )
+    def check(warehouse: WarehouseResource) -> dg.AssetCheckResult:
+        return _result(cross_stream.reconcile(warehouse.root, domain, name))
+
+    return check
+
+
+stream_catalog_matches_events = _aggregate_check(STREAM_CATALOG)
+event_type_daily_matches_events = _aggregate_check(EVENT_TYPE_DAILY)
+
+CHECKS = [stream_state_version_matches_events, stream_catalog_matches_events, event_type_daily_matches_events]
+
+
+def build_projection_checks(domain: Domain) -> list[dg.AssetChecksDefinition]:
+    """The checks of the domain's own projections (one per cross-stream projection)."""
+    return [build_cross_stream_check(domain, name) for name in sorted(domain.projections)]
