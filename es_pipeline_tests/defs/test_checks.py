@@ -170,6 +170,7 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     assert EventStore(dsn).snapshot_keys() == []
 
 
+@pytest.mark.slow  # three workloads, four projections, each check twice (make check's 3-minute budget)
 def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
