@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,6 +69,25 @@ def dsn(pg_server: str, template_db: str, logins: dict[str, str]) -> Iterator[St
     yield StoreDsn.of(_dsn(name), logins)
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def new_store(pg_server: str, template_db: str, logins: dict[str, str]) -> Iterator[Callable[[], StoreDsn]]:
+    """A maker of fresh, migrated databases like `dsn`'s, for a test that needs one per example (a property
+    test); every one is dropped when the test ends."""
+    made: list[str] = []
+
+    def make() -> StoreDsn:
+        name = f"es_test_{os.getpid()}_{next(_counter)}"
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+        made.append(name)
+        return StoreDsn.of(_dsn(name), logins)
+
+    yield make
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        for name in made:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
