@@ -305,6 +305,17 @@ class UnknownLakeTable(EsPipelineError):
         )
 
 
+class NoEventsYet(EsPipelineError):
+    """A projection asked to update before the lake holds an `events` table to build it from."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+        super().__init__(
+            f"{name} is built from `events`, and there is no `events` table at {path} yet: extract first "
+            "(`es-pipeline extract`, or materialize `events`), then update it. Nothing was written."
+        )
+
+
 class LakeNotEmpty(EsPipelineError):
     """`offsets reset` would extract every event again into a table that still holds them."""
 

@@ -69,7 +69,9 @@ class Aggregate:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
 
         `spark`: a session, or a function that returns one, called only if Spark is needed: a small
-        increment is aggregated and merged without a JVM (`small_increment`) unless told not to."""
+        increment is aggregated and merged without a JVM (`small_increment`) unless told not to. `NoEventsYet`
+        before `events` exists."""
+        tables.require_events(warehouse, self.name)
         with one_at_a_time(store_dsn, self.name) as turn:
             if small_increments:
                 done = self.small_increment(warehouse, turn)

@@ -123,7 +123,8 @@ def update(
 ) -> CrossStreamResult:
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`. `frontier`: the lowest batch id that may still reach the lake (`extraction.offsets.batch_frontier`);
-    None: every batch the lake holds is final."""
+    None: every batch the lake holds is final. `NoEventsYet` before `events` exists."""
+    tables.require_events(warehouse, name)
     with one_at_a_time(store_dsn, name) as turn:
         result = increment(warehouse, domain.projections[name], domain, turn, frontier)
         assert result is not None

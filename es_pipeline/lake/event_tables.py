@@ -151,7 +151,9 @@ def _digest(text: str, n: int) -> str:
 
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
            progress: Callable[[str], None] | None = None) -> EventTablesResult:
-    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/serial.py)."""
+    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/serial.py); `NoEventsYet`
+    before `events` exists."""
+    tables.require_events(warehouse, NAME)
     with one_at_a_time(store_dsn, NAME):
         result = increment(warehouse, domain, progress=progress)
     assert result is not None

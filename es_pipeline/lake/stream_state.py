@@ -81,7 +81,8 @@ def update_stream_state(
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
     if Spark is needed: a small increment and a first build of a lake that fits are folded without a JVM
-    unless told not to."""
+    unless told not to. `NoEventsYet` before `events` exists."""
+    tables.require_events(warehouse, STREAM_STATE.name)
     with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
         return with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
                                                             small_increments))

@@ -20,6 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Field
 
+from es_pipeline.errors import NoEventsYet
+
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
 
@@ -99,6 +101,15 @@ def read(spark: Any, path: str, *, version: int | None = None) -> Any:
     if version is not None:
         reader = reader.option("versionAsOf", version)
     return reader.load(path)
+
+
+def require_events(warehouse: Location, name: str) -> str:
+    """The path of `events` in `warehouse`; `NoEventsYet` (projection `name` has nothing to be built from) if the
+    table is not there."""
+    path = table_path(warehouse, "events")
+    if not is_delta_table(path):
+        raise NoEventsYet(name, path)
+    return path
 
 
 def never_written(path: str) -> bool:
