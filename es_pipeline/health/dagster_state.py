@@ -20,10 +20,18 @@ from es_pipeline.extraction.tail import TAIL_TAG
 
 JOBS = ("events_job", "__ASSET_JOB", "snapshots_job", "lake_checks_job", "delta_maintenance_job")
 SENSORS = ("new_events_sensor", "projections_automation_sensor")
-# es_pipeline's asset checks (defs/*/checks.py; a test keeps the two lists equal): (asset, check).
+# es_pipeline's asset checks (defs/*/checks.py; defs/test_definitions.py keeps the two equal): (asset, check).
 CHECKS = (("events", "events_no_duplicates"), ("events", "events_versions_contiguous"),
           ("events", "events_reconcile_with_source"), ("stream_state", "stream_state_version_matches_events"),
+          ("stream_catalog", "stream_catalog_matches_events"), ("event_type_daily", "event_type_daily_matches_events"),
           ("snapshots", "snapshots_match_store"))
+
+
+def checks_of(assets: list[str]) -> list[tuple[str, str]]:
+    """`CHECKS`, and the check of each other projection among `assets` (a team's cross-stream projection:
+    `<name>_matches_events`, defs/projections/checks.py)."""
+    held = {a for a, _ in CHECKS}
+    return [*CHECKS, *((a, f"{a}_matches_events") for a in assets if a not in held and a != "event_tables")]
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ def read_dagster(instance: dg.DagsterInstance, assets: list[str], *, declared: d
         for key, entry in instance.get_latest_materialization_events(keys).items() if entry is not None
     }
     return DagsterReading(heartbeats, ticks, tailing, last_runs, _failing(instance, materialized, set(assets)),
-                          materialized, _checks(instance), _freshness(instance, keys), _passes(instance, ranges or []),
+                          materialized, _checks(instance, assets), _freshness(instance, keys), _passes(instance, ranges or []),
                           time.time())
 
 
@@ -181,9 +189,9 @@ def _failing(instance: dg.DagsterInstance, materialized: dict[str, float], asset
     return sorted(out.values(), key=lambda f: f.asset)
 
 
-def _checks(instance: dg.DagsterInstance) -> dict[tuple[str, str], bool]:
-    """The newest finished evaluation of each of es_pipeline's checks (`CHECKS`)."""
-    keys = [dg.AssetCheckKey(dg.AssetKey(asset), name) for asset, name in CHECKS]
+def _checks(instance: dg.DagsterInstance, assets: list[str]) -> dict[tuple[str, str], bool]:
+    """The newest finished evaluation of each of es_pipeline's checks of these assets (`checks_of`)."""
+    keys = [dg.AssetCheckKey(dg.AssetKey(asset), name) for asset, name in checks_of(assets)]
     found = instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
     out = {}
     for key, record in found.items():

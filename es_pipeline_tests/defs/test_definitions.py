@@ -5,6 +5,7 @@ from __future__ import annotations
 import dagster as dg
 
 from es_pipeline.definitions import defs
+from es_pipeline.health import dagster_state
 
 
 def test_defs_load_with_the_designed_names() -> None:
@@ -14,12 +15,28 @@ def test_defs_load_with_the_designed_names() -> None:
     assert checks == {"events_no_duplicates", "events_versions_contiguous", "events_reconcile_with_source",
                       "stream_state_version_matches_events", "snapshots_match_store",
                       "stream_catalog_matches_events", "event_type_daily_matches_events"}
+    # The exporter reads every one of them (and one per cross-stream projection: the next test).
+    assert {c for _, c in dagster_state.checks_of(sorted(keys))} == checks
     assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor", "run_failure_alert"}
     assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule", "lake_checks_schedule"}
     events = defs.resolve_assets_def("events")
     assert isinstance(events.partitions_def, dg.StaticPartitionsDefinition)
     assert events.partitions_def.get_partition_keys()[:2] == ["0000-0127", "0128-0255"]
 
+
+
+def test_a_teams_cross_stream_projection_gets_a_check_that_lake_checks_job_runs_and_the_exporter_reads() -> None:
+    from shop.domain import domain as shop
+
+    from es_pipeline.location import build_definitions
+
+    team = build_definitions(domain=shop)
+    graph = team.resolve_asset_graph()
+    checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
+    assert ("sku_sales", "sku_sales_matches_events") in checks
+    assert set(dagster_state.checks_of(sorted(k.to_user_string() for k in graph.get_all_asset_keys()))) == checks
+    job = team.resolve_job_def("lake_checks_job")
+    assert dg.AssetCheckKey(dg.AssetKey("sku_sales"), "sku_sales_matches_events") in job.asset_layer.asset_graph.asset_check_keys
 
 def test_every_lake_asset_has_a_freshness_policy_even_at_the_shortest_window() -> None:
     from dataclasses import replace

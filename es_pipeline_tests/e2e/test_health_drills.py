@@ -8,7 +8,8 @@ storage, tailing runs, automation, a Spark Connect server), watched by a real Pr
    `stream_state`'s freshness policy fails (EsPipelineAssetStale);
 3. Spark Connect gone: EsPipelineSparkConnectDown within 60 s;
 4. the tailing run SIGKILLed: EsPipelineEventsRunFailed within 60 s, then the next run catches up and the lake
-   holds every committed event exactly once;
+   holds every committed event exactly once; then a projection's row changed by hand: its check fails
+   (`stream_catalog_matches_events`) and EsPipelineProjectionCheckFailed fires within 60 s;
 5. a tailing run sent SIGTERM (a deploy, `make dev` stopped) ends as succeeded, not failed;
 6. the code server killed: EsPipelineSensorFailing (or SensorStalled) within 60 s, resolved when it is back; then
    the daemon killed: EsPipelineSensorStalled within 60 s, and EsPipelineDaemonDown.
@@ -30,7 +31,12 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
+from es_pipeline.defs.projections.assets import stream_catalog
+from es_pipeline.defs.projections.checks import stream_catalog_matches_events
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.dev.stack import dagster_stack, free_port, wait_port
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.health.prometheus import Prometheus, prometheus
@@ -75,6 +81,15 @@ def _in_lake(warehouse: Path, stream_id: str, version: int) -> bool:
     path = str(warehouse / "events")
     rows = files(path, DeltaTable(path)).to_table(columns=["stream_id", "version"]).to_pylist()
     return {"stream_id": stream_id, "version": version} in rows
+
+
+def _count_one_more(path: Path, stream_id: str) -> bool:
+    """One more event counted for `stream_id` than `events` holds, by hand; False when an update committed first."""
+    try:
+        DeltaTable(str(path)).update(updates={"events": "events + 1"}, predicate=f"stream_id = '{stream_id}'")
+    except CommitFailedError:
+        return False
+    return True
 
 
 def _health_line(env: dict[str, str]) -> str:
@@ -172,6 +187,19 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 wait_for(lambda: prom.query('sum(es_pipeline_events_waiting) == 0'), 120, "every event extracted",
                          doing=doing)
                 assert assert_exactly_once_by_key(stack.warehouse, dsn) > 0
+
+                # 4b: a projection that no longer matches `events` (a row changed by hand): its check fails and pages.
+                wait_for(lambda: _count_one_more(stack.warehouse / "stream_catalog", "drill-1"), 60,
+                         "stream_catalog's row of drill-1 changed by hand", doing=doing)
+                checked = dg.materialize(
+                    [stream_catalog, stream_catalog_matches_events], instance=instance,
+                    selection=dg.AssetSelection.checks(stream_catalog_matches_events),
+                    resources={"warehouse": WarehouseResource(path=str(stack.warehouse)),
+                               "spark": SparkResource(spark_config={}), "event_store": EventStoreResource(dsn=dsn.extractor)})
+                [evaluation] = checked.get_asset_check_evaluations()
+                assert not evaluation.passed and "drill-1" in evaluation.metadata["examples"].value
+                _, took = _fires(prom, "EsPipelineProjectionCheckFailed", 60, doing, asset="stream_catalog")
+                print(f"EsPipelineProjectionCheckFailed fired {took:.0f} s after the check failed")
 
                 # 5: a tailing run asked to stop ends as succeeded.
                 run = wait_for(lambda: _tailing_runs(instance), 120, "a tailing run", doing=doing)[0]
