@@ -241,6 +241,10 @@ class _Projections:
             done = follow(self.warehouse, conn, self.domain, lambda: batch_frontier(conn, self.consumer))
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
             self.failed = True
+            # What earlier follows folded is not reported: logged after this report of `events`, it would tell the
+            # automation the projections had handled it, and the one that failed would never be run (and fail
+            # where its alert sees it) until `events` changed again, which a held horizon may put off for long.
+            self.pending = {}
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
             return
         self.up_to_date = {}  # from this follow only: a projection skipped since (its turn taken, Spark) is not
