@@ -1,6 +1,7 @@
 """Every projection kind through generated histories of operations: appends, extractions of some ranges (so that
-batches land out of commit order), updates of some projections, a reducer and projection revision (a rebuild) and
-back, and updates that crash at one of their Delta commits, before or after it. Each history ends with every
+batches land out of commit order), updates of some projections, a reducer and projection revision or an upcaster
+added (rebuilds) and back, two updates of one table racing, and updates that crash at one of their Delta
+commits, before or after it. Each history ends with every
 table equal to a fold of the **store** computed here.
 
 The order a cross-stream projection folds in (docs/domain.md, "The order of events") is modelled from what the
@@ -10,13 +11,14 @@ their position). Writes are one at a time, so position is commit order within a 
 
 The moves of the store (restore and rebase, a second move) are in lake/test_order_across_moves.py and
 extraction/test_history.py; the lake rebuilt as the docs say in lake/test_built_from.py; tenant erasure in
-extraction/test_tenant_erase.py; two updates racing in lake/test_serial.py."""
+extraction/test_tenant_erase.py; an update whose position another committed meanwhile in lake/test_serial.py."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import json
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shop.domain import domain as SHOP
 
-from es_pipeline.domain import Domain, Event
+from es_pipeline.domain import Domain, Event, Upcaster
 from es_pipeline.errors import NoEventsYet
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier, read_watermarks
@@ -54,7 +56,16 @@ def _revised(domain: Domain) -> Domain:
     return out
 
 
-REVISED = _revised(SHOP)
+def _with_an_upcaster(domain: Domain) -> Domain:
+    """The same domain with one more upcaster (of ItemRemoved, leaving its payload as it is): the tables of its
+    types are rebuilt, to the same values."""
+    out = copy.copy(domain)
+    out.upcasters, out._folds, out._chains = dict(domain.upcasters), None, {}
+    out.add_upcaster(Upcaster("ItemRemoved", 1, lambda payload: payload, ("cart",)))
+    return out
+
+
+DOMAINS = {"shop": SHOP, "revised": _revised(SHOP), "upcast": _with_an_upcaster(SHOP)}
 
 # One event of a cart: (cart, kind, sku, qty, price).
 EVENTS = st.tuples(st.integers(0, 4), st.sampled_from(["ItemAdded", "ItemAdded", "ItemRemoved"]),
@@ -62,7 +73,8 @@ EVENTS = st.tuples(st.integers(0, 4), st.sampled_from(["ItemAdded", "ItemAdded",
 OPERATIONS = st.one_of(
     st.tuples(st.just("append"), st.lists(EVENTS, min_size=1, max_size=6)),
     st.tuples(st.just("extract"), st.sampled_from([1, 2, 4]), st.integers(1, 15)),  # ranges of split(n), by bits
-    st.tuples(st.just("update"), st.sets(st.sampled_from(PROJECTIONS), min_size=1), st.booleans()),  # revised?
+    st.tuples(st.just("update"), st.sets(st.sampled_from(PROJECTIONS), min_size=1), st.sampled_from(sorted(DOMAINS))),
+    st.tuples(st.just("race"), st.sampled_from(PROJECTIONS)),  # two updates of one table at once
     st.tuples(st.just("crash"), st.sampled_from(PROJECTIONS), st.integers(0, 2), st.booleans()),  # k-th commit, after?
 )
 
@@ -146,6 +158,24 @@ class History:
             else:
                 event_tables.update(w, domain, store_dsn=dsn)
 
+    def race(self, name: str) -> None:
+        """Two updates of `name` at once, as two runs would: each waits for the other's turn."""
+        failed: list[BaseException] = []
+
+        def one() -> None:
+            try:
+                self.update({name})
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+                failed.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+
     def crash(self, name: str, k: int, after: bool) -> None:
         with contextlib.suppress(Crash), _crash_at(k, after):
             self.update({name})
@@ -153,8 +183,8 @@ class History:
     def run(self, operation: tuple[Any, ...]) -> None:
         kind, *args = operation
         if kind == "update":
-            names, revised = args
-            self.update(names, REVISED if revised else SHOP)
+            names, domain = args
+            self.update(names, DOMAINS[domain])
         else:
             getattr(self, kind)(*args)
 
