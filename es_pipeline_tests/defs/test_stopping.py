@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from es_pipeline.defs import stopping
 from es_pipeline.defs.health.sensor import WEBHOOK_ENV, post_failure
 from es_pipeline.defs.stopping import projection_run, stop_requests
-from es_pipeline.errors import ReducerError
+from es_pipeline.errors import DatabaseUnreachable, ReducerError
 
 
 def _signal_soon(signum: int, after: float = 1.0) -> None:
@@ -96,7 +97,7 @@ def test_a_reducer_failure_is_posted_with_its_stream_and_version(monkeypatch: py
     @dg.asset
     def stream_state(context: dg.AssetExecutionContext) -> None:
         with projection_run(context):
-            raise ReducerError("account-7", 12, "Poisoned", "KeyError: 'amount'")
+            raise ReducerError("account-7", 12, "Poisoned", "ValueError: bad card 4111-1111-1111-1111 in the payload")
 
     instance = dg.DagsterInstance.ephemeral()
     result = dg.materialize([stream_state], instance=instance, raise_on_error=False)
@@ -111,6 +112,32 @@ def test_a_reducer_failure_is_posted_with_its_stream_and_version(monkeypatch: py
     (posted,) = _Hook.received
     assert (posted["stream_id"], posted["version"], posted["event_type"]) == ("account-7", "12", "Poisoned")
     assert "failed on stream 'account-7' version 12 (Poisoned)" in posted["text"]
-    assert "reducer failed on stream 'account-7'" in posted["error"]
+    assert "failed with ValueError" in posted["error"]
+    assert "4111" not in json.dumps(posted), "the reducer's words (which quote the payload) stay in the run's logs"
+    (step_failed,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
+    assert "4111" in step_failed.dagster_event.step_failure_data.error.message  # the run keeps it, for its owner
     logs = " ".join(str(e.user_message) for e in instance.all_logs(run.run_id))
     assert "secret-token" not in logs + json.dumps(posted)
+
+
+def test_a_cross_stream_run_whose_store_is_unreachable_fails_in_one_line(tmp_path: Path) -> None:
+    """The store's frontier and turns are asked with a connect timeout; a store that does not answer fails the
+    run with one line saying what to do, not a traceback."""
+    from shop.domain import domain as shop
+
+    from es_pipeline.defs.projections.assets import build_cross_stream_asset
+    from es_pipeline.defs.resources import EventStoreResource, WarehouseResource
+    from es_pipeline.extraction.offsets import batch_frontier
+    from es_pipeline.lake.events import EVENTS
+
+    nowhere = "host=127.0.0.1 port=1 dbname=es user=nobody connect_timeout=2"
+    with pytest.raises(DatabaseUnreachable, match="cannot connect to PostgreSQL at 127.0.0.1:1"):
+        batch_frontier(nowhere, "es")
+    EVENTS.ensure_arrow(tmp_path)  # an `events` table, so that the run goes on to ask the store
+    result = dg.materialize([build_cross_stream_asset(shop, "sku_sales")], raise_on_error=False, resources={
+        "warehouse": WarehouseResource(path=str(tmp_path)), "event_store": EventStoreResource(dsn=nowhere)})
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error
+    assert error is not None and error.message.startswith("dagster._core.definitions.events.Failure: cannot connect")
+    assert "Traceback" not in error.message

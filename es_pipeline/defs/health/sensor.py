@@ -57,6 +57,13 @@ def post_failure(context: dg.RunFailureSensorContext) -> dg.SkipReason | None:
         break
     if not error:
         error = (context.failure_event.message or "").strip().splitlines()[0][:300]
+    if failure.get("stream_id"):
+        # A reducer's or a fold's own words may quote the event's payload: they stay in the run's logs. The post
+        # says where it failed (stream, version, event type) and what kind of error, never the text.
+        reason = failure.pop("reason", "")
+        kind = reason.split(":", 1)[0] if ":" in reason and " " not in reason.split(":", 1)[0] else "an error"
+        error = (f"the fold failed with {kind} (its message, which may quote the payload, is in the run's logs, "
+                 "not here)")
     # A poisoned projection fails again on every automation tick (30 s): one post per failure an hour, not a flood.
     key = (context.dagster_run.job_name, error, *(f"{k}={v}" for k, v in sorted(failure.items())))
     now = time.monotonic()
