@@ -27,7 +27,7 @@ from types import FrameType
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
-from es_pipeline.errors import ProjectionFoldError, ReducerError
+from es_pipeline.errors import ProjectionFoldError, ReducerError, Retryable, explain
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -90,6 +90,11 @@ def projection_run(context: dg.AssetExecutionContext) -> Iterator[None]:
             raise dg.Failure(description=str(exc), metadata={
                 "stream_id": exc.stream_id or "", "version": -1 if exc.version is None else int(exc.version),
                 "event_type": exc.event_type or "", "reason": exc.reason}) from None
+        except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
+            known = explain(exc)
+            if known is None:
+                raise
+            raise dg.Failure(description=str(known), allow_retries=isinstance(known, Retryable)) from None
 
 
 def _mark_canceling(context: dg.AssetExecutionContext) -> None:

@@ -537,8 +537,8 @@ def batch_frontier(dsn: str | psycopg.Connection, consumer: str) -> int:
              " AND EXISTS (SELECT 1 FROM es_pipeline.rebase_catchup WHERE consumer = %(c)s)))")
     if isinstance(dsn, psycopg.Connection):
         row = dsn.execute(query, {"c": consumer}).fetchone()
-    else:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+    else:  # a connect timeout and keepalives; unreachable: `DatabaseUnreachable`, one line
+        with connect(dsn, autocommit=True, application_name="es_pipeline frontier") as conn:
             row = conn.execute(query, {"c": consumer}).fetchone()
     assert row is not None and row[0] is not None
     return int(row[0])
