@@ -7,10 +7,8 @@ The expected values come from the store (SQL and the domain's reducers over `es.
 
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +16,21 @@ import psycopg
 import pyarrow as pa
 import pytest
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from shop.domain import domain as SHOP
 
 from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.domain import Event
-from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
-from es_pipeline.lake import cross_stream, event_tables
+from es_pipeline.extraction.offsets import OffsetSession
+from es_pipeline.lake import event_tables
 from es_pipeline.lake.behind import Lake
 from es_pipeline.lake.feed import FENCE
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.settings import PROJECT_ROOT
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key, extract_all
+from es_pipeline_tests.support.projections import (
+    assert_every_projection_equals_the_store,
+    update_every_projection,
+)
 from es_pipeline_tests.support.roles import StoreDsn
 
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily", "sku_sales", event_tables.NAME)
@@ -42,51 +40,6 @@ def _cli_on(monkeypatch: pytest.MonkeyPatch, dsn: StoreDsn, warehouse: Path) -> 
     """`es-pipeline` commands (`main`) on this store, as its extractor, and this lake."""
     monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
-
-
-def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn) -> None:
-    """Every projection's update, as their assets run it (Spark where a whole build needs it)."""
-    consumer = mapping.load(None, "es").consumer
-    update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor)
-    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
-    cross_stream.update(warehouse, SHOP, "sku_sales", store_dsn=dsn.extractor,
-                        frontier=lambda: batch_frontier(dsn.extractor, consumer))
-    event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor)
-
-
-def _rows(warehouse: Path, name: str) -> list[dict[str, Any]]:
-    return DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist()
-
-
-def _assert_every_projection_equals_the_store(warehouse: Path, dsn: StoreDsn) -> int:
-    with psycopg.connect(dsn) as conn:
-        catalog = {r[0]: (r[1], r[2]) for r in conn.execute(
-            "SELECT stream_id, count(*), max(version) FROM es.events GROUP BY stream_id")}
-        daily = {(r[0], r[1], r[2]): r[3] for r in conn.execute(
-            "SELECT stream_type, event_type, (recorded_at AT TIME ZONE 'UTC')::date, count(*) FROM es.events "
-            "GROUP BY 1, 2, 3")}
-        sales = {r[0]: (r[1], r[2], r[3]) for r in conn.execute(
-            "SELECT payload->>'sku', count(*), "
-            "sum(CASE WHEN event_type = 'ItemAdded' THEN coalesce((payload->>'qty')::int, 1) ELSE 0 END), "
-            "count(*) FILTER (WHERE event_type = 'ItemRemoved') "
-            "FROM es.events WHERE event_type IN ('ItemAdded', 'ItemRemoved') AND payload ? 'sku' GROUP BY 1")}
-        history = conn.execute("SELECT stream_id, stream_type, version, event_type, payload FROM es.events "
-                               "ORDER BY stream_id, version").fetchall()
-        by_type = Counter(r[0] for r in conn.execute("SELECT event_type FROM es.events"))
-    states: dict[str, tuple[int, dict[str, Any]]] = {}
-    for stream_id, stream_type, version, event_type, payload in history:
-        state = states.get(stream_id, (0, {}))[1]
-        states[stream_id] = (version, SHOP.reducers[stream_type].fold(state, Event(stream_id, version, event_type, payload)))
-
-    assert {r["stream_id"]: (r["events"], r["version"]) for r in _rows(warehouse, "stream_catalog")} == catalog
-    assert {(r["stream_type"], r["event_type"], r["event_date"]): r["events"]
-            for r in _rows(warehouse, "event_type_daily")} == daily
-    assert {r["sku"]: (r["events"], r["units_added"], r["removals"]) for r in _rows(warehouse, "sku_sales")} == sales
-    assert {r["stream_id"]: (r["version"], json.loads(r["state"])) for r in _rows(warehouse, "stream_state")} == states
-    typed = {r["event_type"]: r["table_name"] for r in _rows(warehouse, event_tables.NAME)}
-    assert {t: DeltaTable(str(warehouse / typed[t])).to_pyarrow_table().num_rows for t in typed} == dict(by_type)
-    return sum(by_type.values())
 
 
 def _rebuild_events(warehouse: Path, dsn: StoreDsn, n_ranges: int) -> None:
@@ -105,8 +58,8 @@ def test_the_lake_rebuilt_in_more_then_fewer_commits_leaves_every_projection_equ
     store = EventStore(dsn.writer)
     run_workload(store, streams=80, events=1500, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=71)
     extract_all(dsn.extractor, None, warehouse, n_ranges=1)
-    _update_all(spark, warehouse, dsn)
-    assert _assert_every_projection_equals_the_store(warehouse, dsn) > 0
+    update_every_projection(spark, warehouse, dsn)
+    assert assert_every_projection_equals_the_store(warehouse, dsn) > 0
     kept = Lake(warehouse)  # as the health exporter keeps it, its tables open between readings
     assert all(v is not None for v in kept.folded().values())
     # What an older es_pipeline left (its position under the unbound app id), to be fenced at the rebuild.
@@ -119,25 +72,25 @@ def test_the_lake_rebuilt_in_more_then_fewer_commits_leaves_every_projection_equ
     for lake in (Lake(warehouse), kept):
         folded = lake.folded()
         assert all(folded[name] is None for name in PROJECTIONS), folded  # rebuilding, never "up to date"
-    _update_all(spark, warehouse, dsn)
+    update_every_projection(spark, warehouse, dsn)
     # An older release still running finds its position past any `events` version: nothing to fold there.
     assert DeltaTable(str(warehouse / "stream_catalog")).transaction_version("es_pipeline.stream_catalog") == FENCE
     assert_exactly_once_by_key(warehouse, dsn)
-    _assert_every_projection_equals_the_store(warehouse, dsn)
+    assert_every_projection_equals_the_store(warehouse, dsn)
     for lake in (Lake(warehouse), kept):
         assert all(v is not None and v == lake.events_version() for v in lake.folded().values()), lake.folded()
 
     # Fewer commits than before, with events the old table never had: read as "nothing new", they were frozen.
     run_workload(store, streams=80, events=400, writers=2, rollback_rate=0, max_commit_delay=0, seed=72)
     _rebuild_events(warehouse, dsn, n_ranges=1)
-    _update_all(spark, warehouse, dsn)
-    _assert_every_projection_equals_the_store(warehouse, dsn)
+    update_every_projection(spark, warehouse, dsn)
+    assert_every_projection_equals_the_store(warehouse, dsn)
 
     # And on from the rebuild: an ordinary increment.
     run_workload(store, streams=80, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=73)
     extract_all(dsn.extractor, None, warehouse, n_ranges=2)
-    _update_all(spark, warehouse, dsn)
-    _assert_every_projection_equals_the_store(warehouse, dsn)
+    update_every_projection(spark, warehouse, dsn)
+    assert_every_projection_equals_the_store(warehouse, dsn)
 
 
 def _runbook_commands() -> list[list[str]]:
@@ -163,7 +116,7 @@ def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_t
     store = EventStore(dsn.writer)
     run_workload(store, streams=60, events=900, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=81)
     extract_all(dsn.extractor, None, warehouse, n_ranges=2)
-    _update_all(spark, warehouse, dsn)
+    update_every_projection(spark, warehouse, dsn)
     run_workload(store, streams=60, events=300, writers=2, rollback_rate=0, max_commit_delay=0, seed=82)
 
     commands = _runbook_commands()
@@ -179,9 +132,9 @@ def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_t
     assert _watermarks(dsn) == 0
 
     extract_all(dsn.extractor, None, warehouse, n_ranges=4)
-    _update_all(spark, warehouse, dsn)
+    update_every_projection(spark, warehouse, dsn)
     assert assert_exactly_once_by_key(warehouse, dsn) == 1200
-    _assert_every_projection_equals_the_store(warehouse, dsn)
+    assert_every_projection_equals_the_store(warehouse, dsn)
 
 
 @pytest.mark.slow  # a store, a lake and three rebuilds: make check's budget keeps it in the slow tier

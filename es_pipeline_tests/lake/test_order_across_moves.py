@@ -27,6 +27,10 @@ from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key, extract_all
+from es_pipeline_tests.support.projections import (
+    assert_every_projection_equals_the_store,
+    update_every_projection,
+)
 from es_pipeline_tests.support.roles import StoreDsn, login_roles
 
 CONSUMER = mapping.load(None, "es").consumer
@@ -35,7 +39,7 @@ CONSUMER = mapping.load(None, "es").consumer
 def _add(dsn: str, cart: str, price: float, qty: int = 1) -> None:
     """Cart `cart` adds one sku X at `price`: a stream of its own (so carts fall in different slices)."""
     store = EventStore(dsn)
-    store.append(cart, "Cart", [NewEvent("ItemAdded", {"sku": "X", "qty": qty, "unit_price": price})], 0)
+    store.append(cart, "cart", [NewEvent("ItemAdded", {"sku": "X", "qty": qty, "unit_price": price})], 0)
 
 
 def _burn(dsn: str, transactions: int) -> None:
@@ -90,6 +94,7 @@ def _top_position(dsn: str) -> int:
 @pytest.mark.slow  # a cluster of its own: once, on the suite's PostgreSQL (pg_versions skips it)
 def test_the_restored_tail_folds_after_what_was_extracted_and_before_what_the_new_cluster_committed(
     dsn: StoreDsn,
+    spark: Any,
     warehouse: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -144,6 +149,8 @@ def test_the_restored_tail_folds_after_what_was_extracted_and_before_what_the_ne
         extract_all(new.extractor, None, warehouse)
         _update(warehouse, new.extractor)
         assert _lake(warehouse) == _expected(new, extracted) == {"X": (8, 8, 4.0, "n3")}
+        update_every_projection(spark, warehouse, new)  # and every other projection equals the store too
+        assert assert_every_projection_equals_the_store(warehouse, new) == 8
 
         # A whole build folds in the same order as the increments did.
         assert main(["lake", "rebuild", "sku_sales"]) == 0
