@@ -253,13 +253,16 @@ class LakeAheadOfOffsets(LakeStoreDiverged):
 class LakeHoldsAnotherSource(EsPipelineError):
     """A consumer would bind to an `events` table that holds another consumer's (or another store's) events."""
 
-    def __init__(self, path: str, consumer: str, other: str | None) -> None:
-        self.path, self.consumer, self.other = path, consumer, other
+    def __init__(self, path: str, consumer: str, other: str | None, *, bound_to: str | None = None) -> None:
+        self.path, self.consumer, self.other, self.bound_to = path, consumer, other, bound_to
         whose = (f"the events of consumer {other!r} (another source, or the same one under another name: a "
                  "renamed schema or table)" if other else
+                 f"the lake of another source (its `events` is bound to {bound_to!r}: another store's id, or "
+                 "another consumer of this one)" if bound_to else
                  "events that no consumer of this store has recorded (another store's lake?)")
         super().__init__(
-            f"the Delta table at {path} holds {whose}; consumer {consumer!r} would extract its whole history into it "
+            f"the Delta table at {path} {'is' if bound_to and not other else 'holds'} {whose}; consumer {consumer!r} "
+            "would extract its whole history into it "
             "again, every event twice. One warehouse holds one source. Nothing was written. Point "
             "ES_PIPELINE_WAREHOUSE at a lake of its own, or, if the source was renamed, see docs/operations.md, "
             "\"One source per warehouse\"."

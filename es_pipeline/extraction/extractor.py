@@ -246,10 +246,20 @@ class Extractor:
         # A table with nothing but its creation counts as new too: a run refused after creating it
         # must not make the next run take it for the lake the watermarks describe.
         table_is_new = not tables.is_delta_table(self.events_path) or tables.never_written(self.events_path)
+        # One source per warehouse from the first byte: an `events` with no rows is claimed for this store and
+        # consumer before anything is written (of two stores racing, one claims it, the other is refused), and one
+        # bound to another refuses this run before anything is written or recorded.
+        source = session.source_tag()
         self.ensure_table()
         self._table = None  # loaded afresh below: it may be another table than the last session's
+        if source is not None and tables.never_written(self.events_path):
+            tables.bind_to_source(self.events_path, source, self.consumer)
+        bound = source is None or tables.check_source(self._delta(), self.events_path, source, self.consumer)
         # A lost, moved or recreated lake must not be taken for the one the watermarks describe.
         session.bind_sink(tables.table_id(self.events_path), self.events_path, created_now=table_is_new)
+        if not bound:  # a lake of an older release, found ours by the sink's checks: bound now
+            assert source is not None
+            tables.bind_to_source(self.events_path, source, self.consumer)
         replays = session.pending_overlapping(slice_range.slices)
         # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything. First by
         # content, whichever app id wrote it; then every app id of the consumer whose runs our locks exclude.

@@ -259,6 +259,15 @@ class OffsetSession:
         if extracted is None and tables.holds_rows(path):
             raise LakeHoldsAnotherSource(path, self.consumer, None)
 
+    def source_tag(self) -> str | None:
+        """`<store id>/<consumer>`: what this consumer binds a lake to (tables.SOURCE_PROPERTY); None in a store
+        whose identity row is gone (then only the sink's checks guard the lake)."""
+        try:
+            row = self.conn.execute("SELECT store_id::text FROM es_pipeline.store_identity").fetchone()
+        except psycopg.errors.UndefinedTable as exc:  # a store migrated by an older release
+            raise StoreNotMigrated(f"es_pipeline.store_identity is missing (migration 12): {exc}") from None
+        return None if row is None else f"{row[0]}/{self.consumer}"
+
     def check_source(self) -> None:
         """Refuse a store whose transaction ids are not the ones the offsets count (see `check_source`)."""
         if self.source is None:

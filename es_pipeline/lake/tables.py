@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Field
+from deltalake.exceptions import CommitFailedError
 
-from es_pipeline.errors import NoEventsYet
+from es_pipeline.errors import LakeHoldsAnotherSource, NoEventsYet
 
 TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
 
@@ -103,6 +104,39 @@ def read(spark: Any, path: str, *, version: int | None = None) -> Any:
     return reader.load(path)
 
 
+SOURCE_PROPERTY = "es_pipeline.source"  # on `events`: `<store id>/<consumer>`, the one source the lake holds
+
+
+def check_source(table: DeltaTable, path: str, source: str, consumer: str) -> bool:
+    """Whether the `events` table (`table`, at `path`) is bound to `source`; False: to none yet (a table of an older
+    release); `LakeHoldsAnotherSource` if to another."""
+    held = table.metadata().configuration.get(SOURCE_PROPERTY)
+    if held is not None and held != source:
+        raise LakeHoldsAnotherSource(path, consumer, None, bound_to=held)
+    return held is not None
+
+
+def bind_to_source(path: str, source: str, consumer: str, attempts: int = 5) -> None:
+    """Bind the `events` table at `path` to `source` (`<store id>/<consumer>`), or `LakeHoldsAnotherSource` if it
+    is bound to another. A table made by this release has the binding in its creation commit; one made by an older
+    release gets it now, in a commit of its own that fails if anything commits first (then it is read again), so
+    that of two stores binding at once one wins and the other reads the winner's."""
+    for _ in range(attempts):
+        table = DeltaTable(path)
+        held = table.metadata().configuration.get(SOURCE_PROPERTY)
+        if held == source:
+            return
+        if held is not None:
+            raise LakeHoldsAnotherSource(path, consumer, None, bound_to=held)
+        try:
+            table.alter.set_table_properties({SOURCE_PROPERTY: source}, raise_if_not_exists=False,
+                                             commit_properties=CommitProperties(max_commit_retries=0))
+        except CommitFailedError:
+            continue
+    raise LakeHoldsAnotherSource(path, consumer, None, bound_to=DeltaTable(path).metadata().configuration.get(
+        SOURCE_PROPERTY, "a binding other commits kept taking the place of"))
+
+
 def require_events(warehouse: Location, name: str) -> str:
     """The path of `events` in `warehouse`; `NoEventsYet` (projection `name` has nothing to be built from) if the
     table is not there."""
@@ -113,9 +147,20 @@ def require_events(warehouse: Location, name: str) -> str:
 
 
 def never_written(path: str) -> bool:
-    """Whether the Delta table at `path` has no commit but its creation (version 0), read from the log's files."""
+    """Whether the Delta table at `path` has no rows ever added: no commit but its creation (version 0) and
+    metadata-only ones (its binding to a source, `bind_to_source`), read from the log's files."""
     names = _log_names(path)
-    return f"{1:020d}.json" not in names and not any(".checkpoint" in n and n.endswith(".parquet") for n in names)
+    if any(".checkpoint" in n and n.endswith(".parquet") for n in names):
+        return False
+    later = sorted(n for n in names if n.endswith(".json") and n[:20].isdigit() and int(n[:20]) > 0)
+    if len(later) > 2:
+        return False
+    fs, root = filesystem(path)
+    for name in later:
+        with fs.open_input_stream(f"{root}/_delta_log/{name}") as f:
+            if b'"add"' in f.read():
+                return False
+    return True
 
 
 def holds_rows(path: str) -> bool:

@@ -287,6 +287,26 @@ END $$;
 ALTER TABLE es_pipeline.sinks ADD COLUMN IF NOT EXISTS rebase_batch bigint;
 """,
     ),
+    Migration(
+        12,
+        "store_identity: the store's id, which binds a warehouse to it from the first byte",
+        """
+-- One row: an id made once per store, kept by a dump and its restore (the same store, moved). The first run binds
+-- the lake's `events` to `<id>/<consumer>` before any row (the table property es_pipeline.source), so that a
+-- second store pointed at the same warehouse is refused before it writes a byte (LakeHoldsAnotherSource).
+CREATE TABLE IF NOT EXISTS es_pipeline.store_identity (
+    one        boolean     PRIMARY KEY DEFAULT true CHECK (one),
+    store_id   uuid        NOT NULL DEFAULT gen_random_uuid(),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO es_pipeline.store_identity DEFAULT VALUES ON CONFLICT DO NOTHING;
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'es_pipeline_extractor') THEN
+        GRANT SELECT ON es_pipeline.store_identity TO es_pipeline_extractor;
+    END IF;
+END $$;
+""",
+    ),
 )
 
 
@@ -331,7 +351,7 @@ EXPECTED_COLUMNS: dict[str, dict[str, str]] = {
 
 # es_pipeline's own tables (schema es_pipeline): needed by every source, created by these migrations alone,
 # whose statements are all idempotent (`IF NOT EXISTS`). `source adopt` runs them for a store not our own.
-OWN_TABLES_MIGRATIONS = (2, 4, 6, 8, 9, 11)
+OWN_TABLES_MIGRATIONS = (2, 4, 6, 8, 9, 11, 12)
 
 
 def own_tables_statements() -> list[sql.Composed]:
