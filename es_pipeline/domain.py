@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from es_pipeline.errors import DomainError
+from es_pipeline.lake import shapes
 
 State = dict[str, Any]
 
@@ -254,7 +255,15 @@ class Domain:
         if not isinstance(event_type, str) or not event_type:
             raise DomainError(f"domain {self.name!r} declares a payload schema for event type {event_type!r}",
                               "Name the event type as the store spells it (the base type, where versions are suffixes).")
-        declared = state_schema(schema, f"the payload of {event_type!r} in domain {self.name!r}", ())
+        what = f"the payload of {event_type!r} in domain {self.name!r}"
+        fields = []
+        for f in state_schema(schema, what, ()):
+            try:
+                fields.append(f.with_type(shapes.declared_type(f.type)))
+            except ValueError as exc:
+                raise DomainError(f"{what}, field {f.name!r}: {exc}",
+                                  "Declare the field with a type its typed table can hold (docs/analysts.md).") from exc
+        declared = pa.schema(fields)
         held = self.event_schemas.get(event_type)
         if held is not None and not held.equals(declared):
             raise DomainError(f"event type {event_type!r} has two payload schemas", "Declare it once.")

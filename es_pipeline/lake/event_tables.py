@@ -30,7 +30,6 @@ process and brought up to date incrementally.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import threading
@@ -50,13 +49,13 @@ from es_pipeline.lake import feed, shapes, tables
 from es_pipeline.lake.serial import one_at_a_time
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
-from es_pipeline.lake.typed_rows import ENVELOPE, field_of, normal_schema, type_rows
+from es_pipeline.lake.typed_rows import ENVELOPE, normal_schema, regrown, to_place_again, type_rows
 
 log = logging.getLogger(__name__)
 
 PREFIX = "events_"
 NAME = "event_tables"  # the mapping table
-REVISION = 1  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
+REVISION = 2  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
 WRITERS = 4  # tables an increment writes at once
 WINDOW = 4  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
@@ -425,12 +424,10 @@ class _Keeper:
             for f in typed.rows.schema:
                 if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
                     self._record(event_type, name, f.name, f.type, "added", typed.first_at.get(f.name))
-        elif typed.widened:
-            assert target is not None
-            before = _spill_rounded(feed.files(path, target).to_table(), typed.widened)
-            widened = typed.rows.schema
-            old = pa.table([shapes.widen_column(before[f.name], f.type) if f.name in before.column_names
-                            else pa.nulls(before.num_rows, f.type) for f in widened], schema=widened)
+        elif changed := to_place_again(typed, lambda: feed.files(path, target).to_table(
+                columns=[shapes.OVERFLOW])[shapes.OVERFLOW]):
+            assert target is not None  # earlier rows placed again: a widened column, or an overflow a new one takes
+            old = regrown(feed.files(path, target).to_table(), typed.rows.schema, changed)
             write_deltalake(path, pa.concat_tables([old, typed.rows]), mode="overwrite", schema_mode="overwrite",
                             commit_properties=props)
             _OPEN.pop(path, None)
@@ -462,25 +459,6 @@ class _Keeper:
         if d.schema_version == "suffix" or any(u.event_type == event_type for u in d.upcasters.values()):
             return d
         return None
-
-
-def _spill_rounded(rows: pa.Table, widened: dict[str, tuple[pa.DataType, pa.DataType]]) -> pa.Table:
-    """A table's rows before a widening, with each whole number a new double column would round moved from its
-    column into the row's `_overflow` (so the rewrite loses no digit)."""
-    for column, (old, new) in widened.items():
-        if not (pa.types.is_integer(old) and pa.types.is_floating(new)) or column not in rows.column_names:
-            continue
-        values = rows[column]
-        big = pc.fill_null(pc.greater(pc.abs(values), shapes.EXACT), False)
-        if not pc.any(big).as_py():
-            continue
-        spills = rows[shapes.OVERFLOW].to_pylist()
-        for i in pc.indices_nonzero(big).to_pylist():
-            held = json.loads(spills[i]) if spills[i] else {}
-            spills[i] = shapes.json_text({**held, field_of(column): values[i].as_py()})
-        rows = rows.set_column(rows.column_names.index(column), column, pc.if_else(big, None, values))
-        rows = rows.set_column(rows.column_names.index(shapes.OVERFLOW), shapes.OVERFLOW, pa.array(spills, pa.string()))
-    return rows
 
 
 def _owner(path: str) -> str | None:

@@ -5,7 +5,8 @@ becomes columns"):
 
 - a JSON `true`/`false` is `boolean`, a whole number `bigint`, a number with a fraction or exponent `double`,
   a string `string`, an object a `struct` (its fields by the same rule), an array a `list` of its elements'
-  type. `null` says nothing of a type and fits any column; `[]` fits any list, `{}` any struct.
+  type. `null` says nothing of a type and fits any column; nor do `[]`, `{}` and an object of nulls (their
+  kind waits for a value): `[]` fits any list, `{}` any struct, and a null field is no field of a struct.
 - **widening**: `bigint` and `double` make `double` (a whole number beyond 2**53, which a double would round, is
   then overflow); two different scalars (boolean, number, string) make
   `string`, the other values then held as their JSON text (`5`, `true`); two structs make the struct of both
@@ -14,7 +15,9 @@ becomes columns"):
   in a `string` column.
 - **no fit**: a scalar against an object or an array, an object against an array, a whole number beyond 64
   bits in a number column: the value is kept whole in the row's `_overflow` (a JSON object), and counted. The
-  column keeps its type.
+  column keeps its type. Where a column comes or widens later, the values `_overflow` kept for its field are
+  placed again (lake/typed_rows.py's `regrown`): a table holds the same whatever its batches were.
+- a **declared** column (`domain.event_schema`) keeps its type; `declared_value` says which JSON values convert.
 - a field's column is named as the field where that name is plain; an envelope column's name is taken by
   the envelope, so such a field becomes `payload_<name>`. Names that are not plain, and a field whose name
   differs only in case from another column's, are overflow: Delta's column names are case-insensitive.
@@ -22,6 +25,9 @@ becomes columns"):
 
 from __future__ import annotations
 
+import base64
+import binascii
+import decimal
 import json
 import math
 import re
@@ -52,7 +58,9 @@ def plain(name: str) -> bool:
 
 
 def infer(value: Any) -> Any:
-    """The Arrow type a JSON value asks for (`UNKNOWN` for null, [] and {}; `MISFIT` for an outsize integer)."""
+    """The Arrow type a JSON value asks for: `UNKNOWN` where it says nothing of one (null, and `[]`, `{}` or an object
+    of nulls: their kind waits for a value), `MISFIT` for an outsize integer. A field whose value is null is no
+    field of the struct: only values give types, so a type never depends on where batches begin."""
     if value is None:
         return UNKNOWN
     if isinstance(value, bool):
@@ -64,14 +72,13 @@ def infer(value: Any) -> Any:
     if isinstance(value, str):
         return pa.string()
     if isinstance(value, dict):
-        if not value:
-            return pa.struct([])  # an object: its fields unknown
         if not _plain_keys(value):
             return pa.string()  # kept as its JSON text
         fields = [(k, infer(v)) for k, v in value.items()]
         if any(t is MISFIT for _, t in fields):
             return MISFIT
-        return _struct(fields)
+        known = [(k, t) for k, t in fields if t != UNKNOWN]
+        return _struct(known) if known else UNKNOWN
     if isinstance(value, list):
         element = UNKNOWN
         for item in value:
@@ -80,7 +87,7 @@ def infer(value: Any) -> Any:
             if merged is None or t is MISFIT:
                 return MISFIT
             element = merged
-        return pa.list_(element)
+        return UNKNOWN if element == UNKNOWN else pa.list_(element)
     return MISFIT
 
 
@@ -141,20 +148,28 @@ EXACT = 2**53  # whole numbers up to this size are exact as doubles
 
 
 def places(value: Any, column: pa.DataType) -> bool:
-    """Whether `value` goes into `column` exactly: it `fits`, and a whole number beyond 2**53 is not made a double
-    (which would round it): such a value is overflow, kept whole."""
-    if not fits(infer(value), column):
+    """Whether `value` goes into `column` exactly: as it is, or by the widening conversions (a scalar in a string
+    column as its JSON text, a whole number in a double column), and nothing lost: no whole number beyond 2**53
+    made a double (it would round), no field of an object left out but a null one."""
+    if value is None:
+        return True
+    if pa.types.is_string(column):
+        return isinstance(value, bool | int | float | str) or (isinstance(value, dict) and not _plain_keys(value))
+    if pa.types.is_boolean(column):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
         return False
-    return not _rounds(value, column)
-
-
-def _rounds(value: Any, column: pa.DataType) -> bool:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return pa.types.is_floating(column) and abs(value) > EXACT
-    if isinstance(value, dict) and pa.types.is_struct(column):
-        return any(_rounds(value.get(column.field(i).name), column.field(i).type) for i in range(column.num_fields))
-    if isinstance(value, list) and pa.types.is_list(column):
-        return any(_rounds(v, column.value_type) for v in value)
+    if pa.types.is_integer(column):
+        return isinstance(value, int) and _INT_MIN <= value <= _INT_MAX
+    if pa.types.is_floating(column):
+        return isinstance(value, float) or (isinstance(value, int) and abs(value) <= EXACT)
+    if pa.types.is_struct(column):
+        if not isinstance(value, dict) or not _plain_keys(value):
+            return False
+        fields = {column.field(i).name: column.field(i).type for i in range(column.num_fields)}
+        return all(v is None or (k in fields and places(v, fields[k])) for k, v in value.items())
+    if pa.types.is_list(column):
+        return isinstance(value, list) and all(places(v, column.value_type) for v in value)
     return False
 
 
@@ -169,24 +184,13 @@ def settled(t: Any) -> bool:
     return True
 
 
-def pinned(t: pa.DataType) -> pa.DataType:
-    """`t` with every part still unknown given a type (`string`), so that it can be a column."""
-    if t == UNKNOWN:
-        return pa.string()
-    if pa.types.is_struct(t):
-        return _struct((t.field(i).name, pinned(t.field(i).type)) for i in range(t.num_fields))
-    if pa.types.is_list(t):
-        return pa.list_(pinned(t.value_type))
-    return t
-
-
 def convert(value: Any, column: pa.DataType) -> Any:
     """`value` (which `fits`) as `column` holds it: a number or boolean in a string column as its JSON text, a
     whole number in a double column as a float, a struct's missing fields as null."""
     if value is None:
         return None
     if pa.types.is_string(column):
-        return value if isinstance(value, str) else json_text(value)
+        return value if isinstance(value, str) else scalar_text(value)
     if pa.types.is_floating(column):
         return float(value)
     if pa.types.is_struct(column):
@@ -195,6 +199,14 @@ def convert(value: Any, column: pa.DataType) -> Any:
     if pa.types.is_list(column):
         return [convert(v, column.value_type) for v in value]
     return value
+
+
+def scalar_text(value: Any) -> str:
+    """A value as a string column holds it: its JSON text, a whole number up to 2**53 without a fraction (`1`, be it
+    written `1` or `1.0`: a double column holding it before a widening to `string` cannot tell)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= EXACT:
+        return str(int(value))
+    return json_text(value)
 
 
 def json_text(value: Any) -> str:
@@ -230,14 +242,147 @@ def sql_type(t: pa.DataType) -> str:
     return names.get(str(t), str(t))
 
 
-def widen_column(values: pa.ChunkedArray | pa.Array, to: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """A column of a table's older rows as type `to` (which its type widens to): Arrow's cast where it gives the
-    same text as JSON would (numbers, booleans), else value by value."""
-    held = values.type
-    if held == to:
-        return values
-    if pa.types.is_string(to) and (pa.types.is_integer(held) or pa.types.is_boolean(held)):
-        return values.cast(to)
-    if pa.types.is_floating(to) and pa.types.is_integer(held):
-        return values.cast(to, safe=False)  # beyond 2**53 to the nearest double, as JSON readers do
-    return pa.array([convert(v, to) for v in values.to_pylist()], type=to)
+# A declared column (`domain.event_schema`) keeps its type: each JSON value converts to it by this rule, or is
+# overflow. Numbers never become dates or times; nothing is rounded or cut.
+
+def declared_type(t: pa.DataType) -> pa.DataType:
+    """A declared column type as its Delta table holds it (a timestamp in microseconds, UTC where it has a zone; a
+    date as `date32`; plain strings, binaries and lists), or ValueError saying why no JSON value can go there."""
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(t.field(i).name, declared_type(t.field(i).type)) for i in range(t.num_fields)])
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(declared_type(t.value_type))
+    if pa.types.is_map(t):
+        if not (pa.types.is_string(t.key_type) or pa.types.is_large_string(t.key_type)):
+            raise ValueError(f"a map's keys are JSON object keys, strings, not {t.key_type}")
+        return pa.map_(pa.string(), declared_type(t.item_type))
+    if pa.types.is_unsigned_integer(t):
+        raise ValueError(f"Delta Lake has no unsigned integers ({t}): declare int64")
+    if pa.types.is_time(t):
+        raise ValueError(f"Delta Lake has no time of day type ({t}): declare a string, or a timestamp")
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz="UTC" if t.tz else None)
+    if pa.types.is_date(t):
+        return pa.date32()
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_decimal(t):
+        if t.precision > 38:
+            raise ValueError(f"Delta Lake's decimals hold at most 38 digits ({t})")
+        return pa.decimal128(t.precision, t.scale)
+    if pa.types.is_boolean(t) or pa.types.is_signed_integer(t) or t in (pa.float32(), pa.float64()):
+        return t
+    raise ValueError(f"no JSON value converts to {t}")
+
+
+def declared_value(value: Any, t: pa.DataType) -> tuple[bool, Any]:
+    """(whether JSON value `value` goes into a declared column of type `t`, as what):
+
+    - `boolean`: true/false; an integer type: a whole number in its range; a float type: a number (a whole one up
+      to 2**53);
+    - `string`: a string, or a number or boolean as its JSON text; `binary`: a string of base64;
+    - `decimal(p, s)`: a number or a string of one, with at most `s` decimals and `p` digits (a number is read
+      as a double first: its shortest form);
+    - `date`: a string `YYYY-MM-DD`; `timestamp`: an ISO 8601 string (without an offset: UTC);
+    - `struct`: an object of its fields (missing ones null); `list`: an array; `map<string, …>`: an object;
+      each part by this rule."""
+    if value is None:
+        return True, None
+    if pa.types.is_struct(t):
+        fields = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
+        if not isinstance(value, dict) or any(k not in fields for k, v in value.items() if v is not None):
+            return False, None
+        out = {}
+        for name, field_type in fields.items():
+            placed, out[name] = declared_value(value.get(name), field_type)
+            if not placed:
+                return False, None
+        return True, out
+    if pa.types.is_map(t):
+        if not isinstance(value, dict):
+            return False, None
+        pairs = [(k, declared_value(v, t.item_type)) for k, v in value.items()]
+        return (True, [(k, v) for k, (_, v) in pairs]) if all(ok for _, (ok, _) in pairs) else (False, None)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if not isinstance(value, list):
+            return False, None
+        items = [declared_value(v, t.value_type) for v in value]
+        return (True, [v for _, v in items]) if all(ok for ok, _ in items) else (False, None)
+    if isinstance(value, dict | list):
+        return False, None
+    if pa.types.is_boolean(t):
+        return (True, value) if isinstance(value, bool) else (False, None)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return True, value if isinstance(value, str) else scalar_text(value)
+    if isinstance(value, bool):
+        return False, None
+    if pa.types.is_integer(t):
+        return _in_range(value, t)
+    if pa.types.is_floating(t):
+        ok = isinstance(value, float) or (isinstance(value, int) and abs(value) <= EXACT)
+        return (True, float(value)) if ok else (False, None)
+    if pa.types.is_decimal(t):
+        return _decimal(value, t)
+    if not isinstance(value, str):
+        return False, None  # numbers never become dates, times or bytes
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        try:
+            return True, base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            return False, None
+    return _cast_text(value, t)  # a date or a timestamp, as Arrow casts the string
+
+
+def _in_range(value: Any, t: pa.DataType) -> tuple[bool, Any]:
+    if not isinstance(value, int):
+        return False, None
+    bits = t.bit_width
+    low, high = (0, 2**bits - 1) if pa.types.is_unsigned_integer(t) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return (True, value) if low <= value <= high else (False, None)
+
+
+def _decimal(value: Any, t: pa.DataType) -> tuple[bool, Any]:
+    try:
+        number = decimal.Decimal(repr(value) if isinstance(value, float) else str(value).strip())
+    except decimal.InvalidOperation:
+        return False, None
+    if not number.is_finite():
+        return False, None
+    step = decimal.Decimal(1).scaleb(-t.scale)
+    try:
+        exact = number.quantize(step, context=decimal.Context(prec=t.precision))
+    except decimal.InvalidOperation:
+        return False, None  # more digits than the precision holds
+    if exact != number or len(exact.as_tuple().digits) > t.precision:
+        return False, None  # a decimal beyond the scale would be rounded
+    return True, exact
+
+
+def _cast_text(value: str, t: pa.DataType) -> tuple[bool, Any]:
+    """A string as a date or timestamp by Arrow's cast (a timestamp with a time zone takes an ISO string with an
+    offset, or one without as UTC: the second route, which only a string without an offset takes)."""
+    for route in ([t], [pa.timestamp(t.unit), t]) if pa.types.is_timestamp(t) and t.tz else ([t],):
+        try:
+            array: pa.Array = pa.array([value], pa.string())
+            for step in route:
+                array = array.cast(step)
+            return True, array.to_pylist()[0]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            continue
+    return False, None
+
+
+def cast_texts(values: pa.Array, t: pa.DataType) -> pa.Array | None:
+    """A column of strings (and nulls) as dates or timestamps by the rule of `_cast_text`, whole, or None where some
+    value takes another route or none (the caller then goes value by value)."""
+    for route in ([t], [pa.timestamp(t.unit), t]) if pa.types.is_timestamp(t) and t.tz else ([t],):
+        try:
+            array = values
+            for step in route:
+                array = array.cast(step)
+            return array
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            continue
+    return None

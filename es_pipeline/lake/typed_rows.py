@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,13 @@ class Typed:
 
 def normal_schema(table: DeltaTable) -> pa.Schema:
     """A Delta table's schema as this module compares types: plain strings and lists, nullable fields."""
-    return pa.schema([pa.field(f.name, _normal(f.type)) for f in pa.schema(table.schema().to_arrow())])
+    return normal_schema_of(pa.schema(table.schema().to_arrow()))
+
+
+def normal_schema_of(schema: pa.Schema | pa.Table) -> pa.Schema:
+    """An Arrow schema (or a table's) as this module compares types."""
+    schema = schema.schema if isinstance(schema, pa.Table) else schema
+    return pa.schema([pa.field(f.name, _normal(f.type)) for f in schema])
 
 
 def _normal(t: pa.DataType) -> pa.DataType:
@@ -65,12 +71,7 @@ def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None =
     new table). Arrow's JSON reader takes the common case (every payload fits the columns, or adds plain new
     ones); anything it cannot take exactly goes value by value (lake/shapes.py). `domain`: upcast each payload
     first; `declared`: the team's schema of the payloads, whose columns keep their declared types."""
-    columns = {} if held is None else {f.name: f.type for f in held if f.name not in ENVELOPE.names}
-    fixed: dict[str, pa.DataType] = {}
-    for f in declared or ():
-        column = shapes.column_name(f.name, _ENVELOPE_NAMES)
-        if column is not None:
-            fixed[column] = columns.setdefault(column, f.type)
+    columns, fixed = payload_columns(held, declared)
     fast = None if domain is not None else _arrow_path(rows, columns, fixed)
     payload_cols, overflow, overflowed = fast if fast is not None else _python_path(rows, columns, domain, fixed)
     envelope = _envelope(rows, overflow)
@@ -89,6 +90,18 @@ def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None =
         valid = pc.is_valid(values)
         typed.first_at[c] = pc.min(recorded.filter(valid)).as_py() if pc.any(valid).as_py() else pc.min(recorded).as_py()
     return typed
+
+
+def payload_columns(held: pa.Schema | None,
+                    declared: pa.Schema | None) -> tuple[dict[str, pa.DataType], dict[str, pa.DataType]]:
+    """(the payload columns a table has, with the declared ones from the start; the declared ones alone)."""
+    columns = {} if held is None else {f.name: f.type for f in held if f.name not in ENVELOPE.names}
+    fixed: dict[str, pa.DataType] = {}
+    for f in declared or ():
+        column = shapes.column_name(f.name, _ENVELOPE_NAMES)
+        if column is not None:
+            fixed[column] = columns.setdefault(column, f.type)
+    return columns, fixed
 
 
 def _envelope(rows: pa.Table, overflow: pa.Array) -> pa.Table:
@@ -129,7 +142,13 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
     if rows.num_rows == 0 or pc.any(pc.is_null(payload)).as_py() or pc.any(pc.match_substring(payload, "\n")).as_py() \
             or pc.any(pc.equal(payload, "null")).as_py():  # a payload `null` is kept as {"$payload": null}
         return None
-    explicit = pa.schema([(field_of(c), t) for c, t in columns.items()])
+    texts: dict[str, pa.DataType] = {}  # declared dates and timestamps: read as strings, then cast by the rule
+    for c, t in fixed.items():
+        if pa.types.is_date32(t) or pa.types.is_timestamp(t):
+            texts[c] = t
+        elif not _read_as_declared(t):
+            return None  # a declared type Arrow's reader converts otherwise than the rule (numbers to dates): by value
+    explicit = pa.schema([(field_of(c), pa.string() if c in texts else t) for c, t in columns.items()])
     text = pc.binary_join(pa.LargeListArray.from_arrays(pa.array([0, len(payload)], pa.int64()),
                                                         payload.combine_chunks().cast(pa.large_binary())),
                           pa.scalar(b"\n", pa.large_binary()))
@@ -140,6 +159,10 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
         return None
     if read.num_rows != rows.num_rows:
         return None
+    try:
+        read.validate(full=True)  # Arrow 26 reads a list whose first items are null ([null, 1]) as invalid arrays
+    except pa.ArrowInvalid:
+        return None
     out: dict[str, Any] = {}
     lowered = {c.lower() for c in columns}
     for f in read.schema:
@@ -149,21 +172,38 @@ def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
         if f.name not in explicit.names:
             if column != f.name or column.lower() in lowered or field_of(column) != f.name:
                 return None  # renamed, another case of a column, or a column's other field: value by value
-            lowered.add(column.lower())
             if f.type == shapes.UNKNOWN:
                 continue  # only nulls: no column yet
+            lowered.add(column.lower())
             if not shapes.settled(f.type):
                 return None
         else:
             column = next(c for c in columns if field_of(c) == f.name)
-            if f.type != columns[column] and (column in fixed or shapes.unify(columns[column], f.type) != f.type
+            if f.type != explicit.field(f.name).type and (column in fixed or shapes.unify(columns[column], f.type) != f.type
                                               or not shapes.settled(f.type)):
                 return None
         values = read[f.name].combine_chunks()
         if _outsize(values):
             return None
+        if column in texts:
+            values = shapes.cast_texts(values, texts[column])
+            if values is None:
+                return None
         out[column] = values
     return out, pa.nulls(rows.num_rows, pa.string()), 0
+
+
+def _read_as_declared(t: pa.DataType) -> bool:
+    """Whether Arrow's JSON reader, told a column is of declared type `t`, gives exactly what the rule's
+    `declared_value` gives, or fails (then the batch goes value by value): booleans, 64-bit integers, doubles and
+    strings take only their own JSON kind in the reader, whole numbers beyond 2**53 aside (`_outsize`)."""
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        return all(shapes.plain(n) for n in names) and len({n.lower() for n in names}) == len(names) \
+            and all(_read_as_declared(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t):
+        return _read_as_declared(t.value_type)
+    return t in (pa.bool_(), pa.int64(), pa.float64(), pa.string())
 
 
 def _lattice(t: pa.DataType) -> bool:
@@ -193,52 +233,6 @@ def _outsize(values: pa.Array) -> bool:
 
 
 _LONG_DIGITS = re.compile(r"\d{19}")
-
-
-def _declared_value(value: Any, t: pa.DataType) -> tuple[bool, Any]:
-    """(whether `value` goes into a declared column of type `t`, as what): by the rule's conversions where they
-    apply, else as Arrow converts it, and only where nothing is lost: a timestamp or a date from a string only (an
-    ISO 8601 time without an offset is UTC, as Arrow's JSON reader takes it), an object only if the declared
-    struct has each of its fields."""
-    if value is None:
-        return True, None
-    if shapes.places(value, t):
-        return True, shapes.convert(value, t)
-    if pa.types.is_struct(t):
-        fields = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
-        if not isinstance(value, dict) or any(k not in fields for k in value):
-            return False, None
-        out = {}
-        for name, field_type in fields.items():
-            placed, out[name] = _declared_value(value.get(name), field_type)
-            if not placed:
-                return False, None
-        return True, out
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        if not isinstance(value, list):
-            return False, None
-        items = [_declared_value(v, t.value_type) for v in value]
-        return (True, [v for _, v in items]) if all(ok for ok, _ in items) else (False, None)
-    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
-        return _time_from_text(value, t) if isinstance(value, str) else (False, None)
-    if isinstance(value, dict | list):
-        return False, None
-    try:
-        return True, pa.array([value], type=t).to_pylist()[0]
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
-        return False, None
-
-
-def _time_from_text(value: str, t: pa.DataType) -> tuple[bool, Any]:
-    for route in ([t], [pa.timestamp("us"), t]) if pa.types.is_timestamp(t) and t.tz else ([t],):
-        try:
-            array: pa.Array = pa.array([value])
-            for step in route:
-                array = array.cast(step)
-            return True, array.to_pylist()[0]
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            continue
-    return False, None
 
 
 def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | None, Any]:
@@ -279,31 +273,28 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
                 obj, whole = None, {"$payload": obj}
         objects.append(obj)
         rest.append(whole)
-    lowered = {c.lower(): c for c in columns}
+    lowered = {c.lower(): c for c in columns}  # the names columns take (Delta's names ignore case)
     target: dict[str, str | None] = {}  # field → column (None: overflow)
     types: dict[str, Any] = dict(columns)
     for obj in objects:
         for key, value in (obj or {}).items():
             if key not in target:
                 column = shapes.column_name(key, _ENVELOPE_NAMES)
-                if column is not None and (lowered.setdefault(column.lower(), column) != column
-                                           or field_of(column) != key):
-                    column = None  # another case of a column's name, or the field `payload_version` beside `version`
-                target[key] = column
+                target[key] = None if column is None or field_of(column) != key else column  # `payload_version`
             column = target[key]
             if column is None or column in fixed:
                 continue
-            merged = shapes.unify(types.get(column, shapes.UNKNOWN), shapes.infer(value))
+            t = shapes.infer(value)
+            if column not in types:
+                if t in (shapes.UNKNOWN, shapes.MISFIT):
+                    continue  # no type yet: the name is taken by the first field of it that brings one
+                if lowered.setdefault(column.lower(), column) != column:
+                    target[key] = None  # another case of a column's name
+                    continue
+            merged = shapes.unify(types.get(column, shapes.UNKNOWN), t)
             if merged is not None:
                 types[column] = merged
-    final: dict[str, pa.DataType] = {}
-    for c, t in types.items():
-        if c in fixed:
-            final[c] = t
-        elif c in columns:  # a part seen only as null (a nested field) takes `string`; an empty struct none
-            final[c] = shapes.pinned(t) if shapes.settled(shapes.pinned(t)) else columns[c]
-        elif t != shapes.UNKNOWN and shapes.settled(shapes.pinned(t)):
-            final[c] = shapes.pinned(t)
+    final = {c: t for c, t in types.items() if t != shapes.UNKNOWN}  # a field seen only as nothing: no column yet
     values: dict[str, list[Any]] = {c: [None] * len(objects) for c in final}
     overflowed = 0
     for i, obj in enumerate(objects):
@@ -312,7 +303,7 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
             column = target[key]
             t = final.get(column) if column is not None else None
             if t is not None and column in fixed:
-                placed, converted = _declared_value(value, t)
+                placed, converted = shapes.declared_value(value, t)
                 if placed:
                     values[column][i] = converted  # type: ignore[index]
                     continue
@@ -331,3 +322,75 @@ def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain
     out = {c: pa.array(v, type=final[c]) for c, v in values.items()}
     overflow = pa.array([None if r is None else shapes.json_text(r) for r in rest], pa.string())
     return out, overflow, overflowed
+
+
+def to_place_again(typed: Typed, overflow: Callable[[], pa.Array | pa.ChunkedArray]) -> dict[str, pa.DataType]:
+    """The columns whose earlier rows a table must place again (`regrown`) before it takes `typed`: every widened
+    one, and every new one where the table's `_overflow` (read by `overflow()`, only then) holds a value for its
+    field (the new column may take it). Empty: the rows are appended, new columns null in earlier rows."""
+    new = {c: typed.rows.schema.field(c).type for c in typed.added}
+    changed = {c: typed.rows.schema.field(c).type for c in typed.widened}
+    if new:
+        wanted = {field_of(c) for c in new}
+        if any(wanted.intersection(json.loads(text)) for text in pc.drop_null(overflow()).to_pylist()):
+            changed.update(new)
+    return changed
+
+
+def regrown(before: pa.Table, schema: pa.Schema, changed: dict[str, pa.DataType]) -> pa.Table:
+    """A table's earlier rows under its new `schema`, after a batch added or widened the columns `changed`: each
+    such column's values placed again by the rule for its new type (a whole number a new double would round goes
+    to `_overflow`), and each value `_overflow` kept for its field tried again (a column that came, or widened,
+    may take it now). The rows then hold what a rebuild of the table would: the rule gives the same table
+    whatever the batches were."""
+    n = before.num_rows
+    texts = before[shapes.OVERFLOW].to_pylist() if shapes.OVERFLOW in before.column_names else [None] * n
+    spills: dict[int, dict[str, Any]] = {i: json.loads(t) for i, t in enumerate(texts) if t is not None}
+    touched: set[int] = set()
+    placed: dict[str, pa.Array] = {}
+    for column, t in changed.items():
+        name = field_of(column)
+        kept = [i for i, spill in spills.items() if name in spill]
+        held = before[column].combine_chunks() if column in before.column_names else None
+        fast = None if held is None or kept else _cast_exactly(held, t)
+        if fast is not None:
+            placed[column] = fast
+            continue
+        values = held.to_pylist() if held is not None else [None] * n
+        for i, value in enumerate(values):
+            if value is not None and not shapes.places(value, t):
+                spills.setdefault(i, {})[name] = value
+                values[i] = None
+                touched.add(i)
+        for i in kept:
+            if values[i] is None and shapes.places(spills[i][name], t):
+                values[i] = spills[i].pop(name)
+                touched.add(i)
+        placed[column] = pa.array([shapes.convert(v, t) for v in values], type=t)
+    for i in touched:
+        texts[i] = shapes.json_text(spills[i]) if spills.get(i) else None
+    out = []
+    for f in schema:
+        if f.name == shapes.OVERFLOW:
+            out.append(pa.array(texts, pa.string()))
+        elif f.name in placed:
+            out.append(placed[f.name])
+        elif f.name in before.column_names:
+            out.append(before[f.name].cast(f.type))
+        else:
+            out.append(pa.nulls(n, f.type))
+    return pa.table(out, schema=schema)
+
+
+def _cast_exactly(values: pa.Array, to: pa.DataType) -> pa.Array | None:
+    """`values` as type `to` by Arrow's cast where it gives what the rule does (an integer or boolean as its JSON
+    text, an integer up to 2**53 as a double), else None."""
+    held = values.type
+    if held == to:
+        return values
+    if pa.types.is_string(to) and (pa.types.is_integer(held) or pa.types.is_boolean(held)):
+        return values.cast(to)
+    if pa.types.is_floating(to) and pa.types.is_integer(held):
+        low, high = pc.min(values).as_py(), pc.max(values).as_py()
+        return values.cast(to) if low is None or (-shapes.EXACT <= low and high <= shapes.EXACT) else None
+    return None

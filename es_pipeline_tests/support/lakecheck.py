@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -93,6 +95,15 @@ def same_value(held: Any, value: Any) -> bool:
     null). Exact: no digit lost."""
     if value is None:
         return held is None
+    if isinstance(held, decimal.Decimal):  # a declared decimal, from a number or a string of one
+        return held == decimal.Decimal(repr(value) if isinstance(value, float) else str(value))
+    if isinstance(held, dt.datetime) and isinstance(value, str):  # a declared timestamp: without an offset, UTC
+        at = dt.datetime.fromisoformat(value)
+        return held == (at if at.tzinfo else at.replace(tzinfo=dt.UTC))
+    if isinstance(held, dt.date) and isinstance(value, str):
+        return held == dt.date.fromisoformat(value)
+    if isinstance(held, list) and isinstance(value, dict):  # a declared map: (key, value) pairs
+        return len(held) == len(value) and all(k in value and same_value(v, value[k]) for k, v in held)
     if isinstance(held, str) and not isinstance(value, str):
         return json.loads(held) == value
     if isinstance(value, dict):
