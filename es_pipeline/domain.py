@@ -255,15 +255,7 @@ class Domain:
         if not isinstance(event_type, str) or not event_type:
             raise DomainError(f"domain {self.name!r} declares a payload schema for event type {event_type!r}",
                               "Name the event type as the store spells it (the base type, where versions are suffixes).")
-        what = f"the payload of {event_type!r} in domain {self.name!r}"
-        fields = []
-        for f in state_schema(schema, what, ()):
-            try:
-                fields.append(f.with_type(shapes.declared_type(f.type)))
-            except ValueError as exc:
-                raise DomainError(f"{what}, field {f.name!r}: {exc}",
-                                  "Declare the field with a type its typed table can hold (docs/analysts.md).") from exc
-        declared = pa.schema(fields)
+        declared = state_schema(schema, f"the payload of {event_type!r} in domain {self.name!r}", ())
         held = self.event_schemas.get(event_type)
         if held is not None and not held.equals(declared):
             raise DomainError(f"event type {event_type!r} has two payload schemas", "Declare it once.")
@@ -433,7 +425,14 @@ def state_schema(spec: Any, what: str, envelope: Sequence[str] = ENVELOPE) -> pa
     if taken:
         raise DomainError(f"{what} has fields named {', '.join(taken)}, which its typed table's own columns take "
                           f"({', '.join(envelope)})", "Rename those fields of the state.")
-    return pa.schema([f.with_nullable(True) for f in schema])
+    fields = []
+    for f in schema:
+        try:  # as its Delta table holds it: timestamps in microseconds, UTC where zoned; no time of day
+            fields.append(pa.field(f.name, shapes.declared_type(f.type)))
+        except ValueError as exc:
+            raise DomainError(f"{what}, field {f.name!r}: {exc}",
+                              "Declare the field with a type its typed table can hold (docs/analysts.md).") from exc
+    return pa.schema(fields)
 
 
 def _fields(spec: type, what: str) -> list[pa.Field]:

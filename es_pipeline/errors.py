@@ -119,7 +119,7 @@ class ProjectionFoldError(EsPipelineError):
         self.event_type, self.reason = event_type, reason
         where = f" key {key!r}" if key is not None else ""
         if stream_id is not None:
-            where += f" on stream {stream_id!r} version {version} ({event_type})"
+            where += f" on stream {stream_id!r} version {version}" + (f" ({event_type})" if event_type else "")
         super().__init__(
             f"projection {projection!r} failed at{where}: {reason}. Nothing of this run was committed. Fix the "
             "projection's fold (and bump its revision) or the event, then re-run."

@@ -48,9 +48,9 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, w
 
 from es_pipeline.domain import Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
-from es_pipeline.lake import feed, tables, typed_state
+from es_pipeline.lake import feed, state_json, tables, typed_state
 from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import loads, with_schema_versions
+from es_pipeline.lake.fold import with_schema_versions
 from es_pipeline.lake.serial import Turn, one_at_a_time
 from es_pipeline.lake.table import Reconciled, Table, over, rows_off
 from es_pipeline.lake.tables import Location
@@ -541,11 +541,20 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
     """Folded rows in the table's schema, stamped now; the declared fields from the state."""
     keys = sorted(folded)
     rows = [folded[k] for k in keys]
-    states = [r.state for r in rows]
+    codec = state_json.codec(projection.state)
+    states, texts = [], []
+    for k, r in zip(keys, rows, strict=True):
+        try:
+            held = codec.to_json(r.state)
+            texts.append(codec.text(held))
+        except state_json.StateMisfit as misfit:
+            sid, version = (r.last[2], r.last[3]) if r.last else (None, None)
+            raise ProjectionFoldError(projection.name, k[1], sid, version, None, str(misfit)) from None
+        states.append(held)
     n = len(rows)
     columns: list[pa.Array] = [
         pa.array([k[0] for k in keys], pa.string()), pa.array([k[1] for k in keys], pa.string()),
-        pa.array([json.dumps(s, sort_keys=True, separators=(",", ":")) for s in states], pa.string()),
+        pa.array(texts, pa.string()),
         pa.array([r.events for r in rows], pa.int64()),
         pa.array([r.last[2] if r.last else None for r in rows], pa.string()),
         pa.array([r.last[3] if r.last else None for r in rows], pa.int32()),
@@ -555,17 +564,12 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
         pa.array([projection.revision] * n, pa.int32()), pa.array([datetime.now(UTC)] * n, _AT),
     ]
     if projection.state is not None:
-        try:
-            fields = typed_state.state_fields(states, projection.state)
-        except typed_state.StateMisfit as misfit:
-            raise ProjectionFoldError(projection.name, keys[misfit.index][1], None, None, None,
-                                      f"its state does not fit the declared fields: field {misfit.field!r} holds "
-                                      f"{misfit.value!r} ({misfit.reason})") from None
-        columns.extend(fields.columns)
+        columns.extend(state_json.columns(states, projection.state).columns)  # checked by `to_json` above
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], _Row]:
+def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, str]],
+           projection: Projection) -> dict[tuple[str, str], _Row]:
     """The table's rows of the `wanted` keys, as the fold goes on from them."""
     key_column = table.key[1]
     held = feed.files(path, target).to_table(columns=[
@@ -574,6 +578,7 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     if not held.num_rows:
         return {}
     held = held.filter(pc.is_in(held[key_column], pa.array(sorted({k for _, k in wanted}), pa.string())))
+    codec = state_json.codec(projection.state)
     out = {}
     cols = [held[c].to_pylist() for c in ("tenant", key_column, "state", "events", "last_stream_id", "last_version",
                                           "last_batch_id", "last_position")]
@@ -581,7 +586,7 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     for tenant, key, state, count, sid, version, batch, position, last_at in zip(*cols, at, strict=True):
         if (tenant, key) in wanted:
             last = None if sid is None else (batch, position, sid, version)
-            out[(tenant, key)] = _Row(loads(state) if state else {}, count, last, last_at)
+            out[(tenant, key)] = _Row(codec.loads(state) if state else {}, count, last, last_at)
     return out
 
 
@@ -627,7 +632,7 @@ def _increment(
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
     path = table.path(warehouse)
     first = keyed.firsts()
-    prior = _prior(target, path, table, set(first)) if first else {}
+    prior = _prior(target, path, table, set(first), projection) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
     late = {k for k, order in first.items() if k in prior and prior[k].last is not None and order <= prior[k].last}  # type: ignore[operator]
     folded = _fold(projection, domain, keyed if not late else keyed.only(late, keep=False), prior)

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
+from es_pipeline.lake import state_json
 
 _UTC_MICROS = pa.timestamp("us", tz="UTC")
 FOLD_OUT = pa.schema([
@@ -118,7 +119,7 @@ class StreamFold:
     Times travel as microseconds since the epoch (a datetime per event would cost as much as the fold)."""
 
     __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
-                 "last_at", "skipped", "folded", "parked", "error")
+                 "last_at", "skipped", "folded", "parked", "error", "codec", "last_type")
 
     def __init__(
         self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
@@ -133,9 +134,11 @@ class StreamFold:
         self.folded = 0
         self.parked: list[dict[str, Any]] = []
         self.error: str | None = None
+        self.codec = state_json.codec(reducer.state if reducer is not None else None)
+        self.last_type: str | None = None  # of the last event folded: a state that does not fit names it
 
     def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None) -> None:
-        self.state = loads(state) if state is not None and self.fold is not None else {}
+        self.state = self.codec.loads(state) if state is not None and self.fold is not None else {}
         self.version, self.last_at, self.skipped = version, last_at, skipped or 0
 
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
@@ -157,14 +160,14 @@ class StreamFold:
         except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
             if not self._failed(exc, v, event_type):
                 return
-        self.version, self.last_at = v, recorded_at
+        self.version, self.last_at, self.last_type = v, recorded_at, event_type
         self.folded += 1
 
     def events(self, run: Iterator[tuple[int, str, str, int | None]]) -> None:
         """Every event of `run` (this stream's, in version order) as `event` folds them, the stream's figures
         kept in locals while each event is the next version (a first build's every event but a gap's)."""
         if not self.parked and self.error is None:
-            state, version, last_at, folded = self.state, self.version, self.last_at, self.folded
+            state, version, last_at, folded, kind = self.state, self.version, self.last_at, self.folded, self.last_type
             fold, stream_id = self.fold, self.stream_id
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
@@ -181,8 +184,8 @@ class StreamFold:
                     except Exception as exc:  # noqa: BLE001 - as in `event`
                         if not self._failed(exc, v, event_type):
                             break
-                version, last_at, folded = v, recorded_at, folded + 1
-            self.state, self.version, self.last_at, self.folded = state, version, last_at, folded
+                version, last_at, folded, kind = v, recorded_at, folded + 1, event_type
+            self.state, self.version, self.last_at, self.folded, self.last_type = state, version, last_at, folded, kind
             if off is not None:
                 self.event(*off)
         for rest in run:  # after a gap or an error: one by one
@@ -210,9 +213,16 @@ class StreamFold:
                             "recorded_at": _timestamp(recorded_at)})
 
     def row(self) -> tuple[Any, ...]:
+        """The stream's row; a state that does not fit its declared fields (or JSON) is the stream's error, named
+        by the last event folded."""
+        state = None
+        if self.fold is not None and self.error is None:
+            try:
+                state = self.codec.dumps(self.state)
+            except state_json.StateMisfit as misfit:
+                self.error = json.dumps([self.stream_id, self.version, self.last_type or "?", str(misfit)])
         return (
-            self.stream_id, self.stream_type, self.version,
-            None if self.fold is None else json.dumps(self.state, sort_keys=True, separators=(",", ":")), self.last_at,
+            self.stream_id, self.stream_type, self.version, state, self.last_at,
             self.reducer.revision if self.reducer else 0,
             json.dumps(self.parked, default=str) if self.parked else None,
             self.skipped, self.folded, self.error, self.tenant,

@@ -29,7 +29,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
-from es_pipeline.lake import feed, tables
+from es_pipeline.lake import feed, state_json, tables
 from es_pipeline.lake.fold import Written
 from es_pipeline.lake.table import Table
 from es_pipeline.lake.tables import Location
@@ -210,36 +210,14 @@ def _typed(rows: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
     """`stream_state` rows as the typed table's: the envelope, then the state's fields from its JSON."""
     assert reducer.state is not None
     rows = rows.filter(pc.is_valid(rows["state"]))  # none: a rebuild of the type in progress left none
-    states = [json.loads(text) for text in rows["state"].to_pylist()]
+    states = [json.loads(text) for text in rows["state"].to_pylist()]  # the JSON form the fold checked
     try:
-        fields = state_fields(states, reducer.state)
-    except StateMisfit as misfit:
+        fields = state_json.columns(states, reducer.state)
+    except state_json.StateMisfit as misfit:  # a row folded before its fields were checked at the fold
         raise TypedStateMismatch(reducer.stream_type, rows["stream_id"][misfit.index].as_py(), misfit.field,
                                  misfit.value, misfit.reason) from None
     envelope = rows.select(_ENVELOPE.names).cast(_ENVELOPE)
     return pa.Table.from_arrays([*envelope.columns, *fields.columns], schema=table.schema)
-
-
-class StateMisfit(ValueError):
-    """A state that does not fit its declared fields: which one (its index), the field, the value, why."""
-
-    def __init__(self, index: int, field: str, value: object, reason: str) -> None:
-        self.index, self.field, self.value, self.reason = index, field, value, reason
-        super().__init__(f"state {index}: field {field!r} holds {value!r} ({reason})")
-
-
-def state_fields(states: list[dict], schema: pa.Schema) -> pa.Table:
-    """The declared fields of `states` (dicts) as columns; `StateMisfit` names the first that does not fit."""
-    try:
-        return pa.Table.from_pylist([{f.name: s.get(f.name) for f in schema} for s in states], schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
-        for i, s in enumerate(states):
-            for f in schema:
-                try:
-                    pa.array([s.get(f.name)], type=f.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-                    raise StateMisfit(i, f.name, s.get(f.name), str(exc)) from None
-        raise StateMisfit(0, "?", None, str(exc)) from None
 
 
 def table_names(warehouse: Location) -> Iterator[str]:

@@ -3,9 +3,10 @@ order, through concurrent writers, a batch left pending by a killed run, out-of-
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import psycopg
 import pytest
@@ -206,3 +207,42 @@ def test_an_upcaster_of_its_event_types_rebuilds_a_projection(dsn: StoreDsn, war
     again = cross_stream.update(warehouse, d, "moved")
     assert again.previous_events_version == -1
     assert json.loads(_table(warehouse, "moved", "account")[("", "a")]["state"]) == {"n": 20}
+
+
+class _Place(TypedDict):
+    visits: int
+    first_at: dt.datetime
+    last_at: dt.datetime
+
+
+def test_a_projection_state_of_datetimes_round_trips_and_one_that_does_not_fit_is_named(dsn: StoreDsn,
+                                                                                      warehouse: Path) -> None:
+    d = Domain("places")
+
+    @d.projection("places", events=["Visited"], key="place", revision=1, state=_Place)
+    def places(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        at = dt.datetime.fromisoformat(event.payload["at"])
+        if event.payload.get("bad"):
+            return {**state, "last_at": event.payload["at"]}  # a string where a datetime is declared
+        first = state.get("first_at")
+        return {"visits": state.get("visits", 0) + 1, "first_at": min(first, at) if first else at,
+                "last_at": max(state.get("last_at") or at, at)}  # datetimes compared: from the last run's JSON too
+
+    store = EventStore(dsn)
+    store.append("v-1", "visitor", [NewEvent("Visited", {"place": "desk", "at": "2026-11-27T10:00:00+01:00"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    cross_stream.update(warehouse, d, "places", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    store.append("v-2", "visitor", [NewEvent("Visited", {"place": "desk", "at": "2026-11-27T08:30:00+00:00"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    cross_stream.update(warehouse, d, "places", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    row = _table(warehouse, "places", "place")[("", "desk")]
+    assert (row["visits"], row["first_at"], row["last_at"]) == (
+        2, dt.datetime(2026, 11, 27, 8, 30, tzinfo=dt.UTC), dt.datetime(2026, 11, 27, 9, tzinfo=dt.UTC))
+    store.append("v-3", "visitor", [NewEvent("Visited", {"place": "desk", "at": "2026-11-28T08:00:00+00:00",
+                                                         "bad": True})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    version = DeltaTable(str(warehouse / "places")).version()
+    with pytest.raises(ProjectionFoldError, match="'places' failed at key 'desk' on stream 'v-3' version 1: its "
+                                                  "state's field 'last_at' holds a str \\(declared a datetime"):
+        cross_stream.update(warehouse, d, "places", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert DeltaTable(str(warehouse / "places")).version() == version

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
-from es_pipeline.errors import TypedStateMismatch
+from es_pipeline.errors import ReducerError
 from es_pipeline.lake import typed_state
 from es_pipeline.lake.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -128,11 +129,11 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
     for upcaster in SHOP.upcasters.values():
         bad.add_upcaster(upcaster)
     bad.add(Reducer("account", 3, misfit, "bad", v2.reducers["account"].state))
-    with pytest.raises(TypedStateMismatch, match=r"'account-1' \(account\).*field 'balance' holds 'a lot'"):
+    state_version = DeltaTable(str(warehouse / "stream_state")).version()
+    with pytest.raises(ReducerError, match=r"stream 'account-1' version 2 \(Deposited\): its state's field 'balance' "
+                                           r"holds a str \(declared double"):
         update_stream_state(spark, warehouse, domain=bad)
-    states = {r["stream_id"]: r for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()}
-    assert json.loads(states["account-1"]["state"])["balance"] == "a lot"  # stream_state is committed; the table waits
-    # The reducer fixed (back to v2): the table catches up over both of stream_state's commits since it was written.
+    assert DeltaTable(str(warehouse / "stream_state")).version() == state_version  # nothing committed
     update_stream_state(spark, warehouse, domain=v2)
     account = _typed(warehouse, "stream_state_account")["account-1"]
     assert (account["balance"], account["revision"]) == (5.0, 2)
@@ -211,3 +212,92 @@ def test_a_typed_table_its_type_did_not_move_is_left_alone_then_catches_up_from_
     caught_up = update_stream_state(_no_spark, warehouse, domain=SHOP)
     assert dict(caught_up.typed_rows) == {"stream_state_cart": 2}
     _assert_typed_equal_replay(dsn, warehouse)
+
+
+@dataclass
+class _Visit:
+    at: dt.datetime
+    place: str
+
+
+@dataclass
+class _Ticket:
+    opened_at: dt.datetime
+    due: dt.date
+    last: _Visit | None
+    days: list[dt.date]
+    places: dict[str, int]
+    open_seconds: float | None
+
+
+def _ticket(state: dict[str, Any], event: Event) -> dict[str, Any]:
+    """Natural Python values throughout: the next run's fold must see datetimes again, or `-` fails."""
+    p = event.payload
+    if event.event_type == "Opened":
+        return {"opened_at": dt.datetime.fromisoformat(p["at"]), "due": dt.date.fromisoformat(p["due"]), "last": None,
+                "days": [], "places": {}, "open_seconds": None}
+    at = dt.datetime.fromisoformat(p["at"])
+    if event.event_type == "Visited":
+        places = dict(state["places"])
+        places[p["place"]] = places.get(p["place"], 0) + 1
+        return {**state, "last": {"at": at, "place": p["place"]}, "days": [*state["days"], at.date()], "places": places}
+    return {**state, "open_seconds": (at - state["opened_at"]).total_seconds(), "due": max(state["due"], at.date())}
+
+
+def _tickets(fold: Any = _ticket) -> Domain:
+    d = Domain("tickets")
+    d.reducer("ticket", revision=1, state=_Ticket)(fold)
+    return d
+
+
+def test_a_typed_state_round_trips_dates_times_nested_and_optional_values(dsn: StoreDsn, spark: Any,
+                                                                          warehouse: Path) -> None:
+    store = EventStore(dsn)
+    store.append("t-1", "ticket", [NewEvent("Opened", {"at": "2026-11-27T09:00:00+01:00", "due": "2026-12-01"}),
+                                   NewEvent("Visited", {"at": "2026-11-27T10:30:00+00:00", "place": "desk"})], 0)
+    store.append("t-2", "ticket", [NewEvent("Opened", {"at": "2026-11-27T08:00:00+00:00", "due": "2026-12-02"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(_no_spark, warehouse, domain=_tickets())
+    store.append("t-1", "ticket", [NewEvent("Visited", {"at": "2026-12-03T11:00:00+00:00", "place": "desk"}),
+                                   NewEvent("Closed", {"at": "2026-12-03T12:00:00+00:00"})], 2)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(_no_spark, warehouse, domain=_tickets())  # folds on from the JSON the first run wrote
+
+    utc = dt.UTC
+    one = _typed(warehouse, "stream_state_ticket")
+    assert one["t-1"]["opened_at"] == dt.datetime(2026, 11, 27, 8, tzinfo=utc)  # the moment, in UTC
+    assert one["t-1"]["due"] == dt.date(2026, 12, 3) and one["t-2"]["due"] == dt.date(2026, 12, 2)
+    assert one["t-1"]["last"] == {"at": dt.datetime(2026, 12, 3, 11, tzinfo=utc), "place": "desk"}
+    assert one["t-1"]["days"] == [dt.date(2026, 11, 27), dt.date(2026, 12, 3)] and one["t-1"]["places"] == [("desk", 2)]
+    assert one["t-1"]["open_seconds"] == (dt.datetime(2026, 12, 3, 12) - dt.datetime(2026, 11, 27, 8)).total_seconds()
+    assert one["t-2"]["last"] is None and one["t-2"]["open_seconds"] is None and one["t-2"]["days"] == []
+    state = json.loads(next(r["state"] for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table()
+                            .to_pylist() if r["stream_id"] == "t-1"))
+    assert state["opened_at"] == "2026-11-27T08:00:00+00:00" and state["due"] == "2026-12-03"  # JSON for any reader
+    # Built at once on Spark (a new revision): the same table as the increments made.
+    again = Domain("tickets, again")
+    again.reducer("ticket", revision=2, state=_Ticket)(_ticket)
+    assert update_stream_state(spark, warehouse, domain=again).rebuilt_types == ("ticket",)
+    assert {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in
+            _typed(warehouse, "stream_state_ticket").items()} == \
+        {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in one.items()}
+
+
+def test_a_state_that_does_not_fit_names_its_stream_version_and_field_and_commits_nothing(dsn: StoreDsn,
+                                                                                          warehouse: Path) -> None:
+    store = EventStore(dsn)
+    store.append("t-1", "ticket", [NewEvent("Opened", {"at": "2026-11-27T09:00:00+01:00", "due": "2026-12-01"})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    cases = (
+        (lambda s, e: {**_ticket(s, e), "opened_at": e.payload["at"]}, "field 'opened_at' holds a str \\(declared a "
+                                                                       "datetime: return a datetime\\)"),
+        (lambda s, e: {**_ticket(s, e), "opened_at": 1_700_000_000}, "field 'opened_at' holds a int"),
+        (lambda s, e: {**_ticket(s, e), "opened_at": dt.datetime(2026, 11, 27)}, "without a time zone"),
+        (lambda s, e: {**_ticket(s, e), "last": {"at": dt.datetime.now(dt.UTC), "place": ["x"]}}, "field 'last.place' holds a list"),
+        (lambda s, e: {**_ticket(s, e), "price": dt.date(2026, 1, 1)}, "field 'price' holds a date \\(it has no "
+                                                                        "JSON form"),
+    )
+    for fold, says in cases:
+        with pytest.raises(ReducerError, match=f"stream 't-1' version 1 \\(Opened\\): its state's .*{says}"):
+            update_stream_state(_no_spark, warehouse, domain=_tickets(fold))
+        assert not (warehouse / "stream_state").exists() or DeltaTable(str(warehouse / "stream_state")).version() <= 0
