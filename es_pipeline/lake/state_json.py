@@ -54,16 +54,18 @@ class Codec:
     """A state's JSON text and back, for one declaration (None: no declared fields)."""
 
     def __init__(self, schema: pa.Schema | None) -> None:
-        self.fields = [] if schema is None else [(f.name, f.type) for f in schema]
-        self.special = [(n, t) for n, t in self.fields if _special(t)]
+        self.fields = [] if schema is None else [(f.name, f.type, _fits(f.type)) for f in schema]
+        self.special = [(n, t) for n, t, _ in self.fields if _special(t)]
 
     def to_json(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` with its declared fields checked and in their JSON form (a copy where one changed)."""
         if not isinstance(state, dict):
             raise StateMisfit("", state, "a state is a dict: return a dict")
         out = state
-        for name, t in self.fields:
+        for name, t, fits in self.fields:
             value = state.get(name)
+            if value is None or (fits is not None and fits(value)):
+                continue  # the common case, checked at once: a JSON value of the field's own kind
             held = _to_json(value, t, name)
             if held is not value:
                 if out is state:
@@ -225,19 +227,44 @@ def columns(states: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(out, schema=schema)
 
 
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _PLAIN: dict[pa.DataType, Callable[[Any], bool]] = {
-    pa.string(): lambda v: type(v) is str, pa.int64(): lambda v: type(v) is int,
-    pa.float64(): lambda v: type(v) is float, pa.bool_(): lambda v: type(v) is bool,
+    pa.string(): lambda v: type(v) is str, pa.int64(): lambda v: type(v) is int and _INT_MIN <= v <= _INT_MAX,
+    pa.float64(): lambda v: type(v) is float or (type(v) is int and -shapes.EXACT <= v <= shapes.EXACT),
+    pa.bool_(): lambda v: type(v) is bool,
 }
 
 
+def _fits(t: pa.DataType) -> Callable[[Any], bool] | None:
+    """A quick test that a (non-null) value fits type `t` as it is, for a type of strings, 64-bit integers,
+    doubles, booleans and maps, lists and structs of them (None for other types: `_to_json` looks at each value).
+    False says only "look closer": `_to_json` and `declared_value` decide."""
+    plain = _PLAIN.get(t)
+    if plain is not None:
+        return plain
+    if pa.types.is_map(t):
+        item = _fits(t.item_type)
+        if item is None:
+            return None
+        return lambda v: type(v) is dict and all(type(k) is str and (x is None or item(x)) for k, x in v.items())
+    if pa.types.is_list(t):
+        element = _fits(t.value_type)
+        if element is None:
+            return None
+        return lambda v: type(v) is list and all(x is None or element(x) for x in v)
+    if pa.types.is_struct(t):
+        fields = {t.field(i).name: _fits(t.field(i).type) for i in range(t.num_fields)}
+        if any(f is None for f in fields.values()):
+            return None
+        return lambda v: type(v) is dict and all(x is None or (k in fields and fields[k](x))  # type: ignore[misc]
+                                                 for k, x in v.items())
+    return None
+
+
 def _exactly(values: list[Any], t: pa.DataType) -> pa.Array | None:
-    """`values` as a column of type `t` at once, where each is of `t`'s own Python type (the rule takes it as it
-    is), else None (then value by value)."""
-    same = _PLAIN.get(t)
-    if same is None or not all(v is None or same(v) for v in values):
+    """`values` as a column of type `t` at once, where each fits as it is (`_fits`: the rule takes it as it is),
+    else None (then value by value)."""
+    fits = _fits(t)
+    if fits is None or not all(v is None or fits(v) for v in values):
         return None
-    try:
-        return pa.array(values, type=t)
-    except (pa.ArrowInvalid, OverflowError):  # an integer beyond 64 bits
-        return None
+    return pa.array(values, type=t)
