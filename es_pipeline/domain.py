@@ -42,7 +42,6 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from es_pipeline.errors import DomainError
-from es_pipeline.lake import shapes
 
 State = dict[str, Any]
 
@@ -428,11 +427,43 @@ def state_schema(spec: Any, what: str, envelope: Sequence[str] = ENVELOPE) -> pa
     fields = []
     for f in schema:
         try:  # as its Delta table holds it: timestamps in microseconds, UTC where zoned; no time of day
-            fields.append(pa.field(f.name, shapes.declared_type(f.type)))
+            fields.append(pa.field(f.name, declared_type(f.type)))
         except ValueError as exc:
             raise DomainError(f"{what}, field {f.name!r}: {exc}",
                               "Declare the field with a type its typed table can hold (docs/analysts.md).") from exc
     return pa.schema(fields)
+
+
+def declared_type(t: pa.DataType) -> pa.DataType:
+    """A declared column type as its Delta table holds it (a timestamp in microseconds, UTC where it has a zone; a
+    date as `date32`; plain strings, binaries and lists), or ValueError saying why no JSON value can go there."""
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(t.field(i).name, declared_type(t.field(i).type)) for i in range(t.num_fields)])
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(declared_type(t.value_type))
+    if pa.types.is_map(t):
+        if not (pa.types.is_string(t.key_type) or pa.types.is_large_string(t.key_type)):
+            raise ValueError(f"a map's keys are JSON object keys, strings, not {t.key_type}")
+        return pa.map_(pa.string(), declared_type(t.item_type))
+    if pa.types.is_unsigned_integer(t):
+        raise ValueError(f"Delta Lake has no unsigned integers ({t}): declare int64")
+    if pa.types.is_time(t):
+        raise ValueError(f"Delta Lake has no time of day type ({t}): declare a string, or a timestamp")
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz="UTC" if t.tz else None)
+    if pa.types.is_date(t):
+        return pa.date32()
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_decimal(t):
+        if t.precision > 38:
+            raise ValueError(f"Delta Lake's decimals hold at most 38 digits ({t})")
+        return pa.decimal128(t.precision, t.scale)
+    if pa.types.is_boolean(t) or pa.types.is_signed_integer(t) or t in (pa.float32(), pa.float64()):
+        return t
+    raise ValueError(f"no JSON value converts to {t}")
 
 
 def _fields(spec: type, what: str) -> list[pa.Field]:
