@@ -41,9 +41,9 @@ from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.dev.spark_cluster import connect_server, standalone
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
-from es_pipeline.lake.fold import StateResult
 from es_pipeline.lake.spark import get_spark
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.fold import StateResult
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 
 NAME = "spark_cluster"

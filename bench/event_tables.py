@@ -38,7 +38,8 @@ from bench.extract_incremental import append_increment
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.domain import NO_DOMAIN, Domain
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake import event_tables, tables
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.store.event_store import EventStore, NewEvent
 
 NAME = "typed_event_tables"

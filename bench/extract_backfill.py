@@ -29,7 +29,7 @@ from bench.jdbc import jdbc_url
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.extraction.extractor import DEFAULT_BATCH_EVENTS, Extractor
 from es_pipeline.extraction.reader import EVENT_COLUMNS, EVENTS_ARROW_SCHEMA
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source.mapping import native
 from es_pipeline.store.conninfo import adbc_dsn, resolved
 

@@ -32,12 +32,12 @@ import psycopg
 
 from bench.common import WORK_ROOT, admin_dsn, drop_database, fresh_database
 from bench.results import Goal, machine_facts, write_result
-from es_pipeline.defs.events.asset import PROJECTIONS_GAP
 from es_pipeline.dev.stack import dagster_stack
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.extraction.probe import TAIL_ROWS, probe
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.tail import PASS_GAP
+from es_pipeline.lake.follow import GAP as PROJECTIONS_GAP
 from es_pipeline.store.conninfo import connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 
@@ -267,8 +267,8 @@ def _folded(warehouse: Path, reached: dict[str, list[tuple[float, int]]], stop: 
     from deltalake import DeltaTable
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
-    from es_pipeline.lake import tables
-    from es_pipeline.lake.table import over
+    from es_pipeline.lake.delta import tables
+    from es_pipeline.lake.delta.definition import over
 
     while not stop.is_set():
         if not (warehouse / "events" / "_delta_log").is_dir():
@@ -362,7 +362,7 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
                "Delta transaction version (the `events` version it has folded) reached that version. Measured "
                "after the projections' first builds (Spark) and while the tailing run keeps them (its small "
                f"increments every {PROJECTIONS_GAP:.0f} s and after each report of the passes, "
-               "lake/projections.py `follow`). 'not folded' within 60 s of the last probe is counted, never left out."],
+               "lake/aggregates/builtin.py `follow`). 'not folded' within 60 s of the last probe is counted, never left out."],
     )
 
 

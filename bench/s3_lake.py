@@ -31,7 +31,7 @@ from bench.extract_incremental import append_increment
 from bench.results import Goal, machine_facts, n, ratio, secs, write_result
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 
 NAME = "s3_lake"
 TITLE = "the lake on S3 (s3proxy) vs a local folder: backfill and increments"

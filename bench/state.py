@@ -36,10 +36,11 @@ from bench.results import Goal, n, ratio, secs
 from es_pipeline.domain import Domain, Event, State
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
-from es_pipeline.lake import cross_stream, tables
-from es_pipeline.lake.fold import StateResult
-from es_pipeline.lake.stream_state import update_stream_state
-from es_pipeline.lake.whole_fold import WHOLE_BYTES
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.fold import StateResult
+from es_pipeline.lake.state.stream_state import update_stream_state
+from es_pipeline.lake.state.whole_fold import WHOLE_BYTES
 
 INCREMENTAL = "state_incremental"
 REBUILD = "state_rebuild"
@@ -162,7 +163,7 @@ def run_incremental(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str,
         "notes": [
             f"Each increment: {sizes.increment:,} account events on new streams (10 per transaction), extracted "
             "(not timed), then `update_stream_state` timed end to end. Spark: the change feed of the new `events` "
-            "commit, the fold (`mapInArrow` per partition), the MERGE. Arrow + delta-rs (lake/stream_state.py's small increment, "
+            "commit, the fold (`mapInArrow` per partition), the MERGE. Arrow + delta-rs (lake/state/stream_state.py's small increment, "
             "the default up to 200,000 new events): the change feed read by delta-rs, the state table read whole, "
             f"the same fold in this process, a delta-rs MERGE. Median of {sizes.repeats} each.",
             "Typed tables: the shop's reducers declare their states (examples/shop), so the default increment also "
@@ -208,7 +209,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
     seconds, r = _fold(spark, work)
     if r.events_folded != events or r.previous_events_version != -1:
         raise RuntimeError(f"the rebuild folded {r.events_folded:,} of {events:,} events")
-    fold = Timing("stream_state first build, default: in-process, one forked fold per core (lake/whole_fold.py)",
+    fold = Timing("stream_state first build, default: in-process, one forked fold per core (lake/state/whole_fold.py)",
                   events, seconds, {"streams": r.streams_updated})
     default_rows = tables.read(spark, str(state_path)).count()
     shutil.rmtree(state_path)

@@ -17,7 +17,7 @@ from es_pipeline.settings import Settings
 
 # Each command imports what it runs when it runs: `es-pipeline sql` answers without loading pandas, Spark or
 # Dagster's neighbours (an import of everything took 1.5 s before the first row).
-ENGINES = ("duckdb", "spark")  # lake/query.py
+ENGINES = ("duckdb", "spark")  # lake/read/query.py
 FORMATS = ("table", "csv", "json")
 
 
@@ -132,7 +132,7 @@ def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
 
 def _extract(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction.extractor import extract_ranges
-    from es_pipeline.lake import tables
+    from es_pipeline.lake.delta import tables
     from es_pipeline.lake.spark import get_spark
 
     total = 0
@@ -148,7 +148,7 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction import offsets
     from es_pipeline.extraction.rebase import rebase
-    from es_pipeline.lake import tables
+    from es_pipeline.lake.delta import tables
     from es_pipeline.store.conninfo import connect
 
     events_path = tables.table_path(settings.warehouse, "events")
@@ -241,7 +241,7 @@ def _metrics(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _sql(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.lake import query
+    from es_pipeline.lake.read import query
 
     first = args.limit if args.format == "table" else None  # a terminal's rows only: never the whole of `events`
     answer = query.run(settings.warehouse, args.query, engine=args.engine, settings=settings, first=first)

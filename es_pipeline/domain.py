@@ -296,13 +296,13 @@ class Domain:
 
     def versioned_type(self, event_type: str, metadata: Any) -> str:
         """With `metadata:<name>`: the event type with its version as a suffix (`ItemAdded.v2`), as the folds read it
-        (lake/fold.py `with_schema_versions`); the suffix is stripped before any reducer sees the type."""
+        (lake/state/fold.py `with_schema_versions`); the suffix is stripped before any reducer sees the type."""
         field = self.metadata_field
         if field is None:
             return event_type
         held = metadata.get(field) if isinstance(metadata, dict) else None
         # A whole number from 1, as a JSON number or digits in a string; anything else is version 1 (Spark's
-        # path in lake/stream_state.py reads it by the same rule).
+        # path in lake/state/stream_state.py reads it by the same rule).
         text = str(held) if isinstance(held, int) and not isinstance(held, bool) else held
         version = int(text) if isinstance(text, str) and text.isascii() and text.isdecimal() and len(text) <= 18 else 1
         return f"{event_type}.v{max(version, 1)}"
@@ -400,7 +400,7 @@ def _identity(state: State, event: Event) -> State:
     return state
 
 
-# The columns a typed state table has besides the state's fields (lake/typed_state.py): no field may take one.
+# The columns a typed state table has besides the state's fields (lake/state/typed_state.py): no field may take one.
 ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "updated_at")
 # The columns a cross-stream projection's table has besides its key and its state's fields (lake/cross_stream.py).
 PROJECTION_ENVELOPE = ("tenant", "state", "events", "last_stream_id", "last_version", "last_batch_id",

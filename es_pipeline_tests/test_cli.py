@@ -90,7 +90,7 @@ def test_sql_answers_by_duckdb_as_a_table_csv_or_json_and_refuses_a_bad_query_in
 ) -> None:
     from es_pipeline.dev.workload import run_workload
     from es_pipeline.domain import NO_DOMAIN
-    from es_pipeline.lake import event_tables
+    from es_pipeline.lake.typed import event_tables
     from es_pipeline.store.event_store import EventStore
     from es_pipeline_tests.support.lakecheck import extract_all
 

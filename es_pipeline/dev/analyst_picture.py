@@ -11,7 +11,7 @@ import sys
 from html import escape
 from pathlib import Path
 
-from es_pipeline.lake import query
+from es_pipeline.lake.read import query
 from es_pipeline.settings import PROJECT_ROOT, Settings
 
 QUERY = ("SELECT sku, sum(qty) AS units, round(sum(qty * unit_price), 2) AS revenue "

@@ -9,11 +9,11 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
-from es_pipeline.lake import tables
-from es_pipeline.lake.catalog import register_tables
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.spark import get_spark
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store import tenants
 from es_pipeline.store.adopt import adopt

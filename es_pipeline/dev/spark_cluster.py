@@ -21,7 +21,7 @@ from pathlib import Path
 
 from es_pipeline.dev.stack import free_port, stop_process, wait_port
 from es_pipeline.errors import LocalServerError
-from es_pipeline.lake.java import java_binary
+from es_pipeline.lake.spark.java import java_binary
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"

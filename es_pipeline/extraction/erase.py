@@ -7,7 +7,7 @@ In this order, each step safe to run again (a cut-short erasure is finished by r
 3. record the erasure as started (`es_pipeline.tenant_erasures`);
 4. drop the tenant's partition (detach, then drop: no DELETE, nothing for the append-only guard to refuse);
    in the native store also its `streams` and `snapshots` rows (an adopted store: `es_pipeline.snapshots`);
-5. delete its rows from `events`, purge its files (`lake/erase.py`: vacuum with no retention, change data
+5. delete its rows from `events`, purge its files (`lake/delta/erase.py`: vacuum with no retention, change data
    removed) and check that none still holds the tenant, under the slice locks (no append can write a file the
    purge would take for unreferenced); then release the locks, so that extraction goes on;
 6. the same for `stream_state`, `stream_catalog`, `event_type_daily` and `snapshots`, each in its turn
@@ -34,12 +34,13 @@ from es_pipeline.errors import ErasureIncomplete, SliceLocked, TenantRefused
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
-from es_pipeline.lake import cross_stream, inventory, tables
-from es_pipeline.lake import erase as lake_erase
-from es_pipeline.lake import stream_state as st
-from es_pipeline.lake.fold import txn_version_after
-from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.serial import one_at_a_time
+from es_pipeline.lake import cross_stream, inventory
+from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.delta import erase as lake_erase
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.state import stream_state as st
+from es_pipeline.lake.state.fold import txn_version_after
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT
 from es_pipeline.store import tenants

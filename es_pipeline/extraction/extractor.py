@@ -35,9 +35,9 @@ from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import Batch, OffsetSession, pending_batch_ids
 from es_pipeline.extraction.rebase import rebase
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.lake import arrow_append, tables
+from es_pipeline.lake.delta import arrow_append, tables
+from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS, with_statistics
-from es_pipeline.lake.tables import Location
 from es_pipeline.settings import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_EVENTS, WRITERS, Settings
 from es_pipeline.source.mapping import Source, native
 from es_pipeline.store.conninfo import resolved
@@ -350,7 +350,7 @@ class Extractor:
         The xid span is split evenly by the backlog's density, then an interval that still counts
         over 1.5x the target is halved (counting is an index-only scan, far cheaper than reading).
         A cut lies between two xids, so one transaction's events always stay in one batch, however
-        large: it then streams through as one batch (extraction/reader.py, lake/arrow_append.py).
+        large: it then streams through as one batch (extraction/reader.py, lake/delta/arrow_append.py).
         """
         if not backlog:
             return []

@@ -34,7 +34,7 @@ from es_pipeline.errors import (
     XidSpaceWentBack,
 )
 from es_pipeline.extraction.slices import NUM_SLICES
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source.mapping import Source, as_source, native
 from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
 

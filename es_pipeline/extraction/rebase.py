@@ -38,7 +38,7 @@ from es_pipeline.errors import FutureTransactionIds, RebaseRefused, SourceChange
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, check_source, mark_rebased
 from es_pipeline.extraction.slices import NUM_SLICES
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source.mapping import Source, as_source
 
 

@@ -9,8 +9,8 @@ import psycopg
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, read_watermarks
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.lake import erase as lake_erase
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import erase as lake_erase
+from es_pipeline.lake.delta import tables
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT, Source
 from es_pipeline.store import tenants

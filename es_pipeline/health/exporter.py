@@ -1,7 +1,7 @@
 """`es-pipeline metrics`: the pipeline's health in Prometheus's exposition format (prometheus_client).
 
 A scrape takes one `Reading` (cached for `min_interval` seconds, so two Prometheus servers or a person's
-`curl` cost one): the store (health/store.py), the lake's logs (lake/behind.py) and Dagster's instance
+`curl` cost one): the store (health/store.py), the lake's logs (lake/read/behind.py) and Dagster's instance
 (health/dagster_state.py), each optional, each failing alone (`es_pipeline_reading_ok{part}` says which).
 Labels are bounded: `consumer` (one per exporter), `range` (the slice ranges, 8 by default), `projection`
 and `asset` (the lake's tables), `job`, `sensor`, `daemon`; the horizon's holder is one series at a time.
@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from es_pipeline.extraction.slices import split
 from es_pipeline.health.store import StoreReading, read_store
-from es_pipeline.lake.behind import Behind, Lake
+from es_pipeline.lake.read.behind import Behind, Lake
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import KeptConnection
 
@@ -115,7 +115,7 @@ class Reader:
         """Streams whose latest snapshot in the lake the store does not hold (the write-back's backlog), read
         again when the snapshots table or its newest materialization changed (a snapshots run does both), and
         every BACKLOG_EVERY seconds."""
-        from es_pipeline.lake.snapshots import not_in_store_small
+        from es_pipeline.lake.state.snapshots import not_in_store_small
         from es_pipeline.store.event_store import EventStore
 
         table = self.lake.table("snapshots")

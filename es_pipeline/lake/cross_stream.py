@@ -23,7 +23,7 @@ caught up by an older release, batch 0; a batch whose id was reused) makes that 
 events in `events`: slower, never wrong. A first build, a changed definition or revision, a feed that cannot be read (vacuumed, or
 larger than `feed.SMALL_INCREMENT`), or a tenant's erasure (it records frontier 0) folds every key from `events`.
 
-No JVM: the fold is plain Python per event, as reducers are (lake/fold.py); the table is written by delta-rs.
+No JVM: the fold is plain Python per event, as reducers are (lake/state/fold.py); the table is written by delta-rs.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, w
 
 from es_pipeline.domain import Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
-from es_pipeline.lake import feed, state_json, tables, typed_state
-from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import with_schema_versions
-from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Reconciled, Table, over, rows_off
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
+from es_pipeline.lake.delta.feed import Feed
+from es_pipeline.lake.delta.serial import Turn, one_at_a_time
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.state import state_json, typed_state
+from es_pipeline.lake.state.fold import with_schema_versions
 from es_pipeline.source import payloads
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def table_of(projection: Projection, domain: Domain) -> Table:
 
 def table_names(warehouse: Location) -> list[str]:
     """The cross-stream projection tables in the lake now (whatever the domain), by name."""
-    known = {*tables.TABLES, "event_tables"}  # the typed event tables' (lake/event_tables.py), named below
+    known = {*tables.TABLES, "event_tables"}  # the typed event tables' (lake/typed/event_tables.py), named below
     names = [n for n in tables.table_names(warehouse, "") if n not in known
              and not n.startswith((typed_state.PREFIX, "events_"))]
     return [n for n in names if KIND in DeltaTable(tables.table_path(warehouse, n)).metadata().configuration]
@@ -115,6 +116,18 @@ class CrossStreamResult:
     events_waiting: int  # events of batches at or above the frontier: folded by a later update
     events_without_key: int  # events of the projection's types whose key is missing (skipped)
     frontier: int
+
+    @property
+    def worked(self) -> bool:
+        """Whether the run folded events (else the table was up to date, or its events wait for the frontier)."""
+        return bool(self.events_folded)
+
+    def metadata(self) -> dict[str, int | bool]:
+        """The run's figures, as its asset's materialization shows them."""
+        return {"dagster/row_count": self.rows, "events_folded": self.events_folded, "keys_updated": self.keys_updated,
+                "keys_refolded": self.keys_refolded, "events_waiting": self.events_waiting,
+                "events_without_key": self.events_without_key, "events_version": self.events_version,
+                "batch_frontier": self.frontier, "full_rebuild": self.previous_events_version < 0}
 
 
 def update(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from es_pipeline.lake.table import Table
+from es_pipeline.lake.delta.definition import Table
 
 _READ_FIRST = [
     ("global_position", pa.int64()), ("tx_id", pa.int64()), ("stream_id", pa.string()), ("stream_type", pa.string()),
@@ -34,7 +34,7 @@ EVENTS = Table(
     # Statistics on the long JSON text columns cost ~40% of a write and prune nothing. The change data feed lets
     # every projection read only the rows that later commits added.
     # recorded_at's give each commit its oldest event's time, from which the health exporter reads commit→lake
-    # latency without reading a row (lake/behind.py); and an analyst's time range prunes files on it.
+    # latency without reading a row (lake/read/behind.py); and an analyst's time range prunes files on it.
     properties={"delta.dataSkippingStatsColumns": STATS_COLUMNS, "delta.enableChangeDataFeed": "true"},
 )
 

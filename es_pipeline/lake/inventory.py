@@ -1,10 +1,13 @@
-"""Every table es_pipeline keeps in a lake, and the turn (lake/serial.py) each is written in: what maintenance
+"""Every table es_pipeline keeps in a lake, and the turn (lake/delta/serial.py) each is written in: what maintenance
 compacts, the catalog registers and a tenant's erasure deletes from."""
 
 from __future__ import annotations
 
-from es_pipeline.lake import cross_stream, event_tables, tables, typed_state
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.state import typed_state
+from es_pipeline.lake.typed import event_tables
 
 
 def lake_tables(warehouse: Location) -> list[str]:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from deltalake import DeltaTable
 
-from es_pipeline.lake import inventory, tables
-from es_pipeline.lake.serial import one_at_a_time
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake import inventory
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.delta.tables import Location
 
 
 def maintain(warehouse: Location, *, retain_hours: int = 168, store_dsn: str | None = None) -> dict[str, dict[str, int]]:

@@ -18,10 +18,12 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import cross_stream, feed, stream_state, tables
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.spark import spark_conf
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state import stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore

@@ -18,7 +18,7 @@ from es_pipeline.defs.events.asset import build_events_asset
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.projections.assets import build_event_tables_asset
 from es_pipeline.domain import NO_DOMAIN
-from es_pipeline.lake import event_tables
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent

@@ -18,9 +18,9 @@ from es_pipeline.defs.events.sensor import tailing_request
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG
-from es_pipeline.lake import tables
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore

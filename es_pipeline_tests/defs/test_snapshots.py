@@ -16,7 +16,7 @@ from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.checks import snapshots_match_store
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore

@@ -25,7 +25,7 @@ from es_pipeline.extraction.extractor import Extractor, build_extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.reader import batch_query
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events

@@ -249,8 +249,8 @@ def test_what_the_lake_holds_is_known_by_tenant_stream_and_version(tmp_path: Pat
     import pyarrow as pa
 
     from es_pipeline.extraction.extractor import EVENTS_LAKE_ARROW_SCHEMA
-    from es_pipeline.lake import tables
-    from es_pipeline.lake.arrow_append import append_batches
+    from es_pipeline.lake.delta import tables
+    from es_pipeline.lake.delta.arrow_append import append_batches
 
     def rows(tenants_: list[str | None]) -> pa.RecordBatch:
         n = len(tenants_)

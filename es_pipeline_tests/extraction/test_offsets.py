@@ -19,7 +19,7 @@ from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore, SourceChanged, 
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore

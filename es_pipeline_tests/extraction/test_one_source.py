@@ -17,7 +17,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import LakeHoldsAnotherSource
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key

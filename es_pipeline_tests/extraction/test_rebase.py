@@ -22,7 +22,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import SourceChanged
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all

@@ -23,11 +23,12 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.status import status_report
-from es_pipeline.lake import cross_stream, tables
-from es_pipeline.lake import erase as lake_erase
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.snapshots import take_snapshots
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import erase as lake_erase
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.snapshots import take_snapshots
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import load
 from es_pipeline.store import migrations, roles, tenants
@@ -281,7 +282,7 @@ def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
     """The slice locks are held for the store's drop and the `events` delete and purge, not for the projections'
     turns: while a long update holds `stream_state`'s turn, the other tenants' events are extracted."""
     from es_pipeline.extraction.slices import SliceRange
-    from es_pipeline.lake.serial import one_at_a_time
+    from es_pipeline.lake.delta.serial import one_at_a_time
 
     _seeded_lake(store, spark, warehouse)
     held, release, events_done = threading.Event(), threading.Event(), threading.Event()

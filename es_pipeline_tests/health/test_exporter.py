@@ -24,7 +24,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.health import watch
 from es_pipeline.health.exporter import ALERTS, Reader, registry_for
-from es_pipeline.lake import event_tables
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
@@ -180,8 +180,8 @@ def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
 ) -> None:
     from shop.domain import domain as shop
 
-    from es_pipeline.lake.snapshots import take_snapshots
-    from es_pipeline.lake.stream_state import update_stream_state
+    from es_pipeline.lake.state.snapshots import take_snapshots
+    from es_pipeline.lake.state.stream_state import update_stream_state
 
     run_workload(EventStore(dsn.writer), streams=10, events=300, writers=1, rollback_rate=0, max_commit_delay=0)
     Extractor(dsn.extractor, None, warehouse).run(ALL)

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from es_pipeline.lake import arrow_append, tables
-from es_pipeline.lake.arrow_append import append_batches, commit_parquet_folder, new_folder
+from es_pipeline.lake.delta import arrow_append, tables
+from es_pipeline.lake.delta.arrow_append import append_batches, commit_parquet_folder, new_folder
 
 SCHEMA = pa.schema([("id", pa.int64()), ("slice", pa.int32()), ("payload", pa.string())])
 

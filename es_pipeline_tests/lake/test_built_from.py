@@ -20,9 +20,9 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.offsets import OffsetSession
-from es_pipeline.lake import event_tables
-from es_pipeline.lake.behind import Lake
-from es_pipeline.lake.feed import FENCE
+from es_pipeline.lake.delta.feed import FENCE
+from es_pipeline.lake.read.behind import Lake
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import PROJECT_ROOT
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore

@@ -1,4 +1,4 @@
-"""Typed event tables (lake/event_tables.py): every event of the store in its type's table exactly once, each payload
+"""Typed event tables (lake/typed/event_tables.py): every event of the store in its type's table exactly once, each payload
 field in its column or in `_overflow`, through concurrent writers, payloads that change shape, killed runs, a
 lost change feed and hundreds of types."""
 
@@ -17,7 +17,9 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
-from es_pipeline.lake import event_tables, query, tables, typed_rows
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.read import query
+from es_pipeline.lake.typed import event_tables, typed_rows
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all, same_value
 from es_pipeline_tests.support.roles import StoreDsn

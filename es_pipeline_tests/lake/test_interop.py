@@ -22,11 +22,14 @@ from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import split
-from es_pipeline.lake import cross_stream, event_tables, inventory, query, tables
+from es_pipeline.lake import cross_stream, inventory
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import tables
 from es_pipeline.lake.maintenance import maintain
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.snapshots import take_snapshots
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.read import query
+from es_pipeline.lake.state.snapshots import take_snapshots
+from es_pipeline.lake.state.stream_state import update_stream_state
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import load
 from es_pipeline.store import migrations, roles, tenants

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from es_pipeline.lake.java import jks_of
+from es_pipeline.lake.spark.java import jks_of
 
 
 def test_a_pem_bundle_becomes_a_key_store_that_keytool_reads_and_verifies(tmp_path: Path) -> None:

@@ -37,8 +37,10 @@ from es_pipeline.errors import NoEventsYet
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier, read_watermarks
 from es_pipeline.extraction.slices import split
-from es_pipeline.lake import cross_stream, event_tables, stream_state, typed_state
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.state import stream_state, typed_state
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn

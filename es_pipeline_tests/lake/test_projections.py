@@ -10,9 +10,9 @@ import psycopg
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.lake import tables
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn

@@ -30,11 +30,11 @@ from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import split
-from es_pipeline.lake import tables
-from es_pipeline.lake.arrow_append import append_batches
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.maintenance import maintain
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events

@@ -1,4 +1,4 @@
-"""The payload rule (lake/shapes.py) and the typed event tables' names: pure, no I/O."""
+"""The payload rule (lake/typed/shapes.py) and the typed event tables' names: pure, no I/O."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from es_pipeline.lake import shapes
-from es_pipeline.lake.event_tables import table_name
-from es_pipeline.lake.typed_rows import ENVELOPE, regrown
+from es_pipeline.lake.typed import shapes
+from es_pipeline.lake.typed.event_tables import table_name
+from es_pipeline.lake.typed.typed_rows import ENVELOPE, regrown
 from es_pipeline_tests.support.lakecheck import same_value
 
 ENVELOPE_NAMES = frozenset(n.lower() for n in ENVELOPE.names)

@@ -1,4 +1,4 @@
-"""Small increments of the projections (the Arrow paths of lake/stream_state.py and lake/aggregate.py, and
+"""Small increments of the projections (the Arrow paths of lake/state/stream_state.py and lake/aggregates/aggregate.py, and
 `follow`): no Spark, delta-rs commits, same tables."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.lake import feed
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.delta import feed
+from es_pipeline.lake.follow import follow
 from es_pipeline.lake.maintenance import compact_with_delta_rs
-from es_pipeline.lake.projections import follow, update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_projections import (

@@ -15,9 +15,9 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
-from es_pipeline.lake.snapshots import app_id, latest, take_snapshots
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.snapshots import app_id, latest, take_snapshots
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
 

@@ -16,8 +16,8 @@ from es_pipeline.dev.workload import DemoStream, next_events
 from es_pipeline.domain import Event
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake.snapshots import take_snapshots
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.snapshots import take_snapshots
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, RecordedEvent
 from es_pipeline_tests.support.roles import StoreDsn
 

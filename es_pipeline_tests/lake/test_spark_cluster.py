@@ -22,7 +22,7 @@ from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.spark_cluster import SparkCluster, connect_server, standalone
 from es_pipeline.dev.workload import bulk_load, run_workload
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn

@@ -1,4 +1,4 @@
-"""A state's JSON text and back (lake/state_json.py): natural Python values of declared fields round-trip, and a
+"""A state's JSON text and back (lake/state/state_json.py): natural Python values of declared fields round-trip, and a
 state that does not fit names its field (pure)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from es_pipeline.lake.state_json import Codec, StateMisfit, columns
+from es_pipeline.lake.state.state_json import Codec, StateMisfit, columns
 
 _SCHEMA = pa.schema([
     ("at", pa.timestamp("us", tz="UTC")), ("local", pa.timestamp("us")), ("on", pa.date32()),

@@ -9,7 +9,7 @@ import pytest
 from shop.domain import domain as SHOP
 
 from es_pipeline.domain import Event, Reducer
-from es_pipeline.lake.fold import StreamFold
+from es_pipeline.lake.state.fold import StreamFold
 
 
 def _boom(state: dict, event: Event) -> dict:

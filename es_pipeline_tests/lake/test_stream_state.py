@@ -14,9 +14,10 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import tables, whole_fold
+from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state import whole_fold
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
@@ -42,7 +43,7 @@ def lake_state(spark: Any, warehouse: Path) -> dict[str, tuple[int, dict[str, An
 
 @pytest.fixture(params=["spark", "in-process"])
 def first_build(request: pytest.FixtureRequest, spark: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """`update_stream_state` with its first build on Spark, or in-process (lake/whole_fold.py: forked even for a
+    """`update_stream_state` with its first build on Spark, or in-process (lake/state/whole_fold.py: forked even for a
     few events, and with no Spark session to fall back on)."""
     if request.param == "spark":
         return lambda warehouse, **kw: update_stream_state(spark, warehouse, **{"domain": SHOP, **kw},
@@ -174,7 +175,7 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
 def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: Any, warehouse: Path, small: bool) -> None:
     """A stream id used by two tenants is two streams: stream_state, stream_catalog and event_type_daily are keyed
     by (tenant, …), on the Spark fold and on the Arrow one; rows written before tenants (NULL) are no tenant ('')."""
-    from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
+    from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 
     path = str(warehouse / "events")
     tables.ensure_table(spark, path, EVENTS.ddl, properties=EVENTS.properties)

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from es_pipeline.lake import tables
-from es_pipeline.lake.arrow_append import commit_parquet_folder, new_folder
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.arrow_append import commit_parquet_folder, new_folder
 
 
 def test_spark_written_delta_table_reads_back_through_deltalake(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

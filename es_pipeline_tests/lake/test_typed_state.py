@@ -1,4 +1,4 @@
-"""Typed state (lake/typed_state.py): a table per declared state, equal field by field to a fold of the store."""
+"""Typed state (lake/state/typed_state.py): a table per declared state, equal field by field to a fold of the store."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import typed_state
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state import typed_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.lake.test_stream_state import full_replay
 from es_pipeline_tests.support.lakecheck import extract_all

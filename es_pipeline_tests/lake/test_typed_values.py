@@ -1,7 +1,7 @@
 """One rule for typed values, whatever the path and whatever the batches (pure: no store, no Spark).
 
 A batch of one type's payloads becomes typed rows by Arrow's JSON reader where it can, value by value in Python
-otherwise (lake/typed_rows.py); a table takes batches one after another, placing its earlier rows again where a
+otherwise (lake/typed/typed_rows.py); a table takes batches one after another, placing its earlier rows again where a
 column comes or widens. Over random payloads and random declared schemas these tests assert that both paths give
 the same columns and values for any batch, and that a table built batch by batch equals one built at once.
 """
@@ -20,8 +20,8 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from es_pipeline.domain import Domain, DomainError
-from es_pipeline.lake import shapes, typed_rows
-from es_pipeline.lake.typed_rows import Typed, regrown, to_place_again, type_rows
+from es_pipeline.lake.typed import shapes, typed_rows
+from es_pipeline.lake.typed.typed_rows import Typed, regrown, to_place_again, type_rows
 
 _AT = dt.datetime(2026, 11, 27, tzinfo=dt.UTC)
 _TEXTS = st.sampled_from(["x", "2024-05-01", "2024-05-01T10:00:00", "2024-05-01T10:00:00+02:00",
@@ -87,7 +87,7 @@ def test_arrow_and_python_give_the_same_columns_for_any_batch(payloads: list[dic
 
 
 def _taken(table: pa.Table | None, typed: Typed) -> pa.Table:
-    """What a table holds after it takes `typed`, as lake/event_tables.py writes it."""
+    """What a table holds after it takes `typed`, as lake/typed/event_tables.py writes it."""
     if table is None:
         return typed.rows
     changed = to_place_again(typed, lambda: table[shapes.OVERFLOW])

@@ -13,7 +13,7 @@ from deltalake import DeltaTable
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
 from es_pipeline.lake import cross_stream
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn

@@ -1,4 +1,4 @@
-"""`stream_state`'s first build without a JVM (lake/whole_fold.py): forked folds that equal the store and Spark."""
+"""`stream_state`'s first build without a JVM (lake/state/whole_fold.py): forked folds that equal the store and Spark."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake import stream_state, tables, whole_fold
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state import stream_state, whole_fold
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_stream_state import full_replay, lake_state
 from es_pipeline_tests.support.lakecheck import extract_all, extract_while

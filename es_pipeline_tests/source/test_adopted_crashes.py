@@ -14,7 +14,7 @@ from deltalake import DeltaTable
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
 from es_pipeline.store.adopt import adopt
 from es_pipeline_tests.source.test_presets import (

@@ -13,10 +13,10 @@ import psycopg
 from shop.domain import domain as SHOP
 
 from es_pipeline.extraction.erase import erase_tenant
-from es_pipeline.lake import erase as lake_erase
-from es_pipeline.lake import tables
-from es_pipeline.lake.snapshots import not_in_store_small, take_snapshots
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.delta import erase as lake_erase
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state.snapshots import not_in_store_small, take_snapshots
+from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore

@@ -14,7 +14,7 @@ from es_pipeline.dev import emmett_client as emmett
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
 from es_pipeline.store.adopt import adopt
 from es_pipeline_tests.support.lakecheck import extract_while

@@ -14,7 +14,7 @@ from psycopg import sql
 
 from es_pipeline.dev import pekko_client as pekko
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
 from es_pipeline.store import roles
 from es_pipeline.store.adopt import adopt

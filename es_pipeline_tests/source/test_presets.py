@@ -22,7 +22,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
 from es_pipeline.source.mapping import Source
 from es_pipeline.store.adopt import adopt

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 
 Key = tuple[str, int]
 
@@ -90,7 +90,7 @@ def _same_events(expected: dict[Any, Any], rows: list[tuple[Any, Any]]) -> int:
 
 
 def same_value(held: Any, value: Any) -> bool:
-    """Whether a typed column's value holds a payload's (lake/shapes.py undone): a number or boolean in a string
+    """Whether a typed column's value holds a payload's (lake/typed/shapes.py undone): a number or boolean in a string
     column as its JSON text, a whole number in a double column as a float, a struct's fields the object's (others
     null). Exact: no digit lost."""
     if value is None:

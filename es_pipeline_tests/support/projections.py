@@ -14,9 +14,10 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.domain import Event
 from es_pipeline.extraction.offsets import batch_frontier
-from es_pipeline.lake import cross_stream, event_tables
-from es_pipeline.lake.projections import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.state.stream_state import update_stream_state
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
 from es_pipeline_tests.support.roles import StoreDsn
 

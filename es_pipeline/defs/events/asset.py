@@ -6,15 +6,8 @@ from dataclasses import replace
 from typing import Any
 
 import dagster as dg
-import psycopg
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from es_pipeline.defs.projections.assets import (
-    cross_stream_metadata,
-    event_tables_metadata,
-    projection_metadata,
-    state_metadata,
-)
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.defs.stopping import stop_requests
 from es_pipeline.domain import Domain
@@ -23,11 +16,8 @@ from es_pipeline.extraction.extractor import Extractor, ExtractResult, build_ext
 from es_pipeline.extraction.offsets import OffsetSession, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.extraction.tail import TAIL_TAG, tail
-from es_pipeline.lake.cross_stream import CrossStreamResult
-from es_pipeline.lake.event_tables import EventTablesResult
-from es_pipeline.lake.fold import StateResult
-from es_pipeline.lake.projections import follow
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.follow import Follower
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import lock_transaction
 
@@ -102,7 +92,7 @@ def _tail(
     its own.
 
     With `follow` (the store's DSN, where the projections' automation is on), the projections' small
-    increments are folded in too, every `PROJECTIONS_GAP` seconds and after each report, reported as
+    increments are folded in too, every `GAP` seconds (lake/follow.py) and after each report, reported as
     materializations of those projections right after the report of `events`; what needs Spark, or
     fails, is left to the automation's runs."""
     reports = _Reports(context, keys, report_seconds)
@@ -196,98 +186,44 @@ class _Reports:
         self.last = time.monotonic()
 
 
-PROJECTIONS_GAP = 15.0  # seconds between two updates of the projections by a tailing run, at least (each is three
-# delta-rs MERGEs: commit→projection p50 ≈ 8 s, against a goal of 15 s; 10 s cost more CPU than the goal allows)
-
-
-_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
-             "overflow_values")  # summed over gathered updates
-
-
 class _Projections:
-    """The projections a tailing run keeps fresh (lake/projections.py `follow`), their turns taken on
-    one connection to the store kept for the run. Their updates are reported as the passes are: gathered,
-    one materialization per projection logged after each report of `events` (`flush`), so that the
-    automation sees the projections handled after their dependency (else it would start their runs)."""
+    """A tailing run's `Follower` (lake/follow.py), its reports logged as materializations of the tables, kept
+    by this run."""
 
-    def __init__(
-        self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None, domain: Domain,
-        consumer: str,
-    ) -> None:
-        self.domain, self.consumer = domain, consumer
-        self.context, self.warehouse, self.store_dsn = context, warehouse, store_dsn
-        self.last = 0.0
-        self.failed = False
-        self.conn: psycopg.Connection | None = None
-        self.pending: dict[str, dict[str, Any]] = {}
-        self.reported: set[str] = set()  # projections materialized by this run
-        self.up_to_date: dict[str, dict[str, Any]] = {}  # projections found with nothing to fold, as last found
+    def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None,
+                 domain: Domain, consumer: str) -> None:
+        self.context = context
+        self.follower = None if store_dsn is None else Follower(
+            warehouse, domain, lambda: lock_transaction(store_dsn, application_name="es_pipeline tail projections"),
+            lambda conn: batch_frontier(conn, consumer))
 
     def __enter__(self) -> "_Projections":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.conn is not None:
-            self.conn.close()
+        if self.follower is not None:
+            self.follower.close()
 
     def maybe_update(self, *, force: bool = False) -> None:
-        if self.store_dsn is None or self.failed or (not force and time.monotonic() - self.last < PROJECTIONS_GAP):
+        if self.follower is None:
             return
-        self.last = time.monotonic()
         try:
-            if self.conn is None or self.conn.closed:
-                self.conn = lock_transaction(self.store_dsn, application_name="es_pipeline tail projections")
-            conn = self.conn
-            done = follow(self.warehouse, conn, self.domain, lambda: batch_frontier(conn, self.consumer))
+            self.follower.update(force=force)
         except Exception as exc:  # noqa: BLE001 - never the extraction's failure: the automation's run reports it
-            self.failed = True
-            # What earlier follows folded is not reported: logged after this report of `events`, it would tell the
-            # automation the projections had handled it, and the one that failed would never be run (and fail
-            # where its alert sees it) until `events` changed again, which a held horizon may put off for long.
-            self.pending = {}
             self.context.log.warning(f"the projections are left to their automation from here: {explain(exc) or exc}")
-            return
-        self.up_to_date = {}  # from this follow only: a projection skipped since (its turn taken, Spark) is not
-        for name, result in done.items():
-            metadata: dict[str, Any]
-            if isinstance(result, StateResult):
-                worked, metadata = bool(result.events_folded), state_metadata(result)
-            elif isinstance(result, CrossStreamResult):
-                worked, metadata = bool(result.events_folded), cross_stream_metadata(result)
-                if not worked and result.events_waiting:  # events held for the frontier: not up to date
-                    continue
-            elif isinstance(result, EventTablesResult):
-                worked, metadata = bool(result.events), event_tables_metadata(result)
-            else:
-                worked, metadata = bool(result.events_read), projection_metadata(result)
-            if worked:
-                self._gather(name, metadata)
-            else:
-                self.up_to_date[name] = metadata
-
-    def _gather(self, name: str, metadata: dict[str, Any]) -> None:
-        """The newest update's figures; the work (events, keys) and count of all gathered updates."""
-        before = self.pending.get(name, {})
-        for key in _GATHERED:
-            if key in metadata:
-                metadata[key] += before.get(key, 0)
-        self.pending[name] = {**metadata, "updates": before.get("updates", 0) + 1}
 
     def flush(self) -> None:
-        for name, metadata in self.pending.items():
-            self.context.log_event(dg.AssetMaterialization(
-                asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
-            self.reported.add(name)
-        self.pending = {}
+        if self.follower is not None:
+            self._log(self.follower.flush())
 
     def confirm(self) -> None:
-        """At the run's end, a materialization of each projection the last follow found up to date and that this
-        run did not materialize (no event came for it): once a run, so that a projection kept up to date stays
-        fresh (its freshness policy) and one that fails or is skipped goes stale."""
-        for name, metadata in self.up_to_date.items():
-            if name not in self.reported and not self.failed:
-                self.context.log_event(dg.AssetMaterialization(asset_key=dg.AssetKey(name), metadata={
-                    **metadata, "up_to_date": True, "kept_by": "the events tailing run"}))
+        if self.follower is not None:
+            self._log(self.follower.confirm())
+
+    def _log(self, reports: dict[str, dict[str, Any]]) -> None:
+        for name, metadata in reports.items():
+            self.context.log_event(dg.AssetMaterialization(
+                asset_key=dg.AssetKey(name), metadata={**metadata, "kept_by": "the events tailing run"}))
 
 
 def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:

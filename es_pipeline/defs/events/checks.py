@@ -19,7 +19,7 @@ from deltalake import DeltaTable
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.source.mapping import NO_TENANT, Source, as_source
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect

@@ -6,13 +6,11 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.defs.stopping import projection_run
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
-from es_pipeline.lake.cross_stream import CrossStreamResult
+from es_pipeline.lake.aggregates.aggregate import Aggregate
+from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.cross_stream import update as update_cross_stream
-from es_pipeline.lake.event_tables import EventTablesResult
-from es_pipeline.lake.event_tables import update as update_event_tables
-from es_pipeline.lake.fold import StateResult
-from es_pipeline.lake.projections import ProjectionResult, update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.stream_state import update_stream_state
+from es_pipeline.lake.state.stream_state import update_stream_state
+from es_pipeline.lake.typed.event_tables import update as update_event_tables
 
 # Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
 # and reports each pass as a materialization; the projections read a committed version of `events` anyway.
@@ -21,54 +19,32 @@ AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.an
 )
 
 
-@dg.asset(
-    description="One row per stream: type, first and last event time, event count, version. Kept "
-    "incrementally: each run merges in only the events that `events` commits added since the last run.",
-    deps=["events"],
-    kinds={"spark", "delta"},
-    owners=["team:data-engineering"],
-    tags={"layer": "projection"},
-    automation_condition=AFTER_EVENTS,
-)
-def stream_catalog(
-    context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-    event_store: EventStoreResource,
-) -> dg.MaterializeResult:
-    with projection_run(context):
-        return _projection_result(update_stream_catalog(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
+def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinition:
+    """The asset of a built-in aggregate of `events` (lake/aggregates/builtin.py), kept after `events`."""
+
+    @dg.asset(
+        name=aggregate.name,
+        description=description,
+        deps=["events"],
+        kinds={"spark", "delta"},
+        owners=["team:data-engineering"],
+        tags={"layer": "projection"},
+        automation_condition=AFTER_EVENTS,
+    )
+    def asset(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+              event_store: EventStoreResource) -> dg.MaterializeResult:
+        with projection_run(context):
+            r = aggregate.update(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
+        return dg.MaterializeResult(metadata=r.metadata())
+
+    return asset
 
 
-@dg.asset(
-    description="Stream type x event type x day: number of events. Kept incrementally, like stream_catalog.",
-    deps=["events"],
-    kinds={"spark", "delta"},
-    owners=["team:data-engineering"],
-    tags={"layer": "projection"},
-    automation_condition=AFTER_EVENTS,
-)
-def event_type_daily(
-    context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-    event_store: EventStoreResource,
-) -> dg.MaterializeResult:
-    with projection_run(context):
-        return _projection_result(update_event_type_daily(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn))
-
-
-def _projection_result(r: ProjectionResult) -> dg.MaterializeResult:
-    return dg.MaterializeResult(metadata=projection_metadata(r))
-
-
-def projection_metadata(r: ProjectionResult) -> dict[str, int | bool]:
-    return {"dagster/row_count": r.rows, "events_read": r.events_read, "keys_updated": r.keys_updated,
-            "events_version": r.events_version, "full_rebuild": r.previous_events_version < 0}
-
-
-def state_metadata(r: StateResult) -> dict[str, int | str]:
-    return {"events_folded": r.events_folded, "streams_updated": r.streams_updated,
-            "events_table_version": r.events_version, "parked_streams": r.parked_streams,
-            "skipped_unknown_events": r.skipped_unknown, "rebuilt_types": ", ".join(r.rebuilt_types) or "-",
-            "streams_without_reducer": r.without_reducer,
-            **{f"typed_rows/{name}": n for name, n in r.typed_rows}}
+stream_catalog = _aggregate_asset(STREAM_CATALOG, (
+    "One row per stream: type, first and last event time, event count, version. Kept incrementally: each run "
+    "merges in only the events that `events` commits added since the last run."))
+event_type_daily = _aggregate_asset(EVENT_TYPE_DAILY, (
+    "Stream type x event type x day: number of events. Kept incrementally, like stream_catalog."))
 
 
 def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
@@ -93,16 +69,9 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
         with projection_run(context):
             r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
                                     store_dsn=event_store.dsn)
-        return dg.MaterializeResult(metadata=state_metadata(r))
+        return dg.MaterializeResult(metadata=r.metadata())
 
     return stream_state
-
-
-def cross_stream_metadata(r: CrossStreamResult) -> dict[str, int | bool]:
-    return {"dagster/row_count": r.rows, "events_folded": r.events_folded, "keys_updated": r.keys_updated,
-            "keys_refolded": r.keys_refolded, "events_waiting": r.events_waiting,
-            "events_without_key": r.events_without_key, "events_version": r.events_version,
-            "batch_frontier": r.frontier, "full_rebuild": r.previous_events_version < 0}
 
 
 def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
@@ -126,21 +95,13 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
         with projection_run(context):
             r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
                                     frontier=lambda: batch_frontier(event_store.dsn, consumer))
-        return dg.MaterializeResult(metadata=cross_stream_metadata(r))
+        return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
 
 
-def event_tables_metadata(r: EventTablesResult) -> dict[str, int | bool | str]:
-    return {"events_version": r.events_version if r.events_version is not None else -1, "full_rebuild": r.rebuilt,
-            "events_written": r.events, "tables_written": len(r.rows), "new_tables": ", ".join(r.new_tables) or "-",
-            "new_columns": ", ".join(r.new_columns) or "-", "widened_columns": ", ".join(r.widened) or "-",
-            "overflow_values": sum(r.overflow.values()),
-            **{f"overflow/{name}": n for name, n in sorted(r.overflow.items())}}
-
-
 def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
-    """The typed event tables (lake/event_tables.py): one per event type, and their mapping `event_tables`."""
+    """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`."""
 
     @dg.asset(
         name="event_tables",
@@ -158,7 +119,7 @@ def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
                      event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info)
-        return dg.MaterializeResult(metadata=event_tables_metadata(r))
+        return dg.MaterializeResult(metadata=r.metadata())
 
     return event_tables
 

@@ -6,7 +6,7 @@ compares like with like and cannot flap.
   (defs/snapshots/schedule.py): a failure stops the snapshots' write-back, which would otherwise write a state
   that does not match the events into the store. Read with Arrow (no JVM) up to `SMALL_CHECK_EVENTS` events, which
   the snapshots' schedule can afford every ten minutes.
-- `stream_catalog`, `event_type_daily`: every row equal to the aggregate of `events` (lake/aggregate.py).
+- `stream_catalog`, `event_type_daily`: every row equal to the aggregate of `events` (lake/aggregates/aggregate.py).
 - each cross-stream projection: each key's event count equal to its events in `events`, less those waiting
   (lake/cross_stream.py `reconcile`).
 
@@ -18,11 +18,12 @@ import dagster as dg
 
 from es_pipeline.defs.resources import SparkResource, WarehouseResource
 from es_pipeline.domain import Domain
-from es_pipeline.lake import cross_stream, tables
-from es_pipeline.lake.aggregate import Aggregate
-from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.stream_state import KEY, folded_version, versions_off_small
-from es_pipeline.lake.table import Reconciled
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.aggregate import Aggregate
+from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.definition import Reconciled
+from es_pipeline.lake.state.stream_state import KEY, folded_version, versions_off_small
 
 
 @dg.asset_check(

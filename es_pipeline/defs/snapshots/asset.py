@@ -4,7 +4,7 @@ import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.defs.stopping import projection_run
-from es_pipeline.lake.snapshots import DEFAULT_THRESHOLD, take_snapshots
+from es_pipeline.lake.state.snapshots import DEFAULT_THRESHOLD, take_snapshots
 
 
 class SnapshotConfig(dg.Config):
@@ -25,7 +25,7 @@ def snapshots(
     context: dg.AssetExecutionContext, config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
     # The write-back goes through the snapshot writer's own login when ES_PIPELINE_SNAPSHOT_DSN names one.
-    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/snapshots.py).
+    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/state/snapshots.py).
     with projection_run(context):
         r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(),
                            threshold=config.threshold)

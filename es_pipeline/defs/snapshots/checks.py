@@ -3,7 +3,7 @@
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
-from es_pipeline.lake.snapshots import not_in_store, not_in_store_small
+from es_pipeline.lake.state.snapshots import not_in_store, not_in_store_small
 
 
 @dg.asset_check(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from es_pipeline.lake import inventory, tables
+from es_pipeline.lake import inventory
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.spark import get_spark
-from es_pipeline.lake.tables import Location
 from es_pipeline.settings import Settings
 
 

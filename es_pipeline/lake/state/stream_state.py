@@ -2,14 +2,14 @@
 
 Each update folds only what is new since the last one: the rows that the Delta commits of `events` after
 the last processed table version added (Delta's change data feed, so the cost follows the increment, not
-the table), onto the previous state of the streams they touch, in version order (lake/fold.py: gaps wait,
+the table), onto the previous state of the streams they touch, in version order (lake/state/fold.py: gaps wait,
 `parked`; a type without a reducer keeps versions alone). The `events` version folded is committed
 atomically with the state, as the commit's Delta transaction id (`txnAppId`/`txnVersion`), so a crash
-or a retry never folds an event twice; the commit happens in the table's turn (lake/serial.py).
+or a retry never folds an event twice; the commit happens in the table's turn (lake/delta/serial.py).
 
 Three paths, one fold, the same txn ids, so each goes on from what another committed:
 - a small increment (up to `feed.SMALL_INCREMENT` new events): folded in this process, merged by delta-rs;
-- a first build of an `events` table that fits (lake/whole_fold.py): forked processes, written by delta-rs;
+- a first build of an `events` table that fits (lake/state/whole_fold.py): forked processes, written by delta-rs;
 - Spark: the rows partitioned by stream and sorted, folded by `fold_partitions` on the Python workers
   (`mapInArrow`: plain Python per event, Arrow in and out), merged by Spark; a larger increment, a reducer
   added, bumped or removed (that stream type rebuilt alone), a change feed vacuumed away.
@@ -27,9 +27,13 @@ from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import feed, tables, typed_state, whole_fold
-from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import (
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Table, spark_type
+from es_pipeline.lake.delta.feed import Feed
+from es_pipeline.lake.delta.serial import Turn, one_at_a_time
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.state import typed_state, whole_fold
+from es_pipeline.lake.state.fold import (
     FOLD_OUT,
     REVISION_SLOTS,
     STATE_SCHEMA,
@@ -45,9 +49,6 @@ from es_pipeline.lake.fold import (
     txn_version,
     with_schema_versions,
 )
-from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Table, spark_type
-from es_pipeline.lake.tables import Location
 from es_pipeline.source import payloads
 
 # Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
@@ -89,7 +90,7 @@ def update_stream_state(
 
 
 def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
-    """`result`, once the typed state tables of `domain` follow it (lake/typed_state.py); in the table's turn."""
+    """`result`, once the typed state tables of `domain` follow it (lake/state/typed_state.py); in the table's turn."""
     written = typed_state.update(warehouse, domain, result.written)
     return replace(result, typed_rows=tuple(sorted(written.items()))) if written else result
 

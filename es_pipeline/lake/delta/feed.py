@@ -1,6 +1,6 @@
 """Reading Delta tables without a JVM: `events`' change feed since a version, a table's files, its row count.
 
-What the Arrow paths of every table share (lake/stream_state.py, lake/aggregate.py, lake/snapshots.py): the
+What the Arrow paths of every table share (lake/state/stream_state.py, lake/aggregates/aggregate.py, lake/state/snapshots.py): the
 rows that the `events` commits after a version added, read by delta-rs from Delta's change data feed (which
 leaves out compaction's rewrites); a table's current files as one pyarrow dataset; the Delta transaction
 an update commits with.
@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction
 
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Feed:
     def __init__(self, events_path: str, columns: list[str]) -> None:
         self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
         self.version = self.table.version()
-        self.table_id = str(self.table.metadata().id)  # which `events` (lake/table.py `over`)
+        self.table_id = str(self.table.metadata().id)  # which `events` (lake/delta/definition.py `over`)
         self._after: int | None = None
         self._rows: pa.Table | None = None
 
@@ -101,11 +101,11 @@ FENCE = 2**62  # a position past any `events` version
 
 
 def fence_older(path: str, positions: Sequence[tuple[str, int]]) -> None:
-    """Before a whole build of a table that an older es_pipeline kept under unbound app ids (lake/table.py `over`):
+    """Before a whole build of a table that an older es_pipeline kept under unbound app ids (lake/delta/definition.py `over`):
     those ids set to `positions` (FENCE: "nothing new"), so that an older release still running (a tailing run
     started before the upgrade) finds nothing to fold there, rather than merging its increments from its old
     position onto the rows rebuilt; its update under way finds its position moved and commits nothing
-    (lake/serial.py `confirm`). A table without them (new, or fenced already) is left as it is."""
+    (lake/delta/serial.py `confirm`). A table without them (new, or fenced already) is left as it is."""
     if not tables.is_delta_table(path):
         return
     table = DeltaTable(path)

@@ -1,7 +1,7 @@
 """`Table`: what defines a table es_pipeline keeps in the lake, once: its name, Arrow schema, key, app id.
 
-Every table built from `events` is an instance: `stream_state` (lake/stream_state.py), the additive
-aggregates (lake/aggregate.py, lake/projections.py), `snapshots` (lake/snapshots.py). From the one Arrow
+Every table built from `events` is an instance: `stream_state` (lake/state/stream_state.py), the additive
+aggregates (lake/aggregates/aggregate.py, lake/aggregates/builtin.py), `snapshots` (lake/state/snapshots.py). From the one Arrow
 schema come Spark's DDL and delta-rs's schema alike, so that either engine creates the table the other reads.
 The app id is the Delta transaction id its updates commit with (`txnAppId`): the `events` version folded
 in, in the same commit as the rows (docs/architecture.md, "Tables"). It names the `events` table too (`over`:
@@ -17,8 +17,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from es_pipeline.lake import tables
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.tables import Location
 
 _SPARK_TYPES = {
     pa.string(): "STRING", pa.int32(): "INT", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN",

@@ -2,7 +2,7 @@
 
 A reducer (or a cross-stream projection's fold) returns a dict of natural Python values. Its JSON text is what
 `stream_state.state` and a projection's `state` column hold, what the next run's fold starts from, and what its
-typed table's columns are read from (by the rule of lake/shapes.py's `declared_value`). So that the next run's
+typed table's columns are read from (by the rule of lake/typed/shapes.py's `declared_value`). So that the next run's
 fold sees what this run's saw, whatever the batches:
 
 - a field the team **declared** (`state=`) as `datetime`, `date`, a decimal or `bytes` holds that Python type
@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from es_pipeline.lake import shapes
+from es_pipeline.lake.typed import shapes
 
 
 class StateMisfit(ValueError):

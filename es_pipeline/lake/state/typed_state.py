@@ -10,7 +10,7 @@ Kept from `stream_state` itself, in its turn, right after each update: the rows 
 commits since the version a typed table records changed (its change data feed: inserts and updates'
 post-images), the latest per stream, upserted by delta-rs under the table's own Delta transaction id
 (`es_pipeline.stream_state_<type>@<events id>/<stream_state id>`: the `stream_state` version read, of that
-`stream_state` folded from that `events`; lake/table.py `over`). A state row is the stream's whole
+`stream_state` folded from that `events`; lake/delta/definition.py `over`). A state row is the stream's whole
 state, so upserting one again is harmless: a crash between the two commits, or a replay, leaves the same
 rows. A table that is new, whose declared fields changed, or whose feed cannot be read (vacuumed, or from
 before the feed was on) is rebuilt from `stream_state`'s current rows of its type, alone.
@@ -29,10 +29,11 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
-from es_pipeline.lake import feed, state_json, tables
-from es_pipeline.lake.fold import Written
-from es_pipeline.lake.table import Table
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.state import state_json
+from es_pipeline.lake.state.fold import Written
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def state_properties(domain: Domain) -> dict[str, str]:
 
 def update(warehouse: Location, domain: Domain, commit: Written | None = None) -> dict[str, int]:
     """Bring every typed table of `domain` up to `stream_state` now; rows written per table. Only in
-    `stream_state`'s turn (lake/stream_state.py calls it there). `commit`: the `stream_state` commit this process
+    `stream_state`'s turn (lake/state/stream_state.py calls it there). `commit`: the `stream_state` commit this process
     just made; a table that was up to date before it takes its rows from there (appended where every stream is
     new), not from the change feed."""
     typed = typed_tables(domain)

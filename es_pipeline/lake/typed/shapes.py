@@ -1,6 +1,6 @@
 """The shape of JSON payloads as Arrow columns: inference, widening, fitting (pure, no I/O).
 
-What the typed event tables (lake/event_tables.py) build on. The rule, in docs/analysts.md ("How a payload
+What the typed event tables (lake/typed/event_tables.py) build on. The rule, in docs/analysts.md ("How a payload
 becomes columns"):
 
 - a JSON `true`/`false` is `boolean`, a whole number `bigint`, a number with a fraction or exponent `double`,
@@ -16,7 +16,7 @@ becomes columns"):
 - **no fit**: a scalar against an object or an array, an object against an array, a whole number beyond 64
   bits in a number column: the value is kept whole in the row's `_overflow` (a JSON object), and counted. The
   column keeps its type. Where a column comes or widens later, the values `_overflow` kept for its field are
-  placed again (lake/typed_rows.py's `regrown`): a table holds the same whatever its batches were.
+  placed again (lake/typed/typed_rows.py's `regrown`): a table holds the same whatever its batches were.
 - a **declared** column (`domain.event_schema`) keeps its type; `declared_value` says which JSON values convert.
 - a field's column is named as the field where that name is plain; an envelope column's name is taken by
   the envelope, so such a field becomes `payload_<name>`. Names that are not plain, and a field whose name

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 
-from es_pipeline.lake import tables
+from es_pipeline.lake.delta import tables
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,16 @@
-"""The built-in projections of `events` that need no domain: `stream_catalog` and `event_type_daily` (additive
-aggregates, lake/aggregate.py), and `follow`, every projection's small increment for a tailing run."""
+"""The built-in aggregates of `events`, which need no domain: `stream_catalog` (one row per stream) and
+`event_type_daily` (stream type x event type x day), additive (lake/aggregates/aggregate.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import psycopg
 import pyarrow as pa
 
-from es_pipeline.domain import Domain
-from es_pipeline.lake import cross_stream, event_tables, tables
-from es_pipeline.lake.aggregate import Aggregate, ProjectionResult
-from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
-from es_pipeline.lake.event_tables import EventTablesResult
-from es_pipeline.lake.feed import Feed
-from es_pipeline.lake.fold import StateResult, read_columns
-from es_pipeline.lake.serial import turn_if_free
-from es_pipeline.lake.stream_state import small_increment, with_typed_state
-from es_pipeline.lake.table import Table
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.aggregates.aggregate import Aggregate, AggregateResult
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.tables import Location
 
 _AT = pa.timestamp("us", tz="UTC")
 
@@ -88,52 +80,13 @@ EVENT_TYPE_DAILY = Aggregate(
 
 def update_stream_catalog(
     spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
-) -> ProjectionResult:
+) -> AggregateResult:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
     return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
 
 
 def update_event_type_daily(
     spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
-) -> ProjectionResult:
+) -> AggregateResult:
     """Stream type x event type x day: count (incremental)."""
     return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
-
-
-def follow(
-    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
-) -> dict[str, ProjectionResult | StateResult | CrossStreamResult | EventTablesResult]:
-    """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
-    this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
-    (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
-    Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
-    `lock_transaction` connection kept for the turns."""
-    events_path = tables.table_path(warehouse, "events")
-    if not tables.is_delta_table(events_path):
-        return {}
-    if frontier is not None and domain.projections:  # read before the lake (lake/cross_stream.py)
-        read_first = frontier()
-        frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
-    events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
-                                     *(cross_stream.columns_of(domain) if domain.projections else ())])
-    done: dict[str, ProjectionResult | StateResult | CrossStreamResult | EventTablesResult] = {}
-    with turn_if_free(store, "stream_state") as turn:
-        state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
-        if state is not None:
-            done["stream_state"] = with_typed_state(warehouse, domain, state)
-    for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
-        with turn_if_free(store, projection.name) as turn:
-            result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None
-            if result is not None:
-                done[projection.name] = result
-    for name, cross in sorted(domain.projections.items()):
-        with turn_if_free(store, name) as turn:
-            crossed = None if turn is None else cross_stream.increment(
-                warehouse, cross, domain, turn, frontier, events_feed, build=False)
-            if crossed is not None:
-                done[name] = crossed
-    with turn_if_free(store, event_tables.NAME) as turn:
-        typed = None if turn is None else event_tables.increment(warehouse, domain, build=False)
-        if typed is not None:
-            done[event_tables.NAME] = typed
-    return done

@@ -4,7 +4,7 @@ DuckDB is the default: it starts in milliseconds and reads Delta through its `de
 the same reader family as delta-rs), which comes from PyPI (`duckdb-ext-delta`, with `duckdb-ext-httpfs` for an
 `s3://` lake) and is loaded from that package's folder, never downloaded. Each table of the lake is a view
 `<name>` over `delta_scan('<its path>')`, so a query always reads the table's latest version. Spark SQL
-(`--engine spark`, lake/catalog.py) is there for what DuckDB cannot do: time travel (`VERSION AS OF`),
+(`--engine spark`, lake/read/catalog.py) is there for what DuckDB cannot do: time travel (`VERSION AS OF`),
 `DESCRIBE HISTORY`, Spark's own functions. An S3 lake's keys go into a DuckDB secret held in memory only.
 """
 
@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 
 from es_pipeline.errors import QueryFailed
-from es_pipeline.lake import tables
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.tables import Location
 
 ENGINES = ("duckdb", "spark")  # es_pipeline/cli.py says them too, so as not to import this module to parse
 FORMATS = ("table", "csv", "json")
@@ -113,8 +113,8 @@ def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: An
             if con is not None:
                 con.close()
     if engine == "spark":
-        from es_pipeline.lake.catalog import sql_over_lake
-        from es_pipeline.lake.tables import spark_errors
+        from es_pipeline.lake.delta.tables import spark_errors
+        from es_pipeline.lake.read.catalog import sql_over_lake
 
         try:
             frame, names = sql_over_lake(settings, query)

@@ -3,7 +3,7 @@
 `events` holds each payload as JSON text. For every event type in it, es_pipeline keeps `events_<type>`
 (`ItemAdded` → `events_item_added`): the envelope (tenant, stream id and type, version, event type, recorded
 time, event date, tx id, global position), `_overflow`, then one column per payload field, typed by the rule of
-lake/shapes.py and widened as payloads change. Where the domain registered upcasters, the table holds each
+lake/typed/shapes.py and widened as payloads change. Where the domain registered upcasters, the table holds each
 payload as upcast, under the type the folds see (`ItemAdded.v2` goes to `events_item_added`).
 
 **The mapping table** `event_tables` says which table holds which type, and each column's history: one row
@@ -18,8 +18,8 @@ committed last. A first build, a definition that changed (the rule's revision, t
 versions are read), an `events` table made anew, or a change feed that cannot be read (vacuumed, or purged by
 a tenant's erasure) rebuilds every table from `events`' current rows.
 
-**Typing** a batch of one type's rows is lake/typed_rows.py's (Arrow's JSON reader, or value by value by the
-rule of lake/shapes.py); this module decides which table takes them and how.
+**Typing** a batch of one type's rows is lake/typed/typed_rows.py's (Arrow's JSON reader, or value by value by the
+rule of lake/typed/shapes.py); this module decides which table takes them and how.
 
 **Widening** a column rewrites its table once (its rows read back, the column converted, all written in one
 commit): readers then need no Delta type-widening support. A new column is added by schema evolution, no
@@ -45,17 +45,18 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain
-from es_pipeline.lake import feed, shapes, tables
-from es_pipeline.lake.serial import one_at_a_time
-from es_pipeline.lake.table import Table
-from es_pipeline.lake.tables import Location
-from es_pipeline.lake.typed_rows import ENVELOPE, normal_schema, regrown, to_place_again, type_rows
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.typed import shapes
+from es_pipeline.lake.typed.typed_rows import ENVELOPE, normal_schema, regrown, to_place_again, type_rows
 
 log = logging.getLogger(__name__)
 
 PREFIX = "events_"
 NAME = "event_tables"  # the mapping table
-REVISION = 2  # of the rule in lake/shapes.py and of this layout: a change rebuilds every typed event table
+REVISION = 2  # of the rule in lake/typed/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
 WRITERS = 4  # tables an increment writes at once
 WINDOW = 4  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
@@ -86,6 +87,19 @@ class EventTablesResult:
     @property
     def events(self) -> int:
         return sum(self.rows.values())
+
+    @property
+    def worked(self) -> bool:
+        """Whether the update wrote events (else every typed table was up to date)."""
+        return bool(self.events)
+
+    def metadata(self) -> dict[str, int | bool | str]:
+        """The update's figures, as its asset's materialization shows them."""
+        return {"events_version": self.events_version if self.events_version is not None else -1,
+                "full_rebuild": self.rebuilt, "events_written": self.events, "tables_written": len(self.rows),
+                "new_tables": ", ".join(self.new_tables) or "-", "new_columns": ", ".join(self.new_columns) or "-",
+                "widened_columns": ", ".join(self.widened) or "-", "overflow_values": sum(self.overflow.values()),
+                **{f"overflow/{name}": n for name, n in sorted(self.overflow.items())}}
 
     def add(self, later: EventTablesResult) -> EventTablesResult:
         """This update's figures followed by `later`'s (an update made of several windows)."""
@@ -150,7 +164,7 @@ def _digest(text: str, n: int) -> str:
 
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
            progress: Callable[[str], None] | None = None) -> EventTablesResult:
-    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/serial.py); `NoEventsYet`
+    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/delta/serial.py); `NoEventsYet`
     before `events` exists."""
     tables.require_events(warehouse, NAME)
     with one_at_a_time(store_dsn, NAME):

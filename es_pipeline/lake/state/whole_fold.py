@@ -8,7 +8,7 @@ every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over th
 2. split by slice (a stream lives in one slice) over one forked process per core (one process below
    `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
    and folds it stream by stream with `StreamFold.events` (the same reducers and rules as Spark's workers);
-3. the output returned to lake/stream_state.py, which writes it with delta-rs under the same Delta
+3. the output returned to lake/state/stream_state.py, which writes it with delta-rs under the same Delta
    transaction id (app id, version) Spark's MERGE carries, inside the table's turn, so either engine goes on
    from what the other folded.
 
@@ -28,8 +28,14 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
-from es_pipeline.lake import feed, tables
-from es_pipeline.lake.fold import FOLD_COLUMNS, FOLD_OUT, StreamFold, fold_out_batch, with_schema_versions
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.state.fold import (
+    FOLD_COLUMNS,
+    FOLD_OUT,
+    StreamFold,
+    fold_out_batch,
+    with_schema_versions,
+)
 from es_pipeline.source import payloads
 
 WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here

@@ -15,10 +15,13 @@ from datetime import datetime
 
 from deltalake import DeltaTable
 
-from es_pipeline.lake import cross_stream, event_tables, stream_state, tables
-from es_pipeline.lake.fold import REVISION_SLOTS
-from es_pipeline.lake.projections import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.tables import Location
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.state import stream_state
+from es_pipeline.lake.state.fold import REVISION_SLOTS
+from es_pipeline.lake.typed import event_tables
 
 LOOKBACK = 1000  # `events` commits whose times a Lake keeps (read from the log once each)
 NAMES_EVERY = 60.0  # seconds between two listings of the lake's cross-stream tables (a listing opens each)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from es_pipeline.errors import SparkSetupError
-from es_pipeline.lake.java import java_binary, trust_options
+from es_pipeline.lake.spark.java import java_binary, trust_options
 from es_pipeline.settings import PROJECT_ROOT, Settings
 
 DELTA_VERSION = "4.4.0"
@@ -124,7 +124,7 @@ def s3a_jars() -> list[Path]:
     sdk = S3A_SDK_FOR_HADOOP.get(hadoop)
     if sdk is None:
         raise SparkSetupError(f"no known AWS SDK for Hadoop {hadoop} (pyspark {pyspark.__version__}): add it to "
-                              "S3A_SDK_FOR_HADOOP in lake/spark.py, from hadoop-project's pom")
+                              "S3A_SDK_FOR_HADOOP in lake/spark/__init__.py, from hadoop-project's pom")
     target = JAR_CACHE / "jars" / f"s3a-{hadoop}-{sdk}"
     done = target / ".complete"
     if not done.exists():

@@ -1,0 +1,143 @@
+"""A tailing run's increments of every table built from `events`, and their bookkeeping (no Dagster here).
+
+A tailing `events` run (extraction/tail.py) keeps the tables fresh between the automation's runs:
+`follow` takes every table's small increment from one read of `events`' change feed, each in its own turn;
+`Follower` calls it at most every `GAP` seconds, gathers what the updates did for the run to report after each
+report of `events`, and remembers which tables it found up to date (reported once, at the run's end). What needs
+Spark, a whole build, or fails, is left to the automation's runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from es_pipeline.domain import Domain
+from es_pipeline.lake import cross_stream
+from es_pipeline.lake.aggregates.aggregate import AggregateResult
+from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.feed import Feed
+from es_pipeline.lake.delta.serial import turn_if_free
+from es_pipeline.lake.state.fold import StateResult, read_columns
+from es_pipeline.lake.state.stream_state import small_increment, with_typed_state
+from es_pipeline.lake.typed import event_tables
+from es_pipeline.lake.typed.event_tables import EventTablesResult
+
+Result = AggregateResult | StateResult | CrossStreamResult | EventTablesResult
+
+GAP = 15.0  # seconds between two follows by a tailing run, at least (each is three delta-rs MERGEs: commit →
+# projection p50 ≈ 8 s, against a goal of 15 s; 10 s cost more CPU than the goal allows)
+_GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
+             "overflow_values")  # summed over gathered updates
+
+
+def follow(
+    warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
+) -> dict[str, Result]:
+    """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
+    this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
+    (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
+    Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
+    `lock_transaction` connection kept for the turns."""
+    events_path = tables.table_path(warehouse, "events")
+    if not tables.is_delta_table(events_path):
+        return {}
+    if frontier is not None and domain.projections:  # read before the lake (lake/cross_stream.py)
+        read_first = frontier()
+        frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
+    events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
+                                     *(cross_stream.columns_of(domain) if domain.projections else ())])
+    done: dict[str, Result] = {}
+    with turn_if_free(store, "stream_state") as turn:
+        state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
+        if state is not None:
+            done["stream_state"] = with_typed_state(warehouse, domain, state)
+    for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
+        with turn_if_free(store, projection.name) as turn:
+            result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None
+            if result is not None:
+                done[projection.name] = result
+    for name, cross in sorted(domain.projections.items()):
+        with turn_if_free(store, name) as turn:
+            crossed = None if turn is None else cross_stream.increment(
+                warehouse, cross, domain, turn, frontier, events_feed, build=False)
+            if crossed is not None:
+                done[name] = crossed
+    with turn_if_free(store, event_tables.NAME) as turn:
+        typed = None if turn is None else event_tables.increment(warehouse, domain, build=False)
+        if typed is not None:
+            done[event_tables.NAME] = typed
+    return done
+
+
+class Follower:
+    """The tables a tailing run keeps fresh, and what it has to report of them: `update` follows (at most every
+    `GAP` seconds unless forced), `flush` hands over the gathered figures of each table that changed (one
+    materialization each, after a report of `events`, so that the automation sees them handled after their
+    dependency), `confirm` those of the tables the last follow found up to date that nothing reported yet.
+
+    `connect` opens the connection the turns are taken on (kept for the run); `frontier(conn)` reads the batch
+    frontier on it. A follow that fails stops following for the run, and drops what it had gathered: reported
+    after this report of `events`, it would tell the automation the tables had handled it, and the one that
+    failed would not run again (and fail where its alert sees it) until `events` changed once more."""
+
+    def __init__(self, warehouse: tables.Location, domain: Domain, connect: Callable[[], psycopg.Connection],
+                 frontier: Callable[[psycopg.Connection], int]) -> None:
+        self.warehouse, self.domain, self.connect, self.frontier = warehouse, domain, connect, frontier
+        self.last = 0.0
+        self.failed = False
+        self.conn: psycopg.Connection | None = None
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.reported: set[str] = set()  # tables reported by this run
+        self.up_to_date: dict[str, dict[str, Any]] = {}  # tables the last follow found with nothing to fold
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    def update(self, *, force: bool = False) -> None:
+        """Follow now, if due (or `force`d). Raises what the follow raised, once: the follower stops then."""
+        if self.failed or (not force and time.monotonic() - self.last < GAP):
+            return
+        self.last = time.monotonic()
+        try:
+            if self.conn is None or self.conn.closed:
+                self.conn = self.connect()
+            conn = self.conn
+            done = follow(self.warehouse, conn, self.domain, lambda: self.frontier(conn))
+        except Exception:
+            self.failed, self.pending = True, {}
+            raise
+        self.up_to_date = {}  # from this follow only: a table skipped since (its turn taken, Spark) is not
+        for name, result in done.items():
+            metadata: dict[str, Any] = result.metadata()
+            if result.worked:
+                self._gather(name, metadata)
+            elif not (isinstance(result, CrossStreamResult) and result.events_waiting):  # held for the frontier
+                self.up_to_date[name] = metadata
+
+    def _gather(self, name: str, metadata: dict[str, Any]) -> None:
+        """The newest update's figures; the work (events, keys) and count of all gathered updates."""
+        before = self.pending.get(name, {})
+        for key in _GATHERED:
+            if key in metadata:
+                metadata[key] += before.get(key, 0)
+        self.pending[name] = {**metadata, "updates": before.get("updates", 0) + 1}
+
+    def flush(self) -> dict[str, dict[str, Any]]:
+        """The gathered figures per table, to report now (and forget)."""
+        out, self.pending = self.pending, {}
+        self.reported.update(out)
+        return out
+
+    def confirm(self) -> dict[str, dict[str, Any]]:
+        """At the run's end: the figures of each table the last follow found up to date that this run did not
+        report, to report once (a table kept up to date stays fresh; one that fails or is skipped goes stale)."""
+        if self.failed:
+            return {}
+        return {name: {**m, "up_to_date": True} for name, m in self.up_to_date.items() if name not in self.reported}
