@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.settings import Settings
 
 # Each command imports what it runs when it runs: `es-pipeline sql` answers without loading pandas, Spark or
@@ -148,10 +149,9 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction import offsets
     from es_pipeline.extraction.rebase import rebase
-    from es_pipeline.lake.delta import tables
     from es_pipeline.store.conninfo import connect
 
-    events_path = tables.table_path(settings.warehouse, "events")
+    events_path = EVENTS.path(settings.warehouse)
     args.consumer = args.consumer or settings.source.consumer
     if args.action == "rebase":
         done = rebase(settings.pg_dsn, settings.source, args.consumer, events_path)

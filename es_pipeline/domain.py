@@ -94,9 +94,14 @@ class Upcaster:
 
 KeyOf = Callable[["Event"], Any]
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
-# Names a projection's table may not take: es_pipeline's own tables, and the typed state tables' prefix.
-RESERVED = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots", "event_tables")
-RESERVED_PREFIXES = ("stream_state_", "events_")  # the typed state tables', the typed event tables'
+# The names of the tables es_pipeline keeps in the lake (lake/), in one place: a projection's table (named as the
+# projection) may take none of them, nor begin with a typed table's prefix.
+TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+EVENT_TABLES = "event_tables"  # the typed event tables' mapping
+STATE_TABLE_PREFIX = "stream_state_"  # a typed state table: stream_state_<stream type>
+EVENT_TABLE_PREFIX = "events_"  # a typed event table: events_<event type>
+RESERVED = (*TABLES, EVENT_TABLES)
+RESERVED_PREFIXES = (STATE_TABLE_PREFIX, EVENT_TABLE_PREFIX)
 
 
 

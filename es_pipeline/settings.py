@@ -112,7 +112,7 @@ class Settings:
                     "a whole number of seconds between 0 (one pass per run) and 86400")
         return cls(
             pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
-            warehouse=_warehouse(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / default_warehouse)),
+            warehouse=warehouse_location(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / default_warehouse)),
             slice_ranges=_int(env, "ES_PIPELINE_SLICE_RANGES", 8, 1, MAX_SLICE_RANGES,
                               f"a whole number of ranges between 1 and {MAX_SLICE_RANGES}"),
             spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
@@ -203,8 +203,9 @@ def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str,
 WAREHOUSE_SCHEMES = ("s3://",)
 
 
-def _warehouse(value: str) -> Path | str:
-    """A local folder, or an object-storage URI (`s3://bucket/prefix`, endpoint and keys from AWS_*)."""
+def warehouse_location(value: str) -> Path | str:
+    """ES_PIPELINE_WAREHOUSE's value as es_pipeline takes a warehouse everywhere: a local folder (a `Path`), or an
+    object-storage URI (`s3://bucket/prefix`, endpoint and keys from AWS_*) as a string."""
     if "://" not in value:
         return Path(value)
     if not value.startswith(WAREHOUSE_SCHEMES) or len(value.split("://", 1)[1].strip("/")) == 0:

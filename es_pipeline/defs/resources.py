@@ -9,7 +9,7 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
 from es_pipeline.lake.spark import prepare_local_start, spark_conf
-from es_pipeline.settings import Settings
+from es_pipeline.settings import Settings, warehouse_location
 from es_pipeline.source import mapping
 from es_pipeline.source.mapping import Source
 from es_pipeline.store.event_store import EventStore
@@ -44,7 +44,7 @@ class WarehouseResource(dg.ConfigurableResource):
 
     @property
     def root(self) -> Path | str:
-        return self.path if "://" in self.path else Path(self.path)
+        return warehouse_location(self.path)
 
 
 class SparkResource(LazyPySparkResource):

@@ -39,6 +39,7 @@ from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state import stream_state as st
 from es_pipeline.lake.state.fold import txn_version_after
 from es_pipeline.settings import Settings
@@ -182,7 +183,7 @@ def _erase_events(
     """Steps 5 to 6 for `events`, under every slice lock (held by the caller) and the table's turn: no append and
     no compaction can write a file the purge would take for unreferenced. Returns (the version before the DELETE,
     the DELETE's version or None, the files still holding the tenant)."""
-    events_path = tables.table_path(settings.warehouse, "events")
+    events_path = EVENTS.path(settings.warehouse)
     with one_at_a_time(settings.pg_dsn, "events"):
         before = DeltaTable(events_path).version() if tables.is_delta_table(events_path) else -1
         deleted = lake_erase.delete_tenant(events_path, tenant)
@@ -205,7 +206,7 @@ def _erase_projections(
     # deletes from stream_state's change feed (or rebuilds from stream_state, the tenant gone), so none comes back.
     names = inventory.lake_tables(warehouse)[1:]
     crossing = set(cross_stream.table_names(warehouse))
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     events_id = tables.table_id(events_path) if tables.is_delta_table(events_path) else ""
     for name in names:
         path = tables.table_path(warehouse, name)

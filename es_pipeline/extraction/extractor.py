@@ -154,7 +154,7 @@ class Extractor:
 
     @property
     def events_path(self) -> str:
-        return tables.table_path(self.warehouse, "events")
+        return EVENTS.path(self.warehouse)
 
     def ensure_table(self) -> None:
         tables.ensure_table_arrow(self.events_path, EVENTS.schema, comment=f"es_pipeline: {EVENTS.comment}",

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from es_pipeline.errors import SourceNotServable
 from es_pipeline.extraction.offsets import Batch
+from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.events import READ_SCHEMA
 from es_pipeline.source import payloads
 from es_pipeline.source.mapping import Source, as_source
@@ -220,7 +221,7 @@ def event_keys(dsn: str, source: Source | str) -> pa.Table:
     return pa.table({
         "tenant": keys["tenant"].cast(pa.string()),
         "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
-        "recorded_at": keys["recorded_at"].cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()),
+        "recorded_at": keys["recorded_at"].cast(UTC_MICROS).cast(pa.int64()),
     })
 
 

@@ -10,7 +10,7 @@ from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import OffsetSession, read_watermarks
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake.delta import erase as lake_erase
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT, Source
 from es_pipeline.store import tenants
@@ -74,7 +74,7 @@ def lost_tenants(conn: psycopg.Connection, settings: Settings) -> list[str]:
     """A line for each tenant the lake holds whose events left the store without `tenant erase`."""
     if settings.source.tenant == NO_TENANT:
         return []
-    counts = lake_erase.tenant_counts(tables.table_path(settings.warehouse, "events"))
+    counts = lake_erase.tenant_counts(EVENTS.path(settings.warehouse))
     return [
         f"tenant {t!r}: {n:,} events in the lake, none in {settings.source.label}, and no erasure recorded: its "
         f"partition was dropped or emptied outside `es-pipeline tenant erase`. Restore it, or run "

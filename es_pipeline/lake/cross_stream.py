@@ -31,14 +31,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
-from multiprocessing import get_context
 
 import orjson
 import pyarrow as pa
@@ -46,20 +43,20 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
-from es_pipeline.domain import Domain, Event, Projection
+from es_pipeline.domain import RESERVED_PREFIXES, Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
 from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
-from es_pipeline.lake.delta.tables import Location
-from es_pipeline.lake.state import state_json, typed_state
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.state import forked, state_json
 from es_pipeline.lake.state.fold import with_schema_versions
 from es_pipeline.source import payloads
 
 log = logging.getLogger(__name__)
 
-_AT = pa.timestamp("us", tz="UTC")
 KIND = "es_pipeline.cross_stream"  # the table property that marks a cross-stream projection (its definition)
 # The `events` columns a projection reads (the change feed's commit version besides, on an increment).
 COLUMNS = ["tenant", "stream_id", "stream_type", "version", "event_type", "payload", "payload_encoding",
@@ -88,8 +85,8 @@ def table_of(projection: Projection, domain: Domain) -> Table:
     schema = pa.schema([
         ("tenant", pa.string()), (projection.key_column, pa.string()), ("state", pa.string()),
         ("events", pa.int64()), ("last_stream_id", pa.string()), ("last_version", pa.int32()),
-        ("last_batch_id", pa.int64()), ("last_position", pa.int64()), ("last_event_at", _AT),
-        ("revision", pa.int32()), ("updated_at", _AT), *(projection.state or []),
+        ("last_batch_id", pa.int64()), ("last_position", pa.int64()), ("last_event_at", UTC_MICROS),
+        ("revision", pa.int32()), ("updated_at", UTC_MICROS), *(projection.state or []),
     ])
     return Table(projection.name, schema, key=("tenant", projection.key_column),
                  comment=f"cross-stream projection {projection.name} ({projection.domain}): "
@@ -101,7 +98,7 @@ def table_names(warehouse: Location) -> list[str]:
     """The cross-stream projection tables in the lake now (whatever the domain), by name."""
     known = {*tables.TABLES, "event_tables"}  # the typed event tables' (lake/typed/event_tables.py), named below
     names = [n for n in tables.table_names(warehouse, "") if n not in known
-             and not n.startswith((typed_state.PREFIX, "events_"))]
+             and not n.startswith(RESERVED_PREFIXES)]
     return [n for n in names if KIND in DeltaTable(tables.table_path(warehouse, n)).metadata().configuration]
 
 
@@ -150,7 +147,7 @@ def increment(
 ) -> CrossStreamResult | None:
     """One update in the table's `turn`; None: no `events` table yet, or a whole build that `build` forbids.
     `events_feed`: `events`' change feed shared with other increments (a tailing run's)."""
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(events_path):
         return None
     table = table_of(projection, domain)
@@ -188,7 +185,7 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
     flap; the keys are read as the fold reads them (in this process, as the fold runs)."""
     projection = domain.projections[name]
     table = table_of(projection, domain)
-    path, events_path = table.path(warehouse), tables.table_path(warehouse, "events")
+    path, events_path = table.path(warehouse), EVENTS.path(warehouse)
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
         return Reconciled(None, note=f"{name} not built yet")
     target = DeltaTable(path)
@@ -361,7 +358,7 @@ def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
         "version": rows["version"].cast(pa.int32()), "event_type": rows["event_type"], "payload": rows["payload"],
         "batch": pc.fill_null(rows["batch_id"].cast(pa.int64()), 0),
         "position": pc.fill_null(rows["global_position"].cast(pa.int64()), -1),
-        "at": rows["recorded_at"].cast(_AT).cast(pa.int64()),
+        "at": rows["recorded_at"].cast(UTC_MICROS).cast(pa.int64()),
     })
     keys = _arrow_keys(base["payload"], projection, domain)
     events: list[Event] | None = None
@@ -389,28 +386,17 @@ def _python_keys(base: pa.Table, projection: Projection, domain: Domain) -> tupl
     """Each payload parsed, upcast and keyed in Python: (the keys, the events as parsed, for the fold to reuse). A
     large read is keyed over one forked process per core, and its events parsed again by the fold's processes
     (None): keeping millions of parsed events would cost more memory than parsing twice costs time."""
-    global _SHARED_KEYS
     n = base.num_rows
-    shares = 1 if n < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
+    shares = forked.shares(n)
     if shares == 1:
         keys, events = _key_span(base, projection, domain, keep=True)
         return pa.array(keys, pa.string()), events
     cuts = [n * i // shares for i in range(shares + 1)]
-    _SHARED_KEYS = (base, projection, domain)
-    try:
-        with ProcessPoolExecutor(max_workers=shares, mp_context=get_context("fork")) as pool:
-            parts = list(pool.map(_key_share, cuts[:-1], cuts[1:]))
-    finally:
-        _SHARED_KEYS = None
-    return pa.concat_arrays(parts), None
-
-
-_SHARED_KEYS: tuple[pa.Table, Projection, Domain] | None = None  # what a forked keying inherits
+    return pa.concat_arrays(forked.run((base, projection, domain), _key_share, cuts[:-1], cuts[1:])), None
 
 
 def _key_share(lo: int, hi: int) -> pa.Array:
-    assert _SHARED_KEYS is not None
-    base, projection, domain = _SHARED_KEYS
+    base, projection, domain = forked.shared()
     keys, _ = _key_span(base.slice(lo, hi - lo), projection, domain, keep=False)
     return pa.array(keys, pa.string())
 
@@ -478,41 +464,25 @@ class _Row:
     last_at: int | None
 
 
-ONE_PROCESS_ROWS = 200_000  # below, the fold runs in this process: a fork costs more than it saves
-
-# What a forked fold inherits (set before the fork, cleared after): the projection, the domain, the keyed events,
-# the prior rows.
-_SHARED: tuple[Projection, Domain, _Keyed, dict[tuple[str, str], _Row]] | None = None
-
-
 def _fold(
     projection: Projection, domain: Domain, keyed: _Keyed, prior: dict[tuple[str, str], _Row]
 ) -> dict[tuple[str, str], _Row]:
     """Each key's events of `keyed` folded onto its `prior` row (or from nothing), in order: in this process, or
     over one forked process per core for a large read (whole keys each)."""
-    global _SHARED
     starts = keyed.starts
-    shares = 1 if keyed.count < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
+    shares = forked.shares(keyed.count)
     bounds = [*starts, keyed.count]  # a cut falls where a key begins (or at the end: one key past the middle)
     cuts = [0] + [bounds[bisect_left(bounds, keyed.count * i // shares)] for i in range(1, shares)] + [keyed.count]
     spans = [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if lo < hi]
-    _SHARED = (projection, domain, keyed, prior)
-    try:
-        if len(spans) <= 1:
-            return _fold_span(*spans[0]) if spans else {}
-        with ProcessPoolExecutor(max_workers=len(spans), mp_context=get_context("fork")) as pool:
-            out: dict[tuple[str, str], _Row] = {}
-            for part in pool.map(_fold_span, *zip(*spans, strict=True)):
-                out.update(part)
-            return out
-    finally:
-        _SHARED = None
+    out: dict[tuple[str, str], _Row] = {}
+    for part in forked.run((projection, domain, keyed, prior), _fold_span, *zip(*spans, strict=True)) if spans else []:
+        out.update(part)
+    return out
 
 
 def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
     """The keys of rows lo..hi of the shared read, folded (whole keys: a span begins where a key does)."""
-    assert _SHARED is not None
-    projection, domain, keyed, prior = _SHARED
+    projection, domain, keyed, prior = forked.shared()
     taken = keyed.order.slice(lo, hi - lo)
     rows = keyed.rows.take(taken)
     tenant, key, sid, stype = (rows[c].to_pylist() for c in ("tenant", "key", "stream_id", "stream_type"))
@@ -573,8 +543,8 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
         pa.array([r.last[3] if r.last else None for r in rows], pa.int32()),
         pa.array([r.last[0] if r.last else None for r in rows], pa.int64()),
         pa.array([r.last[1] if r.last else None for r in rows], pa.int64()),
-        pa.array([r.last_at for r in rows], pa.int64()).cast(_AT),
-        pa.array([projection.revision] * n, pa.int32()), pa.array([datetime.now(UTC)] * n, _AT),
+        pa.array([r.last_at for r in rows], pa.int64()).cast(UTC_MICROS),
+        pa.array([projection.revision] * n, pa.int32()), pa.array([datetime.now(UTC)] * n, UTC_MICROS),
     ]
     if projection.state is not None:
         columns.extend(state_json.columns(states, projection.state).columns)  # checked by `to_json` above

@@ -12,11 +12,12 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.tables import UTC_MICROS
 
 _READ_FIRST = [
     ("global_position", pa.int64()), ("tx_id", pa.int64()), ("stream_id", pa.string()), ("stream_type", pa.string()),
     ("version", pa.int32()), ("slice", pa.int32()), ("event_type", pa.string()), ("payload", pa.string()),
-    ("metadata", pa.string()), ("recorded_at", pa.timestamp("us", tz="UTC")),
+    ("metadata", pa.string()), ("recorded_at", UTC_MICROS),
 ]
 _LAKE_ADDED = [("event_date", pa.date32()), ("batch_id", pa.int64())]
 # Added with source mappings (docs/sources.md): at the end, where a lake table of an older release takes them.

@@ -23,6 +23,7 @@ from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import turn_if_free
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state.fold import StateResult, read_columns
 from es_pipeline.lake.state.stream_state import small_increment, with_typed_state
 from es_pipeline.lake.typed import event_tables
@@ -44,7 +45,7 @@ def follow(
     (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
     Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
     `lock_transaction` connection kept for the turns."""
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(events_path):
         return {}
     if frontier is not None and domain.projections:  # read before the lake (lake/cross_stream.py)

@@ -20,6 +20,7 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.source.mapping import NO_TENANT, Source, as_source
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
@@ -39,7 +40,7 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
 def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, *, version: int | None = None) -> Any:
     """The `events` table (at `version`, default the newest), or the rows of the scope's slices (the files of
     other ranges are skipped by their slice statistics: a batch holds one range's slices)."""
-    df = tables.with_tenant(tables.read(spark, tables.table_path(warehouse, "events"), version=version))
+    df = tables.with_tenant(tables.read(spark, EVENTS.path(warehouse), version=version))
     return df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
 
 
@@ -144,7 +145,7 @@ def reconcile(
     """
     source = as_source(source)
     consumer = source.consumer
-    path = tables.table_path(warehouse, "events")
+    path = EVENTS.path(warehouse)
     slices = None if scope is None else scope.slices
     before = _store_view(dsn, source, consumer, slices)
     if between is not None:

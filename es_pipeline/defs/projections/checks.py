@@ -23,6 +23,7 @@ from es_pipeline.lake.aggregates.aggregate import Aggregate
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.definition import Reconciled
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state.stream_state import KEY, folded_version, versions_off_small
 
 
@@ -44,7 +45,7 @@ def stream_state_version_matches_events(spark: SparkResource, warehouse: Warehou
     if folded is None:
         return dg.AssetCheckResult(passed=True, metadata={"streams_off": 0, "note": "stream_state not built yet"})
     state_version, events_version = folded
-    events = tables.with_tenant(tables.read(s, tables.table_path(warehouse.root, "events"), version=events_version)) \
+    events = tables.with_tenant(tables.read(s, EVENTS.path(warehouse.root), version=events_version)) \
         .groupBy(*KEY).agg({"version": "max"}).withColumnRenamed("max(version)", "max_version")
     state = tables.read(s, state_path, version=state_version)
     bad = state.join(events, list(KEY), "full_outer").where(

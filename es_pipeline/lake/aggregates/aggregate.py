@@ -19,6 +19,7 @@ from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.events import EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Aggregate:
         """The increment aggregated by pyarrow and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events);
         None: Spark's to do (a first build, a larger increment, a change feed vacuumed away). `events_feed`:
         `events`' change feed shared with other increments (else read here)."""
-        events_path = tables.table_path(warehouse, "events")
+        events_path = EVENTS.path(warehouse)
         path = self.table.path(warehouse)
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return None
@@ -127,7 +128,7 @@ class Aggregate:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
         every row equal. Arrow and delta-rs up to `feed.SMALL_CHECK_EVENTS` events; above, or with deletion vectors,
         Spark (`spark`: a session, or a function that returns one)."""
-        path, events_path = self.table.path(warehouse), tables.table_path(warehouse, "events")
+        path, events_path = self.table.path(warehouse), EVENTS.path(warehouse)
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return Reconciled(None, note=f"{self.name} not built yet")
         target = DeltaTable(path)
@@ -151,7 +152,7 @@ class Aggregate:
         return Reconciled(int(folded), n, examples)
 
     def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> AggregateResult:
-        events_path = tables.table_path(warehouse, "events")
+        events_path = EVENTS.path(warehouse)
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
         app_id = self.table.app_id_over(tables.table_id(events_path))

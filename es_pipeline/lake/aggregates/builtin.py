@@ -10,9 +10,7 @@ import pyarrow as pa
 from es_pipeline.lake.aggregates.aggregate import Aggregate, AggregateResult
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.delta.tables import Location
-
-_AT = pa.timestamp("us", tz="UTC")
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 
 
 # Every projection is keyed by tenant first; `tenant` is their last column, where a table of an older
@@ -54,8 +52,8 @@ def _daily_arrow(events: pa.Table) -> pa.Table:
 
 STREAM_CATALOG = Aggregate(
     Table("stream_catalog", pa.schema([
-        ("stream_id", pa.string()), ("stream_type", pa.string()), ("first_event_at", _AT), ("version", pa.int32()),
-        ("events", pa.int64()), ("last_event_at", _AT), ("tenant", pa.string())]),
+        ("stream_id", pa.string()), ("stream_type", pa.string()), ("first_event_at", UTC_MICROS), ("version", pa.int32()),
+        ("events", pa.int64()), ("last_event_at", UTC_MICROS), ("tenant", pa.string())]),
         key=("tenant", "stream_id"), comment="one row per stream: type, first and last event, count, version"),
     aggregate=_catalog,
     aggregate_arrow=_catalog_arrow,

@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 
 _SPARK_TYPES = {
     pa.string(): "STRING", pa.int32(): "INT", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN",
-    pa.date32(): "DATE", pa.timestamp("us", tz="UTC"): "TIMESTAMP",
+    pa.date32(): "DATE", UTC_MICROS: "TIMESTAMP",
 }
 
 

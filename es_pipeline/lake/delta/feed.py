@@ -83,7 +83,7 @@ def plain_schema(schema: pa.Schema) -> pa.Schema:
 def files(path: str, table: DeltaTable) -> ds.Dataset:
     """The table's current Parquet files as a pyarrow dataset of one schema (plain strings)."""
     fs, _ = tables.filesystem(path)
-    names = [uri.split("://", 1)[1] if "://" in uri else uri for uri in table.file_uris()]
+    names = [tables.without_scheme(uri) for uri in table.file_uris()]
     # One schema for every file, with plain strings: delta-rs writes string_view into its files' Arrow schema.
     return ds.dataset(names, format="parquet", filesystem=fs, schema=plain_schema(pa.schema(table.schema().to_arrow())))
 

@@ -21,9 +21,12 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Field
 from deltalake.exceptions import CommitFailedError
 
+from es_pipeline import domain
 from es_pipeline.errors import LakeHoldsAnotherSource, NoEventsYet
 
-TABLES = ("events", "stream_state", "stream_catalog", "event_type_daily", "snapshots")
+UTC_MICROS = pa.timestamp("us", tz="UTC")  # a moment, as every table here holds it (Delta's TIMESTAMP)
+
+TABLES = domain.TABLES  # es_pipeline's own tables (the typed ones besides)
 
 
 Location = Path | str  # a local folder, or a URI such as s3://bucket/prefix
@@ -31,6 +34,11 @@ Location = Path | str  # a local folder, or a URI such as s3://bucket/prefix
 
 def is_uri(location: Location) -> bool:
     return "://" in str(location)
+
+
+def without_scheme(uri: str) -> str:
+    """A file's URI as pyarrow's filesystems name it (`s3://bucket/key` → `bucket/key`; a local path as it is)."""
+    return uri.split("://", 1)[1] if is_uri(uri) else uri
 
 
 def table_path(warehouse: Location, name: str) -> str:
@@ -352,7 +360,7 @@ def event_keys(path: str) -> pa.Table:
     return pa.table({
         "tenant": keys_tenant(keys),
         "stream_id": keys["stream_id"].cast(pa.string()), "version": keys["version"].cast(pa.int32()),
-        "recorded_at": pc.cast(keys["recorded_at"], pa.timestamp("us", tz="UTC")).cast(pa.int64()),
+        "recorded_at": pc.cast(keys["recorded_at"], UTC_MICROS).cast(pa.int64()),
     })
 
 

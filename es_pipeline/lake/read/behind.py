@@ -19,6 +19,7 @@ from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state import stream_state
 from es_pipeline.lake.state.fold import REVISION_SLOTS
 from es_pipeline.lake.typed import event_tables
@@ -151,7 +152,7 @@ class Lake:
         events = self.table("events")
         if events is None:
             return []
-        fs, root = tables.filesystem(tables.table_path(self.warehouse, "events"))
+        fs, root = tables.filesystem(EVENTS.path(self.warehouse))
         out = []
         for version in range(after + 1, min(upto, int(events.version())) + 1):
             try:

@@ -29,17 +29,17 @@ import pyarrow.compute as pc
 
 from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
+from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.state import state_json
 
-_UTC_MICROS = pa.timestamp("us", tz="UTC")
 FOLD_OUT = pa.schema([
     ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
-    ("last_event_at", _UTC_MICROS), ("revision", pa.int32()), ("parked", pa.string()),
+    ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("parked", pa.string()),
     ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
 ])
 # `stream_state`'s columns: the fold's output without its own columns, stamped when committed.
 STATE_SCHEMA = pa.schema([*(f for f in FOLD_OUT if f.name not in ("folded", "error", "tenant")),
-                          pa.field("updated_at", _UTC_MICROS), FOLD_OUT.field("tenant")])
+                          pa.field("updated_at", UTC_MICROS), FOLD_OUT.field("tenant")])
 FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]  # of events
 READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
 
@@ -309,7 +309,7 @@ def arrow_updates(out: pa.Table) -> pa.Table:
         stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
         raise ReducerError(stream_id, version, event_type, reason)
     rows = out.drop_columns(["error", "folded"])
-    return rows.append_column("updated_at", pa.array([datetime.now(UTC)] * out.num_rows, _UTC_MICROS)) \
+    return rows.append_column("updated_at", pa.array([datetime.now(UTC)] * out.num_rows, UTC_MICROS)) \
         .select(STATE_SCHEMA.names)
 
 
@@ -361,7 +361,7 @@ def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     stream's prior row (its state in `payload`, marked `is_prior`), sorted by stream, prior first, version."""
     schema = pa.schema([("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
                         ("event_type", pa.string()), ("payload", pa.string()),
-                        ("recorded_at", pa.timestamp("us", tz="UTC")), ("tenant", pa.string()),
+                        ("recorded_at", UTC_MICROS), ("tenant", pa.string()),
                         ("prior_skipped", pa.int32()), ("is_prior", pa.bool_())])
     events = new.cast(pa.schema([schema.field(c) for c in FOLD_COLUMNS]))
     n = events.num_rows

@@ -31,12 +31,12 @@ from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.serial import one_at_a_time
-from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 SNAPSHOTS = Table("snapshots", pa.schema([
     pa.field("stream_id", pa.string()), pa.field("stream_type", pa.string()), pa.field("version", pa.int32()),
-    pa.field("state", pa.string()), pa.field("revision", pa.int32()), pa.field("taken_at", pa.timestamp("us", tz="UTC")),
+    pa.field("state", pa.string()), pa.field("revision", pa.int32()), pa.field("taken_at", UTC_MICROS),
     pa.field("tenant", pa.string()),  # last: where a table made before tenants takes it
 ]), key=("tenant", "stream_id", "version"), comment="snapshots taken per stream and version")
 def app_id(state_path: str) -> str:

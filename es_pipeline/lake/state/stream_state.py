@@ -32,6 +32,7 @@ from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state import typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     FOLD_OUT,
@@ -67,7 +68,7 @@ def folded_version(warehouse: Location) -> tuple[int, int] | None:
     """(stream_state's Delta version, the version of the `events` table now in the lake it has folded up to),
     read from one version of its log; None before its first update from that `events`."""
     state_path = tables.table_path(warehouse, "stream_state")
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return None
     table = DeltaTable(state_path)
@@ -120,7 +121,7 @@ def small_increment(
     """The increment folded here and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events); None: Spark's
     to do (a first build, a reducer added, bumped or removed, a larger increment, a change feed vacuumed away).
     `events_feed`: `events`' change feed shared with other increments (else read here)."""
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     state_path = tables.table_path(warehouse, "stream_state")
     if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return None
@@ -168,7 +169,7 @@ def small_increment(
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
     """The first build from this `events` (a rebuild where the table was folded from another) folded by this
     machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     state_path = STREAM_STATE.path(warehouse)
     if not tables.is_delta_table(events_path):
         return None
@@ -197,7 +198,7 @@ def _update_with_spark(
 ) -> StateResult:
     from pyspark.sql import functions as F
 
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     state_path = STREAM_STATE.ensure(spark, warehouse, typed_state.state_properties(domain))
     if not tables.has_columns(state_path, ["tenant"]):  # made before tenants: every row is of no tenant ('')
         spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (tenant STRING)")
@@ -304,13 +305,13 @@ def versions_off_small(warehouse: Location) -> VersionsOff | None:
     if folded is None:
         return VersionsOff(0, [], None)
     state_version, events_version = folded
-    events = DeltaTable(tables.table_path(warehouse, "events"), version=events_version)
+    events = DeltaTable(EVENTS.path(warehouse), version=events_version)
     state = DeltaTable(state_path, version=state_version)
     if feed.has_deletion_vectors(events) or feed.has_deletion_vectors(state) or \
             feed.row_count(events) > SMALL_CHECK_EVENTS:
         return None
     keys = list(KEY)
-    last = tables.tenant_filled(feed.files(tables.table_path(warehouse, "events"), events)
+    last = tables.tenant_filled(feed.files(EVENTS.path(warehouse), events)
                                 .to_table(columns=[*keys, "version"])) \
         .group_by(keys).aggregate([("version", "max")]).rename_columns([*keys, "max_version"])
     rows = feed.files(state_path, state).to_table(columns=[*keys, "version", "parked"])

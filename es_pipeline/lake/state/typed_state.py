@@ -27,20 +27,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from es_pipeline.domain import Domain, Reducer
+from es_pipeline.domain import STATE_TABLE_PREFIX, Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
 from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.state import state_json
 from es_pipeline.lake.state.fold import Written
 
 log = logging.getLogger(__name__)
 
-PREFIX = "stream_state_"
-_AT = pa.timestamp("us", tz="UTC")
+PREFIX = STATE_TABLE_PREFIX
 _ENVELOPE = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("version", pa.int32()),
-                       ("last_event_at", _AT), ("revision", pa.int32()), ("updated_at", _AT)])
+                       ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("updated_at", UTC_MICROS)])
 CHANGE_FEED = {"delta.enableChangeDataFeed": "true"}  # on `stream_state`: what the typed tables follow
 
 
@@ -79,7 +79,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
     new), not from the change feed."""
     typed = typed_tables(domain)
     state_path = tables.table_path(warehouse, "stream_state")
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     if not typed or not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
         return {}
     # Bound to the `events` table stream_state folds now and to the stream_state table itself (its versions are the

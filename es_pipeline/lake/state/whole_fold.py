@@ -6,7 +6,7 @@ every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over th
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records);
 2. split by slice (a stream lives in one slice) over one forked process per core (one process below
-   `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
+   lake/state/forked.py's `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
    and folds it stream by stream with `StreamFold.events` (the same reducers and rules as Spark's workers);
 3. the output returned to lake/state/stream_state.py, which writes it with delta-rs under the same Delta
    transaction id (app id, version) Spark's MERGE carries, inside the table's turn, so either engine goes on
@@ -17,11 +17,8 @@ A larger table, or `events` with deletion vectors, returns None, and Spark does 
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_left
-from concurrent.futures import ProcessPoolExecutor
 from itertools import islice
-from multiprocessing import get_context
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,6 +26,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.state import forked
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
     FOLD_OUT,
@@ -39,12 +37,8 @@ from es_pipeline.lake.state.fold import (
 from es_pipeline.source import payloads
 
 WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here
-ONE_PROCESS_ROWS = 200_000  # below, one process: a fork costs more than it saves
 CHUNK = 65_536  # events taken and turned into Python objects at a time (whole streams)
 
-# What a forked worker inherits: the events read, the fold's arguments, and the slice bounds of the shares
-# (set before the fork, cleared after).
-_SHARED: tuple[pa.Table, dict[str, Reducer], bool, list[int]] | None = None
 
 
 def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa.Table, int] | None:
@@ -67,21 +61,13 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
     """Every stream of `rows` folded: in this process, or split by slice over one forked process per core."""
-    global _SHARED
-    shares = 1 if rows.num_rows < ONE_PROCESS_ROWS or "slice" not in rows.column_names else (os.cpu_count() or 1)
+    n = forked.shares(rows.num_rows) if "slice" in rows.column_names else 1
     bounds: list[int] = []
-    if shares > 1:  # the slices seen, cut into `shares` spans of as many slices each
+    if n > 1:  # the slices seen, cut into `n` spans of as many slices each
         low, high = (int(v.as_py()) for v in pc.min_max(rows["slice"]).values())
-        bounds = [low + (high + 1 - low) * i // shares for i in range(shares + 1)]
-    _SHARED = (rows, registry, skip_unknown, bounds)
-    try:
-        if shares == 1:
-            return _fold_share(0)
-        # Fork: each worker reads its share of the rows this process holds, without copying them to it.
-        with ProcessPoolExecutor(max_workers=shares, mp_context=get_context("fork")) as pool:
-            return pa.concat_tables(pool.map(_fold_share, range(shares)))
-    finally:
-        _SHARED = None
+        bounds = [low + (high + 1 - low) * i // n for i in range(n + 1)]
+    # Forked: each worker reads its share of the rows this process holds, without copying them to it.
+    return pa.concat_tables(forked.run((rows, registry, skip_unknown, bounds), _fold_share, range(n)))
 
 
 def _fold_share(share: int) -> pa.Table:
@@ -90,8 +76,7 @@ def _fold_share(share: int) -> pa.Table:
     The rows are ordered by stream and version without sorting strings: the share's tenants and stream ids
     become dictionary codes, and the codes are sorted. Then `CHUNK` events at a time (whole streams) are
     taken in that order and folded stream by stream (`StreamFold.events`)."""
-    assert _SHARED is not None
-    rows, registry, skip_unknown, bounds = _SHARED
+    rows, registry, skip_unknown, bounds = forked.shared()
     ids = None
     if bounds:
         lo, hi = bounds[share], bounds[share + 1]

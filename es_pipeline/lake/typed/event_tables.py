@@ -44,30 +44,30 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
-from es_pipeline.domain import Domain
+from es_pipeline.domain import EVENT_TABLE_PREFIX, EVENT_TABLES, Domain
 from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.serial import one_at_a_time
-from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.typed import shapes
 from es_pipeline.lake.typed.typed_rows import ENVELOPE, normal_schema, regrown, to_place_again, type_rows
 
 log = logging.getLogger(__name__)
 
-PREFIX = "events_"
-NAME = "event_tables"  # the mapping table
+PREFIX = EVENT_TABLE_PREFIX
+NAME = EVENT_TABLES  # the mapping table
 REVISION = 2  # of the rule in lake/typed/shapes.py and of this layout: a change rebuilds every typed event table
 CHUNK = 1_000_000  # events per step of a build
 WRITERS = 4  # tables an increment writes at once
 WINDOW = 4  # `events` commits an increment reads at once (an extraction commits up to 500,000 events in one)
-_AT = pa.timestamp("us", tz="UTC")
 
 _READ = ["tenant", "stream_id", "stream_type", "version", "event_type", "recorded_at", "event_date", "tx_id",
          "global_position", "payload", "payload_encoding"]
 
 MAPPING = Table(NAME, pa.schema([
     ("event_type", pa.string()), ("table_name", pa.string()), ("column_name", pa.string()), ("data_type", pa.string()),
-    ("change", pa.string()), ("first_event_at", _AT), ("events_version", pa.int64()),
+    ("change", pa.string()), ("first_event_at", UTC_MICROS), ("events_version", pa.int64()),
 ]), key=("event_type", "column_name", "data_type"), comment="which typed event table holds which event type; each column's history")
 
 
@@ -178,7 +178,7 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
     """`update`'s work, the caller holding the turn; without `build`, None where the tables would be built anew
     (a tailing run leaves that to the asset's own run)."""
     started = time.monotonic()
-    events_path = tables.table_path(warehouse, "events")
+    events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(events_path):
         return EventTablesResult(None)
     events = DeltaTable(events_path)
@@ -382,7 +382,7 @@ class _Keeper:
 
     def _rows_of(self, event_type: str) -> pa.Table:
         """`events`' rows of `event_type` (as the tables group them) at the version read."""
-        path = tables.table_path(self.warehouse, "events")
+        path = EVENTS.path(self.warehouse)
         read = [*_READ, *(["metadata"] if self.domain.metadata_field is not None else [])]
         # At the version this update commits as read: a later commit's rows come with a later update.
         parts = [rows for chunk in _current_rows(path, DeltaTable(path, version=self.now), read)

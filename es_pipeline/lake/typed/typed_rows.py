@@ -22,12 +22,12 @@ import pyarrow.json as pj
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Event
+from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.typed import shapes
 
-_AT = pa.timestamp("us", tz="UTC")
 ENVELOPE = pa.schema([
     ("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
-    ("event_type", pa.string()), ("recorded_at", _AT), ("event_date", pa.date32()), ("tx_id", pa.int64()),
+    ("event_type", pa.string()), ("recorded_at", UTC_MICROS), ("event_date", pa.date32()), ("tx_id", pa.int64()),
     ("global_position", pa.int64()), (shapes.OVERFLOW, pa.string()),
 ])
 _ENVELOPE_NAMES = frozenset(n.lower() for n in ENVELOPE.names)
