@@ -20,6 +20,7 @@ from es_pipeline.settings import Settings, local_pg_dsn
 from es_pipeline.store import roles
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.roles import StoreDsn, create_login, login_roles
+from es_pipeline_tests.support.store import make_tenant_store
 
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
@@ -99,6 +100,13 @@ def empty_dsn(pg_server: str) -> Iterator[str]:
     yield _dsn(name)
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def tenant_store(empty_dsn: str, logins: dict[str, str]) -> StoreDsn:
+    """A fresh store partitioned by tenant (`es-tenants`) with tenants acme and globex; logins as `dsn`'s."""
+    make_tenant_store(empty_dsn, "acme", "globex")
+    return StoreDsn.of(empty_dsn, logins)
 
 
 @pytest.fixture(scope="session")

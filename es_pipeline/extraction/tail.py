@@ -49,7 +49,7 @@ class TailResult:
 
 
 @contextmanager
-def _listener(dsn: str) -> Iterator[psycopg.Connection | None]:
+def notifications(dsn: str) -> Iterator[psycopg.Connection | None]:
     """A connection LISTENing on the store's channel; None where LISTEN is refused (a transaction pooler)."""
     conn = connect(dsn, autocommit=True, application_name="es_pipeline tail")
     try:
@@ -63,7 +63,7 @@ def _listener(dsn: str) -> Iterator[psycopg.Connection | None]:
         conn.close()
 
 
-def _wait(listener: psycopg.Connection | None, seconds: float, *, gather: float = GATHER_SECONDS) -> None:
+def wait_for_commits(listener: psycopg.Connection | None, seconds: float, *, gather: float = GATHER_SECONDS) -> None:
     """Until a notification arrives or `seconds` pass; then `gather` seconds, even past `seconds`, that take
     the commits around it into the same pass."""
     if seconds <= 0:
@@ -80,7 +80,7 @@ def _wait(listener: psycopg.Connection | None, seconds: float, *, gather: float 
         pass
 
 
-def _gather(began: float, now: float, left: float) -> float:
+def gather_seconds(began: float, now: float, left: float) -> float:
     """Seconds to wait after a notification: GATHER_SECONDS, or up to PASS_GAP after the last pass began,
     but not past the run's deadline (`left` seconds away)."""
     return min(left, max(GATHER_SECONDS, began + PASS_GAP - now))
@@ -103,7 +103,7 @@ def tail(
     deadline = clock() + seconds
     began = clock()  # the last pass's start (the caller's first pass has just run)
     out = TailResult()
-    with _listener(extractor.dsn) as listener, connect(
+    with notifications(extractor.dsn) as listener, connect(
         extractor.dsn, autocommit=True, application_name="es_pipeline tail probe"
     ) as probe_conn, nullcontext(session) if session is not None else extractor.session(
         slice_range, run_id
@@ -112,7 +112,7 @@ def tail(
             left = deadline - clock()
             if left <= 0:
                 break
-            _wait(listener, min(poll_seconds, left), gather=_gather(began, clock(), left))
+            wait_for_commits(listener, min(poll_seconds, left), gather=gather_seconds(began, clock(), left))
             if stop is not None and stop.is_set():
                 break
             out.probes += 1

@@ -55,7 +55,7 @@ class Reading:
     at: float = 0.0
 
 
-class _Latency:
+class Latency:
     """The commit→lake histogram, cumulative over the exporter's life: one observation per `events` commit
     (its oldest event's wait), taken from the commits the lake gained since the last reading."""
 
@@ -91,7 +91,7 @@ class Reader:
         self.ranges = split(settings.slice_ranges)
         self.kept = KeptConnection(settings.pg_dsn, "es_pipeline metrics")
         self.lake = Lake(settings.warehouse)
-        self.latency = _Latency()
+        self.latency = Latency()
         self._instance = instance
         self._dagster = dagster
         self._lock = threading.Lock()
@@ -194,13 +194,13 @@ class PipelineCollector(Collector):
         yield from _reading_metrics(r, consumer)
         if r.store is not None:
             yield from _store_metrics(r.store, consumer, self.reader.settings.tail_seconds)
-        yield from _lake_metrics(r, consumer, self.reader.latency)
+        yield from lake_metrics(r, consumer, self.reader.latency)
         if r.snapshot_backlog is not None:
             yield _gauge("es_pipeline_snapshot_writeback_backlog", "Streams whose latest snapshot in the lake the "
                          "store does not hold (written back by the next snapshots run)", ["consumer"],
                          [([consumer], float(r.snapshot_backlog))])
         if r.dagster is not None:
-            yield from _dagster_metrics(r.dagster, consumer)
+            yield from dagster_metrics(r.dagster, consumer)
             yield _gauge("es_pipeline_sensor_interval_seconds", "The sensor's minimum interval between ticks",
                          ["sensor"], [([name], v) for name, v in sorted(self.reader.intervals.items())])
         if r.spark_connect is not None:
@@ -270,7 +270,7 @@ def _age(now: float, at: float | None) -> float:
     return 0.0 if at is None else max(0.0, now - at)
 
 
-def _lake_metrics(r: Reading, consumer: str, latency: _Latency) -> Iterator[Metric]:
+def lake_metrics(r: Reading, consumer: str, latency: Latency) -> Iterator[Metric]:
     if r.events_version is not None:
         yield _gauge("es_pipeline_lake_events_version", "The Delta version of `events`", ["consumer"],
                      [([consumer], float(r.events_version))])
@@ -291,7 +291,7 @@ def _lake_metrics(r: Reading, consumer: str, latency: _Latency) -> Iterator[Metr
     yield c
 
 
-def _dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
+def dagster_metrics(d: Any, consumer: str) -> Iterator[Metric]:
     now = d.taken_at
     yield _gauge("es_pipeline_dagster_daemon_heartbeat_age_seconds", "Seconds since each Dagster daemon's newest "
                  "heartbeat", ["daemon"], [([kind], max(0.0, now - at)) for kind, at in sorted(d.heartbeats.items())])

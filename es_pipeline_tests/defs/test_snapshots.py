@@ -22,6 +22,7 @@ from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.store import stored_snapshots
 
 
 def _lake_latest(spark: Any, warehouse: Path) -> dict[str, tuple[int, int, Any]]:
@@ -30,12 +31,6 @@ def _lake_latest(spark: Any, warehouse: Path) -> dict[str, tuple[int, int, Any]]
         if r["stream_id"] not in latest or (r["version"], r["revision"]) > latest[r["stream_id"]][:2]:
             latest[r["stream_id"]] = (r["version"], r["revision"], json.loads(r["state"]))
     return latest
-
-
-def _store(dsn: str) -> dict[str, tuple[int, int, Any]]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT stream_id, version, revision, state FROM es.snapshots").fetchall()
-    return {s: (v, r, state) for s, v, r, state in rows}
 
 
 def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_redone(
@@ -60,7 +55,7 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
 
         lake = _lake_latest(spark, warehouse)
         assert len(lake) == taken
-        assert _store(dsn) == lake  # row by row: version, revision and state
+        assert stored_snapshots(dsn) == lake  # row by row: version, revision and state
 
         def check() -> dg.AssetCheckResult:
             return snapshots_match_store(  # type: ignore[call-arg]
@@ -78,5 +73,5 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
         again = dg.materialize([assets[1]], resources=resources, run_config=config, instance=instance)
         meta = again.asset_materializations_for_node("snapshots")[0].metadata
         assert meta["dagster/row_count"].value == 0 and meta["written_back"].value == 3
-        assert _store(dsn) == lake
+        assert stored_snapshots(dsn) == lake
         assert check().passed

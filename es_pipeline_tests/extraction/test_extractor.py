@@ -28,24 +28,9 @@ from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake.delta import tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.hooks import Crash, crash_at, hold_when_locked, no_spark
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn
-
-
-class Crash(Exception):
-    """Stands for the process dying at a step: nothing after it runs."""
-
-
-def crash_at(step: str, nth: int = 1):  # type: ignore[no-untyped-def]
-    seen = [0]
-
-    def hook(name: str, batch: Batch | None) -> None:
-        if name == step:
-            seen[0] += 1
-            if seen[0] == nth:
-                raise Crash(step)
-
-    return hook
 
 
 def naive_poll(dsn: StoreDsn, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
@@ -266,12 +251,7 @@ def test_a_sink_rebound_mid_run_commits_nothing_and_the_batch_is_replayed(dsn: S
 def test_offsets_reset_waits_for_running_extractions(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0)
     holding, release = threading.Event(), threading.Event()
-
-    def hold(name: str, batch: Batch | None) -> None:
-        if name == "locked":
-            holding.set()
-            release.wait(60)
-
+    hold = hold_when_locked(holding, release)
     running = threading.Thread(target=lambda: Extractor(dsn.extractor, spark, warehouse, on_step=hold).run(split(8)[3]))
     running.start()
     assert holding.wait(60)
@@ -367,12 +347,7 @@ def test_a_second_run_on_an_overlapping_range_fails_fast_and_writes_nothing(
     run_workload(EventStore(dsn), streams=50, events=500, writers=2, rollback_rate=0, max_commit_delay=0)
     holding = threading.Event()
     release = threading.Event()
-
-    def hold(name: str, batch: Batch | None) -> None:
-        if name == "locked":
-            holding.set()
-            release.wait(60)
-
+    hold = hold_when_locked(holding, release)
     first = threading.Thread(target=lambda: Extractor(dsn.extractor, spark, warehouse, on_step=hold).run(split(8)[0], run_id="run-A"))
     first.start()
     assert holding.wait(60)
@@ -410,10 +385,6 @@ def test_incremental_read_probes_the_slice_index(dsn: StoreDsn, uniform: bool) -
     assert "Seq Scan on events" not in plan, plan
 
 
-def _no_spark() -> Any:
-    raise AssertionError("Spark was started, but nothing here needs it")
-
-
 @pytest.mark.parametrize(
     ("writer", "master", "needs_spark"),
     [("delta-rs", "local[*]", False), ("spark", "local[2]", True), ("delta-rs", "spark://cluster:7077", True)],
@@ -428,7 +399,7 @@ def test_build_extractor_starts_spark_only_for_the_spark_writer_or_a_cluster(
         started.append("spark")
         return "a session"
 
-    extractor = build_extractor(settings, spark if needs_spark else _no_spark)
+    extractor = build_extractor(settings, spark if needs_spark else no_spark)
     assert (extractor.spark == "a session") is needs_spark and len(started) == int(needs_spark)
     assert (extractor.writer, extractor.dsn, extractor.warehouse) == (writer, settings.pg_dsn, tmp_path)
     assert extractor.jdbc_min_rows == (0 if master.startswith("local") else 500_000)

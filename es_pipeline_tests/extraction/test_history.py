@@ -18,31 +18,19 @@ from psycopg.conninfo import make_conninfo
 
 from es_pipeline.cli import main
 from es_pipeline.dev import local_server
-from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import FutureTransactionIds, LakeHoldsAnotherSource, LakeStoreDiverged
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.source.mapping import load
-from es_pipeline.store import roles, tenants
+from es_pipeline.store import roles
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.cluster import another_cluster, cluster, dump, restore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key, extract_all
 from es_pipeline_tests.support.roles import StoreDsn, login_roles
+from es_pipeline_tests.support.store import append_workload, burn_transaction_ids
 
 TENANTS = load("es-tenants")
-
-
-def _append(dsn: str, events: int, seed: int, writers: int = 2) -> None:
-    run_workload(EventStore(dsn), streams=40, events=events, writers=writers, rollback_rate=0.1,
-                 max_commit_delay=0.01, seed=seed)
-
-
-def _burn(dsn: str, transactions: int) -> None:
-    """Move the cluster's transaction counter on, as years of traffic would."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for _ in range(transactions):
-            conn.execute("SELECT pg_current_xact_id()")
 
 
 def _ids(dsn: str) -> tuple[int, int]:
@@ -62,13 +50,13 @@ def _version(warehouse: Path) -> int:
 def test_a_store_restored_before_its_first_extraction_is_extracted_whole(
     dsn: StoreDsn, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    _burn(dsn, 3000)  # the old cluster's counter runs well ahead of a new one's
-    _append(dsn, 300, 1, writers=4)
+    burn_transaction_ids(dsn, 3000)  # the old cluster's counter runs well ahead of a new one's
+    append_workload(dsn, 300, 1, writers=4)
     old = dump(dsn, tmp_path / "old.dump")
     with ExitStack() as stack:
         admin = stack.enter_context(another_cluster("before-adoption"))
         store = StoreDsn.of(restore(old, admin, "es_restored"), stack.enter_context(login_roles(admin)))
-        _append(store, 100, 2)  # the applications carry on there, years before es_pipeline
+        append_workload(store, 100, 2)  # the applications carry on there, years before es_pipeline
         top, next_xid = _ids(store)
         assert top >= next_xid, "the drill needs restored ids above the new cluster's counter"
         monkeypatch.setenv("ES_PIPELINE_PG_DSN", store.extractor)
@@ -80,7 +68,7 @@ def test_a_store_restored_before_its_first_extraction_is_extracted_whole(
         assert "the next id this PostgreSQL cluster will assign" in err and "es-pipeline offsets rebase" in err
 
         # Nothing extracted and no lake: the first run rebases by itself, while writers go on.
-        writing = threading.Thread(target=_append, args=(store, 200, 3, 3))
+        writing = threading.Thread(target=append_workload, args=(store, 200, 3, 3))
         writing.start()
         extract_all(store.extractor, None, warehouse)
         writing.join()
@@ -96,16 +84,6 @@ def test_a_store_restored_before_its_first_extraction_is_extracted_whole(
         assert main(["extract"]) == 0
         assert assert_exactly_once_by_key(warehouse, store) == 600
         assert _ids(store)[0] >= _ids(store)[1], "the restored ids were still ahead: the rebuild was the hard case"
-
-
-@pytest.fixture
-def tenant_store(empty_dsn: str, logins: dict[str, str]) -> StoreDsn:
-    migrate(empty_dsn, tenants=True)
-    roles.apply(empty_dsn, "es", echo=lambda _: None)
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        for name in ("acme", "globex"):
-            tenants.add(conn, TENANTS, name)
-    return StoreDsn.of(empty_dsn, logins)
 
 
 def test_rows_copied_in_with_their_tx_id_are_refused_then_rebased_tenant_by_tenant(
@@ -147,30 +125,30 @@ def test_rows_copied_in_with_their_tx_id_are_refused_then_rebased_tenant_by_tena
 def test_a_second_move_catches_up_as_the_first_did(
     dsn: StoreDsn, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _burn(dsn, 3000)
-    _append(dsn, 150, 1)
+    burn_transaction_ids(dsn, 3000)
+    append_workload(dsn, 150, 1)
     extract_all(dsn.extractor, None, warehouse)
-    _append(dsn, 100, 5)  # committed on A, not extracted yet: B's catch-up brings these (its chunks commit)
+    append_workload(dsn, 100, 5)  # committed on A, not extracted yet: B's catch-up brings these (its chunks commit)
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
     with ExitStack() as stack:
         b_admin = stack.enter_context(another_cluster("move-b"))
         b_db = restore(dump(dsn, tmp_path / "a.dump"), b_admin, "es_b")
         made = stack.enter_context(login_roles(b_admin))
         b = StoreDsn.of(b_db, made)
-        _append(b, 100, 2)
+        append_workload(b, 100, 2)
         monkeypatch.setenv("ES_PIPELINE_PG_DSN", b.extractor)
         assert main(["offsets", "rebase"]) == 0
         extract_all(b.extractor, None, warehouse)
         assert assert_exactly_once_by_key(warehouse, b) == 350
-        _burn(b, 3000)  # B's own ids run ahead of C's, as A's did of B's
+        burn_transaction_ids(b, 3000)  # B's own ids run ahead of C's, as A's did of B's
         with psycopg.connect(b) as conn:
             tail_after = int(conn.execute("SELECT max(global_position) FROM es.events").fetchone()[0])
-        _append(b, 100, 3)  # committed on B, not extracted yet: the move to C must bring these too
+        append_workload(b, 100, 3)  # committed on B, not extracted yet: the move to C must bring these too
 
         c_admin = stack.enter_context(another_cluster("move-c"))
         c_db = restore(dump(b, tmp_path / "b.dump"), c_admin, "es_c")
         c = StoreDsn.of(c_db, stack.enter_context(login_roles(c_admin)))
-        _append(c, 50, 4)
+        append_workload(c, 50, 4)
         with psycopg.connect(c) as conn:
             above = conn.execute("SELECT count(*) FROM es.events WHERE global_position > %s "
                                  "AND tx_id >= pg_snapshot_xmax(pg_current_snapshot())", (tail_after,)).fetchone()
@@ -206,9 +184,9 @@ def test_a_failover_that_lost_a_batch_is_refused_by_every_app_id(warehouse: Path
         migrate(owner)
         roles.apply(owner, "es", echo=lambda _: None)
         store = StoreDsn.of(owner, stack.enter_context(login_roles(c.admin_dsn)))
-        _append(store, 200, 1)
+        append_workload(store, 200, 1)
         extract_all(store.extractor, None, warehouse, n_ranges=8)  # hand materializations' app ids
-        _append(store, 1000, 2)
+        append_workload(store, 1000, 2)
         with _standby_copy(c.data, c.port, c.data.parent / f"{c.data.name}-standby"):
             Extractor(store.extractor, None, warehouse).run(SliceRange(0, 1023))  # the tailing run's app id
         shutil.rmtree(c.data.parent / f"{c.data.name}-standby")
@@ -224,7 +202,7 @@ def test_a_failover_that_lost_a_batch_is_refused_by_every_app_id(warehouse: Path
 def test_a_consumer_never_binds_to_a_lake_another_source_filled(
     dsn: StoreDsn, empty_dsn: str, logins: dict[str, str], warehouse: Path,
 ) -> None:
-    _append(dsn, 100, 1)
+    append_workload(dsn, 100, 1)
     extract_all(dsn.extractor, None, warehouse)
     before = _version(warehouse)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -234,7 +212,7 @@ def test_a_consumer_never_binds_to_a_lake_another_source_filled(
     migrate(empty_dsn)
     roles.apply(empty_dsn, "es", echo=lambda _: None)
     other = StoreDsn.of(empty_dsn, logins)
-    _append(other, 50, 2)
+    append_workload(other, 50, 2)
     with pytest.raises(LakeHoldsAnotherSource, match="the lake of another source"):  # another store's id
         Extractor(other.extractor, None, warehouse).run(SliceRange(0, 1023))
     assert _version(warehouse) == before, "nothing was written"

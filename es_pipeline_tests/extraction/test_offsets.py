@@ -25,12 +25,7 @@ from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
 from es_pipeline_tests.support.roles import StoreDsn
-
-
-def _watermarks(dsn: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM es_pipeline.offsets WHERE consumer = 'events'").fetchone()
-    return int(row[0]) if row else 0
+from es_pipeline_tests.support.store import watermark_count
 
 
 def test_reset_over_a_lake_that_holds_events_is_refused_until_it_is_removed(
@@ -44,11 +39,11 @@ def test_reset_over_a_lake_that_holds_events_is_refused_until_it_is_removed(
     assert main(["offsets", "reset"]) == 2
     err = capsys.readouterr().err
     assert "still holds events" in err and str(warehouse / "events") in err and "Nothing was forgotten" in err
-    assert _watermarks(dsn) == 1024, "a refused reset forgets nothing"
+    assert watermark_count(dsn) == 1024, "a refused reset forgets nothing"
 
     shutil.rmtree(warehouse / "events")
     assert main(["offsets", "reset"]) == 0
-    assert _watermarks(dsn) == 0
+    assert watermark_count(dsn) == 0
     extract_all(dsn.extractor, spark, warehouse)
     assert assert_exactly_once(spark, warehouse, dsn) == 200
 

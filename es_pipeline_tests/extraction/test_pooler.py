@@ -11,24 +11,19 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import SliceLocked, SliceLockLost
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.slices import SliceRange, split
-from es_pipeline.store.event_store import EventStore
+from es_pipeline_tests.support.hooks import hold_when_locked
 from es_pipeline_tests.support.lakecheck import assert_exactly_once
 from es_pipeline_tests.support.pooler import pgbouncer
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.store import append_workload
 
 
 def _via(dsn: str, port: int) -> str:
     return make_conninfo(dsn, host="127.0.0.1", port=str(port))
-
-
-def _append(dsn: str, events: int, seed: int) -> None:
-    run_workload(EventStore(dsn), streams=40, events=events, writers=4, rollback_rate=0.1, max_commit_delay=0.01,
-                 seed=seed)
 
 
 def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exactly_once(
@@ -38,14 +33,9 @@ def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exac
     users = [conninfo_to_dict(d)["user"] for d in (dsn.writer, dsn.extractor)]
     with pgbouncer(server_port, pool_mode="transaction", users=users) as port:
         pooled = _via(dsn.extractor, port)
-        _append(_via(dsn.writer, port), 300, 1)  # writers through the pooler too
+        append_workload(_via(dsn.writer, port), 300, 1, writers=4)  # writers through the pooler too
         holding, release = threading.Event(), threading.Event()
-
-        def hold(name: str, batch: Batch | None) -> None:
-            if name == "locked":
-                holding.set()
-                release.wait(60)
-
+        hold = hold_when_locked(holding, release)
         first = threading.Thread(target=lambda: Extractor(pooled, None, warehouse, on_step=hold).run(SliceRange(0, 1023)))
         first.start()
         try:
@@ -57,7 +47,7 @@ def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exac
         finally:
             release.set()
             first.join(60)
-        writing = threading.Thread(target=_append, args=(_via(dsn.writer, port), 400, 2))
+        writing = threading.Thread(target=append_workload, args=(_via(dsn.writer, port), 400, 2, 4))
         writing.start()
         for r in split(4):
             Extractor(pooled, None, warehouse).run(r)
@@ -70,7 +60,7 @@ def test_through_a_transaction_pooler_a_slice_is_extracted_in_one_place_and_exac
 def test_a_run_whose_locks_are_lost_commits_nothing_and_its_batch_is_replayed(
     dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
-    _append(dsn, 200, 3)
+    append_workload(dsn, 200, 3, writers=4)
 
     def lose_locks(name: str, batch: Batch | None) -> None:
         if name == "delta_committed":

@@ -18,20 +18,14 @@ from es_pipeline.defs.events.checks import (
     events_versions_contiguous,
 )
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
-from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import SourceChanged
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
-from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
 from es_pipeline_tests.support.roles import StoreDsn, login_roles
-
-
-def _append(dsn: str, events: int, seed: int, writers: int = 2) -> None:
-    run_workload(EventStore(dsn), streams=40, events=events, writers=writers, rollback_rate=0.1,
-                 max_commit_delay=0.01, seed=seed)
+from es_pipeline_tests.support.store import append_workload
 
 
 def _offsets(dsn: str) -> int:
@@ -44,12 +38,12 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
     dsn: StoreDsn, spark: Any, warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    _append(dsn, 150, 1)
+    append_workload(dsn, 150, 1)
     extract_all(dsn.extractor, spark, warehouse)
     old_dump = dump(dsn, tmp_path / "old.dump")  # older than what the lake will hold
-    _append(dsn, 150, 2)
+    append_workload(dsn, 150, 2)
     extract_all(dsn.extractor, spark, warehouse)
-    _append(dsn, 100, 3)  # committed, not extracted yet: the restore must bring these too
+    append_workload(dsn, 100, 3)  # committed, not extracted yet: the restore must bring these too
     new_dump = dump(dsn, tmp_path / "new.dump")
     monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
 
@@ -65,7 +59,7 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
         assert _offsets(old) == 1024
 
         restored = StoreDsn.of(restore(new_dump, admin, "es_restored"), made)
-        _append(restored, 200, 4)  # the applications carry on on the new cluster
+        append_workload(restored, 200, 4)  # the applications carry on on the new cluster
         before = tables.table_version(spark, str(warehouse / "events"))
         with pytest.raises(SourceChanged, match="another cluster|dump restored into a new cluster"):
             Extractor(restored.extractor, spark, warehouse).run(SliceRange(0, 1023))
@@ -80,7 +74,7 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
         assert "nothing to rebase" in capsys.readouterr().out
 
         # Writers keep appending while the ranges are extracted again from the start.
-        writing = threading.Thread(target=_append, args=(restored, 300, 5, 4))
+        writing = threading.Thread(target=append_workload, args=(restored, 300, 5, 4))
         writing.start()
         extract_all(restored.extractor, spark, warehouse)
         writing.join()

@@ -13,7 +13,15 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.errors import SliceLocked
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
 from es_pipeline.extraction.slices import SliceRange
-from es_pipeline.extraction.tail import CHANNEL, GATHER_SECONDS, PASS_GAP, _gather, _listener, _wait, tail
+from es_pipeline.extraction.tail import (
+    CHANNEL,
+    GATHER_SECONDS,
+    PASS_GAP,
+    gather_seconds,
+    notifications,
+    tail,
+    wait_for_commits,
+)
 from es_pipeline.store.conninfo import connect
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import source_events
@@ -79,22 +87,22 @@ def test_a_tailing_run_holds_its_range_between_passes_and_another_run_is_told_wh
 def test_the_gathering_after_a_notification_outlasts_the_poll(dsn: StoreDsn) -> None:
     """The wait for a notification is bounded by the poll (2 s), the gathering after it is not: a pass begins
     PASS_GAP after the last one began, more than the poll, under a steady trickle of notifications."""
-    with _listener(dsn.extractor) as listener, connect(dsn.writer, autocommit=True) as writer:
+    with notifications(dsn.extractor) as listener, connect(dsn.writer, autocommit=True) as writer:
         assert listener is not None
         writer.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
         started = time.monotonic()
-        _wait(listener, 0.5, gather=1.5)
+        wait_for_commits(listener, 0.5, gather=1.5)
         # Lower bounds only where a busy machine could stretch the time: the gathering outlasted the poll.
         assert 1.5 <= time.monotonic() - started < 15
         started = time.monotonic()
-        _wait(listener, 0.5, gather=6.0)  # nothing notified: the poll ends the wait, with no gathering after it
+        wait_for_commits(listener, 0.5, gather=6.0)  # nothing notified: the poll ends the wait, with no gathering after it
         assert 0.5 <= time.monotonic() - started < 6.0
 
 
 def test_gathering_spaces_the_passes_and_stops_at_the_deadline() -> None:
-    assert _gather(began=100.0, now=100.3, left=60) == pytest.approx(PASS_GAP - 0.3)
-    assert _gather(began=100.0, now=100.0 + PASS_GAP, left=60) == GATHER_SECONDS  # a quiet spell: 1 s
-    assert _gather(began=100.0, now=100.3, left=0.5) == 0.5
+    assert gather_seconds(began=100.0, now=100.3, left=60) == pytest.approx(PASS_GAP - 0.3)
+    assert gather_seconds(began=100.0, now=100.0 + PASS_GAP, left=60) == GATHER_SECONDS  # a quiet spell: 1 s
+    assert gather_seconds(began=100.0, now=100.3, left=0.5) == 0.5
 
 
 def test_a_quiet_store_calls_on_idle_so_what_was_gathered_is_reported_without_a_next_pass(

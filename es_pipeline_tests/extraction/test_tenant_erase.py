@@ -31,9 +31,10 @@ from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import load
-from es_pipeline.store import migrations, roles, tenants
+from es_pipeline.store import tenants
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.store import make_tenant_store
 
 SOURCE = load("es-tenants")
 TENANTS = ("acme", "globex", "initech")
@@ -42,11 +43,8 @@ GONE = "globex"
 
 @pytest.fixture
 def store(empty_dsn: str, logins: dict[str, str]) -> StoreDsn:
-    migrations.migrate(empty_dsn, tenants=True)
-    roles.apply(empty_dsn, "es", echo=lambda _: None)
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        for t in TENANTS:
-            tenants.add(conn, SOURCE, t)
+    """A fresh store partitioned by tenant holding TENANTS (three: `tenant_store` holds two)."""
+    make_tenant_store(empty_dsn, *TENANTS)
     return StoreDsn.of(empty_dsn, logins)
 
 

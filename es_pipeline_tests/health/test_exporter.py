@@ -136,13 +136,13 @@ def test_no_metric_takes_a_label_prometheus_sets_itself() -> None:
     """`job` and `instance` are the scrape's own labels: an exported one is renamed `exported_job` and every
     alert matching it goes silent (the health drill found `job` on the job metrics once)."""
     from es_pipeline.health.dagster_state import DagsterReading, Failing, LastPass, LastRun, Tick
-    from es_pipeline.health.exporter import Reading, _dagster_metrics, _lake_metrics, _Latency
+    from es_pipeline.health.exporter import Latency, Reading, dagster_metrics, lake_metrics
 
     d = DagsterReading({"SENSOR": 1.0}, [Tick("new_events_sensor", True, 1.0, False)], [("r", 1.0)],
                        [LastRun("events_job", "FAILURE", 1.0, "r")], [Failing("stream_state", "__ASSET_JOB", "r", 1.0, "e")],
                        {"events": 1.0}, {("events", "events_no_duplicates"): True}, {"events": "PASS"},
                        {"0000-0511": LastPass(1.0, 3, 0.2)}, taken_at=2.0)
-    families = [*_dagster_metrics(d, "events"), *_lake_metrics(Reading(events_version=3), "events", _Latency())]
+    families = [*dagster_metrics(d, "events"), *lake_metrics(Reading(events_version=3), "events", Latency())]
     labels = {name for f in families for s in f.samples for name in s.labels}
     assert labels and not labels & {"job", "instance"}, labels
 

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pyarrow as pa
 import pytest
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -32,6 +31,7 @@ from es_pipeline_tests.support.projections import (
     update_every_projection,
 )
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.store import watermark_count
 
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily", "sku_sales", event_tables.NAME)
 
@@ -102,12 +102,6 @@ def _runbook_commands() -> list[list[str]]:
     return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.split("#", 1)[0].strip()]
 
 
-def _watermarks(dsn: StoreDsn) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM es_pipeline.offsets WHERE consumer = 'events'").fetchone()
-    return int(row[0]) if row else 0
-
-
 @pytest.mark.slow
 def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_to_the_store(
     dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -129,7 +123,7 @@ def test_the_runbooks_rebuild_commands_as_written_leave_every_projection_equal_t
     assert "every one in the store" in out and "forgot 1024 slice watermarks" in out, out
     assert "removed stream_catalog" in out, out
     assert not (warehouse / "events").exists() and not (warehouse / "stream_catalog").exists()
-    assert _watermarks(dsn) == 0
+    assert watermark_count(dsn) == 0
 
     extract_all(dsn.extractor, None, warehouse, n_ranges=4)
     update_every_projection(spark, warehouse, dsn)
@@ -151,7 +145,7 @@ def test_a_rebuild_that_would_lose_events_or_race_a_run_is_refused_and_changes_n
     write_deltalake(path, row.set_column(row.schema.get_field_index("version"), "version",
                                          pa.array([row["version"][0].as_py() + 1000], row.schema.field("version").type)),
                     mode="append")
-    version, marks = DeltaTable(path).version(), _watermarks(dsn)
+    version, marks = DeltaTable(path).version(), watermark_count(dsn)
 
     assert main(["lake", "rebuild", "no_such_table"]) == 2
     assert "no table 'no_such_table' to rebuild" in capsys.readouterr().err
@@ -159,17 +153,17 @@ def test_a_rebuild_that_would_lose_events_or_race_a_run_is_refused_and_changes_n
     err = capsys.readouterr().err
     assert "refusing to rebuild events" in err and "1 event(s) that the event store does not" in err and \
         "--accept-loss" in err, err
-    assert (DeltaTable(path).version(), _watermarks(dsn)) == (version, marks)  # nothing changed
+    assert (DeltaTable(path).version(), watermark_count(dsn)) == (version, marks)  # nothing changed
 
     consumer = mapping.load(None, "es").consumer
     with OffsetSession(dsn.extractor, consumer, run_id="a-run", label="a run") as run:
         run.lock(range(128), "0000-0127")
         assert main(["lake", "rebuild", "--accept-loss"]) == 1
         assert "refused, nothing was changed" in capsys.readouterr().err
-    assert (DeltaTable(path).version(), _watermarks(dsn)) == (version, marks)
+    assert (DeltaTable(path).version(), watermark_count(dsn)) == (version, marks)
 
     assert main(["lake", "rebuild", "--accept-loss"]) == 0
     assert "1 of them not in the store, removed as accepted" in capsys.readouterr().out
-    assert not (warehouse / "events").exists() and _watermarks(dsn) == 0
+    assert not (warehouse / "events").exists() and watermark_count(dsn) == 0
     extract_all(dsn.extractor, None, warehouse, n_ranges=2)
     assert assert_exactly_once_by_key(warehouse, dsn) == 200

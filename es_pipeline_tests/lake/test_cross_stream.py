@@ -22,7 +22,7 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
-from es_pipeline_tests.extraction.test_extractor import Crash, crash_at
+from es_pipeline_tests.support.hooks import Crash, crash_at
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key, extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -177,9 +177,9 @@ def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_o
     by_field.projection("by_field", events=["ItemAdded", "ItemRemoved"], key="sku", revision=1)(fold)
     by_function.projection("by_function", events=["ItemAdded", "ItemRemoved"], key=lambda e: e.payload.get("sku"),
                            key_column="sku", revision=1)(fold)
-    monkeypatch.setattr(cross_stream, "ONE_PROCESS_ROWS", 10)  # forked, two processes
+    monkeypatch.setattr("es_pipeline.lake.state.forked.ONE_PROCESS_ROWS", 10)  # forked, two processes
     cross_stream.update(warehouse, by_field, "by_field")
-    monkeypatch.setattr(cross_stream, "ONE_PROCESS_ROWS", 10**9)  # one process
+    monkeypatch.setattr("es_pipeline.lake.state.forked.ONE_PROCESS_ROWS", 10**9)  # one process
     cross_stream.update(warehouse, by_function, "by_function")
     strip = ("updated_at",)
     forked = {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse, "by_field").items()}
@@ -190,7 +190,7 @@ def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_o
     # One key holding every event: the forked fold cuts at key boundaries only, so it is one process's.
     one = Domain("one key")
     one.projection("one_key", events=["ItemAdded", "ItemRemoved"], key=lambda e: "all", key_column="k", revision=1)(fold)
-    monkeypatch.setattr(cross_stream, "ONE_PROCESS_ROWS", 10)
+    monkeypatch.setattr("es_pipeline.lake.state.forked.ONE_PROCESS_ROWS", 10)
     assert cross_stream.update(warehouse, one, "one_key").rows == 1
 
 

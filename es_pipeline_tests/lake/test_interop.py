@@ -12,7 +12,6 @@ import polars as pl
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
@@ -32,7 +31,6 @@ from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import load
-from es_pipeline.store import migrations, roles, tenants
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
@@ -89,16 +87,6 @@ def assert_every_engine_agrees(spark: Any, warehouse: Any, *, expect: set[str]) 
         figures[name] = reference
     con.close()
     return figures
-
-
-@pytest.fixture
-def tenant_store(empty_dsn: str, logins: dict[str, str]) -> StoreDsn:
-    migrations.migrate(empty_dsn, tenants=True)
-    roles.apply(empty_dsn, "es", echo=lambda _: None)
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        for t in TENANTS:
-            tenants.add(conn, SOURCE, t)
-    return StoreDsn.of(empty_dsn, logins)
 
 
 def _project(spark: Any, warehouse: Any, store: StoreDsn) -> None:

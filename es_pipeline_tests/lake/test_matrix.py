@@ -43,6 +43,7 @@ from es_pipeline.lake.state import stream_state, typed_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.projections import rows_of
 from es_pipeline_tests.support.roles import StoreDsn
 
 CONSUMER = mapping.load(None, "es").consumer
@@ -201,18 +202,19 @@ class History:
         for stream, version, etype, payload, _, _ in history:
             states[stream] = (version, SHOP.reducers["cart"].fold(states.get(stream, (0, {}))[1],
                                                                   Event(stream, version, etype, payload)))
-        assert {r["stream_id"]: (r["version"], json.loads(r["state"])) for r in _rows(self.warehouse, "stream_state")} \
-            == states
-        assert {r["stream_id"]: (r["version"], r["total"]) for r in _rows(self.warehouse, "stream_state_cart")} == \
+        assert {r["stream_id"]: (r["version"], json.loads(r["state"]))
+                for r in rows_of(self.warehouse, "stream_state")} == states
+        assert {r["stream_id"]: (r["version"], r["total"]) for r in rows_of(self.warehouse, "stream_state_cart")} == \
             {s: (v, state["total"]) for s, (v, state) in states.items()}
         catalog: dict[str, tuple[int, int]] = {}
         daily: dict[tuple[str, str, Any], int] = {}
         for stream, version, etype, _, _, day in history:
             catalog[stream] = (catalog.get(stream, (0, 0))[0] + 1, max(version, catalog.get(stream, (0, 0))[1]))
             daily[("cart", etype, day)] = daily.get(("cart", etype, day), 0) + 1
-        assert {r["stream_id"]: (r["events"], r["version"]) for r in _rows(self.warehouse, "stream_catalog")} == catalog
+        assert {r["stream_id"]: (r["events"], r["version"])
+                for r in rows_of(self.warehouse, "stream_catalog")} == catalog
         assert {(r["stream_type"], r["event_type"], r["event_date"]): r["events"]
-                for r in _rows(self.warehouse, "event_type_daily")} == daily
+                for r in rows_of(self.warehouse, "event_type_daily")} == daily
 
         fold = SHOP.projections["sku_sales"].fold
         sales: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -220,16 +222,14 @@ class History:
                 history, key=lambda h: (self.taken_by[(h[0], h[1])], h[4])):  # (extraction, position)
             n, state = sales.get(payload["sku"], (0, {}))
             sales[payload["sku"]] = (n + 1, fold(state, Event(stream, version, etype, payload)))
-        assert {r["sku"]: (r["events"], json.loads(r["state"])) for r in _rows(self.warehouse, "sku_sales")} == sales
+        assert {r["sku"]: (r["events"], json.loads(r["state"])) for r in rows_of(self.warehouse, "sku_sales")} == sales
 
-        typed = {r["event_type"]: r["table_name"] for r in _rows(self.warehouse, event_tables.NAME)}
+        typed = {r["event_type"]: r["table_name"] for r in rows_of(self.warehouse, event_tables.NAME)}
         for etype in {h[2] for h in history}:
-            held = {(r["stream_id"], r["version"]) for r in _rows(self.warehouse, typed[etype])}
+            held = {(r["stream_id"], r["version"]) for r in rows_of(self.warehouse, typed[etype])}
             assert held == {(s, v) for s, v, t, *_ in history if t == etype}, etype
 
 
-def _rows(warehouse: Path, name: str) -> list[dict[str, Any]]:
-    return DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist()
 
 
 @pytest.mark.slow  # some 20 histories, each with its own store and lake (the 5-minute budget of the issue)

@@ -32,6 +32,7 @@ from es_pipeline_tests.support.projections import (
     update_every_projection,
 )
 from es_pipeline_tests.support.roles import StoreDsn, login_roles
+from es_pipeline_tests.support.store import burn_transaction_ids
 
 CONSUMER = mapping.load(None, "es").consumer
 
@@ -40,13 +41,6 @@ def _add(dsn: str, cart: str, price: float, qty: int = 1) -> None:
     """Cart `cart` adds one sku X at `price`: a stream of its own (so carts fall in different slices)."""
     store = EventStore(dsn)
     store.append(cart, "cart", [NewEvent("ItemAdded", {"sku": "X", "qty": qty, "unit_price": price})], 0)
-
-
-def _burn(dsn: str, transactions: int) -> None:
-    """Move the cluster's transaction counter on, as years of traffic would (the old ids run ahead of the new)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for _ in range(transactions):
-            conn.execute("SELECT pg_current_xact_id()")
 
 
 def _update(warehouse: Path, extractor_dsn: str) -> cross_stream.CrossStreamResult:
@@ -105,9 +99,8 @@ def test_the_restored_tail_folds_after_what_was_extracted_and_before_what_the_ne
     assert _update(warehouse, dsn.extractor).events_folded == 1
     assert _lake(warehouse) == {"X": (1, 1, 1.0, "c1")}
     extracted = _top_position(dsn)
-    _burn(
-        dsn, 3000
-    )  # the old cluster's ids run ahead of the new one's: the restored tail lies above its horizon
+    # the old cluster's ids run ahead of the new one's: the restored tail lies above its horizon
+    burn_transaction_ids(dsn, 3000)
     for i, cart in enumerate(("c2", "c3", "c4", "c5")):  # committed on the old cluster, not extracted
         _add(dsn.writer, cart, 2.0 + i / 10)
 

@@ -27,14 +27,11 @@ from es_pipeline_tests.lake.test_projections import (
     source_daily,
 )
 from es_pipeline_tests.lake.test_stream_state import full_replay, lake_state
+from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily")
-
-
-def _no_spark() -> Any:
-    raise AssertionError("a small increment asked for a Spark session")
 
 
 def _newest_commit_engine(path: Path) -> str:
@@ -66,7 +63,7 @@ def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_
             moved = extract_all(dsn.extractor, None, warehouse)
         if round_ == 1:
             compact_with_delta_rs(str(warehouse / "events"), retain_hours=168)
-        state, catalog, daily = _update_all(_no_spark, warehouse, dsn)
+        state, catalog, daily = _update_all(no_spark, warehouse, dsn)
         assert state.events_folded == catalog.events_read == daily.events_read == moved
         assert all(_newest_commit_engine(warehouse / t) == "delta-rs" for t in PROJECTIONS)
     expected = full_replay(dsn)
@@ -74,7 +71,7 @@ def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_
     assert {k: (v, s) for k, (v, s, _) in got.items()} == expected
     _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
-    again = _update_all(_no_spark, warehouse, dsn)  # nothing new: nothing read, nothing committed
+    again = _update_all(no_spark, warehouse, dsn)  # nothing new: nothing read, nothing committed
     assert [r.events_folded if hasattr(r, "events_folded") else r.events_read for r in again] == [0, 0, 0]
 
 
@@ -117,7 +114,7 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
             run_workload(store, streams=20, events=60, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
             extract_all(dsn.extractor, None, warehouse)
             if behind:  # stream_state alone moves on: the others now stand a version behind it
-                update_stream_state(_no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+                update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
                 run_workload(store, streams=20, events=30, writers=1, rollback_rate=0, max_commit_delay=0, seed=8)
                 extract_all(dsn.extractor, None, warehouse)
             reads.clear()

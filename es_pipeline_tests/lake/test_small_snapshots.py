@@ -20,6 +20,7 @@ from es_pipeline.lake.state.snapshots import app_id, latest, take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
+from es_pipeline_tests.support.store import stored_snapshots
 
 
 def test_latest_is_the_highest_version_then_revision_per_stream_and_tenant() -> None:
@@ -39,12 +40,6 @@ def _taken(warehouse: Path) -> list[tuple[str, str, int, Any, int]]:
         columns=["stream_id", "stream_type", "version", "state", "revision"])
     return sorted((r["stream_id"], r["stream_type"], r["version"], json.loads(r["state"]), r["revision"])
                   for r in t.to_pylist())
-
-
-def _store(dsn: str) -> dict[str, tuple[int, int, Any]]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT stream_id, version, revision, state FROM es.snapshots").fetchall()
-    return {s: (v, r, state) for s, v, r, state in rows}
 
 
 def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
@@ -68,7 +63,7 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         assert on_small.state_version == on_spark.state_version
     # The store holds each stream's latest snapshot of the lake, row by row.
     lake = {s: (v, r, state) for s, _, v, state, r in _taken(small)}
-    assert _store(dsn) == lake
+    assert stored_snapshots(dsn) == lake
 
     # A replay of the same stream_state version appends nothing, on either path, over the other's commit.
     version = DeltaTable(tables.table_path(small, "snapshots")).version()
@@ -83,4 +78,4 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         assert conn.execute("DELETE FROM es.snapshots WHERE stream_id IN "
                             "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount == 3
     assert take_snapshots(None, small, store, threshold=4).written_back == 3
-    assert _store(dsn) == lake
+    assert stored_snapshots(dsn) == lake

@@ -16,9 +16,10 @@ from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.state import whole_fold
+from es_pipeline.lake.state import forked
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -48,11 +49,7 @@ def first_build(request: pytest.FixtureRequest, spark: Any, monkeypatch: pytest.
     if request.param == "spark":
         return lambda warehouse, **kw: update_stream_state(spark, warehouse, **{"domain": SHOP, **kw},
                                                            small_increments=False)
-    monkeypatch.setattr(whole_fold, "ONE_PROCESS_ROWS", 0)
-
-    def no_spark() -> Any:
-        raise AssertionError("the first build asked for Spark")
-
+    monkeypatch.setattr(forked, "ONE_PROCESS_ROWS", 0)
     return lambda warehouse, **kw: update_stream_state(no_spark, warehouse, **{"domain": SHOP, **kw})
 
 

@@ -73,11 +73,11 @@ def test_arrow_and_python_give_the_same_columns_for_any_batch(payloads: list[dic
                                                              declared: pa.Schema | None) -> None:
     held = type_rows(_rows(before), None, declared=declared).rows.schema if before else None
     columns, fixed = typed_rows.payload_columns(held, declared)
-    fast = typed_rows._arrow_path(_rows(payloads), dict(columns), fixed)
+    fast = typed_rows.arrow_path(_rows(payloads), dict(columns), fixed)
     event("arrow" if fast is not None else "value by value")
     if fast is None:
         return
-    slow = typed_rows._python_path(_rows(payloads), dict(columns), None, fixed)
+    slow = typed_rows.python_path(_rows(payloads), dict(columns), None, fixed)
     arrow, python = _columns(fast[0], columns), _columns(slow[0], columns)
     assert arrow.keys() == python.keys()
     for c in arrow:

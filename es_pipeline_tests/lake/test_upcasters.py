@@ -15,6 +15,7 @@ from es_pipeline.errors import DomainError
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -57,7 +58,7 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
     store.append("account-1", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"})], 0)
     extract_all(dsn.extractor, None, warehouse)
     orders = _orders()
-    built = update_stream_state(_no_spark, warehouse, domain=orders)
+    built = update_stream_state(no_spark, warehouse, domain=orders)
     rows = _rows(warehouse)
     assert json.loads(rows["order-1"]["state"]) == {
         "lines": {"a": 3.0, "b": 4.0, "c": 3.0}, "currency": "EUR", "types": ["ItemAdded"] * 3}
@@ -66,7 +67,7 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
 
     store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "z", "price": 2.0})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    assert update_stream_state(_no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
+    assert update_stream_state(no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
     assert json.loads(_rows(warehouse)["order-2"]["state"])["lines"] == {"z": 2.0}
 
     # A third upcaster (v3 → v4: currencies lower-case) is a revision change: `order` is rebuilt, from v1.
@@ -79,10 +80,6 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
     after = _rows(warehouse)
     assert {s: (after[s]["revision"], json.loads(after[s]["state"])["currency"]) for s in ("order-1", "order-2")} == {
         "order-1": (4, "eur"), "order-2": (4, "eur")}
-
-
-def _no_spark() -> Any:
-    raise AssertionError("asked for a Spark session")
 
 
 def _rows(warehouse: Path) -> dict[str, dict[str, Any]]:
@@ -148,7 +145,7 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
     if path == "Spark":
         update_stream_state(spark, warehouse, domain=orders, small_increments=False)
     else:
-        update_stream_state(_no_spark, warehouse, domain=orders)
+        update_stream_state(no_spark, warehouse, domain=orders)
     rows = _rows(warehouse)
     assert json.loads(rows["order-1"]["state"]) == {"lines": {"a": 3.0, "b": 4.0}, "currency": "EUR",
                                                     "types": ["ItemAdded", "ItemAdded"]}
@@ -160,7 +157,7 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
     if path == "Spark":
         update_stream_state(spark, warehouse, domain=orders, small_increments=False)
     else:
-        assert update_stream_state(_no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
+        assert update_stream_state(no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
     assert json.loads(_rows(warehouse)["order-2"]["state"])["lines"] == {"a": 3.0, "c": 2.0}
     cross_stream.update(warehouse, orders, "sku_lines")
     held = {r["sku"]: json.loads(r["state"]) for r in DeltaTable(str(warehouse / "sku_lines")).to_pyarrow_table().to_pylist()}

@@ -15,18 +15,15 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.state import stream_state, whole_fold
+from es_pipeline.lake.state import forked, stream_state, whole_fold
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_stream_state import full_replay, lake_state
+from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all, extract_while
 from es_pipeline_tests.support.roles import StoreDsn
 
 _COMPARED = ("tenant", "stream_id", "stream_type", "version", "state", "last_event_at", "revision", "parked", "skipped")
-
-
-def _no_spark() -> Any:
-    raise AssertionError("the in-process first build asked for a Spark session")
 
 
 def _rows(path: Path) -> list[tuple[Any, ...]]:
@@ -40,7 +37,7 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     """8 writers (out-of-order commits, rollbacks) while extraction runs; then the first build, forked over the
     cores, equals a replay of the store event by event and Spark's first build of the same lake row by row
     (state, times, parked versions, Delta txn version); and both engines' increments go on from it."""
-    monkeypatch.setattr(whole_fold, "ONE_PROCESS_ROWS", 0)  # fork even for a few thousand events
+    monkeypatch.setattr(forked, "ONE_PROCESS_ROWS", 0)  # fork even for a few thousand events
     store = EventStore(dsn)
     writers = threading.Thread(target=run_workload, args=(store,), kwargs=dict(
         streams=300, events=4000, writers=8, rollback_rate=0.15, max_commit_delay=0.05, seed=31))
@@ -52,7 +49,7 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     spark_lake = tmp_path / "spark-lake"
     shutil.copytree(warehouse / "events", spark_lake / "events")
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
-    built = update_stream_state(_no_spark, warehouse, domain=SHOP)
+    built = update_stream_state(no_spark, warehouse, domain=SHOP)
     assert (built.previous_events_version, built.events_folded, built.streams_updated) == (-1, 4000, len(expected))
     by_spark = update_stream_state(spark, spark_lake, domain=SHOP, small_increments=False)
     assert (by_spark.events_folded, by_spark.streams_updated) == (4000, len(expected))
@@ -64,7 +61,8 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
 
     run_workload(store, streams=300, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=32)
     extract_all(dsn.extractor, spark, warehouse)
-    assert update_stream_state(_no_spark, warehouse, domain=SHOP).events_folded == 600  # the small increment, from the build
+    # the small increment, from the build
+    assert update_stream_state(no_spark, warehouse, domain=SHOP).events_folded == 600
     run_workload(store, streams=300, events=300, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=33)
     extract_all(dsn.extractor, spark, warehouse)
     assert update_stream_state(spark, warehouse, domain=SHOP, small_increments=False).events_folded == 300  # and Spark's
@@ -78,7 +76,7 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
     extract_all(dsn.extractor, spark, warehouse)
     monkeypatch.setattr(whole_fold, "WHOLE_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
-        update_stream_state(_no_spark, warehouse, domain=SHOP)
+        update_stream_state(no_spark, warehouse, domain=SHOP)
     assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200
     newest = DeltaTable(str(warehouse / "stream_state")).history(1)[0]
     assert "delta-rs" not in str(newest.get("clientVersion", "")), "Spark committed the first build"

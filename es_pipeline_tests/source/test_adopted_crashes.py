@@ -12,7 +12,6 @@ import pytest
 from deltalake import DeltaTable
 
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
@@ -27,18 +26,8 @@ from es_pipeline_tests.source.test_presets import (
     _source_rows,
     _write_concurrently,
 )
+from es_pipeline_tests.support.hooks import Crash, crash_at
 from es_pipeline_tests.support.roles import StoreDsn
-
-
-class Crash(Exception):
-    """Stands for the process dying at a step: nothing after it runs."""
-
-
-def _crash_at(step: str):  # type: ignore[no-untyped-def]
-    def hook(name: str, batch: Batch | None) -> None:
-        if name == step:
-            raise Crash(step)
-    return hook
 
 
 @pytest.mark.parametrize("step", ["read", "delta_committed"])
@@ -52,7 +41,7 @@ def test_a_run_killed_mid_batch_on_an_adopted_journal_is_replayed_once(dsn: Stor
         t.join()
     ranges = split(2)
     with pytest.raises(Crash):
-        Extractor(dsn.extractor, None, warehouse, source=source, on_step=_crash_at(step)).run(ranges[0])
+        Extractor(dsn.extractor, None, warehouse, source=source, on_step=crash_at(step)).run(ranges[0])
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (1,)
     again = Extractor(dsn.extractor, None, warehouse, source=source)

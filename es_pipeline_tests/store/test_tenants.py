@@ -9,17 +9,18 @@ import pytest
 
 from es_pipeline.errors import IncompatibleSchema, InvalidAppend, TenantRefused, UnknownTenant
 from es_pipeline.source.mapping import load, native
-from es_pipeline.store import roles, tenants
+from es_pipeline.store import tenants
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline.store.migrations import migrate
+from es_pipeline_tests.support.store import make_tenant_store
 
 SOURCE = load("es-tenants")
 
 
 @pytest.fixture
-def tenant_store(empty_dsn: str) -> str:
-    migrate(empty_dsn, tenants=True)
-    roles.apply(empty_dsn, "es", echo=lambda _: None)
+def bare_tenant_store(empty_dsn: str) -> str:
+    """A fresh store partitioned by tenant with no tenant yet (conftest's `tenant_store` holds acme and globex)."""
+    make_tenant_store(empty_dsn)
     return empty_dsn
 
 
@@ -29,9 +30,9 @@ def _add(dsn: str, *names: str) -> None:
             tenants.add(conn, SOURCE, name)
 
 
-def test_a_tenant_store_keeps_each_tenant_in_its_own_partition(tenant_store: str) -> None:
-    _add(tenant_store, "acme", "globex")
-    store = EventStore(tenant_store)
+def test_a_tenant_store_keeps_each_tenant_in_its_own_partition(bare_tenant_store: str) -> None:
+    _add(bare_tenant_store, "acme", "globex")
+    store = EventStore(bare_tenant_store)
     # The same stream id in two tenants: two streams, each with its own versions.
     assert store.append("cart-1", "cart", [NewEvent("Opened", {"n": 1})], 0, tenant="acme") == 1
     assert store.append("cart-1", "cart", [NewEvent("Opened", {"n": 2}), NewEvent("Added", {})], 0, tenant="globex") == 2
@@ -44,7 +45,7 @@ def test_a_tenant_store_keeps_each_tenant_in_its_own_partition(tenant_store: str
     assert (state, version) == ({"n": 2}, 2)
     with pytest.raises(ValueError, match="partitioned by tenant: pass the stream's tenant"):
         store.read_stream("cart-1")
-    with psycopg.connect(tenant_store) as conn:
+    with psycopg.connect(bare_tenant_store) as conn:
         rows = conn.execute(
             "SELECT tableoid::regclass::text, tenant, stream_id, version FROM es.events ORDER BY tenant, version"
         ).fetchall()
@@ -58,36 +59,38 @@ def test_a_tenant_store_keeps_each_tenant_in_its_own_partition(tenant_store: str
                       tenants.partition_name("globex"): "FOR VALUES IN ('globex')"}
 
 
-def test_appends_name_a_tenant_that_exists(tenant_store: str) -> None:
-    _add(tenant_store, "acme")
-    store = EventStore(tenant_store)
+def test_appends_name_a_tenant_that_exists(bare_tenant_store: str) -> None:
+    _add(bare_tenant_store, "acme")
+    store = EventStore(bare_tenant_store)
     with pytest.raises(UnknownTenant, match="tenant add initech"):
         store.append("s", "t", [NewEvent("E", {})], 0, tenant="initech")
     with pytest.raises(InvalidAppend, match="partitioned by tenant: pass the stream's tenant"):
         store.append("s", "t", [NewEvent("E", {})], 0)
     # A stream of a tenant whose partition and streams were dropped (an erasure): told so, not a version conflict.
     store.append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
-    with psycopg.connect(tenant_store, autocommit=True) as conn:
+    with psycopg.connect(bare_tenant_store, autocommit=True) as conn:
         conn.execute(f"DROP TABLE es.{tenants.partition_name('acme')}")
         conn.execute("DELETE FROM es.streams WHERE tenant = 'acme'")
     with pytest.raises(UnknownTenant, match="tenant add acme"):
         store.append("s", "t", [NewEvent("E", {})], 1, tenant="acme")
-    with psycopg.connect(tenant_store) as conn:  # the refused appends claimed no stream either
+    with psycopg.connect(bare_tenant_store) as conn:  # the refused appends claimed no stream either
         assert conn.execute("SELECT count(*) FROM es.streams").fetchone() == (0,)
 
 
-def test_the_append_only_guard_holds_on_each_partition(tenant_store: str) -> None:
-    _add(tenant_store, "acme")
-    EventStore(tenant_store).append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
+def test_the_append_only_guard_holds_on_each_partition(bare_tenant_store: str) -> None:
+    _add(bare_tenant_store, "acme")
+    EventStore(bare_tenant_store).append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
     part = tenants.partition_name("acme")
     for statement in (f"DELETE FROM es.{part}", f"UPDATE es.{part} SET event_type = 'x'", f"TRUNCATE es.{part}",
                       "DELETE FROM es.events"):
-        with psycopg.connect(tenant_store) as conn, pytest.raises(psycopg.errors.RestrictViolation):
+        with psycopg.connect(bare_tenant_store) as conn, pytest.raises(psycopg.errors.RestrictViolation):
             conn.execute(statement)
 
 
-def test_adding_a_tenant_twice_is_a_no_op_and_only_the_tenant_store_has_tenants(tenant_store: str, dsn: str) -> None:
-    with psycopg.connect(tenant_store, autocommit=True) as conn:
+def test_adding_a_tenant_twice_is_a_no_op_and_only_the_tenant_store_has_tenants(
+    bare_tenant_store: str, dsn: str,
+) -> None:
+    with psycopg.connect(bare_tenant_store, autocommit=True) as conn:
         first, created = tenants.add(conn, SOURCE, "acme")
         again, created_again = tenants.add(conn, SOURCE, "acme")
         assert created and not created_again and first == again
@@ -99,10 +102,10 @@ def test_adding_a_tenant_twice_is_a_no_op_and_only_the_tenant_store_has_tenants(
         EventStore(dsn).append("s", "t", [NewEvent("E", {})], 0, tenant="acme")
 
 
-def test_a_store_keeps_the_layout_it_was_created_with(tenant_store: str, dsn: str) -> None:
-    assert migrate(tenant_store, tenants=True) == []
+def test_a_store_keeps_the_layout_it_was_created_with(bare_tenant_store: str, dsn: str) -> None:
+    assert migrate(bare_tenant_store, tenants=True) == []
     with pytest.raises(IncompatibleSchema, match="partitioned by tenant: set ES_PIPELINE_SOURCE=es-tenants"):
-        migrate(tenant_store)
+        migrate(bare_tenant_store)
     with pytest.raises(IncompatibleSchema, match="created without tenants"):
         migrate(dsn, tenants=True)
 
@@ -132,8 +135,8 @@ def test_a_tenant_named_otherwise_than_its_column_spells_it_is_refused(empty_dsn
         assert tenants.find_partition(conn, by_uuid, "847ed188-9e8b-4d23-8eb4-9126ebd77a4d") is not None
 
 
-def test_a_tenant_is_not_added_back_while_its_erasure_is_unfinished(tenant_store: str) -> None:
-    with psycopg.connect(tenant_store, autocommit=True) as conn:
+def test_a_tenant_is_not_added_back_while_its_erasure_is_unfinished(bare_tenant_store: str) -> None:
+    with psycopg.connect(bare_tenant_store, autocommit=True) as conn:
         tenants.record_start(conn, SOURCE.consumer, "acme", None, 0)
         with pytest.raises(TenantRefused, match="its erasure has not finished"):
             tenants.add(conn, SOURCE, "acme")

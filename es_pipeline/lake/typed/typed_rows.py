@@ -72,8 +72,8 @@ def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None =
     ones); anything it cannot take exactly goes value by value (lake/typed/shapes.py). `domain`: upcast each payload
     first; `declared`: the team's schema of the payloads, whose columns keep their declared types."""
     columns, fixed = payload_columns(held, declared)
-    fast = None if domain is not None else _arrow_path(rows, columns, fixed)
-    payload_cols, overflow, overflowed = fast if fast is not None else _python_path(rows, columns, domain, fixed)
+    fast = None if domain is not None else arrow_path(rows, columns, fixed)
+    payload_cols, overflow, overflowed = fast if fast is not None else python_path(rows, columns, domain, fixed)
     envelope = _envelope(rows, overflow)
     held_names = set() if held is None else set(held.names)
     order = [*columns, *(c for c in payload_cols if c not in columns)]
@@ -132,7 +132,7 @@ def column_for(field: str, columns: Iterable[str]) -> str | None:
 _OUTSIZE = float(shapes.EXACT)  # a double this large may be a whole number Arrow's reader rounded: value by value
 
 
-def _arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
+def arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
                 fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int] | None:
     """The payload columns by Arrow's JSON reader, or None where it cannot give exactly what the rule says."""
     payload = rows["payload"]
@@ -252,7 +252,7 @@ def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | Non
     return (value, None) if isinstance(value, dict) else (None, {"$payload": value})
 
 
-def _python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain | None,
+def python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain | None,
                  fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int]:
     """The payload columns value by value, by the rule of lake/typed/shapes.py: every value placed or kept in `_overflow`."""
     texts = rows["payload"].to_pylist()
