@@ -29,6 +29,4 @@ def snapshots(
     with projection_run(context):
         r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(),
                            threshold=config.threshold)
-    return dg.MaterializeResult(metadata={
-        "dagster/row_count": r.taken, "written_back": r.written_back, "stream_state_version": r.state_version,
-    })
+    return dg.MaterializeResult(metadata=r.metadata())

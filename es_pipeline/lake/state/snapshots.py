@@ -56,6 +56,11 @@ class SnapshotResult:
     written_back: int
     state_version: int
 
+    def metadata(self) -> dict[str, int]:
+        """The run's figures, as its asset's materialization shows them."""
+        return {"dagster/row_count": self.taken, "written_back": self.written_back,
+                "stream_state_version": self.state_version}
+
 
 def take_snapshots(
     spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD, small: bool = True
