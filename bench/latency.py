@@ -362,7 +362,7 @@ def projections_latency(commits: int, rate: float = 20.0) -> None:
                "Delta transaction version (the `events` version it has folded) reached that version. Measured "
                "after the projections' first builds (Spark) and while the tailing run keeps them (its small "
                f"increments every {PROJECTIONS_GAP:.0f} s and after each report of the passes, "
-               "lake/aggregates/builtin.py `follow`). 'not folded' within 60 s of the last probe is counted, never left out."],
+               "lake/follow.py). 'not folded' within 60 s of the last probe is counted, never left out."],
     )
 
 
