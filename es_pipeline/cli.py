@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
-from es_pipeline.lake.events import EVENTS
 from es_pipeline.settings import Settings
 
 # Each command imports what it runs when it runs: `es-pipeline sql` answers without loading pandas, Spark or
@@ -133,7 +132,7 @@ def _demo_load(args: argparse.Namespace, settings: Settings) -> int:
 
 def _extract(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction.extractor import extract_ranges
-    from es_pipeline.lake.delta import tables
+    from es_pipeline.lake.events import EVENTS
     from es_pipeline.lake.spark import get_spark
 
     total = 0
@@ -142,13 +141,14 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
         total += res.rows
         print(f"{res.range_key}: {res.rows:,} events in {res.batches} batches, horizon {res.horizon}, "
               f"{res.events_behind:,} behind the horizon ({res.total_seconds:.1f} s)", flush=True)
-    print(f"extracted {total:,} events into {tables.table_path(settings.warehouse, 'events')}")
+    print(f"extracted {total:,} events into {EVENTS.path(settings.warehouse)}")
     return 0
 
 
 def _offsets(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction import offsets
     from es_pipeline.extraction.rebase import rebase
+    from es_pipeline.lake.events import EVENTS
     from es_pipeline.store.conninfo import connect
 
     events_path = EVENTS.path(settings.warehouse)

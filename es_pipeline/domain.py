@@ -410,9 +410,10 @@ ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "upda
 # The columns a cross-stream projection's table has besides its key and its state's fields (lake/cross_stream.py).
 PROJECTION_ENVELOPE = ("tenant", "state", "events", "last_stream_id", "last_version", "last_batch_id",
                        "last_position", "last_event_at", "revision", "updated_at")
+UTC_MICROS = pa.timestamp("us", tz="UTC")  # a moment, as every table es_pipeline keeps holds it (Delta's TIMESTAMP)
 _SCALARS: dict[Any, pa.DataType] = {
     str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(), bytes: pa.binary(),
-    dt.datetime: pa.timestamp("us", tz="UTC"), dt.date: pa.date32(),
+    dt.datetime: UTC_MICROS, dt.date: pa.date32(),
 }
 
 

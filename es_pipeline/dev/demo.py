@@ -10,7 +10,7 @@ from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -85,7 +85,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         raise ConfigError("ES_PIPELINE_SOURCE", settings.source_spec,
                           "es or emmett for the demo, which writes with their clients (other sources: docs/sources.md)")
 
-    print(f"2. extracting {settings.slice_ranges} slice ranges into {tables.table_path(settings.warehouse, 'events')}")
+    print(f"2. extracting {settings.slice_ranges} slice ranges into {EVENTS.path(settings.warehouse)}")
     t0 = time.monotonic()
     spark = get_spark(settings)
     print(f"   Spark up in {time.monotonic() - t0:.1f} s")

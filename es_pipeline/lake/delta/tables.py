@@ -24,7 +24,7 @@ from deltalake.exceptions import CommitFailedError
 from es_pipeline import domain
 from es_pipeline.errors import LakeHoldsAnotherSource, NoEventsYet
 
-UTC_MICROS = pa.timestamp("us", tz="UTC")  # a moment, as every table here holds it (Delta's TIMESTAMP)
+UTC_MICROS = domain.UTC_MICROS  # a moment, as every table here holds it (Delta's TIMESTAMP)
 
 TABLES = domain.TABLES  # es_pipeline's own tables (the typed ones besides)
 

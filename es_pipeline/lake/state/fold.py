@@ -27,9 +27,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from es_pipeline.domain import Domain, Event, Reducer, UnknownEventType
+from es_pipeline.domain import UTC_MICROS, Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.state import state_json
 
 FOLD_OUT = pa.schema([
