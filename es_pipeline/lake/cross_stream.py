@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
+from typing import Any
 
 import orjson
 import pyarrow as pa
@@ -45,7 +46,7 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, w
 
 from es_pipeline.domain import RESERVED_PREFIXES, Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import arrow_append, feed, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
@@ -127,26 +128,43 @@ class CrossStreamResult:
                 "batch_frontier": self.frontier, "full_rebuild": self.previous_events_version < 0}
 
 
+SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark (as whole_fold's)
+
+
 def update(
     warehouse: Location, domain: Domain, name: str, *, store_dsn: str | None = None,
-    frontier: Frontier | None = None,
+    frontier: Frontier | None = None, spark: Any = None, engine: str = "auto",
 ) -> CrossStreamResult:
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`. `frontier`: the lowest batch id that may still reach the lake (`extraction.offsets.batch_frontier`);
-    None: every batch the lake holds is final. `NoEventsYet` before `events` exists."""
+    None: every batch the lake holds is final. `spark` (a session, or a function that returns one) and `engine`:
+    where a whole build runs (`builds_on_spark`); increments always run here. `NoEventsYet` before `events`
+    exists."""
     tables.require_events(warehouse, name)
     with one_at_a_time(store_dsn, name) as turn:
-        result = increment(warehouse, domain.projections[name], domain, turn, frontier)
+        result = increment(warehouse, domain.projections[name], domain, turn, frontier, spark=spark, engine=engine)
         assert result is not None
         return result
 
 
+def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
+    """Whether a whole build runs on Spark: with a session to ask for, `engine` "spark", or "auto" and `events`'
+    files past `SPARK_BYTES` (more than this process should hold); "local" never."""
+    if spark is None or engine == "local":
+        return False
+    if engine == "spark":
+        return True
+    adds = pa.table(events.get_add_actions(flatten=True))
+    return bool(adds.num_rows) and int(pc.sum(adds["size_bytes"]).as_py() or 0) > SPARK_BYTES
+
+
 def increment(
     warehouse: Location, projection: Projection, domain: Domain, turn: Turn, frontier: Frontier | None,
-    events_feed: Feed | None = None, *, build: bool = True,
+    events_feed: Feed | None = None, *, build: bool = True, spark: Any = None, engine: str = "auto",
 ) -> CrossStreamResult | None:
     """One update in the table's `turn`; None: no `events` table yet, or a whole build that `build` forbids.
-    `events_feed`: `events`' change feed shared with other increments (a tailing run's)."""
+    `events_feed`: `events`' change feed shared with other increments (a tailing run's). `spark`, `engine`: see
+    `update`."""
     events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(events_path):
         return None
@@ -172,6 +190,9 @@ def increment(
     if new is None:
         if not build:
             return None
+        if builds_on_spark(events_feed.table, spark, engine):
+            return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
+                                     events_feed.table, f_new, read=seen)
         return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)
     assert target is not None
     return _increment(warehouse, projection, domain, table, turn, target, new, events_path, events_feed.table,
@@ -349,10 +370,24 @@ def _arrow_key_part(payload: pa.Array, field: str) -> pa.Array | None:
 
 
 def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
-    """Each row keyed (a row without a key is counted and left out) and sorted by tenant, key and the lake's order.
-    Keys are read by Arrow where it can (`_arrow_keys`), else each payload is parsed, upcast and keyed here."""
-    rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
+    """Each row keyed (a row without a key is counted and left out) and sorted by tenant, key and the lake's order."""
     n = rows.num_rows
+    base, events = _key_rows(rows, projection, domain)
+    has_key = pc.is_valid(base["key"])
+    kept = base.filter(has_key)
+    # Dictionary codes group the rows without comparing strings; the lake's order within a key is compared whole.
+    kept = kept.append_column("tcode", pc.dictionary_encode(kept["tenant"]).combine_chunks().indices) \
+        .append_column("kcode", pc.dictionary_encode(kept["key"]).combine_chunks().indices)
+    if events is not None:
+        events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
+    return _Keyed(kept, _sorted(kept), events, n - kept.num_rows)
+
+
+def _key_rows(rows: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Table, list[Event] | None]:
+    """`events` rows as the fold takes them (`_KEYED`'s columns), each with its key (null: none), and the events
+    parsed on the way (None where Arrow read the keys). Keys are read by Arrow where it can (`_arrow_keys`), else
+    each payload is parsed, upcast and keyed here."""
+    rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
     base = pa.table({
         "tenant": rows["tenant"], "stream_id": rows["stream_id"], "stream_type": rows["stream_type"],
         "version": rows["version"].cast(pa.int32()), "event_type": rows["event_type"], "payload": rows["payload"],
@@ -364,15 +399,7 @@ def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
     events: list[Event] | None = None
     if keys is None:
         keys, events = _python_keys(base, projection, domain)
-    base = base.append_column("key", keys)
-    has_key = pc.is_valid(base["key"])
-    kept = base.filter(has_key)
-    # Dictionary codes group the rows without comparing strings; the lake's order within a key is compared whole.
-    kept = kept.append_column("tcode", pc.dictionary_encode(kept["tenant"]).combine_chunks().indices) \
-        .append_column("kcode", pc.dictionary_encode(kept["key"]).combine_chunks().indices)
-    if events is not None:
-        events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
-    return _Keyed(kept, _sorted(kept), events, n - kept.num_rows)
+    return base.append_column("key", keys), events
 
 
 ORDER = ("batch", "position", "stream_id", "version")  # a key's events, in the lake's order
@@ -651,3 +678,151 @@ def _refold(
             "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))
         rows = tables.tenant_filled(rows).join(held, keys=tables.KEY, join_type="left anti")
     return _fold(projection, domain, _keyed(rows, projection, domain).only(keys), {})
+
+
+# -- the Spark build -----------------------------------------------------------------------------------
+
+_KEYED_DDL = ("tenant STRING, stream_id STRING, stream_type STRING, version INT, event_type STRING, payload STRING, "
+              "batch BIGINT, position BIGINT, at BIGINT, key STRING, error STRING")
+_KEYED = ["tenant", "stream_id", "stream_type", "version", "event_type", "payload", "batch", "position", "at", "key"]
+_OUT_ROWS = 5_000  # keys a Spark worker hands back at a time
+
+
+def _fold_error(exc: ProjectionFoldError) -> str:
+    return json.dumps([exc.projection, exc.key, exc.stream_id, exc.version, exc.event_type, exc.reason])
+
+
+def _spark_keys(projection: Projection, domain: Domain) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """For `mapInArrow`: each `events` row of a partition keyed as the in-process build keys it (`_key_rows`); rows
+    without a key left out; a key function's failure handed back as one row with `error`."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            try:
+                keyed, _ = _key_rows(pa.Table.from_batches([batch]), projection, domain)
+            except ProjectionFoldError as exc:
+                yield pa.RecordBatch.from_pylist([{"error": _fold_error(exc)}], schema=_keyed_schema())
+                return
+            keyed = keyed.filter(pc.is_valid(keyed["key"])).select(_KEYED)
+            yield from keyed.append_column("error", pa.nulls(keyed.num_rows, pa.string())) \
+                .cast(_keyed_schema()).to_batches()
+
+    return run
+
+
+def _keyed_schema() -> pa.Schema:
+    return pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()),
+                      ("version", pa.int32()), ("event_type", pa.string()), ("payload", pa.string()),
+                      ("batch", pa.int64()), ("position", pa.int64()), ("at", pa.int64()), ("key", pa.string()),
+                      ("error", pa.string())])
+
+
+def _spark_fold(projection: Projection, domain: Domain,
+                table: Table) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """For `mapInArrow`: a partition's keyed events, sorted by tenant, key and the lake's order, folded key by key
+    as the in-process fold does (`_fold_span`), handed back as the table's rows; a failure as one row with
+    `error`."""
+    out_schema = table.schema.append(pa.field("error", pa.string()))
+
+    def rows_of(done: dict[tuple[str, str], _Row]) -> pa.Table:
+        rows = _table_rows(projection, table, done)
+        return rows.append_column("error", pa.nulls(rows.num_rows, pa.string()))
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        fold, upcast, rewrites = projection.fold, domain.upcast, domain.rewrites_events
+        done: dict[tuple[str, str], _Row] = {}
+        current: tuple[str, str] | None = None
+        row = _Row({}, 0, None, None)
+        try:
+            for batch in batches:
+                errors = pc.drop_null(batch.column("error"))
+                if len(errors):
+                    yield pa.RecordBatch.from_pylist([{"error": errors[0].as_py()}], schema=out_schema)
+                    return
+                tenant, key, sid, stype, etype, payload = (batch.column(c).to_pylist() for c in (
+                    "tenant", "key", "stream_id", "stream_type", "event_type", "payload"))
+                version, order, position, at = (batch.column(c).to_pylist() for c in (
+                    "version", "batch", "position", "at"))
+                for i in range(batch.num_rows):
+                    k = (tenant[i], key[i])
+                    if k != current:
+                        if current is not None:
+                            done[current] = row
+                            if len(done) >= _OUT_ROWS:
+                                yield from rows_of(done).to_batches()
+                                done = {}
+                        current, row = k, _Row({}, 0, None, None)
+                    try:
+                        data = orjson.loads(payload[i])
+                    except orjson.JSONDecodeError:
+                        data = json.loads(payload[i])
+                    event = _new_event(Event, (sid[i], version[i], etype[i], data))
+                    if rewrites:
+                        event = upcast(stype[i], event)
+                    try:
+                        state = fold(row.state, event)
+                    except Exception as exc:  # noqa: BLE001 - reported with its place, as in `_fold_span`
+                        reason = (f"the payload has no field {exc}" if isinstance(exc, KeyError)
+                                  else f"{type(exc).__name__}: {exc}")
+                        raise ProjectionFoldError(projection.name, k[1], sid[i], version[i], etype[i], reason) from None
+                    row = _Row(state, row.events + 1, (order[i], position[i], sid[i], version[i]), at[i])
+            if current is not None:
+                done[current] = row
+            if done:
+                yield from rows_of(done).to_batches()
+        except ProjectionFoldError as exc:
+            yield pa.RecordBatch.from_pylist([{"error": _fold_error(exc)}], schema=out_schema)
+
+    return run
+
+
+def _build_with_spark(
+    spark: Any, warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn,
+    events_path: str, events: DeltaTable, frontier: int, read: int | None,
+) -> CrossStreamResult:
+    """`_build` on Spark: the events of the projection's types keyed and folded on the executors (`mapInArrow`,
+    partitioned by tenant and key, sorted in the lake's order), the rows written as Parquet by Spark and committed
+    by delta-rs over the table, with the same three transaction ids, in the table's turn (the lake's commit rule,
+    docs/decisions/0024-object-storage-and-cluster.md): an in-process increment goes on from it."""
+    from pyspark.sql import functions as F
+
+    version = int(events.version())
+    df = tables.read(spark, events_path, version=version)
+    wanted = set(projection.event_types)
+    kinds = [r[0] for r in df.select("event_type").distinct().collect()
+             if r[0] is not None and domain.base_type(r[0]) in wanted]
+    held = set(df.columns)
+    columns = [F.col(c) if c in held else F.lit(None).cast("bigint" if c in ("batch_id", "global_position")
+                                                             else "string").alias(c) for c in columns_of(domain)]
+    source = df.where(F.col("event_type").isin(kinds)).select(*columns)
+    folded = (source.mapInArrow(_spark_keys(projection, domain), _KEYED_DDL)
+              .repartition("tenant", "key")
+              .sortWithinPartitions("tenant", "key", *ORDER)
+              .mapInArrow(_spark_fold(projection, domain, table), f"{table.ddl}, error STRING")
+              .cache())
+    try:
+        stats = folded.agg(F.count("tenant").alias("rows"), F.sum("events").alias("events"),
+                           F.min("error").alias("error")).first()
+        if stats["error"] is not None:
+            raise ProjectionFoldError(*json.loads(stats["error"]))
+        rows, folded_events = int(stats["rows"] or 0), int(stats["events"] or 0)
+        without_key = source.count() - folded_events
+        path = table.path(warehouse)
+        ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
+        feed.fence_older(path, [(f"{_unbound_seen(table.name, table.properties[KIND])}.cursor", feed.FENCE)])
+        turn.confirm(path, ids[0], read)
+        if not tables.is_delta_table(path):
+            DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
+        target = DeltaTable(path)
+        if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
+            target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
+        folder = arrow_append.new_folder("spark-build")
+        spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
+        (folded.where(F.col("error").isNull()).drop("error").write.mode("error").option("compression", "snappy")
+         .parquet(f"{path}/{folder}"))
+        arrow_append.commit_parquet_folder(path, table.schema, folder, app_id=ids[0], version=version,
+                                           expect_rows=rows, overwrite=True,
+                                           also=[(ids[1], version), (ids[2], frontier)])
+    finally:
+        folded.unpersist()
+    return CrossStreamResult(rows, version, -1, folded_events, rows, 0, 0, without_key, frontier)

@@ -246,3 +246,51 @@ def test_a_projection_state_of_datetimes_round_trips_and_one_that_does_not_fit_i
                                                   "state's field 'last_at' holds a str \\(declared a datetime"):
         cross_stream.update(warehouse, d, "places", store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert DeltaTable(str(warehouse / "places")).version() == version
+
+
+def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_from_it(
+    dsn: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    """The issue-42 path: the whole build keyed and folded on Spark's executors, committed by delta-rs with the same
+    three transaction ids; equal to the in-process build row for row; the next increment (in process) goes on from
+    it; a failing fold on Spark is named as in process."""
+    store = EventStore(dsn)
+    run_workload(store, streams=30, events=500, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=42)
+    extract_all(dsn.extractor, None, warehouse)
+    on_spark = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
+                                   spark=spark, engine="spark")
+    assert on_spark.previous_events_version == -1 and on_spark.events_folded > 0
+    spark_rows = _table(warehouse)
+    _assert_equal_to_the_store(dsn, warehouse)
+    lake_rebuild = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
+    assert lake_rebuild.events_folded == 0  # nothing new: Spark's commit carried the three numbers
+    cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
+    in_process = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
+                                     spark=spark, engine="local")
+    assert (in_process.events_folded, in_process.rows, in_process.events_without_key) == (
+        on_spark.events_folded, on_spark.rows, on_spark.events_without_key)
+
+    def same(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {k: {c: v for c, v in r.items() if c != "updated_at"} for k, r in rows.items()}
+
+    assert same(_table(warehouse)) == same(spark_rows)
+    run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
+    extract_all(dsn.extractor, None, warehouse)
+    cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
+                        spark=spark, engine="spark")  # an increment: in process whatever the engine
+    _assert_equal_to_the_store(dsn, warehouse)
+    cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
+    again = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
+                                spark=spark, engine="spark")  # a rebuild over the same version: replaced all the same
+    assert again.previous_events_version == -1
+    _assert_equal_to_the_store(dsn, warehouse)
+
+    failing = Domain("failing on spark")
+
+    @failing.projection("cursed", events=["ItemAdded"], key="sku", revision=1)
+    def cursed(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        raise ValueError("cursed")
+
+    with pytest.raises(ProjectionFoldError, match="'cursed' failed at key '.*' on stream '.*' version [0-9]+ "
+                                                  r"\(ItemAdded\): ValueError: cursed"):
+        cross_stream.update(warehouse, failing, "cursed", spark=spark, engine="spark")

@@ -74,8 +74,9 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     return stream_state
 
 
-def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
-    """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others."""
+def build_cross_stream_asset(domain: Domain, name: str, engine: str = "auto") -> dg.AssetsDefinition:
+    """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others; a whole
+    build on Spark where `engine` says (ES_PIPELINE_ENGINE)."""
     projection = domain.projections[name]
 
     @dg.asset(
@@ -89,12 +90,13 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
         f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
         "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.",
     )
-    def asset(context: dg.AssetExecutionContext, warehouse: WarehouseResource,
+    def asset(context: dg.AssetExecutionContext, warehouse: WarehouseResource, spark: SparkResource,
               event_store: EventStoreResource) -> dg.MaterializeResult:
         consumer = event_store.events_source().consumer
         with projection_run(context):
             r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
-                                    frontier=lambda: batch_frontier(event_store.dsn, consumer))
+                                    frontier=lambda: batch_frontier(event_store.dsn, consumer),
+                                    spark=lambda: spark.spark_session, engine=engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
@@ -124,9 +126,9 @@ def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
     return event_tables
 
 
-def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
+def build_projection_assets(domain: Domain, engine: str = "auto") -> list[dg.AssetsDefinition]:
     return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain),
-            *(build_cross_stream_asset(domain, name) for name in sorted(domain.projections))]
+            *(build_cross_stream_asset(domain, name, engine) for name in sorted(domain.projections))]
 
 
 # The built-in projections (a domain's are beside).

@@ -211,12 +211,14 @@ def append_batches(
 
 
 def _commit(
-    table: DeltaTable, actions: list[AddAction | RemoveAction], schema: pa.Schema, app_id: str, version: int
+    table: DeltaTable, actions: list[AddAction | RemoveAction], schema: pa.Schema, app_id: str, version: int,
+    *, mode: str = "append", also: Iterable[tuple[str, int]] = (),
 ) -> None:
     table.create_write_transaction(
-        actions, mode="append", schema=schema,
-        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)],
-                                           max_commit_retries=COMMIT_RETRIES),
+        actions, mode=mode, schema=schema,  # type: ignore[arg-type]
+        commit_properties=CommitProperties(
+            app_transactions=[Transaction(app_id, version), *(Transaction(a, v) for a, v in also)],
+            max_commit_retries=COMMIT_RETRIES),
     )
 
 
@@ -228,18 +230,20 @@ def new_folder(prefix: str) -> str:
 
 def commit_parquet_folder(
     path: str, schema: pa.Schema, folder: str, *, app_id: str, version: int, expect_rows: int | None = None,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None, overwrite: bool = False,
+    also: Iterable[tuple[str, int]] = (),
 ) -> int | None:
     """Commit the Parquet files that Spark wrote into `folder` of the table at `path` as Delta transaction
-    (`app_id`, `version`): the rows committed, or None if Delta holds that version already (nothing is
-    committed; the files are left to VACUUM).
+    (`app_id`, `version`), and the transactions `also` names in the same commit: the rows committed, or None if
+    Delta holds that version already (nothing is committed; the files are left to VACUUM). `overwrite`: the files
+    replace the table's rows (a whole build), in that one commit.
 
     Every file must have exactly the table's columns and types (`schema`), and together `expect_rows`
     rows when given: anything else is refused before the commit, so a wrong read never reaches the lake.
     """
     table = DeltaTable(path)
     done = table.transaction_version(app_id)
-    if done is not None and done >= version:
+    if done is not None and done >= version and not overwrite:  # a whole build replaces, whatever was recorded
         return None
     fs, root = filesystem(path)
     infos = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", recursive=True))
@@ -266,9 +270,9 @@ def commit_parquet_folder(
         ))
     if expect_rows is not None and rows != expect_rows:
         raise ValueError(f"Spark wrote {rows:,} rows into {path}/{folder}, {expect_rows:,} were counted: not committed")
-    if not actions:
+    if not actions and not overwrite:
         return 0
     if before_commit is not None:
         before_commit()
-    _commit(table, actions, schema, app_id, version)
+    _commit(table, actions, schema, app_id, version, mode="overwrite" if overwrite else "append", also=also)
     return rows

@@ -79,8 +79,23 @@ def over(app_id: str, events_id: str) -> str:
 
 
 def spark_type(arrow: pa.DataType) -> str:
+    """An Arrow type as Spark's DDL spells it (a declared state's structs, lists, maps and decimals too)."""
     if arrow in _SPARK_TYPES:
         return _SPARK_TYPES[arrow]
+    if pa.types.is_struct(arrow):
+        return "STRUCT<" + ", ".join(f"`{arrow.field(i).name}`: {spark_type(arrow.field(i).type)}"
+                                     for i in range(arrow.num_fields)) + ">"
+    if pa.types.is_list(arrow) or pa.types.is_large_list(arrow):
+        return f"ARRAY<{spark_type(arrow.value_type)}>"
+    if pa.types.is_map(arrow):
+        return f"MAP<{spark_type(arrow.key_type)}, {spark_type(arrow.item_type)}>"
+    if pa.types.is_decimal(arrow):
+        return f"DECIMAL({arrow.precision}, {arrow.scale})"
+    if pa.types.is_timestamp(arrow) and arrow.tz is None:
+        return "TIMESTAMP_NTZ"
+    names = {pa.int8(): "TINYINT", pa.int16(): "SMALLINT", pa.float32(): "FLOAT", pa.binary(): "BINARY"}
+    if arrow in names:
+        return names[arrow]
     raise TypeError(f"no Spark type for Arrow's {arrow}")
 
 
