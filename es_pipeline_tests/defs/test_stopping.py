@@ -126,7 +126,7 @@ def test_a_cross_stream_run_whose_store_is_unreachable_fails_in_one_line(tmp_pat
     from shop.domain import domain as shop
 
     from es_pipeline.defs.projections.assets import build_cross_stream_asset
-    from es_pipeline.defs.resources import EventStoreResource, WarehouseResource
+    from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
     from es_pipeline.extraction.offsets import batch_frontier
     from es_pipeline.lake.events import EVENTS
 
@@ -135,7 +135,8 @@ def test_a_cross_stream_run_whose_store_is_unreachable_fails_in_one_line(tmp_pat
         batch_frontier(nowhere, "es")
     EVENTS.ensure_arrow(tmp_path)  # an `events` table, so that the run goes on to ask the store
     result = dg.materialize([build_cross_stream_asset(shop, "sku_sales")], raise_on_error=False, resources={
-        "warehouse": WarehouseResource(path=str(tmp_path)), "event_store": EventStoreResource(dsn=nowhere)})
+        "warehouse": WarehouseResource(path=str(tmp_path)), "event_store": EventStoreResource(dsn=nowhere),
+        "spark": SparkResource(spark_config={})})  # lazy: no session is started
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     error = failure.step_failure_data.error

@@ -215,6 +215,7 @@ class _Place(TypedDict):
     last_at: dt.datetime
 
 
+@pytest.mark.slow  # make check's budget: the rule itself is checked in test_typed_values / test_state_json
 def test_a_projection_state_of_datetimes_round_trips_and_one_that_does_not_fit_is_named(dsn: StoreDsn,
                                                                                       warehouse: Path) -> None:
     d = Domain("places")

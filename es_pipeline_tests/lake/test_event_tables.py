@@ -230,6 +230,7 @@ def _hash(event_type: str) -> str:
     return hashlib.sha1(event_type.encode()).hexdigest()[:8]
 
 
+@pytest.mark.slow  # make check's budget: the rule itself is checked in test_typed_values / test_state_json
 def test_declared_and_widened_values_are_the_same_built_by_increments_or_at_once(dsn: StoreDsn,
                                                                                  warehouse: Path) -> None:
     """The four scenarios of issue 40's first item, replayed through Delta: a number never becomes a date, a
