@@ -48,7 +48,7 @@ def lake_daily(spark: Any, warehouse: Path) -> dict[tuple[str, str, Any], int]:
     return {(r["stream_type"], r["event_type"], r["event_date"]): r["events"] for r in rows}
 
 
-def _same_instants(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> None:
+def same_instants(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> None:
     """Spark returns naive local timestamps, Postgres aware ones: compare as instants."""
     assert a.keys() == b.keys()
     for k in a:
@@ -82,7 +82,7 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     assert increments >= 2
     assert catalog.previous_events_version >= 0 and daily.previous_events_version >= 0, "merged, not rebuilt"
     assert catalog.events_read < 2100, "only the increment was read"
-    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
 
 
@@ -147,7 +147,7 @@ def test_a_change_feed_vacuumed_away_is_rebuilt_not_failed(dsn: StoreDsn, spark:
     catalog = update_stream_catalog(spark, warehouse)
     daily = update_event_type_daily(spark, warehouse)
     assert catalog.previous_events_version == -1 and daily.previous_events_version == -1, "rebuilt whole"
-    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
     update_stream_state(spark, warehouse, domain=SHOP)  # folds every event again; the fold skips what each state has
     state = {r["stream_id"]: r["version"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}

@@ -20,9 +20,9 @@ from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_projections import (
-    _same_instants,
     lake_catalog,
     lake_daily,
+    same_instants,
     source_catalog,
     source_daily,
 )
@@ -69,7 +69,7 @@ def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_
     expected = full_replay(dsn)
     got = lake_state(spark, warehouse)
     assert {k: (v, s) for k, (v, s, _) in got.items()} == expected
-    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
     again = _update_all(no_spark, warehouse, dsn)  # nothing new: nothing read, nothing committed
     assert [r.events_folded if hasattr(r, "events_folded") else r.events_read for r in again] == [0, 0, 0]
@@ -126,5 +126,5 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
                                 "AND pid = pg_backend_pid()").fetchone() == (0,)
             conn.rollback()
     assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == full_replay(dsn)
-    _same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
+    same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)

@@ -21,10 +21,10 @@ from es_pipeline_tests.source.test_presets import (
     PEKKO_R2DBC_DDL,
     STREAMS_EACH,
     WRITERS,
-    _lake_keys,
-    _r2dbc,
-    _source_rows,
-    _write_concurrently,
+    lake_keys,
+    r2dbc,
+    source_rows,
+    write_concurrently,
 )
 from es_pipeline_tests.support.hooks import Crash, crash_at
 from es_pipeline_tests.support.roles import StoreDsn
@@ -36,7 +36,7 @@ def test_a_run_killed_mid_batch_on_an_adopted_journal_is_replayed_once(dsn: Stor
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(PEKKO_R2DBC_DDL)  # type: ignore[arg-type]
     adopt(dsn, source, echo=lambda _: None)
-    threads = _write_concurrently(dsn, _r2dbc, threading.Event())
+    threads = write_concurrently(dsn, r2dbc, threading.Event())
     for t in threads:
         t.join()
     ranges = split(2)
@@ -50,7 +50,7 @@ def test_a_run_killed_mid_batch_on_an_adopted_journal_is_replayed_once(dsn: Stor
     again.run(SliceRange(0, 1023))  # re-sliced: nothing left, nothing twice
     rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()
     assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    assert lake_keys(rows) == source_rows(dsn, source)
     assert Counter(r["payload_encoding"] for r in rows).keys() == {"json", "base64"}
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM es_pipeline.pending_batches").fetchone() == (0,)

@@ -20,7 +20,7 @@ from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore
-from es_pipeline_tests.source.test_presets import SEED_DDL, SEED_TOML, _lands_once, _source_rows
+from es_pipeline_tests.source.test_presets import SEED_DDL, SEED_TOML, lands_once, source_rows
 from es_pipeline_tests.support.roles import StoreDsn
 
 
@@ -36,7 +36,7 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
 ) -> None:
     (tmp_path / "event.toml").write_text(SEED_TOML)
     source = mapping.load(str(tmp_path / "event.toml"))
-    _lands_once(dsn, SEED_DDL, source, _cart, warehouse)
+    lands_once(dsn, SEED_DDL, source, _cart, warehouse)
     update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
     snapshots = EventStore(dsn.snapshots, snapshots_of=source.consumer)  # as the write-back's own login
     taken = take_snapshots(spark, warehouse, snapshots, threshold=1)
@@ -59,7 +59,7 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
         assert conn.execute("SELECT count(*) FROM es_pipeline.snapshots WHERE tenant = 'globex'").fetchone() == (0,)
     lake = lake_erase.tenant_counts(tables.table_path(warehouse, "events"))
     assert set(lake) == {"acme", "initech"}
-    assert sum(lake.values()) == sum(_source_rows(dsn, source).values())
+    assert sum(lake.values()) == sum(source_rows(dsn, source).values())
     for name in tables.TABLES:
         assert lake_erase.leftovers(tables.table_path(warehouse, name), "globex") == [], name
 

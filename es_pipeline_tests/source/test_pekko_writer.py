@@ -18,7 +18,7 @@ from es_pipeline.lake.delta import tables
 from es_pipeline.source import mapping
 from es_pipeline.store import roles
 from es_pipeline.store.adopt import adopt
-from es_pipeline_tests.source.test_presets import PEKKO_JDBC_DDL, _lake_keys, _source_rows
+from es_pipeline_tests.source.test_presets import PEKKO_JDBC_DDL, lake_keys, source_rows
 from es_pipeline_tests.support.lakecheck import extract_while
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -70,7 +70,7 @@ def test_pekko_jdbc_application_writes_while_its_journal_is_adopted_and_extracte
 
     assert written == WORKERS * ENTITIES * EVENTS
     rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()
-    lake, store = _lake_keys(rows), _source_rows(dsn, source)
+    lake, store = lake_keys(rows), source_rows(dsn, source)
     assert sum(store.values()) == written
     assert max(lake.values()) == 1, "an event landed twice"
     assert lake == store

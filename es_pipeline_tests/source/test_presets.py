@@ -150,7 +150,7 @@ def _jackson_or_binary(rng: random.Random, n: int) -> bytes:
     return body if n % 3 else (gzip.compress(body) if n % 2 else bytes([0xBF, 0x61, 0x6E, n % 256, 0xFF]))
 
 
-def _r2dbc(conn: psycopg.Connection, writer: str, stream: str, v: int, rng: random.Random) -> None:
+def r2dbc(conn: psycopg.Connection, writer: str, stream: str, v: int, rng: random.Random) -> None:
     pid = f"Cart|{stream}"
     conn.execute(
         "INSERT INTO event_journal (slice, entity_type, persistence_id, seq_nr, writer, adapter_manifest, event_ser_id, "
@@ -189,7 +189,7 @@ def _seed(conn: psycopg.Connection, writer: str, stream: str, v: int, rng: rando
                  (tenant, stream, v, "ItemAdded", json.dumps({"n": v})))
 
 
-def _write_concurrently(dsn: str, append: Append, stop_after: threading.Event) -> list[threading.Thread]:
+def write_concurrently(dsn: str, append: Append, stop_after: threading.Event) -> list[threading.Thread]:
     """WRITERS threads, each appending to its own streams; transactions held open a random while (commits land
     out of order) and one in five rolled back (then retried)."""
 
@@ -217,13 +217,13 @@ def _write_concurrently(dsn: str, append: Append, stop_after: threading.Event) -
     return threads
 
 
-def _lands_once(dsn: StoreDsn, ddl: str, source: Source, append: Append, warehouse: Path) -> list[dict[str, object]]:
+def lands_once(dsn: StoreDsn, ddl: str, source: Source, append: Append, warehouse: Path) -> list[dict[str, object]]:
     """The table made by `ddl`, written concurrently by `append`, adopted and extracted while written: the lake's
     rows, once they were checked to be the table's events (through the mapping), each once."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(ddl)  # type: ignore[arg-type]
     first = threading.Event()
-    threads = _write_concurrently(dsn, append, first)
+    threads = write_concurrently(dsn, append, first)
     adopted = adopt(dsn, source, echo=lambda _: None)  # while the writers append
     assert adopted.indexes
     extractor = Extractor(dsn.extractor, None, warehouse, source=source)
@@ -234,18 +234,18 @@ def _lands_once(dsn: StoreDsn, ddl: str, source: Source, append: Append, warehou
     assert not adopt(dsn, source, echo=lambda _: None).changed  # adopting twice changes nothing
     rows = DeltaTable(tables.table_path(warehouse, "events")).to_pyarrow_table().to_pylist()
     assert len(rows) == WRITERS * STREAMS_EACH * EVENTS_EACH
-    assert _lake_keys(rows) == _source_rows(dsn, source)
+    assert lake_keys(rows) == source_rows(dsn, source)
     return rows
 
 
-def _source_rows(dsn: str, source: Source) -> Counter[tuple[object, ...]]:
+def source_rows(dsn: str, source: Source) -> Counter[tuple[object, ...]]:
     """The events as the mapping reads them straight from the table: what the lake must hold."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(f"SELECT tenant, stream_id, version, event_type, global_position FROM {source.relation()} e")
         return Counter(tuple(r) for r in rows.fetchall())
 
 
-def _lake_keys(rows: list[dict[str, object]]) -> Counter[tuple[object, ...]]:
+def lake_keys(rows: list[dict[str, object]]) -> Counter[tuple[object, ...]]:
     return Counter((r["tenant"], r["stream_id"], r["version"], r["event_type"], r["global_position"]) for r in rows)
 
 
@@ -253,7 +253,7 @@ def test_pekko_r2dbc_journal_lands_once_with_binary_payloads_kept(dsn: StoreDsn,
     """Pekko R2DBC's journal (its own slice column, bytea payloads): JSON payloads land as JSON, gzipped or
     binary ones as base64 that decodes to the stored bytes; deletion markers are not events."""
     source = mapping.pekko_r2dbc()
-    rows = _lands_once(dsn, PEKKO_R2DBC_DDL, source, _r2dbc, warehouse)
+    rows = lands_once(dsn, PEKKO_R2DBC_DDL, source, r2dbc, warehouse)
     with psycopg.connect(dsn) as conn:
         stored = {(p, int(v)): bytes(b) for p, v, b in conn.execute(
             "SELECT persistence_id, seq_nr, event_payload FROM event_journal").fetchall()}
@@ -270,7 +270,7 @@ def test_pekko_r2dbc_journal_lands_once_with_binary_payloads_kept(dsn: StoreDsn,
 def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
     """Pekko JDBC's journal: `ordering` is the global position, the slice is hashed from the persistence id."""
     source = mapping.pekko_jdbc()
-    rows = _lands_once(dsn, PEKKO_JDBC_DDL, source, _jdbc, warehouse)
+    rows = lands_once(dsn, PEKKO_JDBC_DDL, source, _jdbc, warehouse)
     assert {r["stream_type"] for r in rows} == {"Cart"}
     assert all(r["global_position"] is not None for r in rows)
     # A schema tool that drops what it does not know (Marten's) takes tx_id away: adopt will not add it back.
@@ -286,7 +286,7 @@ def test_pekko_jdbc_journal_lands_once(dsn: StoreDsn, warehouse: Path) -> None:
 def test_marten_events_land_once_with_their_tenants(dsn: StoreDsn, warehouse: Path) -> None:
     """Marten's mt_events (conjoined tenancy): tenant_id becomes the lake's tenant, mt_streams.type the stream type."""
     source = mapping.marten()
-    rows = _lands_once(dsn, MARTEN_DDL, source, _marten, warehouse)
+    rows = lands_once(dsn, MARTEN_DDL, source, _marten, warehouse)
     assert {r["tenant"] for r in rows} == {"*DEFAULT*", "tenant-b"}
     assert {r["stream_type"] for r in rows} == {"cart"}
 
@@ -296,7 +296,7 @@ def test_custom_toml_over_a_tenant_partitioned_table(dsn: StoreDsn, warehouse: P
     (a catalog-only change) and builds the indexes per partition; every tenant's events land once."""
     (tmp_path / "event.toml").write_text(SEED_TOML)
     source = mapping.load(str(tmp_path / "event.toml"))
-    rows = _lands_once(dsn, SEED_DDL, source, _seed, warehouse)
+    rows = lands_once(dsn, SEED_DDL, source, _seed, warehouse)
     assert {r["tenant"] for r in rows} == {"acme", "globex", "initech"}
     with psycopg.connect(dsn) as conn:
         indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'").fetchall()}
