@@ -9,6 +9,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
+from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.read.catalog import register_tables
@@ -94,12 +95,18 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         print(f"   {res.range_key:<10} {res.rows:>8,} {res.batches:>8} {res.horizon:>10} {res.events_behind:>9,} {res.total_seconds:>8.1f}")
 
     t0 = time.monotonic()
-    state = update_stream_state(spark, settings.warehouse, domain=load_domain(settings.domain_modules),
-                                store_dsn=settings.pg_dsn)
+    domain = load_domain(settings.domain_modules)
+    state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
     update_stream_catalog(spark, settings.warehouse, store_dsn=settings.pg_dsn)
     update_event_type_daily(spark, settings.warehouse, store_dsn=settings.pg_dsn)
     print(f"   projections: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
           f"catalog and daily counts updated ({time.monotonic() - t0:.1f} s)")
+    for name in sorted(domain.projections):  # the team's cross-stream projections (ES_PIPELINE_ENGINE says where)
+        t0 = time.monotonic()
+        crossed = cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, spark=spark,
+                                      engine=settings.engine)
+        print(f"   {name}: {crossed.events_folded:,} events folded into {crossed.rows:,} keys, built by "
+              f"{'Spark' if crossed.engine == 'spark' else 'this process'} ({time.monotonic() - t0:.1f} s)")
 
     register_tables(spark, settings.warehouse)
     total = spark.sql("SELECT count(*) AS n, count(DISTINCT stream_id) AS streams FROM events").first()

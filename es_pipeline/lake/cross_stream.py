@@ -114,18 +114,20 @@ class CrossStreamResult:
     events_waiting: int  # events of batches at or above the frontier: folded by a later update
     events_without_key: int  # events of the projection's types whose key is missing (skipped)
     frontier: int
+    engine: str = "local"  # what folded it: "local" (this process) or "spark" (a whole build on Spark)
 
     @property
     def worked(self) -> bool:
         """Whether the run folded events (else the table was up to date, or its events wait for the frontier)."""
         return bool(self.events_folded)
 
-    def metadata(self) -> dict[str, int | bool]:
+    def metadata(self) -> dict[str, int | bool | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"dagster/row_count": self.rows, "events_folded": self.events_folded, "keys_updated": self.keys_updated,
                 "keys_refolded": self.keys_refolded, "events_waiting": self.events_waiting,
                 "events_without_key": self.events_without_key, "events_version": self.events_version,
-                "batch_frontier": self.frontier, "full_rebuild": self.previous_events_version < 0}
+                "batch_frontier": self.frontier, "full_rebuild": self.previous_events_version < 0,
+                "engine": self.engine}
 
 
 SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark (as whole_fold's)
@@ -825,4 +827,4 @@ def _build_with_spark(
                                            also=[(ids[1], version), (ids[2], frontier)])
     finally:
         folded.unpersist()
-    return CrossStreamResult(rows, version, -1, folded_events, rows, 0, 0, without_key, frontier)
+    return CrossStreamResult(rows, version, -1, folded_events, rows, 0, 0, without_key, frontier, engine="spark")

@@ -260,7 +260,7 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     extract_all(dsn.extractor, None, warehouse)
     on_spark = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                                    spark=spark, engine="spark")
-    assert on_spark.previous_events_version == -1 and on_spark.events_folded > 0
+    assert on_spark.previous_events_version == -1 and on_spark.events_folded > 0 and on_spark.engine == "spark"
     spark_rows = _table(warehouse)
     _assert_equal_to_the_store(dsn, warehouse)
     lake_rebuild = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
@@ -268,8 +268,8 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
     in_process = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                                      spark=spark, engine="local")
-    assert (in_process.events_folded, in_process.rows, in_process.events_without_key) == (
-        on_spark.events_folded, on_spark.rows, on_spark.events_without_key)
+    assert (in_process.events_folded, in_process.rows, in_process.events_without_key, in_process.engine) == (
+        on_spark.events_folded, on_spark.rows, on_spark.events_without_key, "local")
 
     def same(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
         return {k: {c: v for c, v in r.items() if c != "updated_at"} for k, r in rows.items()}
