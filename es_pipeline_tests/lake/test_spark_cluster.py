@@ -17,11 +17,13 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 from deltalake import DeltaTable
+from shop.domain import domain as SHOP
 
 from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.spark_cluster import SparkCluster, connect_server, standalone
 from es_pipeline.dev.workload import bulk_load, run_workload
+from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all, source_events
@@ -85,11 +87,12 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     env = {**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": cluster.master_url,
            TOKEN_ENV: token, "DAGSTER_HOME": str(home), "ES_PIPELINE_SLICE_RANGES": "1",
            "ES_PIPELINE_AUTOMATION": "off", "ES_PIPELINE_PG_DSN": dsn.extractor,
-           "ES_PIPELINE_JDBC_MIN_ROWS": "1000", "ES_PIPELINE_BATCH_EVENTS": "2000"}
+           "ES_PIPELINE_JDBC_MIN_ROWS": "1000", "ES_PIPELINE_BATCH_EVENTS": "2000",
+           "ES_PIPELINE_DOMAIN": "shop.domain", "ES_PIPELINE_ENGINE": "spark"}
     with connect_server(env, tmp_path / "connect.log") as remote:
         env["ES_PIPELINE_SPARK_REMOTE"] = remote
         extracted = _dagster(["asset", "materialize", "--select", "events", "--partition", "0000-1023"], env)
-        _dagster(["asset", "materialize", "--select", "stream_state,stream_catalog,event_type_daily"], env)
+        _dagster(["asset", "materialize", "--select", "stream_state,stream_catalog,event_type_daily,sku_sales"], env)
         _dagster(["job", "execute", "-j", "delta_maintenance_job"], env)
         connect_apps = [a for a in _applications(cluster) if a["name"] == "es_pipeline-connect"]
     assert connect_apps and connect_apps[0]["cores"] > 0, "the Connect server's driver had executors on the cluster"
@@ -114,3 +117,15 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     assert state.num_rows == len({s for s, _ in expected})
     daily = DeltaTable(tables.table_path(warehouse, "event_type_daily")).to_pyarrow_table(columns=["events"])
     assert sum(daily["events"].to_pylist()) == 6600
+
+    # The shop's cross-stream projection, built whole on the cluster (ES_PIPELINE_ENGINE=spark): its rows are the
+    # files the executors wrote, committed by delta-rs; a rebuild in this process gives the same rows.
+    sku_sales = tables.table_path(warehouse, "sku_sales")
+    built = DeltaTable(sku_sales)
+    assert built.file_uris() and all("/spark-build-" in uri for uri in built.file_uris())
+    by_spark = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"} for r in built.to_pyarrow_table().to_pylist()}
+    cross_stream.mark_for_rebuild(warehouse, "sku_sales", str(table.metadata().id))
+    assert cross_stream.update(warehouse, SHOP, "sku_sales", engine="local").engine == "local"
+    in_process = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"}
+                  for r in DeltaTable(sku_sales).to_pyarrow_table().to_pylist()}
+    assert by_spark and in_process == by_spark
