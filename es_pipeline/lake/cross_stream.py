@@ -439,13 +439,7 @@ def _key_span(
     keys: list[str | None] = []
     events: list[Event] = []
     for i in range(base.num_rows):
-        try:
-            data = orjson.loads(payload[i])
-        except orjson.JSONDecodeError:
-            data = json.loads(payload[i])
-        event = _new_event(Event, (sid[i], version[i], etype[i], data))
-        if rewrites:
-            event = upcast(stype[i], event)
+        event = _event(payload[i], sid[i], version[i], etype[i], stype[i], upcast if rewrites else None)
         try:
             k = key_of(event)
         except Exception as exc:  # noqa: BLE001 - a key function's failure is reported with its place
@@ -458,6 +452,18 @@ def _key_span(
 
 
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
+
+
+def _event(text: str, stream_id: str, version: int, event_type: str, stream_type: str,
+           upcast: Callable[[str, Event], Event] | None) -> Event:
+    """One `events` row as the key function and the fold see it: its payload parsed (orjson, or json for what
+    orjson refuses), upcast where the domain rewrites events."""
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        data = json.loads(text)
+    event = _new_event(Event, (stream_id, version, event_type, data))
+    return event if upcast is None else upcast(stream_type, event)
 
 
 def _whole(
@@ -532,14 +538,8 @@ def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
                 if parsed is not None:
                     event = parsed[j]
                 else:
-                    text = payload[j]  # type: ignore[index]
-                    try:
-                        data = orjson.loads(text)
-                    except orjson.JSONDecodeError:
-                        data = json.loads(text)
-                    event = _new_event(Event, (sid[j], version[j], etype[j], data))
-                    if rewrites:
-                        event = upcast(stype[j], event)
+                    event = _event(payload[j], sid[j], version[j], etype[j], stype[j],  # type: ignore[index]
+                                   upcast if rewrites else None)
                 state = fold(state, event)
         except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
             reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
@@ -754,13 +754,7 @@ def _spark_fold(projection: Projection, domain: Domain,
                                 yield from rows_of(done).to_batches()
                                 done = {}
                         current, row = k, _Row({}, 0, None, None)
-                    try:
-                        data = orjson.loads(payload[i])
-                    except orjson.JSONDecodeError:
-                        data = json.loads(payload[i])
-                    event = _new_event(Event, (sid[i], version[i], etype[i], data))
-                    if rewrites:
-                        event = upcast(stype[i], event)
+                    event = _event(payload[i], sid[i], version[i], etype[i], stype[i], upcast if rewrites else None)
                     try:
                         state = fold(row.state, event)
                     except Exception as exc:  # noqa: BLE001 - reported with its place, as in `_fold_span`
