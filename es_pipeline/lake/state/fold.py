@@ -108,16 +108,6 @@ def txn_version_after(read: int, events_version: int) -> int:
     return events_version * REVISION_SLOTS + read % REVISION_SLOTS
 
 
-def loads(text: str) -> Any:
-    """A payload or a state as the reducers read it: orjson, or json for what orjson refuses (integers past
-    64 bits, NaN), so that both take the same documents and a bad one fails as json's error."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
-
-
-
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
 
