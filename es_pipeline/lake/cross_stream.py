@@ -130,9 +130,6 @@ class CrossStreamResult:
                 "engine": self.engine}
 
 
-SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark (as whole_fold's)
-
-
 def update(
     warehouse: Location, domain: Domain, name: str, *, store_dsn: str | None = None,
     frontier: Frontier | None = None, spark: Any = None, engine: str = "auto",
@@ -140,24 +137,13 @@ def update(
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`. `frontier`: the lowest batch id that may still reach the lake (`extraction.offsets.batch_frontier`);
     None: every batch the lake holds is final. `spark` (a session, or a function that returns one) and `engine`:
-    where a whole build runs (`builds_on_spark`); increments always run here. `NoEventsYet` before `events`
+    where a whole build runs (`tables.builds_on_spark`); increments always run here. `NoEventsYet` before `events`
     exists."""
     tables.require_events(warehouse, name)
     with one_at_a_time(store_dsn, name) as turn:
         result = increment(warehouse, domain.projections[name], domain, turn, frontier, spark=spark, engine=engine)
         assert result is not None
         return result
-
-
-def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
-    """Whether a whole build runs on Spark: with a session to ask for, `engine` "spark", or "auto" and `events`'
-    files past `SPARK_BYTES` (more than this process should hold); "local" never."""
-    if spark is None or engine == "local":
-        return False
-    if engine == "spark":
-        return True
-    adds = pa.table(events.get_add_actions(flatten=True))
-    return bool(adds.num_rows) and int(pc.sum(adds["size_bytes"]).as_py() or 0) > SPARK_BYTES
 
 
 def increment(
@@ -192,7 +178,7 @@ def increment(
     if new is None:
         if not build:
             return None
-        if builds_on_spark(events_feed.table, spark, engine):
+        if tables.builds_on_spark(events_feed.table, spark, engine):
             return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
                                      events_feed.table, f_new, read=seen)
         return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)

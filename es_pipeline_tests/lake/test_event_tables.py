@@ -270,3 +270,62 @@ def test_declared_and_widened_values_are_the_same_built_by_increments_or_at_once
     assert event_tables.update(warehouse, declared).rebuilt
     assert rows() == by_increments
     assert_typed_tables_equal_the_store(dsn, warehouse)
+
+
+def _typed_tables(warehouse: Path) -> dict[str, tuple[list[str], dict[tuple[str, str, int], dict[str, Any]]]]:
+    """Each typed table: its columns (sorted: the two engines may order new columns differently) and its rows by
+    event key."""
+    out = {}
+    for name in event_tables.table_names(warehouse)[1:]:
+        rows = DeltaTable(str(warehouse / name)).to_pyarrow_table()
+        out[name] = (sorted(rows.column_names), {(r["tenant"], r["stream_id"], r["version"]): r
+                                                for r in rows.to_pylist()})
+    return out
+
+
+@pytest.mark.slow
+def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_it(
+    dsn: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    """Issue 42: the whole build staged, typed and written by Spark (committed by delta-rs with the same ids) holds
+    every event once, as the in-process build does, column for column and row for row (odd shapes and upcasters
+    included); the next update goes on from it in process."""
+    store = EventStore(dsn)
+    run_workload(store, streams=30, events=500, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=42)
+    _append(store, "odd-1", ("Measured", {"detail": {"a": 1}, "big": 2**60 + 1}),
+            ("Opened", {"owner": 42, "currency": "EUR", "version": 7, "Owner": "case clash", "odd-name": 1}),
+            ("Deposited", {"amount": 123456789012345678901}), ("weird.type", {"x": [1, "two", {"three": 3}]}),
+            ("Measured", {"detail": {"a": 2, "b": None}, "big": 0.5, "tags": [None, 1]}))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                     "VALUES ('odd-2', 'probe', 1, 'Deposited', '[1, 2]'::jsonb)")
+    extract_all(dsn.extractor, None, warehouse)
+    built = event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor, spark=spark, engine="spark")
+    assert built.rebuilt and built.engine == "spark" and built.metadata()["engine"] == "spark"
+    total = assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
+    assert built.events == total and "events_item_added" in built.new_tables
+    on_spark = _typed_tables(warehouse)
+    spark_mapping = {(r["event_type"], r["table_name"], r["column_name"], r["data_type"]) for r in
+                     DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()}
+    assert not [p for p in (warehouse / event_tables.NAME).iterdir() if p.name.startswith("spark-staging")]
+    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").events == 0  # the cursor: committed
+
+    DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(
+        {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)  # built again, in process
+    local = event_tables.update(warehouse, SHOP, spark=spark, engine="local")
+    assert local.rebuilt and local.engine == "local" and local.rows == built.rows
+    assert local.overflow == built.overflow
+    assert _typed_tables(warehouse) == on_spark
+    assert {(r["event_type"], r["table_name"], r["column_name"], r["data_type"]) for r in
+            DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()} == spark_mapping
+
+    DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(
+        {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)  # on Spark again, over tables that exist
+    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").engine == "spark"
+    _append(store, "odd-1", ("Measured", {"big": "now a string", "new_field": True}))
+    run_workload(store, streams=5, events=60, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
+    extract_all(dsn.extractor, None, warehouse)
+    grown = event_tables.update(warehouse, SHOP, spark=spark, engine="spark")
+    assert not grown.rebuilt and grown.engine == "local" and grown.events == 61
+    assert "events_measured.new_field boolean" in grown.new_columns
+    assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)

@@ -100,10 +100,20 @@ def _taken(table: pa.Table | None, typed: Typed) -> pa.Table:
 
 
 def _by_name(table: pa.Table) -> dict[str, tuple[pa.DataType, list[Any]]]:
-    out = {c: (table[c].type, table[c].to_pylist()) for c in table.column_names}
+    """Each column's type and values; an object column's fields by name (their order follows the batches: Arrow's
+    reader places a field where it first came, null or not; value by value, where it first held a value)."""
+    out = {c: (_fields_sorted(table[c].type), table[c].to_pylist()) for c in table.column_names}
     t, texts = out[shapes.OVERFLOW]
     out[shapes.OVERFLOW] = (t, [None if x is None else json.loads(x) for x in texts])
     return out
+
+
+def _fields_sorted(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(t):
+        return pa.struct(sorted((pa.field(f.name, _fields_sorted(f.type)) for f in t), key=lambda f: f.name))
+    if pa.types.is_list(t):
+        return pa.list_(_fields_sorted(t.value_type))
+    return t
 
 
 @settings(max_examples=int(os.environ.get("ES_PIPELINE_EXAMPLES", "500")), deadline=None)
@@ -112,6 +122,7 @@ def _by_name(table: pa.Table) -> dict[str, tuple[pa.DataType, list[Any]]]:
 @example([{"a": 1}, {"a": 1.5}, {"a": "x"}], [1, 2], None)  # a whole number, widened twice: `1` as text
 @example([{"a": 2**60}, {"a": 1.5}, {"a": "x"}], [1, 2], None)  # out of a double column, into a string one
 @example([{"a": None}, {"A": False}], [1], None)  # a name is taken by the first field of it with a value
+@example([{"x": {"p": None, "q": False}}, {"x": {"p": False}}], [1], None)  # an object's fields in another order
 def test_a_table_built_batch_by_batch_equals_one_built_at_once(payloads: list[Any], cuts: list[int],
                                                               declared: pa.Schema | None) -> None:
     bounds = sorted({0, len(payloads), *(c for c in cuts if c < len(payloads))})
@@ -122,6 +133,27 @@ def test_a_table_built_batch_by_batch_equals_one_built_at_once(payloads: list[An
     assert table is not None
     at_once = type_rows(_rows(payloads), None, declared=declared).rows
     assert _by_name(table) == _by_name(at_once)
+
+
+@settings(max_examples=int(os.environ.get("ES_PIPELINE_EXAMPLES", "500")), deadline=None)
+@given(st.lists(_PAYLOAD | _REGULAR | st.sampled_from(["[1, 2]", "5", "null", "not json"]), min_size=1, max_size=8),
+       st.lists(st.integers(min_value=1, max_value=7), max_size=3), _DECLARED)
+@example([{"a": 1}, {"a": {"b": 1}}, {"a": 1.5}], [1, 2], None)  # a kind that cannot meet, then one that widens
+@example([{"a": None}, {"A": False}, {"a": 1}], [1, 2], None)  # a name taken across batches
+def test_columns_found_by_parts_then_placed_equal_one_batch_at_once(payloads: list[Any], cuts: list[int],
+                                                                   declared: pa.Schema | None) -> None:
+    """The Spark build's two passes (lake/typed/on_spark.py): each part's (column, type) pairs replayed in order
+    give the columns; every part typed against them adds and widens nothing, and together they equal one batch."""
+    bounds = sorted({0, len(payloads), *(c for c in cuts if c < len(payloads))})
+    columns, fixed = typed_rows.payload_columns(None, declared)
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        typed_rows.grow(columns, typed_rows.column_types(_rows(payloads[lo:hi]), declared=declared), fixed)
+    schema = pa.schema([*typed_rows.ENVELOPE, *(pa.field(c, t) for c, t in columns.items())])
+    parts = [type_rows(_rows(payloads[lo:hi]), schema, declared=declared) for lo, hi in zip(bounds, bounds[1:],
+                                                                                            strict=False)]
+    assert all(not p.added and not p.widened for p in parts)
+    at_once = type_rows(_rows(payloads), None, declared=declared).rows
+    assert _by_name(pa.concat_tables([p.rows for p in parts])) == _by_name(at_once)
 
 
 # The four edges the rule settles, replayed (issue 40): each gives one answer, whatever the path.

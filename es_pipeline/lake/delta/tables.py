@@ -230,6 +230,21 @@ def session_of(spark: Any) -> Any:
     return spark() if callable(spark) else spark
 
 
+SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark (as whole_fold's)
+
+
+def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
+    """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
+    for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (more than this process should hold);
+    "local" never."""
+    if spark is None or engine == "local":
+        return False
+    if engine == "spark":
+        return True
+    adds = pa.table(events.get_add_actions(flatten=True))
+    return bool(adds.num_rows) and int(pc.sum(adds["size_bytes"]).as_py() or 0) > SPARK_BYTES
+
+
 def change_feed_gone(exc: BaseException) -> bool:
     """Whether a failed read of `rows_added` means the files of those commits were vacuumed away."""
     return any(mark in str(exc) for mark in CHANGE_FEED_GONE)

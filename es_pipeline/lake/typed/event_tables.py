@@ -45,13 +45,21 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from es_pipeline.domain import EVENT_TABLE_PREFIX, EVENT_TABLES, Domain
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import arrow_append, feed, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.typed import shapes
-from es_pipeline.lake.typed.typed_rows import ENVELOPE, normal_schema, regrown, to_place_again, type_rows
+from es_pipeline.lake.typed import on_spark, shapes
+from es_pipeline.lake.typed.typed_rows import (
+    ENVELOPE,
+    by_type,
+    normal_schema,
+    regrown,
+    to_place_again,
+    type_rows,
+    upcasting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,7 @@ class EventTablesResult:
     widened: list[str] = field(default_factory=list)  # "table.column: old → new"
     overflow: dict[str, int] = field(default_factory=dict)  # table → values kept in `_overflow`
     seconds: float = 0.0
+    engine: str = "local"  # where a whole build ran: "spark" or "local" (increments always run in process)
 
     @property
     def events(self) -> int:
@@ -98,7 +107,7 @@ class EventTablesResult:
         return {"events_version": self.events_version if self.events_version is not None else -1,
                 "full_rebuild": self.rebuilt, "events_written": self.events, "tables_written": len(self.rows),
                 "new_tables": ", ".join(self.new_tables) or "-", "new_columns": ", ".join(self.new_columns) or "-",
-                "widened_columns": ", ".join(self.widened) or "-", "overflow_values": sum(self.overflow.values()),
+                "widened_columns": ", ".join(self.widened) or "-", "overflow_values": sum(self.overflow.values()), "engine": self.engine,
                 **{f"overflow/{name}": n for name, n in sorted(self.overflow.items())}}
 
     def add(self, later: EventTablesResult) -> EventTablesResult:
@@ -111,7 +120,8 @@ class EventTablesResult:
             overflow[name] = overflow.get(name, 0) + n
         return EventTablesResult(later.events_version, self.rebuilt or later.rebuilt, rows,
                                  [*self.new_tables, *later.new_tables], [*self.new_columns, *later.new_columns],
-                                 [*self.widened, *later.widened], overflow)
+                                 [*self.widened, *later.widened], overflow,
+                                 engine="spark" if "spark" in (self.engine, later.engine) else "local")
 
 
 def table_name(event_type: str) -> str:
@@ -163,18 +173,21 @@ def _digest(text: str, n: int) -> str:
 
 
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
-           progress: Callable[[str], None] | None = None) -> EventTablesResult:
+           progress: Callable[[str], None] | None = None, spark: Any = None,
+           engine: str = "auto") -> EventTablesResult:
     """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/delta/serial.py); `NoEventsYet`
-    before `events` exists."""
+    before `events` exists. `spark` (a session, or a function that returns one) and `engine`: where a whole build
+    runs (`tables.builds_on_spark`); increments always run here."""
     tables.require_events(warehouse, NAME)
     with one_at_a_time(store_dsn, NAME):
-        result = increment(warehouse, domain, progress=progress)
+        result = increment(warehouse, domain, progress=progress, spark=spark, engine=engine)
     assert result is not None
     return result
 
 
 def increment(warehouse: Location, domain: Domain, *, build: bool = True,
-              progress: Callable[[str], None] | None = None) -> EventTablesResult | None:
+              progress: Callable[[str], None] | None = None, spark: Any = None,
+              engine: str = "auto") -> EventTablesResult | None:
     """`update`'s work, the caller holding the turn; without `build`, None where the tables would be built anew
     (a tailing run leaves that to the asset's own run)."""
     started = time.monotonic()
@@ -208,7 +221,11 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         if not build:
             return total
         keeper.next_window(now)
-        keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
+        if tables.builds_on_spark(events, spark, engine):
+            keeper.build_on_spark(tables.session_of(spark), events_path, read, progress or (lambda _: None))
+            keeper.result.engine = "spark"
+        else:
+            keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
         keeper.commit_mapping(built=True)
         total = keeper.result if total is None else total.add(keeper.result)
     assert total is not None
@@ -312,21 +329,12 @@ class _Keeper:
     def build(self, chunks: Iterator[pa.Table], progress: Callable[[str], None]) -> None:
         """Every typed table anew from `events`' current rows: each type's first step overwrites its table, the
         last commit of each records the transaction id (a build cut short leaves the cursor unset: built again)."""
-        self.result.rebuilt = True
-        if tables.is_delta_table(self.mapping_path):  # until it ends, no cursor: a build cut short is built again
-            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: BUILDING}, raise_if_not_exists=False)
-        owned = set(self.names.values())
-        self.history, self.changed = [], True
-        kept_names = dict(self.names)  # the names types had: kept, so that a rebuild moves no table
-        self.names = {}
-        for event_type, name in sorted(kept_names.items()):
-            if name not in self.names.values():
-                self.names[event_type] = name
+        owned = self._start_build()
         started: set[str] = set()
         sealed: set[str] = set()  # written in the last step, with the transaction id
         seen = 0
         for chunk, last in _with_last(chunks):
-            for event_type, rows in self._by_type(chunk):
+            for event_type, rows in by_type(chunk, self.domain):
                 name = self._name_for(event_type)
                 self._write(event_type, name, rows, fresh=name not in started,
                             props=_props(self.app, self.now) if last else None)
@@ -339,7 +347,26 @@ class _Keeper:
             target = _open(tables.table_path(self.warehouse, name))
             target.create_write_transaction([], mode="append", schema=target.schema(),
                                             commit_properties=_props(self.app, self.now))
-        for name in sorted(owned - started):  # types no longer in `events`: their tables emptied
+        self._end_build(owned, started)
+
+    def _start_build(self) -> set[str]:
+        """A whole build begun: the mapping's cursor voided (a build cut short is built again), its history
+        cleared, the names types had kept (a rebuild moves no table); the tables the mapping held."""
+        self.result.rebuilt = True
+        if tables.is_delta_table(self.mapping_path):  # until it ends, no cursor: a build cut short is built again
+            _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: BUILDING}, raise_if_not_exists=False)
+        owned = set(self.names.values())
+        self.history, self.changed = [], True
+        kept_names = dict(self.names)
+        self.names = {}
+        for event_type, name in sorted(kept_names.items()):
+            if name not in self.names.values():
+                self.names[event_type] = name
+        return owned
+
+    def _end_build(self, owned: set[str], started: set[str]) -> None:
+        """A whole build ended: the tables of types no longer in `events` emptied, and forgotten."""
+        for name in sorted(owned - started):
             path = tables.table_path(self.warehouse, name)
             if tables.is_delta_table(path):
                 held = _open(path)
@@ -347,11 +374,61 @@ class _Keeper:
                 write_deltalake(path, empty, mode="overwrite", commit_properties=_props(self.app, self.now))
         self.names = {t: n for t, n in self.names.items() if n in started}
 
+    def build_on_spark(self, spark: Any, events_path: str, read: list[str], progress: Callable[[str], None]) -> None:
+        """`build` on Spark (lake/typed/on_spark.py): `events`' rows staged by table in the mapping's folder (VACUUM
+        takes what a killed run leaves), each type's columns found over all its rows, then each table typed and
+        written by Spark and committed by delta-rs with the transaction id, several tables at a time."""
+        owned = self._start_build()
+        staging = f"{self.mapping_path}/{arrow_append.new_folder('spark-staging')}"
+        try:
+            staged = on_spark.stage(spark, events_path, self.now, read,
+                                    lambda kind: self._name_for(self.domain.base_type(kind)), staging)
+            progress(f"typed event tables on Spark: events version {self.now} staged for {len(staged)} tables")
+            columns = on_spark.shapes_of(spark, staging, self.domain) if staged else {}
+            kinds = {n: t for t, n in self.names.items()}
+            done: list[str] = []
+
+            def one(name: str) -> None:
+                kind = kinds[name]
+                schema = on_spark.schema_of(columns.get(kind, {}))
+                path = tables.table_path(self.warehouse, name)
+                if not tables.is_delta_table(path):  # made with its owner (the type it holds), then its rows
+                    made = DeltaTable.create(path, schema, mode="ignore")
+                    made.alter.set_table_properties({OWNER: kind}, raise_if_not_exists=False)
+                elif normal_schema(_open(path)) != schema:  # its columns as the build found them, before its rows
+                    write_deltalake(path, schema.empty_table(), mode="overwrite", schema_mode="overwrite")
+                out = arrow_append.new_folder("spark-build")
+                placed = on_spark.place(spark, staging, name, kind, schema, self.domain, f"{path}/{out}")
+                arrow_append.commit_parquet_folder(path, schema, out, app_id=self.app, version=self.now,
+                                                   expect_rows=placed.rows, overwrite=True)
+                _OPEN.pop(path, None)
+                for f in schema:
+                    if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
+                        self._record(kind, name, f.name, f.type, "added", placed.first_at.get(f.name))
+                with self.lock:
+                    self.result.new_tables.append(name)
+                    self.result.rows[name] = placed.rows
+                    if placed.overflowed:
+                        self.result.overflow[name] = placed.overflowed
+                    done.append(name)
+                progress(f"typed event tables on Spark: {len(done)} of {len(staged)} tables written ({name})")
+
+            with ThreadPoolExecutor(WRITERS) as pool:
+                for future in [pool.submit(one, name) for name in staged]:
+                    future.result()
+        finally:
+            fs, root = tables.filesystem(staging)
+            try:
+                fs.delete_dir(root)
+            except (FileNotFoundError, OSError):
+                pass  # never written, or left to VACUUM
+        self._end_build(owned, set(staged))
+
     def increment(self, changes: pa.Table, cursor: int) -> None:
         """The rows of the commits after `cursor`, each type's appended to its table past the version it records:
         the tables written side by side (delta-rs writes outside Python's lock)."""
         groups = [(event_type, event_type in self.names, self._name_for(event_type), rows)
-                  for event_type, rows in sorted(self._by_type(changes), key=lambda g: g[0])]
+                  for event_type, rows in sorted(by_type(changes, self.domain), key=lambda g: g[0])]
 
         def one(event_type: str, known: bool, name: str, rows: pa.Table) -> None:
             path = tables.table_path(self.warehouse, name)
@@ -386,31 +463,9 @@ class _Keeper:
         read = [*_READ, *(["metadata"] if self.domain.metadata_field is not None else [])]
         # At the version this update commits as read: a later commit's rows come with a later update.
         parts = [rows for chunk in _current_rows(path, DeltaTable(path, version=self.now), read)
-                 for t, rows in self._by_type(chunk)
+                 for t, rows in by_type(chunk, self.domain)
                  if t == event_type]
         return pa.concat_tables(parts) if parts else pa.table({c: [] for c in _READ})
-
-    def _by_type(self, rows: pa.Table) -> Iterator[tuple[str, pa.Table]]:
-        """`rows` grouped by the event type their table is for (the base type, where the domain reads versions from
-        the type's suffix), in `events`' order within a group."""
-        if rows.num_rows == 0:
-            return
-        rows = tables.tenant_filled(rows) if "tenant" in rows.column_names else rows
-        kinds = rows["event_type"].combine_chunks()
-        if self.domain.schema_version == "suffix":
-            kinds = pa.array([self.domain.base_type(k) for k in kinds.to_pylist()], pa.string())
-        encoded = kinds.dictionary_encode()
-        order = pc.sort_indices(encoded.indices)
-        codes = encoded.indices.take(order)
-        sorted_rows = rows.take(order)
-        n = len(codes)
-        if n == 0:
-            return
-        bounds = [0, *(pc.indices_nonzero(pc.not_equal(codes.slice(1), codes.slice(0, n - 1))).to_numpy() + 1).tolist(), n]
-        names = encoded.dictionary.to_pylist()
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            group = sorted_rows.slice(lo, hi - lo)
-            yield names[codes[lo].as_py()], group
 
     def _write(self, event_type: str, name: str, rows: pa.Table, *, fresh: bool, props: CommitProperties | None,
                target: DeltaTable | None = None) -> None:
@@ -424,7 +479,7 @@ class _Keeper:
         if fresh:
             with self.lock:
                 self.history = [r for r in self.history if r["event_type"] != event_type]
-        typed = type_rows(rows, held, domain=self._upcasting(event_type),
+        typed = type_rows(rows, held, domain=upcasting(self.domain, event_type),
                           declared=self.domain.event_schemas.get(event_type))
         if fresh or target is None:
             if not tables.is_delta_table(path):  # made with its owner (the type it holds), then its rows
@@ -466,13 +521,6 @@ class _Keeper:
             self.result.rows[name] = self.result.rows.get(name, 0) + typed.rows.num_rows
             if typed.overflowed:
                 self.result.overflow[name] = self.result.overflow.get(name, 0) + typed.overflowed
-
-    def _upcasting(self, event_type: str) -> Domain | None:
-        """The domain where its upcasters may change this type's payloads, else None (the payloads read as they are)."""
-        d = self.domain
-        if d.schema_version == "suffix" or any(u.event_type == event_type for u in d.upcasters.values()):
-            return d
-        return None
 
 
 def _owner(path: str) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ import pyarrow.json as pj
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Event
+from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.typed import shapes
 
@@ -90,6 +91,35 @@ def type_rows(rows: pa.Table, held: pa.Schema | None, *, domain: Domain | None =
         valid = pc.is_valid(values)
         typed.first_at[c] = pc.min(recorded.filter(valid)).as_py() if pc.any(valid).as_py() else pc.min(recorded).as_py()
     return typed
+
+
+def by_type(rows: pa.Table, domain: Domain) -> Iterator[tuple[str, pa.Table]]:
+    """`rows` (of `events`) grouped by the event type their table is for (the base type, where the domain reads
+    versions from the type's suffix), in `events`' order within a group; tenants filled ('' for none)."""
+    if rows.num_rows == 0:
+        return
+    rows = tables.tenant_filled(rows) if "tenant" in rows.column_names else rows
+    kinds = rows["event_type"].combine_chunks()
+    if domain.schema_version == "suffix":
+        kinds = pa.array([domain.base_type(k) for k in kinds.to_pylist()], pa.string())
+    encoded = kinds.dictionary_encode()
+    order = pc.sort_indices(encoded.indices)
+    codes = encoded.indices.take(order)
+    sorted_rows = rows.take(order)
+    n = len(codes)
+    if n == 0:
+        return
+    bounds = [0, *(pc.indices_nonzero(pc.not_equal(codes.slice(1), codes.slice(0, n - 1))).to_numpy() + 1).tolist(), n]
+    names = encoded.dictionary.to_pylist()
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        yield names[codes[lo].as_py()], sorted_rows.slice(lo, hi - lo)
+
+
+def upcasting(domain: Domain, event_type: str) -> Domain | None:
+    """The domain where its upcasters may change this type's payloads, else None (the payloads read as they are)."""
+    if domain.schema_version == "suffix" or any(u.event_type == event_type for u in domain.upcasters.values()):
+        return domain
+    return None
 
 
 def payload_columns(held: pa.Schema | None,
@@ -255,45 +285,8 @@ def _parse(text: str | None, encoding: str | None) -> tuple[dict[str, Any] | Non
 def python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain | None,
                  fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int]:
     """The payload columns value by value, by the rule of lake/typed/shapes.py: every value placed or kept in `_overflow`."""
-    texts = rows["payload"].to_pylist()
-    encodings = rows["payload_encoding"].to_pylist() if "payload_encoding" in rows.column_names else [None] * len(texts)
-    objects: list[dict[str, Any] | None] = []
-    rest: list[dict[str, Any] | None] = []
-    if domain is not None:
-        kinds, ids, versions, stream_types = (rows[c].to_pylist() for c in ("event_type", "stream_id", "version",
-                                                                             "stream_type"))
-        if domain.metadata_field is not None and "metadata" in rows.column_names:
-            kinds = [domain.versioned_type(k, _parse(m, "json")[0]) for k, m in zip(kinds, rows["metadata"].to_pylist(),
-                                                                                      strict=True)]
-    for i, (text, enc) in enumerate(zip(texts, encodings, strict=True)):
-        obj, whole = _parse(text, enc)
-        if obj is not None and domain is not None:
-            obj = domain.upcast(stream_types[i] or "", Event(ids[i], versions[i], kinds[i], obj)).payload
-            if not isinstance(obj, dict):
-                obj, whole = None, {"$payload": obj}
-        objects.append(obj)
-        rest.append(whole)
-    lowered = {c.lower(): c for c in columns}  # the names columns take (Delta's names ignore case)
-    target: dict[str, str | None] = {}  # field → column (None: overflow)
-    types: dict[str, Any] = dict(columns)
-    for obj in objects:
-        for key, value in (obj or {}).items():
-            if key not in target:
-                column = shapes.column_name(key, _ENVELOPE_NAMES)
-                target[key] = None if column is None or field_of(column) != key else column  # `payload_version`
-            column = target[key]
-            if column is None or column in fixed:
-                continue
-            t = shapes.infer(value)
-            if column not in types:
-                if t in (shapes.UNKNOWN, shapes.MISFIT):
-                    continue  # no type yet: the name is taken by the first field of it that brings one
-                if lowered.setdefault(column.lower(), column) != column:
-                    target[key] = None  # another case of a column's name
-                    continue
-            merged = shapes.unify(types.get(column, shapes.UNKNOWN), t)
-            if merged is not None:
-                types[column] = merged
+    objects, rest = _objects(rows, domain)
+    target, types = _column_types(objects, columns, fixed)
     final = {c: t for c, t in types.items() if t != shapes.UNKNOWN}  # a field seen only as nothing: no column yet
     values: dict[str, list[Any]] = {c: [None] * len(objects) for c in final}
     overflowed = 0
@@ -322,6 +315,106 @@ def python_path(rows: pa.Table, columns: dict[str, pa.DataType], domain: Domain 
     out = {c: pa.array(v, type=final[c]) for c, v in values.items()}
     overflow = pa.array([None if r is None else shapes.json_text(r) for r in rest], pa.string())
     return out, overflow, overflowed
+
+
+def _objects(rows: pa.Table, domain: Domain | None) -> tuple[list[dict[str, Any] | None], list[dict[str, Any] | None]]:
+    """Each row's payload object (upcast where `domain` is given), and what `_overflow` keeps of one that is none."""
+    texts = rows["payload"].to_pylist()
+    encodings = rows["payload_encoding"].to_pylist() if "payload_encoding" in rows.column_names else [None] * len(texts)
+    objects: list[dict[str, Any] | None] = []
+    rest: list[dict[str, Any] | None] = []
+    if domain is not None:
+        kinds, ids, versions, stream_types = (rows[c].to_pylist() for c in ("event_type", "stream_id", "version",
+                                                                             "stream_type"))
+        if domain.metadata_field is not None and "metadata" in rows.column_names:
+            kinds = [domain.versioned_type(k, _parse(m, "json")[0]) for k, m in zip(kinds, rows["metadata"].to_pylist(),
+                                                                                      strict=True)]
+    for i, (text, enc) in enumerate(zip(texts, encodings, strict=True)):
+        obj, whole = _parse(text, enc)
+        if obj is not None and domain is not None:
+            obj = domain.upcast(stream_types[i] or "", Event(ids[i], versions[i], kinds[i], obj)).payload
+            if not isinstance(obj, dict):
+                obj, whole = None, {"$payload": obj}
+        objects.append(obj)
+        rest.append(whole)
+    return objects, rest
+
+
+def _column_types(objects: list[dict[str, Any] | None], columns: dict[str, pa.DataType],
+                  fixed: dict[str, pa.DataType],
+                  seen: list[tuple[str, pa.DataType]] | None = None) -> tuple[dict[str, str | None], dict[str, Any]]:
+    """(each payload field's column, None where it has none; each column's type) over `objects`, the table's
+    `columns` first. `seen`: each (column, type) a value brought, in the order they came (`grow` replays them)."""
+    lowered = {c.lower(): c for c in columns}  # the names columns take (Delta's names ignore case)
+    target: dict[str, str | None] = {}  # field → column (None: overflow)
+    types: dict[str, Any] = dict(columns)
+    noted: set[tuple[str, Any]] = set()
+    candidate: dict[str, str | None] = {}  # field → the column it would take, whatever the claims
+    for obj in objects:
+        for key, value in (obj or {}).items():
+            if key not in target:
+                column = shapes.column_name(key, _ENVELOPE_NAMES)
+                target[key] = None if column is None or field_of(column) != key else column  # `payload_version`
+                candidate[key] = target[key]
+            column = target[key]
+            if candidate[key] is None or candidate[key] in fixed:
+                continue
+            t = shapes.infer(value)
+            if seen is not None and t is not shapes.MISFIT and t != shapes.UNKNOWN \
+                    and (candidate[key], t) not in noted:  # every kind: another batch's columns may take it
+                noted.add((candidate[key], t))  # type: ignore[arg-type]
+                seen.append((candidate[key], t))  # type: ignore[arg-type]
+            if column is None:
+                continue
+            if column not in types:
+                if t in (shapes.UNKNOWN, shapes.MISFIT):
+                    continue  # no type yet: the name is taken by the first field of it that brings one
+                if lowered.setdefault(column.lower(), column) != column:
+                    target[key] = None  # another case of a column's name
+                    continue
+            merged = shapes.unify(types.get(column, shapes.UNKNOWN), t)
+            if merged is not None:
+                types[column] = merged
+    return target, types
+
+
+def column_types(rows: pa.Table, *, domain: Domain | None = None,
+                 declared: pa.Schema | None = None) -> list[tuple[str, pa.DataType]]:
+    """The (column, type) pairs `rows` (of one type) bring, in the order they came: what `grow` needs to give, from
+    several batches' pairs in the lake's order, the columns one batch of them all would (a build split across a
+    cluster's executors, lake/typed/event_tables.py)."""
+    columns, fixed = payload_columns(None, declared)
+    fast = None if domain is not None else arrow_path(rows, columns, fixed)
+    found = [] if fast is None else [(c, v.type) for c, v in fast[0].items() if c not in fixed]
+    if fast is not None and not any(_has_struct(t) for _, t in found):
+        return found  # one kind per column, whose values all meet: the column's type stands for them all
+    # Objects: the batch's type first (its fields in the order they came), then each value's, where one of their
+    # fields meets another batch's column when the whole object cannot (another case of a field's name).
+    seen: list[tuple[str, pa.DataType]] = list(found)
+    _column_types(_objects(rows, domain)[0], columns, fixed, seen)
+    return seen
+
+
+def _has_struct(t: pa.DataType) -> bool:
+    return pa.types.is_struct(t) or (pa.types.is_list(t) and _has_struct(t.value_type))
+
+
+def grow(columns: dict[str, pa.DataType], pairs: Iterable[tuple[str, pa.DataType]],
+         fixed: dict[str, pa.DataType]) -> None:
+    """`columns` widened and extended, in place, by the (column, type) pairs of a later batch (`column_types`), as
+    the value-by-value path grows them: a new column unless another case of its name holds one; a type that cannot
+    meet the column's leaves it as it is (its values go to `_overflow`)."""
+    lowered = {c.lower(): c for c in columns}
+    for column, t in pairs:
+        if column in fixed:
+            continue
+        if column not in columns:
+            if lowered.setdefault(column.lower(), column) == column:
+                columns[column] = t
+            continue
+        merged = shapes.unify(columns[column], t)
+        if merged is not None:
+            columns[column] = merged
 
 
 def to_place_again(typed: Typed, overflow: Callable[[], pa.Array | pa.ChunkedArray]) -> dict[str, pa.DataType]:
