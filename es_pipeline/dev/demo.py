@@ -15,6 +15,7 @@ from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.state.stream_state import update_stream_state
+from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import Settings
 from es_pipeline.store import tenants
 from es_pipeline.store.adopt import adopt
@@ -96,17 +97,27 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
 
     t0 = time.monotonic()
     domain = load_domain(settings.domain_modules)
-    state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
-    update_stream_catalog(spark, settings.warehouse, store_dsn=settings.pg_dsn)
-    update_event_type_daily(spark, settings.warehouse, store_dsn=settings.pg_dsn)
-    print(f"   projections: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
-          f"catalog and daily counts updated ({time.monotonic() - t0:.1f} s)")
-    for name in sorted(domain.projections):  # the team's cross-stream projections (ES_PIPELINE_ENGINE says where)
+    small = settings.engine != "spark"  # ES_PIPELINE_ENGINE=spark: every table built on Spark
+    state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn,
+                                small_increments=small)
+    print(f"   stream_state: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
+          f"built by {_by(state.engine)} ({time.monotonic() - t0:.1f} s)")
+    for table, update in (("stream_catalog", update_stream_catalog), ("event_type_daily", update_event_type_daily)):
+        t0 = time.monotonic()
+        counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, small_increments=small)
+        print(f"   {table}: {counted.events_read:,} events counted into {counted.rows:,} rows, built by "
+              f"{_by(counted.engine)} ({time.monotonic() - t0:.1f} s)")
+    t0 = time.monotonic()
+    typed = event_tables.update(settings.warehouse, domain, store_dsn=settings.pg_dsn, spark=spark,
+                                engine=settings.engine)
+    print(f"   typed event tables: {typed.events:,} events into {len(typed.rows)} tables, built by {_by(typed.engine)} "
+          f"({time.monotonic() - t0:.1f} s)")
+    for name in sorted(domain.projections):  # the team's cross-stream projections
         t0 = time.monotonic()
         crossed = cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, spark=spark,
                                       engine=settings.engine)
         print(f"   {name}: {crossed.events_folded:,} events folded into {crossed.rows:,} keys, built by "
-              f"{'Spark' if crossed.engine == 'spark' else 'this process'} ({time.monotonic() - t0:.1f} s)")
+              f"{_by(crossed.engine)} ({time.monotonic() - t0:.1f} s)")
 
     register_tables(spark, settings.warehouse)
     total = spark.sql("SELECT count(*) AS n, count(DISTINCT stream_id) AS streams FROM events").first()
@@ -125,3 +136,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     ).show(5, truncate=80)
     print("   event_type_daily:")
     spark.sql("SELECT * FROM event_type_daily ORDER BY event_date, stream_type, events DESC").show(10, truncate=False)
+
+
+def _by(engine: str) -> str:
+    return "Spark" if engine == "spark" else "this process"

@@ -102,8 +102,9 @@ def build_cross_stream_asset(domain: Domain, name: str, engine: str = "auto") ->
     return asset
 
 
-def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
-    """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`."""
+def build_event_tables_asset(domain: Domain, engine: str = "auto") -> dg.AssetsDefinition:
+    """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`; a
+    whole build on Spark where `engine` says (ES_PIPELINE_ENGINE)."""
 
     @dg.asset(
         name="event_tables",
@@ -117,17 +118,18 @@ def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
         "`_overflow`. The table `event_tables` says which table holds which type and each column's history. "
         "Incremental from `events`' change feed, exactly once (docs/analysts.md).",
     )
-    def event_tables(context: dg.AssetExecutionContext, warehouse: WarehouseResource,
+    def event_tables(context: dg.AssetExecutionContext, warehouse: WarehouseResource, spark: SparkResource,
                      event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
-            r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info)
+            r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info,
+                                    spark=lambda: spark.spark_session, engine=engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return event_tables
 
 
 def build_projection_assets(domain: Domain, engine: str = "auto") -> list[dg.AssetsDefinition]:
-    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain),
+    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain, engine),
             *(build_cross_stream_asset(domain, name, engine) for name in sorted(domain.projections))]
 
 

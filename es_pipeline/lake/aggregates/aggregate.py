@@ -31,16 +31,18 @@ class AggregateResult:
     previous_events_version: int  # -1: the table was (re)built from the whole of `events`
     events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
     keys_updated: int  # rows inserted or updated by this run
+    engine: str = "local"  # "spark" where Spark ran the update, "local" where this process did (pyarrow, delta-rs)
 
     @property
     def worked(self) -> bool:
         """Whether the run read events (else the table was up to date)."""
         return bool(self.events_read)
 
-    def metadata(self) -> dict[str, int | bool]:
+    def metadata(self) -> dict[str, int | bool | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"dagster/row_count": self.rows, "events_read": self.events_read, "keys_updated": self.keys_updated,
-                "events_version": self.events_version, "full_rebuild": self.previous_events_version < 0}
+                "events_version": self.events_version, "full_rebuild": self.previous_events_version < 0,
+                "engine": self.engine}
 
 
 @dataclass(frozen=True)
@@ -160,14 +162,14 @@ class Aggregate:
         if prev is not None and not tables.has_columns(path, self.key):
             prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
-            return AggregateResult(_count(spark, path), now, prev, 0, 0)
+            return AggregateResult(_count(spark, path), now, prev, 0, 0, engine="spark")
         if prev is not None:
             agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
             try:
                 n, read = _figures(agg)
                 turn.confirm(path, app_id, prev)
                 tables.merge_by_key(spark, path, agg, self.key, app_id=app_id, version=now, update_set=self.merge_set)
-                return AggregateResult(_count(spark, path), now, prev, read, n)
+                return AggregateResult(_count(spark, path), now, prev, read, n, engine="spark")
             except tables.spark_errors() as exc:
                 if not tables.change_feed_gone(exc):
                     raise
@@ -187,7 +189,7 @@ class Aggregate:
              .option("txnAppId", app_id).option("txnVersion", str(now)).save(path))
         finally:
             agg.unpersist()
-        return AggregateResult(_count(spark, path), now, -1, read, n)
+        return AggregateResult(_count(spark, path), now, -1, read, n, engine="spark")
 
 
 def _count(spark: Any, path: str) -> int:

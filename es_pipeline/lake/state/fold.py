@@ -67,6 +67,7 @@ class StateResult:
     without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
     typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/state/typed_state.py)
     written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
+    engine: str = "local"  # "spark" where Spark folded the update, "local" where this process did
 
     @property
     def worked(self) -> bool:
@@ -78,7 +79,7 @@ class StateResult:
         return {"events_folded": self.events_folded, "streams_updated": self.streams_updated,
                 "events_table_version": self.events_version, "parked_streams": self.parked_streams,
                 "skipped_unknown_events": self.skipped_unknown, "rebuilt_types": ", ".join(self.rebuilt_types) or "-",
-                "streams_without_reducer": self.without_reducer,
+                "streams_without_reducer": self.without_reducer, "engine": self.engine,
                 **{f"typed_rows/{name}": n for name, n in self.typed_rows}}
 
 

@@ -233,7 +233,7 @@ def _update_with_spark(
             .where(F.col("stream_type").isin(stale)).select(*cols)
         new = rebuild if new is None else new.where(~F.col("stream_type").isin(stale)).unionByName(rebuild)
     if new is None:
-        return StateResult(now, prev, 0, 0, (), 0, 0)
+        return StateResult(now, prev, 0, 0, (), 0, 0, engine="spark")
 
     prior = state.where(~F.col("stream_type").isin(stale)) if stale else state
     parked = (
@@ -281,7 +281,8 @@ def _update_with_spark(
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
-                       int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0))
+                       int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0),
+                       engine="spark")
 
 
 SMALL_CHECK_EVENTS = feed.SMALL_CHECK_EVENTS
