@@ -287,7 +287,7 @@ def _typed_tables(warehouse: Path) -> dict[str, tuple[list[str], dict[tuple[str,
 def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_it(
     dsn: StoreDsn, spark: Any, warehouse: Path
 ) -> None:
-    """Issue 42: the whole build staged, typed and written by Spark (committed by delta-rs with the same ids) holds
+    """Issue 42: the whole build shaped, typed and written on Spark (committed by delta-rs with the same ids) holds
     every event once, as the in-process build does, column for column and row for row (odd shapes and upcasters
     included); the next update goes on from it in process."""
     store = EventStore(dsn)
@@ -307,7 +307,9 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
     on_spark = _typed_tables(warehouse)
     spark_mapping = {(r["event_type"], r["table_name"], r["column_name"], r["data_type"]) for r in
                      DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()}
-    assert not [p for p in (warehouse / event_tables.NAME).iterdir() if p.name.startswith("spark-staging")]
+    for name in built.rows:  # the executors' files, committed by delta-rs
+        uris = DeltaTable(str(warehouse / name)).file_uris()
+        assert uris and all("/spark-build-" in u for u in uris), (name, uris[:2])
     assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").events == 0  # the cursor: committed
 
     DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(

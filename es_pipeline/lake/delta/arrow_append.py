@@ -231,12 +231,13 @@ def new_folder(prefix: str) -> str:
 def commit_parquet_folder(
     path: str, schema: pa.Schema, folder: str, *, app_id: str, version: int, expect_rows: int | None = None,
     before_commit: Callable[[], None] | None = None, overwrite: bool = False,
-    also: Iterable[tuple[str, int]] = (),
+    also: Iterable[tuple[str, int]] = (), files: Iterable[str] | None = None,
 ) -> int | None:
     """Commit the Parquet files that Spark wrote into `folder` of the table at `path` as Delta transaction
     (`app_id`, `version`), and the transactions `also` names in the same commit: the rows committed, or None if
     Delta holds that version already (nothing is committed; the files are left to VACUUM). `overwrite`: the files
-    replace the table's rows (a whole build), in that one commit.
+    replace the table's rows (a whole build), in that one commit. `files`: those of the folder's files alone (the
+    names the tasks that succeeded reported: a failed attempt's file is left to VACUUM), else every one there.
 
     Every file must have exactly the table's columns and types (`schema`), and together `expect_rows`
     rows when given: anything else is refused before the commit, so a wrong read never reaches the lake.
@@ -246,9 +247,12 @@ def commit_parquet_folder(
     if done is not None and done >= version and not overwrite:  # a whole build replaces, whatever was recorded
         return None
     fs, root = filesystem(path)
-    infos = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", recursive=True))
-    names = sorted(i.path for i in infos if i.is_file and i.base_name.endswith(".parquet")
-                   and not i.base_name.startswith(("_", ".")))
+    if files is not None:
+        names = sorted(f"{root}/{folder}/{name}" for name in files)
+    else:
+        infos = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", recursive=True))
+        names = sorted(i.path for i in infos if i.is_file and i.base_name.endswith(".parquet")
+                       and not i.base_name.startswith(("_", ".")))
     stats_names = stats_columns(table, schema)
     actions: list[AddAction | RemoveAction] = []
     rows = 0

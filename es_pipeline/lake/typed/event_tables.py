@@ -375,54 +375,47 @@ class _Keeper:
         self.names = {t: n for t, n in self.names.items() if n in started}
 
     def build_on_spark(self, spark: Any, events_path: str, read: list[str], progress: Callable[[str], None]) -> None:
-        """`build` on Spark (lake/typed/on_spark.py): `events`' rows staged by table in the mapping's folder (VACUUM
-        takes what a killed run leaves), each type's columns found over all its rows, then each table typed and
-        written by Spark and committed by delta-rs with the transaction id, several tables at a time."""
+        """`build` on Spark (lake/typed/on_spark.py): each type's columns found over all its rows, then every table's
+        rows typed and written on the executors, two jobs in all; each table's files committed by delta-rs with
+        the transaction id."""
         owned = self._start_build()
-        staging = f"{self.mapping_path}/{arrow_append.new_folder('spark-staging')}"
-        try:
-            staged = on_spark.stage(spark, events_path, self.now, read,
-                                    lambda kind: self._name_for(self.domain.base_type(kind)), staging)
-            progress(f"typed event tables on Spark: events version {self.now} staged for {len(staged)} tables")
-            columns = on_spark.shapes_of(spark, staging, self.domain) if staged else {}
-            kinds = {n: t for t, n in self.names.items()}
-            done: list[str] = []
+        events = on_spark.source(spark, events_path, self.now, read)
+        columns = on_spark.shapes_of(events, self.domain)
+        progress(f"typed event tables on Spark: the columns of {len(columns)} types found over events version "
+                 f"{self.now}")
+        targets = {}
+        for kind in sorted(columns):
+            name = self._name_for(kind)
+            schema = on_spark.schema_of(columns[kind])
+            path = tables.table_path(self.warehouse, name)
+            if not tables.is_delta_table(path):  # made with its owner (the type it holds), then its rows
+                made = DeltaTable.create(path, schema, mode="ignore")
+                made.alter.set_table_properties({OWNER: kind}, raise_if_not_exists=False)
+            elif normal_schema(_open(path)) != schema:  # its columns as the build found them, before its rows
+                write_deltalake(path, schema.empty_table(), mode="overwrite", schema_mode="overwrite")
+            targets[kind] = on_spark.Target(path, arrow_append.new_folder("spark-build"), schema)
+        placed = on_spark.place(events, self.domain, targets)
+        progress(f"typed event tables on Spark: {sum(p.rows for p in placed.values()):,} events written for "
+                 f"{len(placed)} tables")
 
-            def one(name: str) -> None:
-                kind = kinds[name]
-                schema = on_spark.schema_of(columns.get(kind, {}))
-                path = tables.table_path(self.warehouse, name)
-                if not tables.is_delta_table(path):  # made with its owner (the type it holds), then its rows
-                    made = DeltaTable.create(path, schema, mode="ignore")
-                    made.alter.set_table_properties({OWNER: kind}, raise_if_not_exists=False)
-                elif normal_schema(_open(path)) != schema:  # its columns as the build found them, before its rows
-                    write_deltalake(path, schema.empty_table(), mode="overwrite", schema_mode="overwrite")
-                out = arrow_append.new_folder("spark-build")
-                placed = on_spark.place(spark, staging, name, kind, schema, self.domain, f"{path}/{out}")
-                arrow_append.commit_parquet_folder(path, schema, out, app_id=self.app, version=self.now,
-                                                   expect_rows=placed.rows, overwrite=True)
-                _OPEN.pop(path, None)
-                for f in schema:
-                    if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
-                        self._record(kind, name, f.name, f.type, "added", placed.first_at.get(f.name))
-                with self.lock:
-                    self.result.new_tables.append(name)
-                    self.result.rows[name] = placed.rows
-                    if placed.overflowed:
-                        self.result.overflow[name] = placed.overflowed
-                    done.append(name)
-                progress(f"typed event tables on Spark: {len(done)} of {len(staged)} tables written ({name})")
+        def commit(kind: str) -> None:
+            target, got, name = targets[kind], placed[kind], self.names[kind]
+            arrow_append.commit_parquet_folder(target.path, target.schema, target.folder, app_id=self.app,
+                                               version=self.now, expect_rows=got.rows, overwrite=True, files=got.files)
+            _OPEN.pop(target.path, None)
+            for f in target.schema:
+                if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
+                    self._record(kind, name, f.name, f.type, "added", got.first_at.get(f.name))
+            with self.lock:
+                self.result.new_tables.append(name)
+                self.result.rows[name] = got.rows
+                if got.overflowed:
+                    self.result.overflow[name] = got.overflowed
 
-            with ThreadPoolExecutor(WRITERS) as pool:
-                for future in [pool.submit(one, name) for name in staged]:
-                    future.result()
-        finally:
-            fs, root = tables.filesystem(staging)
-            try:
-                fs.delete_dir(root)
-            except (FileNotFoundError, OSError):
-                pass  # never written, or left to VACUUM
-        self._end_build(owned, set(staged))
+        with ThreadPoolExecutor(WRITERS) as pool:
+            for future in [pool.submit(commit, kind) for kind in sorted(targets)]:
+                future.result()
+        self._end_build(owned, {self.names[kind] for kind in targets})
 
     def increment(self, changes: pa.Table, cursor: int) -> None:
         """The rows of the commits after `cursor`, each type's appended to its table past the version it records:

@@ -1,33 +1,37 @@
-"""The typed event tables' whole build on Spark: the executors read, type and write; the driver only decides.
+"""The typed event tables' whole build on Spark: two jobs over `events`, however many types; the driver decides.
 
-Three steps, each one Spark job over the lake (or one per table), nothing of `events` through the driver:
+1. **Shapes**: on the executors, each partition's rows of each type give the (column, type) pairs their payloads
+   bring, in order (`typed_rows.column_types`); the driver replays every partition's pairs in the lake's order (by
+   each one's first global position, `typed_rows.grow`): each table's columns as one batch of all its rows would
+   have them.
+2. **Placed**: on the executors again, each partition's rows of each type typed against those columns
+   (`typed_rows.type_rows`, which then widens nothing: a batch that would is a fault, raised) and written as
+   Parquet into a new folder of the type's table, a file per type per task; each task hands back one row per file
+   (its rows, the values it kept in `_overflow`, each column's first value's time). delta-rs commits each table's
+   files, those the succeeding tasks named, with the table's transaction id (lake/typed/event_tables.py): the
+   lake's commit rule (docs/decisions/0024-object-storage-and-cluster.md).
 
-1. **Staged**: `events`' rows at the version read, written once as Parquet partitioned by the table each goes to
-   (`_table=events_item_added/`), so that each table's step reads its own rows alone.
-2. **Shapes**: each partition's rows of each type give the (column, type) pairs their payloads bring, in order
-   (`typed_rows.column_types`); the driver replays every partition's pairs in the lake's order (`typed_rows.grow`):
-   each table's columns as a single batch of all its rows would have them.
-3. **Placed**: each table's rows typed against those columns on the executors (`typed_rows.type_rows`, which then
-   widens nothing) and written as Parquet into the table's folder, for delta-rs to commit (the lake's commit rule,
-   docs/decisions/0024-object-storage-and-cluster.md).
-
-The rows are those of the in-process build, by the rule's promise (lake/typed/shapes.py: the same table whatever
-the batches were); lake/typed/event_tables.py commits them with the same transaction ids.
+The executors write with pyarrow's filesystem of the lake (a folder, or object storage with the credentials
+delta-rs has: the `AWS_*` variables or the machine's role), since one Spark writer cannot give each of hundreds
+of tables its own columns in one job. The rows are those of the in-process build, by the rule's promise
+(lake/typed/shapes.py: the same table whatever the batches were).
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from es_pipeline.domain import Domain
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.definition import spark_type
 from es_pipeline.lake.typed import shapes
 from es_pipeline.lake.typed.typed_rows import (
     ENVELOPE,
@@ -39,47 +43,40 @@ from es_pipeline.lake.typed.typed_rows import (
     upcasting,
 )
 
-TABLE = "_table"  # the staged rows' partition column: the typed table each goes to
-_SHAPES_DDL = "event_type STRING, first_position BIGINT, pairs BINARY"
+_SHAPES = pa.schema([("event_type", pa.string()), ("first_position", pa.int64()), ("pairs", pa.binary())])
+_FILES = pa.schema([("event_type", pa.string()), ("file", pa.string()), ("rows", pa.int64()),
+                    ("overflowed", pa.int64()), ("first_at", pa.string())])
+FLUSH_ROWS = 250_000  # a type's typed rows a task holds before it writes them as a file
 
 
-def stage(spark: Any, events_path: str, version: int, read: list[str], names: Callable[[str], str | None],
-          folder: str) -> list[str]:
-    """`events`' rows at `version` (the columns of `read` it has) written to `folder`, partitioned by the table
-    `names` gives each raw event type (None: no table, left out); the tables, by name."""
-    from pyspark.sql import functions as F
+def _ddl(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name} {'BINARY' if f.type == pa.binary() else 'BIGINT' if f.type == pa.int64() else 'STRING'}"
+                     for f in schema)
 
+
+def source(spark: Any, events_path: str, version: int, read: list[str]) -> Any:
+    """`events`' rows at `version`, the columns of `read` it has, as a Spark DataFrame."""
     df = tables.read(spark, events_path, version=version)
-    kinds = [r[0] for r in df.select("event_type").distinct().collect() if r[0] is not None]
-    routes = {kind: name for kind in kinds if (name := names(kind)) is not None}
-    if not routes:
-        return []
-    route = F.create_map(*(F.lit(x) for kind, name in sorted(routes.items()) for x in (kind, name)))
     held = set(df.columns)
-    (df.select(*(c for c in read if c in held)).withColumn(TABLE, route[F.col("event_type")])
-     .where(F.col(TABLE).isNotNull()).write.mode("error").partitionBy(TABLE).parquet(folder))
-    return sorted(set(routes.values()))
+    return df.select(*(c for c in read if c in held))
 
 
-def shapes_of(spark: Any, folder: str, domain: Domain) -> dict[str, dict[str, pa.DataType]]:
-    """Each event type's payload columns over every staged row: the partitions' pairs replayed in the lake's order
-    (by the first global position of each)."""
-    declared = domain.event_schemas
-    found = spark.read.parquet(folder).drop(TABLE).mapInArrow(_shapes(domain), _SHAPES_DDL).collect()
+def shapes_of(events: Any, domain: Domain) -> dict[str, dict[str, pa.DataType]]:
+    """Each event type's payload columns over every row of `events` (a DataFrame): the partitions' pairs replayed
+    in the lake's order (by the first global position of each)."""
+    found = events.mapInArrow(_shapes(domain), _ddl(_SHAPES)).collect()
     columns: dict[str, dict[str, pa.DataType]] = {}
     for row in sorted(found, key=lambda r: (r["event_type"], r["first_position"] if r["first_position"] is not None
                                              else -1)):
         kind = row["event_type"]
-        held, fixed = payload_columns(None, declared.get(kind))
+        held, fixed = payload_columns(None, domain.event_schemas.get(kind))
         columns.setdefault(kind, held)
-        pairs = pa.ipc.read_schema(pa.py_buffer(row["pairs"]))
-        grow(columns[kind], [(f.name, f.type) for f in pairs], fixed)
+        grow(columns[kind], [(f.name, f.type) for f in pa.ipc.read_schema(pa.py_buffer(row["pairs"]))], fixed)
     return columns
 
 
 def _shapes(domain: Domain) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """For `mapInArrow`: one row per event type of a partition, with the pairs its payloads bring."""
-    out = pa.schema([("event_type", pa.string()), ("first_position", pa.int64()), ("pairs", pa.binary())])
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         part = pa.Table.from_batches(list(batches))
@@ -90,7 +87,7 @@ def _shapes(domain: Domain) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.
             found.append({"event_type": kind, "first_position": first,
                           "pairs": pa.schema([pa.field(c, t) for c, t in pairs]).serialize().to_pybytes()})
         if found:
-            yield pa.RecordBatch.from_pylist(found, schema=out)
+            yield pa.RecordBatch.from_pylist(found, schema=_SHAPES)
 
     return run
 
@@ -102,52 +99,95 @@ def schema_of(columns: dict[str, pa.DataType]) -> pa.Schema:
 
 @dataclass
 class Placed:
-    """What one table's step wrote: its rows, each column's first value's time, the values kept in `_overflow`."""
+    """What the tasks wrote for one table: its files (names in the folder), rows, the values kept in `_overflow`,
+    each column's first value's time."""
 
-    rows: int
-    first_at: dict[str, datetime | None] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    rows: int = 0
     overflowed: int = 0
+    first_at: dict[str, datetime | None] = field(default_factory=dict)
 
 
-def place(spark: Any, folder: str, name: str, event_type: str, schema: pa.Schema, domain: Domain,
-          out: str) -> Placed:
-    """Table `name`'s staged rows (of `event_type`) typed as `schema` on the executors and written as Parquet to
-    `out`; what was written, read back from those files."""
-    from pyspark.sql import functions as F
+@dataclass(frozen=True)
+class Target:
+    """Where one event type's rows go: its table's path, the folder the build writes there, its schema."""
 
-    spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
-    ddl = ", ".join(f"`{f.name}` {spark_type(f.type)}" for f in schema)
-    staged = spark.read.parquet(f"{folder}/{TABLE}={name}")
-    staged.mapInArrow(_place(event_type, schema, domain), ddl).write.mode("error") \
-        .option("compression", "snappy").parquet(out)
-    payload = [f.name for f in schema if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW]
-    written = spark.read.parquet(out)
-    stats = written.agg(
-        F.count(F.lit(1)).alias("rows"),
-        F.sum(F.when(F.col(shapes.OVERFLOW).isNotNull(),
-                     F.size(F.json_object_keys(F.col(shapes.OVERFLOW)))).otherwise(0)).alias("overflowed"),
-        F.min("recorded_at").alias("first"),
-        *(F.min(F.when(F.col(f"`{c}`").isNotNull(), F.col("recorded_at"))).alias(f"at_{i}")
-          for i, c in enumerate(payload)),
-    ).first()
-    return Placed(int(stats["rows"]), {c: stats[f"at_{i}"] or stats["first"] for i, c in enumerate(payload)},
-                  int(stats["overflowed"] or 0))
+    path: str
+    folder: str
+    schema: pa.Schema
 
 
-def _place(event_type: str, schema: pa.Schema, domain: Domain) -> Callable[[Iterator[pa.RecordBatch]],
-                                                                            Iterator[pa.RecordBatch]]:
-    """For `mapInArrow`: a batch of one type's staged rows as its table holds them (`schema`, which holds every
-    value's type already: a column the batch would add or widen is a fault, raised)."""
-    upcaster, declared = upcasting(domain, event_type), domain.event_schemas.get(event_type)
+def place(events: Any, domain: Domain, targets: dict[str, Target]) -> dict[str, Placed]:
+    """Every row of `events` (a DataFrame) typed and written by the executors into its type's target folder; what
+    was written, per event type, from the rows the succeeding tasks handed back."""
+    plan = {kind: (t.path, t.folder, t.schema.serialize().to_pybytes()) for kind, t in targets.items()}
+    placed: dict[str, Placed] = {kind: Placed() for kind in targets}
+    earliest: dict[str, int | None] = {}
+    for row in events.mapInArrow(_place(domain, plan), _ddl(_FILES)).collect():
+        got = placed[row["event_type"]]
+        got.files.append(row["file"])
+        got.rows += int(row["rows"])
+        got.overflowed += int(row["overflowed"])
+        firsts = json.loads(row["first_at"])
+        for column, micros in firsts.items():
+            held = got.first_at.get(column)
+            if micros is not None:
+                at = _at(micros)
+                got.first_at[column] = at if held is None or at < held else held
+            else:
+                got.first_at.setdefault(column, None)
+        low = firsts.get("", None)
+        if low is not None and (earliest.get(row["event_type"]) is None or low < earliest[row["event_type"]]):
+            earliest[row["event_type"]] = low
+    for kind, got in placed.items():  # a column without a value: the time of the table's first event (as in process)
+        low = earliest.get(kind)
+        got.first_at = {c: at if at is not None else (None if low is None else _at(low))
+                        for c, at in got.first_at.items() if c}
+    return placed
+
+
+def _at(micros: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)
+
+
+def _place(domain: Domain, plan: dict[str, tuple[str, str, bytes]]) -> Callable[[Iterator[pa.RecordBatch]],
+                                                                                Iterator[pa.RecordBatch]]:
+    """For `mapInArrow`: a partition's rows typed per type and written as Parquet files, one row back per file."""
+    schemas = {kind: pa.ipc.read_schema(pa.py_buffer(raw)) for kind, (_, _, raw) in plan.items()}
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        held: dict[str, list[pa.Table]] = {}
+        overflowed: dict[str, int] = {}
         for batch in batches:
-            rows = tables.tenant_filled(pa.Table.from_batches([batch])) if "tenant" in batch.schema.names \
-                else pa.Table.from_batches([batch])
-            typed = type_rows(rows, schema, domain=upcaster, declared=declared)
-            if typed.added or typed.widened or typed.rows.schema.names != schema.names:
-                raise RuntimeError(f"typed event table of {event_type!r}: a batch brought columns "
-                                   f"{typed.added or list(typed.widened)} its build did not see")
-            yield from typed.rows.cast(schema).to_batches()
+            for kind, rows in by_type(pa.Table.from_batches([batch]), domain):
+                schema = schemas[kind]
+                typed = type_rows(rows, schema, domain=upcasting(domain, kind), declared=domain.event_schemas.get(kind))
+                if typed.added or typed.widened or typed.rows.schema.names != schema.names:
+                    raise RuntimeError(f"typed event table of {kind!r}: a batch brought columns "
+                                       f"{typed.added or list(typed.widened)} the build's first pass did not find")
+                held.setdefault(kind, []).append(typed.rows.cast(schema))
+                overflowed[kind] = overflowed.get(kind, 0) + typed.overflowed
+                if sum(t.num_rows for t in held[kind]) >= FLUSH_ROWS:
+                    yield _written(kind, plan[kind], held.pop(kind), overflowed.pop(kind))
+        for kind, parts in held.items():
+            yield _written(kind, plan[kind], parts, overflowed.get(kind, 0))
 
     return run
+
+
+def _written(kind: str, where: tuple[str, str, bytes], parts: list[pa.Table], overflowed: int) -> pa.RecordBatch:
+    """`parts` (one type's typed rows) written as one Parquet file into the type's folder; its row for the driver."""
+    path, folder, _ = where
+    rows = pa.concat_tables(parts)
+    name = f"part-{uuid.uuid4().hex}.parquet"
+    fs, root = tables.filesystem(f"{path}/{folder}")
+    fs.create_dir(root, recursive=True)
+    pq.write_table(rows, f"{root}/{name}", filesystem=fs, compression="snappy")
+    recorded = rows["recorded_at"].cast(pa.int64())
+    firsts: dict[str, int | None] = {"": pc.min(recorded).as_py()}
+    for f in rows.schema:
+        if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
+            valid = pc.is_valid(rows[f.name])
+            firsts[f.name] = pc.min(recorded.filter(valid)).as_py() if pc.any(valid).as_py() else None
+    return pa.RecordBatch.from_pylist([{"event_type": kind, "file": name, "rows": rows.num_rows,
+                                        "overflowed": overflowed, "first_at": json.dumps(firsts)}], schema=_FILES)
