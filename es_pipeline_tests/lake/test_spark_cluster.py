@@ -25,7 +25,8 @@ from es_pipeline.dev.spark_cluster import SparkCluster, connect_server, standalo
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
-from es_pipeline.store.event_store import EventStore
+from es_pipeline.lake.typed import event_tables
+from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -80,6 +81,10 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     lake equals the store, event by event."""
     bulk_load(dsn, events=6000, streams=60, events_per_tx=500)
     run_workload(EventStore(dsn.writer), streams=30, events=600, writers=2, rollback_rate=0.1, max_commit_delay=0)
+    store = EventStore(dsn.writer)
+    for i in range(TYPES):  # the 240-type drill: a typed table per type, all built in two Spark jobs
+        store.append(f"kinds-{i}", "kinds", [NewEvent(f"Kind{i}Noted", {"n": i, "at": {"k": f"v{i}"}}),
+                                             NewEvent(f"Kind{i}Noted", {"n": i / 2, "extra": [i]})], 0)
     warehouse = f"{s3.bucket('lake')}/dagster-cluster-{os.getpid()}"
     home = tmp_path / "dagster_home"
     home.mkdir()
@@ -92,7 +97,8 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     with connect_server(env, tmp_path / "connect.log") as remote:
         env["ES_PIPELINE_SPARK_REMOTE"] = remote
         extracted = _dagster(["asset", "materialize", "--select", "events", "--partition", "0000-1023"], env)
-        _dagster(["asset", "materialize", "--select", "stream_state,stream_catalog,event_type_daily,sku_sales"], env)
+        _dagster(["asset", "materialize", "--select",
+                  "stream_state,stream_catalog,event_type_daily,sku_sales,event_tables"], env)
         _dagster(["job", "execute", "-j", "delta_maintenance_job"], env)
         connect_apps = [a for a in _applications(cluster) if a["name"] == "es_pipeline-connect"]
     assert connect_apps and connect_apps[0]["cores"] > 0, "the Connect server's driver had executors on the cluster"
@@ -110,25 +116,50 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     lake = table.to_pyarrow_table(columns=["stream_id", "version", "payload"])
     keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
     expected = source_events(dsn)
-    assert len(keys) == len(set(keys)) == len(expected) == 6600
+    assert len(keys) == len(set(keys)) == len(expected) == 6600 + 2 * TYPES
     assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == expected
 
     state = DeltaTable(tables.table_path(warehouse, "stream_state")).to_pyarrow_table(columns=["stream_id"])
     assert state.num_rows == len({s for s, _ in expected})
     daily = DeltaTable(tables.table_path(warehouse, "event_type_daily")).to_pyarrow_table(columns=["events"])
-    assert sum(daily["events"].to_pylist()) == 6600
+    assert sum(daily["events"].to_pylist()) == 6600 + 2 * TYPES
 
     # The shop's cross-stream projection, built whole on the cluster (ES_PIPELINE_ENGINE=spark): its rows are the
     # files the executors wrote, committed by delta-rs; a rebuild in this process gives the same rows.
     sku_sales = tables.table_path(warehouse, "sku_sales")
-    history = DeltaTable(sku_sales).history()
-    written = max(int(h["version"]) for h in history if h.get("operation") not in ("OPTIMIZE", "VACUUM START",
-                                                                                    "VACUUM END"))
-    built = DeltaTable(sku_sales, version=written)  # before the maintenance job compacted it
-    assert built.file_uris() and all("/spark-build-" in uri for uri in built.file_uris()), built.file_uris()[:3]
+    built = _as_built(sku_sales)
     by_spark = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"} for r in built.to_pyarrow_table().to_pylist()}
     cross_stream.mark_for_rebuild(warehouse, "sku_sales", str(table.metadata().id))
     assert cross_stream.update(warehouse, SHOP, "sku_sales", engine="local").engine == "local"
     in_process = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"}
                   for r in DeltaTable(sku_sales).to_pyarrow_table().to_pylist()}
     assert by_spark and in_process == by_spark
+
+    # The typed event tables (the shop's and the 240 kinds), built whole on the cluster: each table's files are the
+    # executors', and a rebuild in this process gives the same columns and rows.
+    names = event_tables.table_names(warehouse)[1:]
+    assert len(names) >= TYPES + 7
+    by_spark = {name: _rows(_as_built(tables.table_path(warehouse, name))) for name in names}
+    DeltaTable(tables.table_path(warehouse, event_tables.NAME)).alter.set_table_properties(
+        {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)
+    again = event_tables.update(warehouse, SHOP, engine="local")
+    assert again.rebuilt and again.engine == "local" and again.events == 6600 + 2 * TYPES
+    assert {name: _rows(DeltaTable(tables.table_path(warehouse, name))) for name in names} == by_spark
+
+
+TYPES = 240
+
+
+def _as_built(path: str) -> DeltaTable:
+    """The table at its last version before the maintenance job compacted it, whose files the executors wrote."""
+    history = DeltaTable(path).history()
+    written = max(int(h["version"]) for h in history if h.get("operation") not in ("OPTIMIZE", "VACUUM START",
+                                                                                    "VACUUM END"))
+    built = DeltaTable(path, version=written)
+    assert built.file_uris() and all("/spark-build-" in uri for uri in built.file_uris()), built.file_uris()[:3]
+    return built
+
+
+def _rows(table: DeltaTable) -> tuple[list[str], dict[tuple[str, str, int], dict[str, Any]]]:
+    rows = table.to_pyarrow_table()
+    return sorted(rows.column_names), {(r["tenant"], r["stream_id"], r["version"]): r for r in rows.to_pylist()}
