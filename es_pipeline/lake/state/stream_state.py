@@ -18,6 +18,8 @@ Three paths, one fold, the same txn ids, so each goes on from what another commi
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +53,8 @@ from es_pipeline.lake.state.fold import (
     with_schema_versions,
 )
 from es_pipeline.source import payloads
+
+log = logging.getLogger(__name__)
 
 # Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
 STREAM_STATE = Table("stream_state", STATE_SCHEMA, key=("tenant", "stream_id"), comment="current state per stream")
@@ -258,6 +262,7 @@ def _update_with_spark(
         .mapInArrow(fold_partitions(dict(domain.folds), skip_unknown), _FOLD_OUT_DDL)
         .cache()
     )
+    started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
         stats = folded.agg(
@@ -269,6 +274,9 @@ def _update_with_spark(
             stream_id, version, event_type, reason = json.loads(stats["error"])
             raise ReducerError(stream_id, version, event_type, reason)
         n_events = stats["folded"] or 0
+        log.info("stream_state on Spark: %s events folded over %s streams in %.1f s (the shuffle by stream, the sort, "
+                 "the fold)", f"{int(n_events):,}", f"{int(stats['streams'] or 0):,}", time.monotonic() - started)
+        started = time.monotonic()
         updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, app, read)
         version = next_txn_version(now, domain.folds, read)
@@ -278,6 +286,8 @@ def _update_with_spark(
              .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
         else:
             tables.merge_by_key(spark, state_path, updates, KEY, app_id=app, version=version)
+        log.info("stream_state on Spark: the rows written in %.1f s (%s)", time.monotonic() - started,
+                 "a new table" if read is None else "MERGE")
     finally:
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
