@@ -80,3 +80,22 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
     assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200
     newest = DeltaTable(str(warehouse / "stream_state")).history(1)[0]
     assert "delta-rs" not in str(newest.get("clientVersion", "")), "Spark committed the first build"
+
+
+def _double(i: int) -> int:
+    return 2 * i
+
+
+def test_forked_workers_leave_the_parents_spark_connections_whole(spark: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A fork drops the Py4J connections of the threads it does not copy; closing them must not shut down the
+    parent's (which the JVM would then reset under the parent's threads: seen in `make bench` as Py4J's
+    "Connection reset by peer")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    caplog.set_level("INFO", logger="py4j")
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda i: spark.range(i).count(), [1, 2, 3, 4])) == [1, 2, 3, 4]
+        assert forked.run(None, _double, [1, 2]) == [2, 4]
+        assert list(pool.map(lambda i: spark.range(i).count(), [1, 2, 3, 4])) == [1, 2, 3, 4]
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("py4j")]
+    assert not [m for m in said if "Error while sending" in m or "reset" in m.lower()], said

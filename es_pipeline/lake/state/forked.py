@@ -8,6 +8,7 @@ maps, and clears it. Below `ONE_PROCESS_ROWS` rows a fork costs more than it sav
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -39,7 +40,32 @@ def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
     try:
         if len(calls) <= 1:
             return [fn(*call) for call in calls]
+        _py4j_kept_at_fork()
         with ProcessPoolExecutor(max_workers=len(calls), mp_context=get_context("fork")) as pool:
             return list(pool.map(fn, *zip(*calls, strict=True)))
     finally:
         _SHARED = None
+
+
+_FORKER = 0  # the process that forks the workers: the one whose Py4J connections they are
+
+
+def _py4j_kept_at_fork() -> None:
+    """Keep this process's Py4J connections to Spark's JVM whole through the fork. A forked worker drops the
+    thread-local connections of the threads the fork did not copy, and Py4J closes each, shutting its TCP
+    connection down: the same connection as the parent's, which the JVM then resets under it ("Connection reset
+    by peer"). Py4J's `quiet_shutdown` is made to shut down only in the process that forks (a worker closes its
+    copy of the socket, which leaves the parent's open)."""
+    global _FORKER
+    _FORKER = os.getpid()
+    module = sys.modules.get("py4j.clientserver")
+    if module is None or getattr(module.quiet_shutdown, "_keeps_forks", False):
+        return
+    original = module.quiet_shutdown
+
+    def quiet_shutdown(socket: Any) -> None:
+        if os.getpid() == _FORKER:
+            original(socket)
+
+    quiet_shutdown._keeps_forks = True  # type: ignore[attr-defined]
+    module.quiet_shutdown = quiet_shutdown
