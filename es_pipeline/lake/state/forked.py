@@ -68,4 +68,4 @@ def _py4j_kept_at_fork() -> None:
             original(socket)
 
     quiet_shutdown._keeps_forks = True  # type: ignore[attr-defined]
-    module.quiet_shutdown = quiet_shutdown
+    module.quiet_shutdown = quiet_shutdown  # type: ignore[attr-defined]
