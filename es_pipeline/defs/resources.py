@@ -38,9 +38,11 @@ class EventStoreResource(dg.ConfigurableResource):
 
 
 class WarehouseResource(dg.ConfigurableResource):
-    """Where the Delta tables are (`ES_PIPELINE_WAREHOUSE`): a local folder, or an s3:// URI."""
+    """Where the Delta tables are (`ES_PIPELINE_WAREHOUSE`): a local folder, or an s3:// URI; and which engine works
+    on them (`ES_PIPELINE_ENGINE`: auto, spark or local; `lake.delta.tables.on_spark`)."""
 
     path: str
+    engine: str = "auto"
 
     @property
     def root(self) -> Path | str:
@@ -66,7 +68,7 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     return {
         "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn,
                                           source=settings.source_spec),
-        "warehouse": WarehouseResource(path=str(settings.warehouse)),
+        "warehouse": WarehouseResource(path=str(settings.warehouse), engine=settings.engine),
         "spark": SparkResource(
             spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)
         ),

@@ -30,10 +30,10 @@ from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.roles import StoreDsn
 
 
-def _resources(s: Settings) -> dict[str, Any]:
+def _resources(s: Settings, engine: str = "auto") -> dict[str, Any]:
     return {
         "spark": SparkResource(spark_config=spark_conf(s)),
-        "warehouse": WarehouseResource(path=str(s.warehouse)),
+        "warehouse": WarehouseResource(path=str(s.warehouse), engine=engine),
         "event_store": EventStoreResource(dsn=s.pg_dsn),
     }
 
@@ -50,15 +50,20 @@ def _takes_context(check: Any) -> bool:
     return "context" in inspect.signature(check.node_def.compute_fn.decorated_fn).parameters
 
 
+@pytest.mark.parametrize("engine", ["auto", "spark"])
 def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
-    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, engine: str
 ) -> None:
+    """On either engine: `auto` checks a small lake in this process (DataFusion, Arrow), `spark` on Spark."""
     run_workload(EventStore(dsn.writer), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(settings.pg_dsn, spark, warehouse).run(SliceRange(0, 1023))
     update_stream_state(spark, warehouse, domain=SHOP)
-    r = _resources(settings)
+    r = _resources(settings, engine)
     for check in CHECKS:
-        assert _run(check, r).passed, check.check_key.name
+        result = _run(check, r)
+        assert result.passed, check.check_key.name
+        if "engine" in result.metadata:
+            assert result.metadata["engine"].value == ("spark" if engine == "spark" else "local")
 
     events = str(warehouse / "events")
     df = tables.read(spark, events)
@@ -96,6 +101,7 @@ def test_checks_beside_a_partitions_materialization_check_that_partition_only(
     evaluations = first.get_asset_check_evaluations()
     assert sorted(e.check_name for e in evaluations) == sorted(c.check_key.name for c in checks)
     assert all(e.passed and e.metadata["scope"].value == "slices 0000-0511" for e in evaluations)
+    assert all(e.metadata["engine"].value == "local" for e in evaluations), "a range's checks start no JVM"
     reconcile = next(e for e in evaluations if e.check_name == "events_reconcile_with_source")
     lower = tables.read(spark, str(warehouse / "events")).where("slice <= 511").count()
     assert reconcile.metadata["lake_events"].value == lower > 0
@@ -129,6 +135,7 @@ def test_reconcile_holds_while_runs_commit_between_its_reads(
         moved.append(extractor.run(SliceRange(0, 1023)).rows)
 
     result = events_checks.reconcile(spark, warehouse, settings.pg_dsn, "es", None, between=runs_commit)
+    assert result.metadata["engine"].value == "local"
     assert moved == [50, 50] and result.passed, result.metadata
     assert result.metadata["lake_events"].value == 200, "counted below the watermarks of its first look"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,14 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     extract_all(dsn.extractor, spark, warehouse)
     first = update_stream_catalog(spark, warehouse)
     assert first.previous_events_version == -1 and first.events_read == 100
-    update_event_type_daily(spark, warehouse)
+    assert first.engine == "local", "a small lake's first build starts no JVM (the engine rule)"
+    assert update_event_type_daily(spark, warehouse).engine == "local"
+    by_arrow = lake_catalog(spark, warehouse), lake_daily(spark, warehouse)
+    for name in ("stream_catalog", "event_type_daily"):
+        shutil.rmtree(warehouse / name)
+    assert update_stream_catalog(spark, warehouse, small_increments=False).engine == "spark"
+    assert update_event_type_daily(spark, warehouse, small_increments=False).engine == "spark"
+    assert (lake_catalog(spark, warehouse), lake_daily(spark, warehouse)) == by_arrow, "either engine, one table"
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
         streams=150, events=2000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=21, rate=80.0))
     writers.start()

@@ -1,5 +1,8 @@
 """Checks of `events`: no duplicates, contiguous versions, counts reconcile with the store.
 
+In this process (DataFusion over the Delta table, Arrow) where the scope's files are within the engine rule's
+bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`tables.on_spark`): a range's checks start no JVM.
+
 Table-wide on their schedule (`lake_checks_job`, hourly). Run beside the materialization of one
 partition (a hand materialization from the UI or `dagster asset materialize --partition`), they check
 that partition's slices only, so that materializing a range costs what the range costs, not what the
@@ -13,8 +16,10 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
 from dagster._core.errors import DagsterInvalidPropertyError
-from deltalake import DeltaTable
+from deltalake import DeltaTable, QueryBuilder
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
@@ -37,11 +42,152 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
     return SliceRange.from_key(key) if key else None
 
 
-def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, *, version: int | None = None) -> Any:
-    """The `events` table (at `version`, default the newest), or the rows of the scope's slices (the files of
-    other ranges are skipped by their slice statistics: a batch holds one range's slices)."""
-    df = tables.with_tenant(tables.read(spark, EVENTS.path(warehouse), version=version))
-    return df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
+def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, engine: str, *,
+          version: int | None = None) -> "_Events":
+    """`events` (at `version`, default the newest), or the rows of the scope's slices (the files of other ranges
+    are skipped by their slice statistics: a batch holds one range's slices), read by the engine the rule gives
+    (`tables.on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
+    path = EVENTS.path(warehouse)
+    table = DeltaTable(path) if version is None else DeltaTable(path, version=version)
+
+    def size() -> int:
+        return tables.files_bytes(table) if scope is None else tables.files_bytes(table, "slice", scope.lo, scope.hi)
+
+    if tables.on_spark(engine, size):
+        return _SparkEvents(tables.session_of(spark), path, scope, version)
+    return _ArrowEvents(table, scope)
+
+
+class _Events:
+    """What the checks ask of `events` in their scope, by one engine."""
+
+    engine = ""
+
+    def duplicates(self) -> tuple[int, list[str]]:
+        """How many (tenant, stream_id, version) appear twice or more, and a few as `stream@version`."""
+        raise NotImplementedError
+
+    def gaps(self, limit: int) -> list[str]:
+        """Up to `limit` streams whose versions are not 1..n."""
+        raise NotImplementedError
+
+    def have(self, ids: list[str]) -> set[tuple[str, str, int]]:
+        """The (tenant, stream_id, version) the lake holds of streams `ids`."""
+        raise NotImplementedError
+
+    def below(self, pending: list[int], marks: dict[int, int]) -> dict[int, int]:
+        """Per slice with a watermark, the rows below it, pending batches' left out."""
+        raise NotImplementedError
+
+    def strays(self, pending: list[int], marks: dict[int, int], rebased: int | None, rebase_batch: int | None) -> int:
+        """Rows at or above their slice's watermark outside a pending batch, the rebase's own left out."""
+        raise NotImplementedError
+
+    def tenants(self) -> dict[str, int]:
+        """Events per tenant."""
+        raise NotImplementedError
+
+
+class _SparkEvents(_Events):
+    engine = "spark"
+
+    def __init__(self, spark: Any, path: str, scope: SliceRange | None, version: int | None) -> None:
+        self.spark = spark
+        df = tables.with_tenant(tables.read(spark, path, version=version))
+        self.df = df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
+
+    def duplicates(self) -> tuple[int, list[str]]:
+        dups = self.df.groupBy("tenant", "stream_id", "version").count().where("count > 1")
+        return int(dups.count()), [f"{r['stream_id']}@{r['version']}" for r in dups.limit(5).collect()]
+
+    def gaps(self, limit: int) -> list[str]:
+        gaps = self.df.groupBy("tenant", "stream_id").agg({"version": "max", "stream_id": "count"}).where(
+            "`max(version)` <> `count(stream_id)`").limit(limit).collect()
+        return [r["stream_id"] for r in gaps]
+
+    def have(self, ids: list[str]) -> set[tuple[str, str, int]]:
+        return {(r["tenant"], r["stream_id"], r["version"]) for r in
+                self.df.where(self.df.stream_id.isin(ids)).select("tenant", "stream_id", "version").collect()}
+
+    def _beside(self, pending: list[int], marks: dict[int, int]) -> Any:
+        rows = self.df.where(~self.df.batch_id.isin(pending)) if pending else self.df  # not counted on either side
+        return rows.join(self.spark.createDataFrame(list(marks.items()), "slice INT, watermark BIGINT"), "slice")
+
+    def below(self, pending: list[int], marks: dict[int, int]) -> dict[int, int]:
+        counted = self._beside(pending, marks).where("tx_id < watermark").groupBy("slice").count().collect()
+        return {int(r["slice"]): int(r["count"]) for r in counted}
+
+    def strays(self, pending: list[int], marks: dict[int, int], rebased: int | None, rebase_batch: int | None) -> int:
+        return int(self._beside(pending, marks).where(
+            "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")
+            + (f" AND batch_id <> {int(rebase_batch)}" if rebase_batch is not None else "")).count())
+
+    def tenants(self) -> dict[str, int]:
+        return {str(r["tenant"]): int(r["count"]) for r in self.df.groupBy("tenant").count().collect()}
+
+
+class _ArrowEvents(_Events):
+    """In this process: DataFusion's SQL over the Delta table (deletion vectors applied), Arrow for the rest."""
+
+    engine = "local"
+
+    def __init__(self, table: DeltaTable, scope: SliceRange | None) -> None:
+        self.table = table
+        names = set(pa.schema(table.schema().to_arrow()).names)
+        tenant = "coalesce(tenant, '')" if "tenant" in names else "''"
+        where = "" if scope is None else f" WHERE slice BETWEEN {int(scope.lo)} AND {int(scope.hi)}"
+        self.frame = (f'(SELECT {tenant} AS tenant, stream_id, "version", slice, tx_id, batch_id FROM events{where})'
+                      " AS e")
+        self._marked: pa.Table | None = None
+
+    def _sql(self, query: str) -> pa.Table:
+        return pa.RecordBatchReader.from_stream(QueryBuilder().register("events", self.table).execute(query)).read_all()
+
+    def duplicates(self) -> tuple[int, list[str]]:
+        dups = self._sql(f'SELECT stream_id, "version" FROM {self.frame} GROUP BY tenant, stream_id, "version" '
+                         "HAVING count(*) > 1")
+        return dups.num_rows, [f"{r['stream_id']}@{r['version']}" for r in dups.to_pylist()[:5]]
+
+    def gaps(self, limit: int) -> list[str]:
+        found = self._sql(f'SELECT stream_id FROM {self.frame} GROUP BY tenant, stream_id '
+                          f'HAVING max("version") <> count(*) LIMIT {int(limit)}')
+        return [str(v) for v in found["stream_id"].to_pylist()]
+
+    def have(self, ids: list[str]) -> set[tuple[str, str, int]]:
+        quoted = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
+        found = self._sql(f'SELECT tenant, stream_id, "version" FROM {self.frame} WHERE stream_id IN ({quoted})')
+        return {(r["tenant"], r["stream_id"], r["version"]) for r in found.to_pylist()}
+
+    def _beside(self, pending: list[int], marks: dict[int, int]) -> pa.Table:
+        if self._marked is None:  # the three columns read once, for both looks at the store
+            self._marked = self._sql(f"SELECT slice, tx_id, batch_id FROM {self.frame}")
+        rows = self._marked
+        if pending:  # not counted on either side
+            rows = rows.filter(pc.invert(pc.fill_null(pc.is_in(rows["batch_id"], pa.array(pending, pa.int64())),
+                                                      False)))
+        watermarks = pa.array([marks.get(i) for i in range(NUM_SLICES)], pa.int64()).take(
+            rows["slice"].cast(pa.int64()))
+        rows = rows.append_column("watermark", watermarks)
+        return rows.filter(pc.is_valid(rows["watermark"]))  # a slice without a watermark: joined to nothing
+
+    def below(self, pending: list[int], marks: dict[int, int]) -> dict[int, int]:
+        rows = self._beside(pending, marks)
+        counted = rows.filter(pc.less(rows["tx_id"], rows["watermark"])).group_by("slice").aggregate(
+            [([], "count_all")])
+        return dict(zip(counted["slice"].to_pylist(), counted["count_all"].to_pylist(), strict=True))
+
+    def strays(self, pending: list[int], marks: dict[int, int], rebased: int | None, rebase_batch: int | None) -> int:
+        rows = self._beside(pending, marks)
+        keep = pc.and_(pc.greater_equal(rows["tx_id"], rows["watermark"]), pc.not_equal(rows["batch_id"], 0))
+        if rebased:
+            keep = pc.and_(keep, pc.greater_equal(rows["tx_id"], int(rebased)))
+        if rebase_batch is not None:
+            keep = pc.and_(keep, pc.not_equal(rows["batch_id"], int(rebase_batch)))
+        return int(pc.sum(pc.fill_null(keep, False).cast(pa.int64())).as_py() or 0)
+
+    def tenants(self) -> dict[str, int]:
+        found = self._sql(f"SELECT tenant, count(*) AS n FROM {self.frame} GROUP BY tenant")
+        return {str(r["tenant"]): int(r["n"]) for r in found.to_pylist()}
 
 
 def _scope_label(scope: SliceRange | None) -> str:
@@ -53,12 +199,10 @@ def events_no_duplicates(
     context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    df = _lake(spark.spark_session, warehouse.root, scope)
-    dups = df.groupBy("tenant", "stream_id", "version").count().where("count > 1")
-    n = int(dups.count())
-    sample = [f"{r['stream_id']}@{r['version']}" for r in dups.limit(5).collect()]
+    lake = _lake(lambda: spark.spark_session, warehouse.root, scope, warehouse.engine)
+    n, sample = lake.duplicates()
     return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample),
-                                                         "scope": _scope_label(scope)})
+                                                         "scope": _scope_label(scope), "engine": lake.engine})
 
 
 @dg.asset_check(
@@ -71,24 +215,20 @@ def events_versions_contiguous(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    df = _lake(spark.spark_session, warehouse.root, scope)
-    gaps = df.groupBy("tenant", "stream_id").agg({"version": "max", "stream_id": "count"}).where(
-        "`max(version)` <> `count(stream_id)`"
-    ).limit(10_000).collect()
-    if not gaps:
-        return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope)})
-    ids = [r["stream_id"] for r in gaps]
+    lake = _lake(lambda: spark.spark_session, warehouse.root, scope, warehouse.engine)
+    ids = lake.gaps(10_000)
+    if not ids:
+        return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope),
+                                                          "engine": lake.engine})
     source = event_store.events_source()
     with connect(event_store.dsn) as conn:
         due = offsets.events_below_watermarks(conn, source, source.consumer, ids)
-    have = {(r["tenant"], r["stream_id"], r["version"])
-            for r in df.where(df.stream_id.isin(ids)).select("tenant", "stream_id", "version").collect()}
-    missing = sorted(set(due) - have)
+    missing = sorted(set(due) - lake.have(ids))
     return dg.AssetCheckResult(
         passed=not missing,
         metadata={"streams_with_gaps": len(ids), "missing_below_watermark": len(missing),
                   "examples": ", ".join(f"{t + '/' if t else ''}{s}@{v}" for t, s, v in missing[:5]),
-                  "scope": _scope_label(scope)},
+                  "scope": _scope_label(scope), "engine": lake.engine},
     )
 
 
@@ -102,7 +242,8 @@ def events_reconcile_with_source(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    return reconcile(spark.spark_session, warehouse.root, event_store.dsn, event_store.events_source(), scope)
+    return reconcile(lambda: spark.spark_session, warehouse.root, event_store.dsn, event_store.events_source(), scope,
+                     engine=warehouse.engine)
 
 
 @dataclass(frozen=True)
@@ -133,7 +274,7 @@ def _store_view(dsn: str, source: Source, consumer: str, slices: list[int] | Non
 
 def reconcile(
     spark: Any, warehouse: tables.Location, dsn: str, source: Source | str, scope: SliceRange | None, *,
-    between: Callable[[str], None] | None = None,
+    between: Callable[[str], None] | None = None, engine: str = "auto",
 ) -> dg.AssetCheckResult:
     """The lake against the store, while runs go on extracting.
 
@@ -141,7 +282,8 @@ def reconcile(
     watermarks had advanced at S1 is in that version (a batch is committed to Delta before its offsets), so
     the counts below S1's watermarks must be equal; and every batch in that version is, at S2, either below
     S2's watermarks or still pending, so a row above S2's watermarks outside a pending batch is a stray.
-    `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed).
+    `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed). `spark` (a session,
+    or a function that returns one) is started only where `engine` and the scope's size say Spark (`_lake`).
     """
     source = as_source(source)
     consumer = source.consumer
@@ -154,23 +296,14 @@ def reconcile(
     if between is not None:
         between("after")
     after = _store_view(dsn, source, consumer, slices)
-    df = _lake(spark, warehouse, scope, version=version)
-
-    def beside(view: _StoreView) -> Any:
-        rows = df.where(~df.batch_id.isin(view.pending)) if view.pending else df  # not counted on either side
-        return rows.join(spark.createDataFrame(list(view.marks.items()), "slice INT, watermark BIGINT"), "slice")
-
-    below = beside(before).where("tx_id < watermark").groupBy("slice").count().collect()
-    lake_counts = {int(r["slice"]): int(r["count"]) for r in below}
+    lake = _lake(spark, warehouse, scope, engine, version=version)
+    lake_counts = lake.below(before.pending, before.marks)
     # Above a watermark the lake holds nothing, but the restored events a rebase brought early (batch 0 before this
     # release, its own batch since), a pending first run after it (the rebase's batch too) and, until the new
     # cluster's ids pass them, the events extracted before it (ids of the old cluster).
-    rebased = after.rebased
-    n_stray = int(beside(after).where(
-        "tx_id >= watermark AND batch_id <> 0" + (f" AND tx_id >= {int(rebased)}" if rebased else "")
-        + (f" AND batch_id <> {int(after.rebase_batch)}" if after.rebase_batch is not None else "")).count())
+    n_stray = lake.strays(after.pending, after.marks, after.rebased, after.rebase_batch)
     store_counts = before.counts
-    lost = _lost_tenants(df, dsn, source)
+    lost = _lost_tenants(lake, dsn, source)
     pairs = {s: (store_counts.get(s, 0), lake_counts.get(s, 0)) for s in set(store_counts) | set(lake_counts)}
     # A framework that deletes events (`deletes_events`: Pekko's deleteEventsTo) leaves the lake holding more than
     # the store: only fewer is a loss; the excess is said, as what cannot be checked (duplicates have their check).
@@ -186,15 +319,15 @@ def reconcile(
                   "lake_version": int(version),
                   "examples": ", ".join(f"slice {s}: source {a}, lake {b}" for s, (a, b) in sorted(off.items())[:5]),
                   "tenants_lost": ", ".join(f"{t} ({n} events; dropped outside `tenant erase`)" for t, n in lost.items()),
-                  "scope": _scope_label(scope)},
+                  "scope": _scope_label(scope), "engine": lake.engine},
     )
 
 
-def _lost_tenants(df: Any, dsn: str, source: Source) -> dict[str, int]:
+def _lost_tenants(lake: _Events, dsn: str, source: Source) -> dict[str, int]:
     """Tenants the lake holds (in the check's scope) whose events left the store without `tenant erase`."""
     if source.tenant == NO_TENANT:
         return {}
-    counts = {str(r["tenant"]): int(r["count"]) for r in df.groupBy("tenant").count().collect()}
+    counts = lake.tenants()
     with connect(dsn) as conn:
         return tenants.missing(conn, source, counts)
 

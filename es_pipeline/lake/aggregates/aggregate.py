@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.lake.delta import feed, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
@@ -82,12 +82,13 @@ class Aggregate:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
 
         `spark`: a session, or a function that returns one, called only if Spark is needed: a small
-        increment is aggregated and merged without a JVM (`small_increment`) unless told not to. `NoEventsYet`
+        increment, and a whole build over `events` within the engine rule's bound, are aggregated and written
+        without a JVM (`small_increment`, `small_build`) unless told not to. `NoEventsYet`
         before `events` exists."""
         tables.require_events(warehouse, self.name)
         with one_at_a_time(store_dsn, self.name) as turn:
             if small_increments:
-                done = self.small_increment(warehouse, turn)
+                done = self.small_increment(warehouse, turn) or self.small_build(warehouse, turn)
                 if done is not None:
                     return done
             return self._update_with_spark(tables.session_of(spark), warehouse, turn)
@@ -125,6 +126,31 @@ class Aggregate:
                                             commit_properties=feed.commit_properties(app_id, now))
         target.update_incremental()
         return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
+
+    def small_build(self, warehouse: Location, turn: Turn) -> AggregateResult | None:
+        """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
+        where `events`' files are within the engine rule's bound (`tables.on_spark`); None: Spark's to do, or not
+        a whole build (an increment `small_increment` left to Spark)."""
+        events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
+        events = DeltaTable(events_path)
+        app_id = self.table.app_id_over(tables.table_id(events_path))
+        prev = tables.transaction_version(path, app_id) if tables.is_delta_table(path) else None
+        if prev is not None and tables.has_columns(path, self.key):
+            return None  # built from this `events`: an increment
+        if tables.on_spark("auto", lambda: tables.files_bytes(events)):
+            return None
+        now = int(events.version())
+        rows = feed.current_rows(events_path, events, self.columns)
+        for c in self.columns:
+            if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
+                rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
+        agg = self.aggregate_arrow(rows).cast(self.table.schema)
+        feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
+        turn.confirm(path, app_id, prev)
+        self.table.ensure_arrow(warehouse)
+        write_deltalake(path, agg, mode="overwrite", schema_mode="overwrite",
+                        commit_properties=feed.commit_properties(app_id, now))
+        return AggregateResult(agg.num_rows, now, -1, rows.num_rows, agg.num_rows)
 
     def reconcile(self, spark: Any, warehouse: Location) -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:

@@ -11,7 +11,7 @@ standard AWS variables, as delta-rs does.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -237,12 +237,29 @@ def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
     """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
     for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (more than this process should hold);
     "local" never."""
-    if spark is None or engine == "local":
-        return False
-    if engine == "spark":
-        return True
-    adds = pa.table(events.get_add_actions(flatten=True))
-    return bool(adds.num_rows) and int(pc.sum(adds["size_bytes"]).as_py() or 0) > SPARK_BYTES
+    return spark is not None and on_spark(engine, lambda: files_bytes(events))
+
+
+def on_spark(engine: str, size: Callable[[], int]) -> bool:
+    """The engine rule: `engine` "spark" always, "local" never, "auto" where the work's files (`size()`, asked only
+    then) pass `SPARK_BYTES`."""
+    if engine in ("spark", "local"):
+        return engine == "spark"
+    return size() > SPARK_BYTES
+
+
+def files_bytes(table: DeltaTable, column: str | None = None, lo: int = 0, hi: int = 0) -> int:
+    """The bytes of the table's files; with `column`, of those whose statistics say it may hold a value in
+    [lo, hi] (a file without statistics counts)."""
+    adds = pa.table(table.get_add_actions(flatten=True))
+    if not adds.num_rows:
+        return 0
+    sizes = adds["size_bytes"]
+    if column is not None and f"min.{column}" in adds.column_names and f"max.{column}" in adds.column_names:
+        low, high = adds[f"min.{column}"], adds[f"max.{column}"]
+        overlaps = pc.and_(pc.fill_null(pc.less_equal(low, hi), True), pc.fill_null(pc.greater_equal(high, lo), True))
+        sizes = sizes.filter(overlaps)
+    return int(pc.sum(sizes).as_py() or 0)
 
 
 def change_feed_gone(exc: BaseException) -> bool:
