@@ -62,7 +62,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
         tail_seconds=settings.tail_seconds,
     )
     return dg.Definitions(
-        assets=with_freshness([events, *build_projection_assets(domain, settings.engine), snapshots], settings),
+        assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
         asset_checks=[*CHECKS, *build_projection_checks(domain)],
         jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),

@@ -34,7 +34,8 @@ def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinit
     def asset(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
               event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
-            r = aggregate.update(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn)
+            r = aggregate.update(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn,
+                                 small_increments=warehouse.engine != "spark")
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
@@ -68,15 +69,15 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     ) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
-                                    store_dsn=event_store.dsn)
+                                    store_dsn=event_store.dsn, small_increments=warehouse.engine != "spark")
         return dg.MaterializeResult(metadata=r.metadata())
 
     return stream_state
 
 
-def build_cross_stream_asset(domain: Domain, name: str, engine: str = "auto") -> dg.AssetsDefinition:
+def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
     """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others; a whole
-    build on Spark where `engine` says (ES_PIPELINE_ENGINE)."""
+    build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
     projection = domain.projections[name]
 
     @dg.asset(
@@ -96,15 +97,15 @@ def build_cross_stream_asset(domain: Domain, name: str, engine: str = "auto") ->
         with projection_run(context):
             r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
                                     frontier=lambda: batch_frontier(event_store.dsn, consumer),
-                                    spark=lambda: spark.spark_session, engine=engine)
+                                    spark=lambda: spark.spark_session, engine=warehouse.engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
 
 
-def build_event_tables_asset(domain: Domain, engine: str = "auto") -> dg.AssetsDefinition:
+def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
     """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`; a
-    whole build on Spark where `engine` says (ES_PIPELINE_ENGINE)."""
+    whole build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
 
     @dg.asset(
         name="event_tables",
@@ -122,15 +123,15 @@ def build_event_tables_asset(domain: Domain, engine: str = "auto") -> dg.AssetsD
                      event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info,
-                                    spark=lambda: spark.spark_session, engine=engine)
+                                    spark=lambda: spark.spark_session, engine=warehouse.engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return event_tables
 
 
-def build_projection_assets(domain: Domain, engine: str = "auto") -> list[dg.AssetsDefinition]:
-    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain, engine),
-            *(build_cross_stream_asset(domain, name, engine) for name in sorted(domain.projections))]
+def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
+    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain),
+            *(build_cross_stream_asset(domain, name) for name in sorted(domain.projections))]
 
 
 # The built-in projections (a domain's are beside).

@@ -2,7 +2,8 @@
 
 A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
 every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
-(bench/results/state_rebuild.md). Up to `WHOLE_BYTES` of Parquet it is done here instead:
+(bench/results/state_rebuild.md). Within the engine rule's bound (`tables.on_spark`: 256 MiB of Parquet) it
+is done here instead:
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records);
 2. split by slice (a stream lives in one slice) over one forked process per core (one process below
@@ -36,7 +37,6 @@ from es_pipeline.lake.state.fold import (
 )
 from es_pipeline.source import payloads
 
-WHOLE_BYTES = 256 * 1024 * 1024  # `events` Parquet files at most: 5 million events of a few fields (222 MB) took 2 GB here
 CHUNK = 65_536  # events taken and turned into Python objects at a time (whole streams)
 
 
@@ -47,8 +47,7 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
     events = DeltaTable(events_path)
     if feed.has_deletion_vectors(events):
         return None  # its files alone are not its rows
-    adds = pa.table(events.get_add_actions(flatten=True))
-    if adds.num_rows and int(pc.sum(adds["size_bytes"]).as_py() or 0) > WHOLE_BYTES:
+    if tables.on_spark("auto", lambda: tables.files_bytes(events)):
         return None
     now = int(events.version())
     held = set(events.schema().to_arrow().names)
