@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from es_pipeline.domain import Domain
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta.definition import spark_type
 from es_pipeline.lake.typed import shapes
 from es_pipeline.lake.typed.typed_rows import (
     ENVELOPE,
@@ -50,8 +51,7 @@ FLUSH_ROWS = 250_000  # a type's typed rows a task holds before it writes them a
 
 
 def _ddl(schema: pa.Schema) -> str:
-    return ", ".join(f"{f.name} {'BINARY' if f.type == pa.binary() else 'BIGINT' if f.type == pa.int64() else 'STRING'}"
-                     for f in schema)
+    return ", ".join(f"{f.name} {spark_type(f.type)}" for f in schema)
 
 
 def source(spark: Any, events_path: str, version: int, read: list[str]) -> Any:
