@@ -14,7 +14,7 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.state import forked, stream_state
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
@@ -46,14 +46,20 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     writers.join()
     extract_all(dsn.extractor, spark, warehouse)
 
-    spark_lake = tmp_path / "spark-lake"
+    spark_lake, pieces_lake = tmp_path / "spark-lake", tmp_path / "pieces-lake"
     shutil.copytree(warehouse / "events", spark_lake / "events")
+    shutil.copytree(warehouse / "events", pieces_lake / "events")
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
     built = update_stream_state(no_spark, warehouse, domain=SHOP)
     assert (built.previous_events_version, built.events_folded, built.streams_updated) == (-1, 4000, len(expected))
     by_spark = update_stream_state(spark, spark_lake, domain=SHOP, small_increments=False)
     assert (by_spark.events_folded, by_spark.streams_updated) == (4000, len(expected))
     assert _rows(warehouse / "stream_state") == _rows(spark_lake / "stream_state")
+    # In pieces (lake/delta/pieces.py): some 7 pieces by slice span, read back from disk, a piece per worker.
+    monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 7 + 1)
+    in_pieces = update_stream_state(no_spark, pieces_lake, domain=SHOP)
+    assert (in_pieces.events_folded, in_pieces.streams_updated) == (4000, len(expected))
+    assert _rows(pieces_lake / "stream_state") == _rows(warehouse / "stream_state")
     app = stream_state.app_id(tables.table_id(str(warehouse / "events")))  # the copy of `events` is the same table
     assert tables.transaction_version(str(warehouse / "stream_state"), app) == \
         tables.transaction_version(str(spark_lake / "stream_state"), app) is not None
@@ -74,7 +80,7 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=34)
     extract_all(dsn.extractor, spark, warehouse)
-    monkeypatch.setattr(tables, "SPARK_BYTES", 1)
+    monkeypatch.setattr(tables, "SPARK_PIECES_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
         update_stream_state(no_spark, warehouse, domain=SHOP)
     assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200

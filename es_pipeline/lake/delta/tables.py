@@ -230,7 +230,10 @@ def session_of(spark: Any) -> Any:
     return spark() if callable(spark) else spark
 
 
-SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark (as whole_fold's)
+SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark what it holds whole
+# ... and what it reads in bounded pieces (lake/delta/pieces.py): its memory does not grow with the lake, its time
+# does (some 25M events, 30 s on two cores): past this a cluster's cores pay for a JVM's start.
+SPARK_PIECES_BYTES = 1024 * 1024 * 1024
 
 
 def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
@@ -240,12 +243,13 @@ def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
     return spark is not None and on_spark(engine, lambda: files_bytes(events))
 
 
-def on_spark(engine: str, size: Callable[[], int]) -> bool:
+def on_spark(engine: str, size: Callable[[], int], bound: int = SPARK_BYTES) -> bool:
     """The engine rule: `engine` "spark" always, "local" never, "auto" where the work's files (`size()`, asked only
-    then) pass `SPARK_BYTES`."""
+    then) pass `bound`: `SPARK_BYTES` for work that holds what it reads, `SPARK_PIECES_BYTES` for work that reads
+    in bounded pieces."""
     if engine in ("spark", "local"):
         return engine == "spark"
-    return size() > SPARK_BYTES
+    return size() > bound
 
 
 def files_bytes(table: DeltaTable, column: str | None = None, lo: int = 0, hi: int = 0) -> int:

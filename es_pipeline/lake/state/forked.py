@@ -32,8 +32,8 @@ def shared() -> Any:
 
 
 def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
-    """`fn` over the zipped `arguments`, one call per forked process (each reading `share` with `shared()`), or
-    in this process where there is one call or none."""
+    """`fn` over the zipped `arguments`, in forked processes (each reading `share` with `shared()`; one per core at
+    most, each taking the next call when done), or in this process where there is one call or none."""
     global _SHARED
     calls = list(zip(*arguments, strict=True))
     _SHARED = share
@@ -41,7 +41,7 @@ def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
         if len(calls) <= 1:
             return [fn(*call) for call in calls]
         _py4j_kept_at_fork()
-        with ProcessPoolExecutor(max_workers=len(calls), mp_context=get_context("fork")) as pool:
+        with ProcessPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1), mp_context=get_context("fork")) as pool:
             return list(pool.map(fn, *zip(*calls, strict=True)))
     finally:
         _SHARED = None

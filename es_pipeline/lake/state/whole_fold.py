@@ -2,13 +2,16 @@
 
 A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
 every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
-(bench/results/state_rebuild.md). Within the engine rule's bound (`tables.on_spark`: 256 MiB of Parquet) it
-is done here instead:
+(bench/results/state_rebuild.md). Within the engine rule's bound for work read in pieces (`tables.on_spark`,
+`SPARK_PIECES_BYTES`: 1 GiB of Parquet) it is done here instead:
 
-1. the table's current files read by pyarrow (one version of `events`, the one the build records);
-2. split by slice (a stream lives in one slice) over one forked process per core (one process below
-   lake/state/forked.py's `ONE_PROCESS_ROWS`); each orders its share by the dictionary codes of tenant and stream, then version,
-   and folds it stream by stream with `StreamFold.events` (the same reducers and rules as Spark's workers);
+1. the table's current files read by pyarrow (one version of `events`, the one the build records): whole up to
+   `pieces.PIECE_BYTES` of Parquet, else in one pass into pieces by slice span (lake/delta/pieces.py), so this
+   process and each worker hold one piece at a time;
+2. whole: split by slice over one forked process per core (one process below lake/state/forked.py's
+   `ONE_PROCESS_ROWS`); in pieces: a piece per call over one forked process per core. Each orders its rows
+   by the dictionary codes of tenant and stream, then version, and folds them stream by stream with
+   `StreamFold.events` (the same reducers and rules as Spark's workers);
 3. the output returned to lake/state/stream_state.py, which writes it with delta-rs under the same Delta
    transaction id (app id, version) Spark's MERGE carries, inside the table's turn, so either engine goes on
    from what the other folded.
@@ -26,7 +29,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.state import forked
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
@@ -47,15 +50,24 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
     events = DeltaTable(events_path)
     if feed.has_deletion_vectors(events):
         return None  # its files alone are not its rows
-    if tables.on_spark("auto", lambda: tables.files_bytes(events)):
+    size = tables.files_bytes(events)
+    if tables.on_spark("auto", lambda: size, tables.SPARK_PIECES_BYTES):
         return None
     now = int(events.version())
-    held = set(events.schema().to_arrow().names)
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]
-    columns = [c for c in read if c in held]
-    rows = with_schema_versions(payloads.for_reducers(tables.tenant_filled(
-        feed.files(events_path, events).to_table(columns=columns))), domain)
-    return _fold(rows, dict(domain.folds), skip_unknown), now
+    count = pieces.count_for(size)
+    rows = pieces.batches(events_path, events, read)
+    with pieces.spread(rows, pieces.schema(events, read), count, pieces.by_slice(count)) as parts:
+        if parts.count == 1:
+            return _fold(_prepared(parts.read(0), domain), dict(domain.folds), skip_unknown), now
+        # A piece per call, one forked process per core: each holds one piece at a time.
+        folded = forked.run((parts, domain, skip_unknown), _fold_piece, range(parts.count))
+    return pa.concat_tables(folded), now
+
+
+def _prepared(rows: pa.Table, domain: Domain) -> pa.Table:
+    """Rows as the reducers take them: payloads decoded, tenant filled, each event's schema version."""
+    return with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
 
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
@@ -69,6 +81,12 @@ def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> p
     return pa.concat_tables(forked.run((rows, registry, skip_unknown, bounds), _fold_share, range(n)))
 
 
+def _fold_piece(i: int) -> pa.Table:
+    """The fold of piece `i` (whole streams), read from disk by the worker that folds it."""
+    parts, domain, skip_unknown = forked.shared()
+    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), skip_unknown)
+
+
 def _fold_share(share: int) -> pa.Table:
     """The fold of one share of the rows (its span of slices; all of them without `bounds`).
 
@@ -80,6 +98,11 @@ def _fold_share(share: int) -> pa.Table:
     if bounds:
         lo, hi = bounds[share], bounds[share + 1]
         ids = pc.indices_nonzero(pc.and_(pc.greater_equal(rows["slice"], lo), pc.less(rows["slice"], hi)))
+    return _fold_rows(rows, ids, registry, skip_unknown)
+
+
+def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
+    """The fold of `rows` (those at `ids`; all without), stream by stream."""
 
     def share_of(name: str) -> pa.Array:
         column = rows[name] if ids is None else rows[name].take(ids)
