@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -60,10 +61,13 @@ def same_instants(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) 
 
 
 def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_writers(
-    dsn: StoreDsn, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=20)
     extract_all(dsn.extractor, spark, warehouse)
+    # The in-process first builds a few rows at a time (lake/delta/pieces.py), each step combined with those before.
+    monkeypatch.setattr(pieces, "BATCH_ROWS", 7)
+    monkeypatch.setattr(pieces, "CHUNK_ROWS", 30)
     first = update_stream_catalog(spark, warehouse)
     assert first.previous_events_version == -1 and first.events_read == 100
     assert first.engine == "local", "a small lake's first build starts no JVM (the engine rule)"

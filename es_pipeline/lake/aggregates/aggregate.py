@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
@@ -62,6 +62,7 @@ class Aggregate:
     aggregate_arrow: Callable[[pa.Table], pa.Table]  # the same over Arrow rows (the small increment's)
     columns: tuple[str, ...]  # the events columns both aggregates read
     updates: dict[str, str]  # per column, how the row (t) takes an increment (u): Spark SQL and DataFusion alike
+    combine: dict[str, str]  # per column not in the key, how two rows of a key combine in pyarrow ("min", "sum"...)
 
     @property
     def name(self) -> str:
@@ -128,29 +129,42 @@ class Aggregate:
         return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
     def small_build(self, warehouse: Location, turn: Turn) -> AggregateResult | None:
-        """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
-        where `events`' files are within the engine rule's bound (`tables.on_spark`); None: Spark's to do, or not
-        a whole build (an increment `small_increment` left to Spark)."""
+        """A whole build (the first, or one over another `events`) aggregated by pyarrow a million events at a
+        time and written by delta-rs, where `events`' files are within the engine rule's bound for work read in
+        pieces (`tables.on_spark`); None: Spark's to do, or not a whole build (an increment `small_increment`
+        left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
         app_id = self.table.app_id_over(tables.table_id(events_path))
         prev = tables.transaction_version(path, app_id) if tables.is_delta_table(path) else None
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
-        if tables.on_spark("auto", lambda: tables.files_bytes(events)):
+        if tables.on_spark("auto", lambda: tables.files_bytes(events), tables.SPARK_PIECES_BYTES):
             return None
         now = int(events.version())
-        rows = feed.current_rows(events_path, events, self.columns)
-        for c in self.columns:
-            if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
-                rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
-        agg = self.aggregate_arrow(rows).cast(self.table.schema)
+        agg, read = None, 0
+        # A million events at a time, each step's rows combined with those before: memory for one step and
+        # the table's rows, whatever `events`' size.
+        for rows in pieces.chunks(pieces.batches(events_path, events, self.columns)):
+            read += rows.num_rows
+            for c in self.columns:
+                if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
+                    rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
+            step = self.aggregate_arrow(rows).cast(self.table.schema)
+            agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
+        agg = agg if agg is not None else self.table.schema.empty_table()
         feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
         turn.confirm(path, app_id, prev)
         self.table.ensure_arrow(warehouse)
         write_deltalake(path, agg, mode="overwrite", schema_mode="overwrite",
                         commit_properties=feed.commit_properties(app_id, now))
-        return AggregateResult(agg.num_rows, now, -1, rows.num_rows, agg.num_rows)
+        return AggregateResult(agg.num_rows, now, -1, read, agg.num_rows)
+
+    def _combined(self, rows: pa.Table) -> pa.Table:
+        """`rows` with one row per key, by `combine`."""
+        g = rows.group_by(list(self.key)).aggregate(list(self.combine.items()))
+        return pa.table({c: g[f"{c}_{self.combine[c]}"] if c in self.combine else g[c]
+                         for c in self.table.schema.names}).cast(self.table.schema)
 
     def reconcile(self, spark: Any, warehouse: Location) -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:

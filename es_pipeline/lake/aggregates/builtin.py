@@ -62,6 +62,8 @@ STREAM_CATALOG = Aggregate(
         "first_event_at": "least(t.first_event_at, u.first_event_at)", "version": "greatest(t.version, u.version)",
         "events": "t.events + u.events", "last_event_at": "greatest(t.last_event_at, u.last_event_at)",
     },
+    combine={"stream_type": "min", "first_event_at": "min", "version": "max", "events": "sum",
+             "last_event_at": "max"},
 )
 
 EVENT_TYPE_DAILY = Aggregate(
@@ -73,6 +75,7 @@ EVENT_TYPE_DAILY = Aggregate(
     aggregate_arrow=_daily_arrow,
     columns=("tenant", "stream_type", "event_type", "event_date"),
     updates={"events": "t.events + u.events"},
+    combine={"events": "sum"},
 )
 
 
