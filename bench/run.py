@@ -15,13 +15,21 @@ import sys
 import time
 from typing import Any
 
-from bench import event_tables, extract_backfill, extract_incremental, extract_memory, small_store, state
+from bench import (
+    event_tables,
+    extract_backfill,
+    extract_incremental,
+    extract_memory,
+    small_store,
+    state,
+    table_memory,
+)
 from bench.common import WORK_ROOT, Sizes, database_name, drop_database, fresh_database, log, spark_session
 from bench.jdbc import jdbc_jar
 from bench.results import Goal, machine_facts, write_result
 
 BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD,
-              event_tables.NAME, small_store.NAME)
+              event_tables.NAME, small_store.NAME, table_memory.NAME)
 
 
 class LazySpark:
@@ -81,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = state.run_rebuild(fresh_database(db), spark.get(), work, sizes)
                 elif name == event_tables.NAME:
                     out = event_tables.run(fresh_database(db), work, sizes)
+                elif name == table_memory.NAME:
+                    out = table_memory.run(lambda: fresh_database(db), work, sizes)
                 elif name == small_store.NAME:
                     out = small_store.run(fresh_database(db), work)
                 else:
