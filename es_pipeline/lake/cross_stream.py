@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import zlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,11 +43,11 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import RESERVED_PREFIXES, Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
-from es_pipeline.lake.delta import arrow_append, feed, tables
+from es_pipeline.lake.delta import arrow_append, feed, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
@@ -178,7 +179,7 @@ def increment(
     if new is None:
         if not build:
             return None
-        if tables.builds_on_spark(events_feed.table, spark, engine):
+        if tables.builds_on_spark(events_feed.table, spark, engine, tables.SPARK_PIECES_BYTES):
             return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
                                      events_feed.table, f_new, read=seen)
         return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)
@@ -362,13 +363,17 @@ def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
     n = rows.num_rows
     base, events = _key_rows(rows, projection, domain)
     has_key = pc.is_valid(base["key"])
-    kept = base.filter(has_key)
+    if events is not None:
+        events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
+    return _ordered(base.filter(has_key), events, n - int(pc.sum(has_key.cast(pa.int64())).as_py() or 0))
+
+
+def _ordered(kept: pa.Table, events: list[Event] | None, without_key: int) -> _Keyed:
+    """Keyed rows sorted by tenant, key and the lake's order."""
     # Dictionary codes group the rows without comparing strings; the lake's order within a key is compared whole.
     kept = kept.append_column("tcode", pc.dictionary_encode(kept["tenant"]).combine_chunks().indices) \
         .append_column("kcode", pc.dictionary_encode(kept["key"]).combine_chunks().indices)
-    if events is not None:
-        events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
-    return _Keyed(kept, _sorted(kept), events, n - kept.num_rows)
+    return _Keyed(kept, _sorted(kept), events, without_key)
 
 
 def _key_rows(rows: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Table, list[Event] | None]:
@@ -457,21 +462,28 @@ def _whole(
 ) -> pa.Table:
     """The rows of `events` at its version (the `wanted` columns it has), each batch of files filtered by `rows_of`:
     the version the update records, so that no later commit's row is folded here and again from the feed."""
-    held = set(events.schema().to_arrow().names)
-    columns = [c for c in wanted if c in held]
-    if feed.has_deletion_vectors(events):  # its files alone are not its rows: DataFusion applies the vectors
-        reader = QueryBuilder().register("events", events).execute(
-            "SELECT " + ", ".join(f'"{c}"' for c in columns) + " FROM events")
-        parts: Iterator[pa.RecordBatch] = iter(reader)
-    else:
-        parts = feed.files(events_path, events).to_batches(columns=columns)
-    out = [rows_of(feed.plain(pa.Table.from_batches([b]))) for b in parts]
-    rows = pa.concat_tables(out) if out else pa.table({c: pa.array([], pa.string()) for c in columns})
-    for c in wanted:
-        if c not in rows.column_names:
-            rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.int64() if c in ("batch_id", "global_position")
-                                                   else pa.string()))
-    return rows
+    out = list(_parts(events_path, events, wanted, rows_of))
+    return pa.concat_tables(out) if out else _parts_schema(events, wanted).empty_table()
+
+
+def _parts(
+    events_path: str, events: DeltaTable, wanted: list[str], rows_of: Callable[[pa.Table], pa.Table]
+) -> Iterator[pa.Table]:
+    """`_whole`'s rows a million events read at a time (lake/delta/pieces.py), never all at once."""
+    for part in pieces.chunks(pieces.batches(events_path, events, wanted)):
+        rows = rows_of(part)
+        for c in wanted:
+            if c not in rows.column_names:
+                rows = rows.append_column(c, pa.nulls(rows.num_rows, _MISSING.get(c, pa.string())))
+        yield rows.select(wanted)
+
+
+_MISSING = {"batch_id": pa.int64(), "global_position": pa.int64()}  # a lake of an older release: null batch, position
+
+
+def _parts_schema(events: DeltaTable, wanted: list[str]) -> pa.Schema:
+    held = pieces.schema(events, wanted)
+    return pa.schema([held.field(c) if c in held.names else pa.field(c, _MISSING.get(c, pa.string())) for c in wanted])
 
 
 # -- folding -----------------------------------------------------------------------------------------
@@ -594,9 +606,14 @@ def _build(
 ) -> CrossStreamResult:
     """Every key folded from `events` (at its version), the table overwritten: a first build, or a rebuild."""
     version = int(events.version())
-    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
-    keyed = _keyed(rows, projection, domain)
-    out = _table_rows(projection, table, _fold(projection, domain, keyed, {}))
+    count = pieces.count_for(tables.files_bytes(events))
+    if count == 1:
+        keyed = _keyed(_whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain)),
+                       projection, domain)
+        out, folded, without_key = _table_rows(projection, table, _fold(projection, domain, keyed, {})), keyed.count, \
+            keyed.without_key
+    else:
+        out, folded, without_key = _build_in_pieces(projection, domain, table, events_path, events, count)
     path = table.path(warehouse)
     ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
     unbound = _unbound_seen(table.name, table.properties[KIND])
@@ -609,7 +626,48 @@ def _build(
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
                     commit_properties=_commit(ids, version, version, frontier))
-    return CrossStreamResult(out.num_rows, version, -1, keyed.count, out.num_rows, 0, 0, keyed.without_key, frontier)
+    return CrossStreamResult(out.num_rows, version, -1, folded, out.num_rows, 0, 0, without_key, frontier)
+
+
+def _build_in_pieces(projection: Projection, domain: Domain, table: Table, events_path: str, events: DeltaTable,
+                     count: int) -> tuple[pa.Table, int, int]:
+    """A build read in bounded pieces (lake/delta/pieces.py): a million events at a time keyed and sent to the piece
+    of their key (by a hash of tenant and key, so a key's events meet in one piece), then each piece sorted and
+    folded alone. (the table's rows, events folded, events without a key)"""
+    without_key = 0
+
+    def keyed_parts() -> Iterator[pa.RecordBatch]:
+        nonlocal without_key
+        for rows in _parts(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain)):
+            base, _ = _key_rows(rows, projection, domain)  # the events parsed for their keys are parsed again
+            has_key = pc.is_valid(base["key"])
+            without_key += base.num_rows - int(pc.sum(has_key.cast(pa.int64())).as_py() or 0)
+            yield from base.filter(has_key).cast(_KEYED_SCHEMA).to_batches()
+
+    outs, folded = [], 0
+    with pieces.spread(keyed_parts(), _KEYED_SCHEMA, count, _piece_of_key(count)) as parts:
+        for i in range(parts.count):
+            keyed = _ordered(parts.read(i), None, 0)
+            folded += keyed.count
+            if keyed.count:
+                outs.append(_table_rows(projection, table, _fold(projection, domain, keyed, {})))
+    out = pa.concat_tables(outs) if outs else _table_rows(projection, table, {})
+    return out, folded, without_key
+
+
+_KEYED_SCHEMA = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()),
+                           ("version", pa.int32()), ("event_type", pa.string()), ("payload", pa.string()),
+                           ("batch", pa.int64()), ("position", pa.int64()), ("at", pa.int64()), ("key", pa.string())])
+
+
+def _piece_of_key(count: int) -> Callable[[pa.RecordBatch], pa.Array]:
+    """Each row's piece by a hash of its (tenant, key): the same piece in every batch."""
+    def piece_of(batch: pa.RecordBatch) -> pa.Array:
+        pairs = pc.binary_join_element_wise(batch["tenant"], batch["key"], "\x00")
+        seen = pc.unique(pairs)
+        piece = pa.array([zlib.crc32(p.encode()) % count for p in seen.to_pylist()], pa.int64())
+        return piece.take(pc.index_in(pairs, value_set=seen))
+    return piece_of
 
 
 def _increment(

@@ -20,6 +20,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
+from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.hooks import Crash, crash_at
@@ -192,6 +193,39 @@ def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_o
     one.projection("one_key", events=["ItemAdded", "ItemRemoved"], key=lambda e: "all", key_column="k", revision=1)(fold)
     monkeypatch.setattr("es_pipeline.lake.state.forked.ONE_PROCESS_ROWS", 10)
     assert cross_stream.update(warehouse, one, "one_key").rows == 1
+
+
+def test_a_build_read_in_pieces_equals_the_store(dsn: StoreDsn, warehouse: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past a piece's bytes (lake/delta/pieces.py) a build reads `events` a few rows at a time, sends each event to
+    the piece of its key's hash (on disk), and folds a piece at a time, forked: every key equals a fold of the store,
+    and the rows equal the build that read `events` whole."""
+    store = EventStore(dsn)
+    run_workload(store, streams=40, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=53)
+    extract_all(dsn.extractor, None, warehouse)
+    whole = cross_stream.update(warehouse, SHOP, NAME, frontier=_frontier(dsn))
+    held_whole = _table(warehouse)
+    size = tables.files_bytes(DeltaTable(str(warehouse / "events")))
+    monkeypatch.setattr(pieces, "PIECE_BYTES", size // 5 + 1)  # five pieces
+    monkeypatch.setattr(pieces, "BATCH_ROWS", 13)
+    monkeypatch.setattr(pieces, "CHUNK_ROWS", 50)
+    monkeypatch.setattr("es_pipeline.lake.state.forked.ONE_PROCESS_ROWS", 10)  # each piece forked too
+    spread, counts = pieces.spread, []
+
+    def counted(source: Any, schema: Any, count: int, piece_of: Any) -> Any:
+        counts.append(count)
+        return spread(source, schema, count, piece_of)
+
+    monkeypatch.setattr(pieces, "spread", counted)
+    cross_stream.mark_for_rebuild(warehouse, NAME, tables.table_id(str(warehouse / "events")))
+    built = cross_stream.update(warehouse, SHOP, NAME, frontier=_frontier(dsn))
+    assert built.previous_events_version == -1 and counts == [5], "built again, in five pieces"
+    assert (built.events_folded, built.rows, built.events_without_key) == \
+        (whole.events_folded, whole.rows, whole.events_without_key)
+    assert _assert_equal_to_the_store(dsn, warehouse) == built.events_folded
+    strip = ("updated_at",)
+    assert {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse).items()} == \
+        {k: {c: v for c, v in r.items() if c not in strip} for k, r in held_whole.items()}
 
 
 def test_an_upcaster_of_its_event_types_rebuilds_a_projection(dsn: StoreDsn, warehouse: Path) -> None:

@@ -236,11 +236,10 @@ SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` bui
 SPARK_PIECES_BYTES = 1024 * 1024 * 1024
 
 
-def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
+def builds_on_spark(events: DeltaTable, spark: Any, engine: str, bound: int = SPARK_BYTES) -> bool:
     """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
-    for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (more than this process should hold);
-    "local" never."""
-    return spark is not None and on_spark(engine, lambda: files_bytes(events))
+    for, `engine` "spark", or "auto" and `events`' files past `bound` (`on_spark`); "local" never."""
+    return spark is not None and on_spark(engine, lambda: files_bytes(events), bound)
 
 
 def on_spark(engine: str, size: Callable[[], int], bound: int = SPARK_BYTES) -> bool:
