@@ -1,7 +1,8 @@
 """Checks of `events`: no duplicates, contiguous versions, counts reconcile with the store.
 
-In this process (DataFusion over the Delta table, Arrow) where the scope's files are within the engine rule's
-bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`tables.on_spark`): a range's checks start no JVM.
+In this process (DataFusion over the Delta table, Arrow; in bounded pieces) where the scope's files are within
+the engine rule's bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`tables.on_spark`): a range's
+checks start no JVM.
 
 Table-wide on their schedule (`lake_checks_job`, hourly). Run beside the materialization of one
 partition (a hand materialization from the UI or `dagster asset materialize --partition`), they check
@@ -10,7 +11,7 @@ table does: a stream lives in one slice, so every invariant holds per slice and 
 exact for its streams. The result's `scope` says which it was.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from deltalake import DeltaTable, QueryBuilder
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.source.mapping import NO_TENANT, Source, as_source
 from es_pipeline.store import tenants
@@ -50,12 +51,10 @@ def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, engi
     path = EVENTS.path(warehouse)
     table = DeltaTable(path) if version is None else DeltaTable(path, version=version)
 
-    def size() -> int:
-        return tables.files_bytes(table) if scope is None else tables.files_bytes(table, "slice", scope.lo, scope.hi)
-
-    if tables.on_spark(engine, size):
+    size = tables.files_bytes(table) if scope is None else tables.files_bytes(table, "slice", scope.lo, scope.hi)
+    if tables.on_spark(engine, lambda: size):
         return _SparkEvents(tables.session_of(spark), path, scope, version)
-    return _ArrowEvents(table, scope)
+    return _ArrowEvents(table, scope, pieces.count_for(size))
 
 
 class _Events:
@@ -127,63 +126,86 @@ class _SparkEvents(_Events):
 
 
 class _ArrowEvents(_Events):
-    """In this process: DataFusion's SQL over the Delta table (deletion vectors applied), Arrow for the rest."""
+    """In this process: DataFusion's SQL over the Delta table (deletion vectors applied), Arrow for the rest. What
+    groups by stream is asked a piece at a time (`count` spans of the scope's slices: a stream lives in one), what
+    counts rows is streamed: memory for a piece, whatever `events`' size (lake/delta/pieces.py)."""
 
     engine = "local"
 
-    def __init__(self, table: DeltaTable, scope: SliceRange | None) -> None:
+    def __init__(self, table: DeltaTable, scope: SliceRange | None, count: int = 1) -> None:
         self.table = table
         names = set(pa.schema(table.schema().to_arrow()).names)
-        tenant = "coalesce(tenant, '')" if "tenant" in names else "''"
-        where = "" if scope is None else f" WHERE slice BETWEEN {int(scope.lo)} AND {int(scope.hi)}"
-        self.frame = (f'(SELECT {tenant} AS tenant, stream_id, "version", slice, tx_id, batch_id FROM events{where})'
-                      " AS e")
-        self._marked: pa.Table | None = None
+        self.tenant = "coalesce(tenant, '')" if "tenant" in names else "''"
+        lo, hi = (0, NUM_SLICES - 1) if scope is None else (scope.lo, scope.hi)
+        self.frame = self._frame(None if scope is None else (lo, hi))
+        n = max(1, min(count, hi - lo + 1))
+        spans = [(lo + (hi + 1 - lo) * i // n, lo + (hi + 1 - lo) * (i + 1) // n - 1) for i in range(n)]
+        self.frames = [self.frame] if n == 1 else [self._frame(span) for span in spans]
+
+    def _frame(self, span: tuple[int, int] | None) -> str:
+        where = "" if span is None else f" WHERE slice BETWEEN {int(span[0])} AND {int(span[1])}"
+        return f'(SELECT {self.tenant} AS tenant, stream_id, "version", slice, tx_id, batch_id FROM events{where}) AS e'
+
+    def _stream(self, query: str) -> pa.RecordBatchReader:
+        return pa.RecordBatchReader.from_stream(QueryBuilder().register("events", self.table).execute(query))
 
     def _sql(self, query: str) -> pa.Table:
-        return pa.RecordBatchReader.from_stream(QueryBuilder().register("events", self.table).execute(query)).read_all()
+        return self._stream(query).read_all()
 
     def duplicates(self) -> tuple[int, list[str]]:
-        dups = self._sql(f'SELECT stream_id, "version" FROM {self.frame} GROUP BY tenant, stream_id, "version" '
-                         "HAVING count(*) > 1")
-        return dups.num_rows, [f"{r['stream_id']}@{r['version']}" for r in dups.to_pylist()[:5]]
+        count, some = 0, list[str]()
+        for frame in self.frames:
+            dups = self._sql(f'SELECT stream_id, "version" FROM {frame} GROUP BY tenant, stream_id, "version" '
+                             "HAVING count(*) > 1")
+            count += dups.num_rows
+            some += [f"{r['stream_id']}@{r['version']}" for r in dups.slice(0, max(0, 5 - len(some))).to_pylist()]
+        return count, some
 
     def gaps(self, limit: int) -> list[str]:
-        found = self._sql(f'SELECT stream_id FROM {self.frame} GROUP BY tenant, stream_id '
-                          f'HAVING max("version") <> count(*) LIMIT {int(limit)}')
-        return [str(v) for v in found["stream_id"].to_pylist()]
+        found: list[str] = []
+        for frame in self.frames:
+            if len(found) >= limit:
+                break
+            rows = self._sql(f'SELECT stream_id FROM {frame} GROUP BY tenant, stream_id '
+                             f'HAVING max("version") <> count(*) LIMIT {int(limit - len(found))}')
+            found += [str(v) for v in rows["stream_id"].to_pylist()]
+        return found
 
     def have(self, ids: list[str]) -> set[tuple[str, str, int]]:
         quoted = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
         found = self._sql(f'SELECT tenant, stream_id, "version" FROM {self.frame} WHERE stream_id IN ({quoted})')
         return {(r["tenant"], r["stream_id"], r["version"]) for r in found.to_pylist()}
 
-    def _beside(self, pending: list[int], marks: dict[int, int]) -> pa.Table:
-        if self._marked is None:  # the three columns read once, for both looks at the store
-            self._marked = self._sql(f"SELECT slice, tx_id, batch_id FROM {self.frame}")
-        rows = self._marked
-        if pending:  # not counted on either side
-            rows = rows.filter(pc.invert(pc.fill_null(pc.is_in(rows["batch_id"], pa.array(pending, pa.int64())),
-                                                      False)))
-        watermarks = pa.array([marks.get(i) for i in range(NUM_SLICES)], pa.int64()).take(
-            rows["slice"].cast(pa.int64()))
-        rows = rows.append_column("watermark", watermarks)
-        return rows.filter(pc.is_valid(rows["watermark"]))  # a slice without a watermark: joined to nothing
+    def _beside(self, pending: list[int], marks: dict[int, int]) -> Iterator[pa.Table]:
+        """The scope's (slice, tx_id, batch_id, watermark) a batch at a time, pending batches' left out."""
+        watermarks = pa.array([marks.get(i) for i in range(NUM_SLICES)], pa.int64())
+        held = pa.array(pending, pa.int64())
+        for batch in self._stream(f"SELECT slice, tx_id, batch_id FROM {self.frame}"):
+            rows = pa.Table.from_batches([batch])
+            if pending:  # not counted on either side
+                rows = rows.filter(pc.invert(pc.fill_null(pc.is_in(rows["batch_id"], held), False)))
+            rows = rows.append_column("watermark", watermarks.take(rows["slice"].cast(pa.int64())))
+            yield rows.filter(pc.is_valid(rows["watermark"]))  # a slice without a watermark: joined to nothing
 
     def below(self, pending: list[int], marks: dict[int, int]) -> dict[int, int]:
-        rows = self._beside(pending, marks)
-        counted = rows.filter(pc.less(rows["tx_id"], rows["watermark"])).group_by("slice").aggregate(
-            [([], "count_all")])
-        return dict(zip(counted["slice"].to_pylist(), counted["count_all"].to_pylist(), strict=True))
+        out: dict[int, int] = {}
+        for rows in self._beside(pending, marks):
+            counted = rows.filter(pc.less(rows["tx_id"], rows["watermark"])).group_by("slice").aggregate(
+                [([], "count_all")])
+            for s, n in zip(counted["slice"].to_pylist(), counted["count_all"].to_pylist(), strict=True):
+                out[s] = out.get(s, 0) + n
+        return out
 
     def strays(self, pending: list[int], marks: dict[int, int], rebased: int | None, rebase_batch: int | None) -> int:
-        rows = self._beside(pending, marks)
-        keep = pc.and_(pc.greater_equal(rows["tx_id"], rows["watermark"]), pc.not_equal(rows["batch_id"], 0))
-        if rebased:
-            keep = pc.and_(keep, pc.greater_equal(rows["tx_id"], int(rebased)))
-        if rebase_batch is not None:
-            keep = pc.and_(keep, pc.not_equal(rows["batch_id"], int(rebase_batch)))
-        return int(pc.sum(pc.fill_null(keep, False).cast(pa.int64())).as_py() or 0)
+        found = 0
+        for rows in self._beside(pending, marks):
+            keep = pc.and_(pc.greater_equal(rows["tx_id"], rows["watermark"]), pc.not_equal(rows["batch_id"], 0))
+            if rebased:
+                keep = pc.and_(keep, pc.greater_equal(rows["tx_id"], int(rebased)))
+            if rebase_batch is not None:
+                keep = pc.and_(keep, pc.not_equal(rows["batch_id"], int(rebase_batch)))
+            found += int(pc.sum(pc.fill_null(keep, False).cast(pa.int64())).as_py() or 0)
+        return found
 
     def tenants(self) -> dict[str, int]:
         found = self._sql(f"SELECT tenant, count(*) AS n FROM {self.frame} GROUP BY tenant")
