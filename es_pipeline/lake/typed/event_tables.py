@@ -42,10 +42,10 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import EVENT_TABLE_PREFIX, EVENT_TABLES, Domain
-from es_pipeline.lake.delta import arrow_append, feed, tables
+from es_pipeline.lake.delta import arrow_append, feed, pieces, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
@@ -234,17 +234,9 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
 
 
 def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa.Table]:
-    """`events`' rows at the version `events` is loaded at, a build's step at a time."""
-    dataset = feed.files(path, events)
-    columns = [c for c in read if c in dataset.schema.names]
-    if feed.has_deletion_vectors(events):  # its files alone are not its rows: DataFusion applies the vectors
-        reader = QueryBuilder().register("events", events).execute(
-            "SELECT " + ", ".join(f'"{c}"' for c in columns) + " FROM events")
-        for batch in reader:
-            yield feed.plain(pa.Table.from_batches([batch]))
-        return
-    for batch in dataset.to_batches(columns=columns, batch_size=CHUNK):
-        yield pa.Table.from_batches([batch])
+    """`events`' rows at the version `events` is loaded at, a build's step (`CHUNK` events) at a time, read a batch
+    at a time (lake/delta/pieces.py): memory for one step, whatever `events`' size."""
+    return pieces.chunks(pieces.batches(path, events, read), CHUNK)
 
 
 def _with_last(chunks: Iterator[pa.Table]) -> Iterator[tuple[pa.Table, bool]]:
