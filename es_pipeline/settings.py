@@ -76,7 +76,7 @@ class Settings:
     source_spec: str = ""  # ES_PIPELINE_SOURCE as given ("" when unset)
     dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
     events_writer: str = "delta-rs"
-    engine: str = "auto"  # ES_PIPELINE_ENGINE: where a table is built whole (auto: Spark past 256 MiB of `events`)
+    engine: str = "auto"  # ES_PIPELINE_ENGINE: where a table is built whole (auto: Spark past 1 GiB of `events`)
     sensor_interval_seconds: int = 15  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
     automation: bool = True
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT

@@ -97,14 +97,13 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
 
     t0 = time.monotonic()
     domain = load_domain(settings.domain_modules)
-    small = settings.engine != "spark"  # ES_PIPELINE_ENGINE=spark: every table built on Spark
     state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn,
-                                small_increments=small)
+                                engine=settings.engine)
     print(f"   stream_state: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
           f"built by {_by(state.engine)} ({time.monotonic() - t0:.1f} s)")
     for table, update in (("stream_catalog", update_stream_catalog), ("event_type_daily", update_event_type_daily)):
         t0 = time.monotonic()
-        counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, small_increments=small)
+        counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, engine=settings.engine)
         print(f"   {table}: {counted.events_read:,} events counted into {counted.rows:,} rows, built by "
               f"{_by(counted.engine)} ({time.monotonic() - t0:.1f} s)")
     t0 = time.monotonic()

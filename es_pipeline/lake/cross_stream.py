@@ -179,7 +179,7 @@ def increment(
     if new is None:
         if not build:
             return None
-        if tables.builds_on_spark(events_feed.table, spark, engine, tables.SPARK_PIECES_BYTES):
+        if tables.builds_on_spark(events_feed.table, spark, engine):
             return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
                                      events_feed.table, f_new, read=seen)
         return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)

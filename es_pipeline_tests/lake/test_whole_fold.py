@@ -80,7 +80,7 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=34)
     extract_all(dsn.extractor, spark, warehouse)
-    monkeypatch.setattr(tables, "SPARK_PIECES_BYTES", 1)
+    monkeypatch.setattr(tables, "SPARK_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
         update_stream_state(no_spark, warehouse, domain=SHOP)
     assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200

@@ -35,7 +35,7 @@ def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinit
               event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
             r = aggregate.update(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn,
-                                 small_increments=warehouse.engine != "spark")
+                                 engine=warehouse.engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
@@ -69,7 +69,7 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     ) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
-                                    store_dsn=event_store.dsn, small_increments=warehouse.engine != "spark")
+                                    store_dsn=event_store.dsn, engine=warehouse.engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return stream_state

@@ -78,18 +78,19 @@ class Aggregate:
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
 
     def update(
-        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
+        engine: str = "auto",
     ) -> AggregateResult:
         """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
 
         `spark`: a session, or a function that returns one, called only if Spark is needed: a small
         increment, and a whole build over `events` within the engine rule's bound, are aggregated and written
-        without a JVM (`small_increment`, `small_build`) unless told not to. `NoEventsYet`
-        before `events` exists."""
+        without a JVM (`small_increment`, `small_build`) unless told not to (`small_increments`, or `engine`
+        "spark"; `engine` as `tables.on_spark` takes it). `NoEventsYet` before `events` exists."""
         tables.require_events(warehouse, self.name)
         with one_at_a_time(store_dsn, self.name) as turn:
-            if small_increments:
-                done = self.small_increment(warehouse, turn) or self.small_build(warehouse, turn)
+            if small_increments and engine != "spark":
+                done = self.small_increment(warehouse, turn) or self.small_build(warehouse, turn, engine)
                 if done is not None:
                     return done
             return self._update_with_spark(tables.session_of(spark), warehouse, turn)
@@ -128,10 +129,10 @@ class Aggregate:
         target.update_incremental()
         return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
-    def small_build(self, warehouse: Location, turn: Turn) -> AggregateResult | None:
+    def small_build(self, warehouse: Location, turn: Turn, engine: str = "auto") -> AggregateResult | None:
         """A whole build (the first, or one over another `events`) aggregated by pyarrow a million events at a
-        time and written by delta-rs, where `events`' files are within the engine rule's bound for work read in
-        pieces (`tables.on_spark`); None: Spark's to do, or not a whole build (an increment `small_increment`
+        time and written by delta-rs, where `events`' files are within the engine rule's bound (`tables.on_spark`);
+        None: Spark's to do, or not a whole build (an increment `small_increment`
         left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
@@ -139,7 +140,7 @@ class Aggregate:
         prev = tables.transaction_version(path, app_id) if tables.is_delta_table(path) else None
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
-        if tables.on_spark("auto", lambda: tables.files_bytes(events), tables.SPARK_PIECES_BYTES):
+        if tables.on_spark(engine, lambda: tables.files_bytes(events)):
             return None
         now = int(events.version())
         agg, read = None, 0

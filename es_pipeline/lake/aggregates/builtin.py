@@ -80,14 +80,18 @@ EVENT_TYPE_DAILY = Aggregate(
 
 
 def update_stream_catalog(
-    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
+    engine: str = "auto",
 ) -> AggregateResult:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
-    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
+    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
+                                 engine=engine)
 
 
 def update_event_type_daily(
-    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True
+    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
+    engine: str = "auto",
 ) -> AggregateResult:
     """Stream type x event type x day: count (incremental)."""
-    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments)
+    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
+                                   engine=engine)

@@ -230,25 +230,24 @@ def session_of(spark: Any) -> Any:
     return spark() if callable(spark) else spark
 
 
-SPARK_BYTES = 256 * 1024 * 1024  # `events` Parquet files above which `auto` builds on Spark what it holds whole
-# ... and what it reads in bounded pieces (lake/delta/pieces.py): its memory does not grow with the lake, its time
-# does (some 25M events, 30 s on two cores): past this a cluster's cores pay for a JVM's start.
-SPARK_PIECES_BYTES = 1024 * 1024 * 1024
+# `events` Parquet files above which `auto` does the work on Spark. In process it is read in bounded pieces
+# (lake/delta/pieces.py): its memory does not grow with the lake, its time does (1 GiB: some 25M events, 30 s of
+# `stream_state`'s fold on two cores); past that a cluster's cores pay for a JVM's start.
+SPARK_BYTES = 1024 * 1024 * 1024
 
 
-def builds_on_spark(events: DeltaTable, spark: Any, engine: str, bound: int = SPARK_BYTES) -> bool:
+def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
     """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
-    for, `engine` "spark", or "auto" and `events`' files past `bound` (`on_spark`); "local" never."""
-    return spark is not None and on_spark(engine, lambda: files_bytes(events), bound)
+    for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (`on_spark`); "local" never."""
+    return spark is not None and on_spark(engine, lambda: files_bytes(events))
 
 
-def on_spark(engine: str, size: Callable[[], int], bound: int = SPARK_BYTES) -> bool:
+def on_spark(engine: str, size: Callable[[], int]) -> bool:
     """The engine rule: `engine` "spark" always, "local" never, "auto" where the work's files (`size()`, asked only
-    then) pass `bound`: `SPARK_BYTES` for work that holds what it reads, `SPARK_PIECES_BYTES` for work that reads
-    in bounded pieces."""
+    then) pass `SPARK_BYTES`."""
     if engine in ("spark", "local"):
         return engine == "spark"
-    return size() > bound
+    return size() > SPARK_BYTES
 
 
 def files_bytes(table: DeltaTable, column: str | None = None, lo: int = 0, hi: int = 0) -> int:

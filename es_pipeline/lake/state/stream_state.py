@@ -82,16 +82,17 @@ def folded_version(warehouse: Location) -> tuple[int, int] | None:
 
 def update_stream_state(
     spark: Any, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
-    small_increments: bool = True,
+    small_increments: bool = True, engine: str = "auto",
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
-    if Spark is needed: a small increment and a first build of a lake that fits are folded without a JVM
-    unless told not to. `NoEventsYet` before `events` exists."""
+    if Spark is needed: a small increment and a first build the engine rule keeps here (`engine`,
+    `tables.on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
+    `NoEventsYet` before `events` exists."""
     tables.require_events(warehouse, STREAM_STATE.name)
     with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
         return with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
-                                                            small_increments))
+                                                            small_increments and engine != "spark", engine))
 
 
 def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
@@ -101,11 +102,12 @@ def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -
 
 
 def _update(
-    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, small_increments: bool
+    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, small_increments: bool,
+    engine: str = "auto",
 ) -> StateResult:
     if small_increments:
         done = small_increment(warehouse, domain, skip_unknown, turn) or _first_build(
-            warehouse, domain, skip_unknown, turn)
+            warehouse, domain, skip_unknown, turn, engine)
         if done is not None:
             return done
     spark = tables.session_of(spark)
@@ -170,7 +172,8 @@ def small_increment(
     return replace(result, written=Written(before, int(state.version()), updates, inserted))
 
 
-def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> StateResult | None:
+def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn,
+                 engine: str = "auto") -> StateResult | None:
     """The first build from this `events` (a rebuild where the table was folded from another) folded by this
     machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
     events_path = EVENTS.path(warehouse)
@@ -184,7 +187,7 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
             return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
         if feed.has_deletion_vectors(state):
             return None  # delta-rs does not write such a table: Spark rebuilds it
-    folded = whole_fold.fold_table(events_path, domain, skip_unknown)
+    folded = whole_fold.fold_table(events_path, domain, skip_unknown, engine)
     if folded is None:
         return None
     out, now = folded

@@ -2,8 +2,8 @@
 
 A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
 every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
-(bench/results/state_rebuild.md). Within the engine rule's bound for work read in pieces (`tables.on_spark`,
-`SPARK_PIECES_BYTES`: 1 GiB of Parquet) it is done here instead:
+(bench/results/state_rebuild.md). Within the engine rule's bound (`tables.on_spark`: 1 GiB of Parquet) it is
+done here instead:
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records): whole up to
    `pieces.PIECE_BYTES` of Parquet, else in one pass into pieces by slice span (lake/delta/pieces.py), so this
@@ -44,14 +44,15 @@ CHUNK = 65_536  # events taken and turned into Python objects at a time (whole s
 
 
 
-def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa.Table, int] | None:
+def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
+               engine: str = "auto") -> tuple[pa.Table, int] | None:
     """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
-    read), or None: Spark's to do (see the module)."""
+    read), or None: Spark's to do (see the module; `engine` as `tables.on_spark` takes it)."""
     events = DeltaTable(events_path)
     if feed.has_deletion_vectors(events):
         return None  # its files alone are not its rows
     size = tables.files_bytes(events)
-    if tables.on_spark("auto", lambda: size, tables.SPARK_PIECES_BYTES):
+    if tables.on_spark(engine, lambda: size):
         return None
     now = int(events.version())
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]
