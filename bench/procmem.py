@@ -26,6 +26,21 @@ def status_kib(pid: int, field: str) -> int:
     return 0
 
 
+def pss_kib(pid: int) -> int:
+    """The process's proportional set size (/proc/<pid>/smaps_rollup `Pss`): its resident pages, each page it
+    shares with others (a fork's inherited copy-on-write pages, libraries) counted as its share. Summed over a
+    process tree it counts every physical page once, where summing RSS counts a fork's inherited pages again in
+    each fork. 0 if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
 def _stat(pid: int) -> tuple[str, int] | None:
     """(command name, parent pid) from /proc/<pid>/stat; the name may hold spaces and parentheses."""
     try:
@@ -62,6 +77,7 @@ class Peaks:
     jvm_kib: int = 0  # largest sampled RSS total of the `java` descendants
     others_kib: int = 0  # ... of the other descendants (pyspark workers, the spark-submit shell)
     children_kib: int = 0  # largest sampled RSS total of all descendants (at one instant)
+    tree_pss_kib: int = 0  # largest sampled PSS total of the root and its descendants (at one instant)
     samples: int = 0
     others_names: list[str] = field(default_factory=list)  # the other descendants at their peak
 
@@ -93,7 +109,9 @@ class ChildrenSampler:
     def sample(self) -> None:
         jvm = others = 0
         names: list[str] = []
-        for pid, name in descendants(self.root).items():
+        tree = descendants(self.root)
+        pss = pss_kib(self.root) + sum(pss_kib(pid) for pid in tree)
+        for pid, name in tree.items():
             rss = status_kib(pid, "VmRSS")
             if name == "java":
                 jvm += rss
@@ -105,4 +123,5 @@ class ChildrenSampler:
         if others > p.others_kib:
             p.others_kib, p.others_names = others, sorted(names)
         p.children_kib = max(p.children_kib, jvm + others)
+        p.tree_pss_kib = max(p.tree_pss_kib, pss)
         p.samples += 1
