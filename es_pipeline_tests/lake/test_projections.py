@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
@@ -65,9 +66,11 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=20)
     extract_all(dsn.extractor, spark, warehouse)
-    # The in-process first builds a few rows at a time (lake/delta/pieces.py), each step combined with those before.
+    # The in-process first builds in bounded pieces (lake/delta/pieces.py): the catalog in four pieces by slice
+    # span, the daily counts 30 rows at a time, each step combined with those before.
     monkeypatch.setattr(pieces, "BATCH_ROWS", 7)
     monkeypatch.setattr(pieces, "CHUNK_ROWS", 30)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 4 + 1)
     first = update_stream_catalog(spark, warehouse)
     assert first.previous_events_version == -1 and first.events_read == 100
     assert first.engine == "local", "a small lake's first build starts no JVM (the engine rule)"

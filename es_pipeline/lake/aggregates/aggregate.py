@@ -7,7 +7,7 @@ The built-in ones, `stream_catalog` and `event_type_daily`, are in lake/aggregat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,36 +130,60 @@ class Aggregate:
         return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
 
     def small_build(self, warehouse: Location, turn: Turn, engine: str = "auto") -> AggregateResult | None:
-        """A whole build (the first, or one over another `events`) aggregated by pyarrow a million events at a
-        time and written by delta-rs, where `events`' files are within the engine rule's bound (`tables.on_spark`);
-        None: Spark's to do, or not a whole build (an increment `small_increment`
-        left to Spark)."""
+        """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
+        `events` read in bounded pieces (by slice span where a row is a stream's, else a million events at a
+        time), where its files are within the engine rule's bound (`tables.on_spark`); None: Spark's to do, or
+        not a whole build (an increment `small_increment` left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
         app_id = self.table.app_id_over(tables.table_id(events_path))
         prev = tables.transaction_version(path, app_id) if tables.is_delta_table(path) else None
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
-        if tables.on_spark(engine, lambda: tables.files_bytes(events)):
+        size = tables.files_bytes(events)
+        if tables.on_spark(engine, lambda: size):
             return None
         now = int(events.version())
-        agg, read = None, 0
-        # A million events at a time, each step's rows combined with those before: memory for one step and
-        # the table's rows, whatever `events`' size.
-        for rows in pieces.chunks(pieces.batches(events_path, events, self.columns)):
-            read += rows.num_rows
-            for c in self.columns:
-                if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
-                    rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
-            step = self.aggregate_arrow(rows).cast(self.table.schema)
-            agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
-        agg = agg if agg is not None else self.table.schema.empty_table()
         feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
         turn.confirm(path, app_id, prev)
         self.table.ensure_arrow(warehouse)
-        write_deltalake(path, agg, mode="overwrite", schema_mode="overwrite",
-                        commit_properties=feed.commit_properties(app_id, now))
-        return AggregateResult(agg.num_rows, now, -1, read, agg.num_rows)
+        read = written = 0
+
+        def rows_of(source: Iterable[pa.Table]) -> Iterator[pa.Table]:
+            nonlocal read
+            for rows in source:
+                read += rows.num_rows
+                for c in self.columns:
+                    if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
+                        rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
+                yield self.aggregate_arrow(rows).cast(self.table.schema)
+
+        def out(aggregated: Iterator[pa.Table]) -> Iterator[pa.RecordBatch]:
+            nonlocal written
+            for table in aggregated:
+                written += table.num_rows
+                yield from table.to_batches()
+
+        columns = [*self.columns, "slice"]
+        if "stream_id" in self.key:
+            # One row per stream: `events` spread by slice span (a stream lives in one slice), each piece's rows
+            # final and written as they come: memory for one piece, whatever the lake's size or its streams.
+            count = pieces.count_for(size)
+            with pieces.spread(pieces.batches(events_path, events, columns), pieces.schema(events, columns), count,
+                               pieces.by_slice(count)) as parts:
+                self._write(path, out(rows_of(parts.read(i) for i in range(parts.count))), app_id, now)
+        else:
+            # Few rows (per day and type): a million events at a time, each step combined with those before.
+            agg = None
+            for step in rows_of(pieces.chunks(pieces.batches(events_path, events, self.columns))):
+                agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
+            self._write(path, out(iter([agg] if agg is not None else [])), app_id, now)
+        return AggregateResult(written, now, -1, read, written)
+
+    def _write(self, path: str, batches: Iterator[pa.RecordBatch], app_id: str, now: int) -> None:
+        """The table overwritten with `batches` (streamed), under the transaction id of `events` version `now`."""
+        write_deltalake(path, pa.RecordBatchReader.from_batches(self.table.schema, batches), mode="overwrite",
+                        schema_mode="overwrite", commit_properties=feed.commit_properties(app_id, now))
 
     def _combined(self, rows: pa.Table) -> pa.Table:
         """`rows` with one row per key, by `combine`."""
