@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import time
@@ -30,6 +31,7 @@ from bench.results import Goal, machine_facts, write_result
 
 BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD,
               event_tables.NAME, small_store.NAME, table_memory.NAME)
+OPTIONAL = (table_memory.LARGE,)  # run only when named with --only (long: 50M events)
 
 
 class LazySpark:
@@ -54,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description="es_pipeline's extraction benchmarks")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes: 200k events for the backfill and memory runs, 100k vs 1M for increments")
-    parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
-                        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--only", action="append", choices=(*BENCHMARKS, *OPTIONAL), metavar="NAME",
+                        help=f"run only this benchmark (repeatable): {', '.join((*BENCHMARKS, *OPTIONAL))} (the last only when named)")
     parser.add_argument("--keep", action="store_true", help="keep the database and bench/work/ afterwards")
     return parser.parse_args(argv)
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     sizes = Sizes.resolve(quick=args.quick)
     db = database_name()
-    selected = [b for b in BENCHMARKS if not args.only or b in args.only]
+    selected = [b for b in (*BENCHMARKS, *OPTIONAL) if (b in args.only if args.only else b in BENCHMARKS)]
     log.info("benchmarks %s, sizes %s, database %s", ", ".join(selected), sizes, db)
 
     shutil.rmtree(WORK_ROOT, ignore_errors=True)  # scratch of earlier runs
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                     out = state.run_rebuild(fresh_database(db), spark.get(), work, sizes)
                 elif name == event_tables.NAME:
                     out = event_tables.run(fresh_database(db), work, sizes)
+                elif name == table_memory.LARGE:
+                    out = table_memory.run_large(lambda: fresh_database(db), work,
+                                                 int(os.environ.get("BENCH_HUGE", table_memory.LARGE_EVENTS)))
                 elif name == table_memory.NAME:
                     out = table_memory.run(lambda: fresh_database(db), work, sizes)
                 elif name == small_store.NAME:
