@@ -9,6 +9,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.defs.events import checks as events_checks
@@ -20,7 +21,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.spark import spark_conf
 from es_pipeline.lake.state import stream_state
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -50,14 +51,18 @@ def _takes_context(check: Any) -> bool:
     return "context" in inspect.signature(check.node_def.compute_fn.decorated_fn).parameters
 
 
-@pytest.mark.parametrize("engine", ["auto", "spark"])
+@pytest.mark.parametrize("engine", ["auto", "pieces", "spark"])
 def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
-    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, engine: str
+    dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On either engine: `auto` checks a small lake in this process (DataFusion, Arrow), `spark` on Spark."""
+    """On either engine: `auto` checks a small lake in this process (DataFusion, Arrow), `pieces` the same in five
+    spans of slices (lake/delta/pieces.py, as a lake past a piece's bytes is), `spark` on Spark."""
     run_workload(EventStore(dsn.writer), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(settings.pg_dsn, spark, warehouse).run(SliceRange(0, 1023))
     update_stream_state(spark, warehouse, domain=SHOP)
+    if engine == "pieces":
+        monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 5 + 1)
+        engine = "auto"
     r = _resources(settings, engine)
     for check in CHECKS:
         result = _run(check, r)
