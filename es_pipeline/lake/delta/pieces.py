@@ -94,23 +94,27 @@ class Pieces:
 
 
 @contextmanager
-def spread(source: Iterable[pa.RecordBatch], schema: pa.Schema, count: int,
+def spread(source: Iterable[pa.RecordBatch], rows_schema: pa.Schema, count: int,
            piece_of: Callable[[pa.RecordBatch], pa.Array]) -> Iterator[Pieces]:
-    """`source`'s rows (of `schema`) in `count` pieces by `piece_of`; the folder is removed on leaving."""
+    """`source`'s rows (of `rows_schema`) in `count` pieces by `piece_of`; the folder is removed on leaving (the
+    files take about the Parquet's bytes, lz4: `TMPDIR` needs that much room)."""
     if count <= 1:
-        yield Pieces(1, whole=pa.Table.from_batches(list(source), schema=schema))
+        yield Pieces(1, whole=pa.Table.from_batches(list(source), schema=rows_schema))
         return
     folder = tempfile.mkdtemp(prefix="es_pipeline-pieces-")
     try:
         options = pa.ipc.IpcWriteOptions(compression="lz4")
-        writers = [pa.ipc.new_file(_piece_path(folder, i), schema, options=options) for i in range(count)]
+        writers = [pa.ipc.new_file(_piece_path(folder, i), rows_schema, options=options) for i in range(count)]
         try:
             for batch in source:
-                pieces = piece_of(batch)
-                for i in range(count):
-                    rows = batch.filter(pc.equal(pieces, i))
-                    if rows.num_rows:
-                        writers[i].write_batch(rows)
+                # The batch ordered by piece, then cut where the piece changes: one pass, whatever `count`.
+                which = piece_of(batch)
+                order = pc.sort_indices(which)
+                ordered, which = batch.take(order), which.take(order)
+                start = 0
+                for run in pc.value_counts(which).to_pylist():  # in order of appearance: ascending
+                    writers[run["values"]].write_batch(ordered.slice(start, run["counts"]))
+                    start += run["counts"]
         finally:
             for writer in writers:
                 writer.close()
