@@ -21,9 +21,8 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.delta import feed, pieces, tables
+from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.spark import spark_conf
-from es_pipeline.lake.state import stream_state
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
@@ -171,10 +170,9 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     spark.sql(f"UPDATE delta.`{warehouse / 'stream_state'}` SET version = version - 1")
     assert not _run(projections_checks.stream_state_version_matches_events, r).passed
 
-    # Spark's check agrees (above SMALL_CHECK_EVENTS, or over deletion vectors, it is the one that runs).
-    monkeypatch.setattr(stream_state, "SMALL_CHECK_EVENTS", 0)
-    assert not _run(projections_checks.stream_state_version_matches_events, r).passed
-    monkeypatch.undo()
+    # Spark's check agrees (past the engine rule's bound, or over deletion vectors, it is the one that runs).
+    by_spark = _run(projections_checks.stream_state_version_matches_events, _resources(settings, "spark"))
+    assert not by_spark.passed and by_spark.metadata["engine"].value == "spark"
 
     # It gates the snapshots' write-back: with the state off, `snapshots_job` writes nothing into the store.
     job = build_definitions(replace(settings, spark_master="local[2]"), SHOP).resolve_job_def("snapshots_job")
@@ -213,8 +211,10 @@ def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
         result = _run(check, r)
         assert result.passed, (check.check_key.name, result.metadata)
         assert result.metadata["events_version_folded"].value >= 0
-    with monkeypatch.context() as m:  # the aggregates' Spark path, taken above SMALL_CHECK_EVENTS
-        m.setattr(feed, "SMALL_CHECK_EVENTS", 0)
+    # The aggregates' Spark path (past the engine rule's bound); in process in bounded pieces (four spans).
+    assert all(_run(check, _resources(settings, "spark")).passed for check in checks[:2])
+    with monkeypatch.context() as m:
+        m.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 4 + 1)
         assert all(_run(check, r).passed for check in checks[:2])
 
     # The expected counts, from the store: the checks above agreed with `events`, which equals the store.
@@ -234,5 +234,6 @@ def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
         result = _run(check, r)
         assert not result.passed, check.check_key.name
         assert result.metadata["keys_off"].value >= 1
-    monkeypatch.setattr(feed, "SMALL_CHECK_EVENTS", 0)
+    assert not any(_run(check, _resources(settings, "spark")).passed for check in checks[:2])
+    monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 4 + 1)
     assert not any(_run(check, r).passed for check in checks[:2])

@@ -4,8 +4,8 @@ compares like with like and cannot flap.
 
 - `stream_state`: every stream folded up to its last event. Blocking, and part of `snapshots_job`
   (defs/snapshots/schedule.py): a failure stops the snapshots' write-back, which would otherwise write a state
-  that does not match the events into the store. Read with Arrow (no JVM) up to `SMALL_CHECK_EVENTS` events, which
-  the snapshots' schedule can afford every ten minutes.
+  that does not match the events into the store. Read with Arrow (no JVM), `events` in bounded pieces, within
+  the engine rule's bound (`tables.on_spark`), which the snapshots' schedule can afford every ten minutes.
 - `stream_catalog`, `event_type_daily`: every row equal to the aggregate of `events` (lake/aggregates/aggregate.py).
 - each cross-stream projection: each key's event count equal to its events in `events`, less those waiting
   (lake/cross_stream.py `reconcile`).
@@ -32,13 +32,13 @@ from es_pipeline.lake.state.stream_state import KEY, folded_version, versions_of
     description="Each stream's folded version equals its max version in `events` (unless events wait, parked, for a gap).",
 )
 def stream_state_version_matches_events(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-    small = versions_off_small(warehouse.root)
+    small = versions_off_small(warehouse.root, warehouse.engine)
     if small is not None:
         if small.events_version is None:
             return dg.AssetCheckResult(passed=True, metadata={"streams_off": 0, "note": "stream_state not built yet"})
         return dg.AssetCheckResult(passed=small.streams == 0, metadata={
             "streams_off": small.streams, "examples": ", ".join(small.examples),
-            "events_version_folded": small.events_version, "read_with": "arrow"})
+            "events_version_folded": small.events_version, "read_with": "arrow", "engine": "local"})
     s = spark.spark_session
     state_path = tables.table_path(warehouse.root, "stream_state")
     folded = folded_version(warehouse.root)
@@ -54,7 +54,7 @@ def stream_state_version_matches_events(spark: SparkResource, warehouse: Warehou
     return dg.AssetCheckResult(
         passed=n == 0,
         metadata={"streams_off": n, "examples": ", ".join(r["stream_id"] for r in bad.limit(5).collect()),
-                  "events_version_folded": events_version},
+                  "events_version_folded": events_version, "engine": "spark"},
     )
 
 
@@ -68,7 +68,7 @@ def _aggregate_check(aggregate: Aggregate) -> Any:
         description=f"Every row of {aggregate.name} equals the aggregate of `events` at the version it folded.",
     )
     def check(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _result(aggregate.reconcile(lambda: spark.spark_session, warehouse.root))
+        return _result(aggregate.reconcile(lambda: spark.spark_session, warehouse.root, warehouse.engine))
 
     return check
 

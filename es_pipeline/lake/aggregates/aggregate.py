@@ -147,16 +147,7 @@ class Aggregate:
         feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
         turn.confirm(path, app_id, prev)
         self.table.ensure_arrow(warehouse)
-        read = written = 0
-
-        def rows_of(source: Iterable[pa.Table]) -> Iterator[pa.Table]:
-            nonlocal read
-            for rows in source:
-                read += rows.num_rows
-                for c in self.columns:
-                    if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
-                        rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
-                yield self.aggregate_arrow(rows).cast(self.table.schema)
+        read, written = [0], 0
 
         def out(aggregated: Iterator[pa.Table]) -> Iterator[pa.RecordBatch]:
             nonlocal written
@@ -164,21 +155,36 @@ class Aggregate:
                 written += table.num_rows
                 yield from table.to_batches()
 
-        columns = [*self.columns, "slice"]
+        self._write(path, out(self._aggregated(events_path, events, size, read)), app_id, now)
+        return AggregateResult(written, now, -1, read[0], written)
+
+    def _aggregated(self, events_path: str, events: DeltaTable, size: int, read: list[int]) -> Iterator[pa.Table]:
+        """The table's rows from `events` (its `size` bytes of files) in bounded pieces, a part at a time (`read[0]`
+        counts the events read)."""
+
+        def rows_of(source: Iterable[pa.Table]) -> Iterator[pa.Table]:
+            for rows in source:
+                read[0] += rows.num_rows
+                for c in self.columns:
+                    if c not in rows.column_names:  # a lake of a release before tenants: every row of no tenant
+                        rows = rows.append_column(c, pa.nulls(rows.num_rows, pa.string()))
+                yield self.aggregate_arrow(rows).cast(self.table.schema)
+
         if "stream_id" in self.key:
             # One row per stream: `events` spread by slice span (a stream lives in one slice), each piece's rows
-            # final and written as they come: memory for one piece, whatever the lake's size or its streams.
+            # final as they come: memory for one piece, whatever the lake's size or its streams.
+            columns = [*self.columns, "slice"]
             count = pieces.count_for(size)
             with pieces.spread(pieces.batches(events_path, events, columns), pieces.schema(events, columns), count,
                                pieces.by_slice(count)) as parts:
-                self._write(path, out(rows_of(parts.read(i) for i in range(parts.count))), app_id, now)
-        else:
-            # Few rows (per day and type): a million events at a time, each step combined with those before.
-            agg = None
-            for step in rows_of(pieces.chunks(pieces.batches(events_path, events, self.columns))):
-                agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
-            self._write(path, out(iter([agg] if agg is not None else [])), app_id, now)
-        return AggregateResult(written, now, -1, read, written)
+                yield from rows_of(parts.read(i) for i in range(parts.count))
+            return
+        # Few rows (per day and type): a million events at a time, each step combined with those before.
+        agg = None
+        for step in rows_of(pieces.chunks(pieces.batches(events_path, events, self.columns))):
+            agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
+        if agg is not None:
+            yield agg
 
     def _write(self, path: str, batches: Iterator[pa.RecordBatch], app_id: str, now: int) -> None:
         """The table overwritten with `batches` (streamed), under the transaction id of `events` version `now`."""
@@ -191,10 +197,11 @@ class Aggregate:
         return pa.table({c: g[f"{c}_{self.combine[c]}"] if c in self.combine else g[c]
                          for c in self.table.schema.names}).cast(self.table.schema)
 
-    def reconcile(self, spark: Any, warehouse: Location) -> Reconciled:
+    def reconcile(self, spark: Any, warehouse: Location, engine: str = "auto") -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
-        every row equal. Arrow and delta-rs up to `feed.SMALL_CHECK_EVENTS` events; above, or with deletion vectors,
-        Spark (`spark`: a session, or a function that returns one)."""
+        every row equal. In process (`events` in bounded pieces, as a build reads it) where the engine rule says
+        (`tables.on_spark`), else, or where the table has deletion vectors, Spark (`spark`: a session, or a
+        function that returns one)."""
         path, events_path = self.table.path(warehouse), EVENTS.path(warehouse)
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return Reconciled(None, note=f"{self.name} not built yet")
@@ -204,18 +211,17 @@ class Aggregate:
             return Reconciled(None, note=f"{self.name} not built from this `events` yet: its next update builds it")
         events = DeltaTable(events_path, version=int(folded))
         key = list(self.key)
-        if feed.has_deletion_vectors(events) or feed.has_deletion_vectors(target) or \
-                feed.row_count(events) > feed.SMALL_CHECK_EVENTS:
+        size = tables.files_bytes(events)
+        if feed.has_deletion_vectors(target) or tables.on_spark(engine, lambda: size):
             session = tables.session_of(spark)
             expected = self.aggregate(tables.with_tenant(tables.read(session, events_path, version=int(folded))))
             actual = tables.read(session, path, version=int(target.version())).select(*expected.columns)
             bad = expected.exceptAll(actual).select(*key).union(actual.exceptAll(expected).select(*key)).distinct()
             examples = tuple(" ".join(str(v) for v in r) for r in bad.limit(5).collect())
-            return Reconciled(int(folded), int(bad.count()), examples)
-        rows = feed.files(events_path, events).to_table(columns=[c for c in self.columns
-                                                                  if c in events.schema().to_arrow().names])
-        expected = self.aggregate_arrow(feed.plain(rows))
-        n, examples = rows_off(expected, feed.files(path, target).to_table(), key)
+            return Reconciled(int(folded), int(bad.count()), examples, engine="spark")
+        parts = list(self._aggregated(events_path, events, size, [0]))
+        expected = pa.concat_tables(parts) if parts else self.table.schema.empty_table()
+        n, examples = rows_off(expected, feed.plain(feed.files(path, target).to_table()), key)
         return Reconciled(int(folded), n, examples)
 
     def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> AggregateResult:

@@ -21,7 +21,6 @@ from es_pipeline.lake.delta import tables
 log = logging.getLogger(__name__)
 
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
-SMALL_CHECK_EVENTS = 5_000_000  # `events` rows a check reads with Arrow at most (their keys, some 200 MB); above, Spark
 
 
 def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str], *, whole: bool = False) -> pa.Table | None:

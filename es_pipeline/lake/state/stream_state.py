@@ -29,7 +29,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
@@ -298,9 +298,6 @@ def _update_with_spark(
                        engine="spark")
 
 
-SMALL_CHECK_EVENTS = feed.SMALL_CHECK_EVENTS
-
-
 @dataclass(frozen=True)
 class VersionsOff:
     """`stream_state` against the `events` version it folded: streams whose folded version is not their last
@@ -311,9 +308,10 @@ class VersionsOff:
     events_version: int | None
 
 
-def versions_off_small(warehouse: Location) -> VersionsOff | None:
-    """The check of `stream_state` without a JVM (the snapshots' write-back waits on it): None where Arrow should
-    not read it (deletion vectors, which the files alone do not honour, or more than SMALL_CHECK_EVENTS events)."""
+def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff | None:
+    """The check of `stream_state` without a JVM (the snapshots' write-back waits on it), `events` read in bounded
+    pieces (each stream's last version, a million events at a time): None where Spark should do it (the engine
+    rule, `tables.on_spark`, or deletion vectors in `stream_state`, which its files alone do not honour)."""
     state_path = tables.table_path(warehouse, "stream_state")
     folded = folded_version(warehouse)
     if folded is None:
@@ -321,13 +319,19 @@ def versions_off_small(warehouse: Location) -> VersionsOff | None:
     state_version, events_version = folded
     events = DeltaTable(EVENTS.path(warehouse), version=events_version)
     state = DeltaTable(state_path, version=state_version)
-    if feed.has_deletion_vectors(events) or feed.has_deletion_vectors(state) or \
-            feed.row_count(events) > SMALL_CHECK_EVENTS:
+    if feed.has_deletion_vectors(state) or tables.on_spark(engine, lambda: tables.files_bytes(events)):
         return None
     keys = list(KEY)
-    last = tables.tenant_filled(feed.files(EVENTS.path(warehouse), events)
-                                .to_table(columns=[*keys, "version"])) \
-        .group_by(keys).aggregate([("version", "max")]).rename_columns([*keys, "max_version"])
+    last: pa.Table | None = None
+    for rows in pieces.chunks(pieces.batches(EVENTS.path(warehouse), events, [*keys, "version"])):
+        if "tenant" not in rows.column_names:  # a lake of a release before tenants
+            rows = rows.append_column("tenant", pa.nulls(rows.num_rows, pa.string()))
+        step = tables.tenant_filled(rows).group_by(keys).aggregate([("version", "max")]) \
+            .rename_columns([*keys, "max_version"])
+        last = step if last is None else pa.concat_tables([last, step]).group_by(keys).aggregate(
+            [("max_version", "max")]).rename_columns([*keys, "max_version"])
+    if last is None:
+        last = pa.table({**{k: pa.array([], pa.string()) for k in keys}, "max_version": pa.array([], pa.int32())})
     rows = feed.files(state_path, state).to_table(columns=[*keys, "version", "parked"])
     rows = tables.tenant_filled(rows) if "tenant" in keys else rows
     joined = rows.join(last, keys, join_type="full outer")
