@@ -192,7 +192,8 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
     """Projection `name` (one snapshot of its table) against `events` at the version it read (V): each key's
     `events` equals the events of its types there that have the key, less those still waiting (rows of the commits
     after its cursor, in batches at or above its frontier: folded by a later update). Like with like, so it cannot
-    flap; the keys are read as the fold reads them (in this process, as the fold runs)."""
+    flap; the keys are read as the fold reads them (in this process, as the fold runs; `events` a million events
+    at a time)."""
     projection = domain.projections[name]
     table = table_of(projection, domain)
     path, events_path = table.path(warehouse), EVENTS.path(warehouse)
@@ -205,16 +206,23 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
     if definition != table.properties[KIND] or seen is None or cursor is None or frontier is None:
         return Reconciled(None, note=f"{name} not built from this `events` and definition yet: its next update builds it")
     events = DeltaTable(events_path, version=int(seen))
-    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
+    waiting: pa.Array | None = None
     if cursor < seen:
         later = feed.new_rows(events, int(cursor), int(seen), [*KEY_COLUMNS, "batch_id"], whole=True)
         if later is None:
             return Reconciled(None, note=f"`events`' change feed after version {cursor} is gone (vacuumed): "
                                          "the rows still waiting cannot be told apart")
-        waiting = later.filter(pc.greater_equal(pc.fill_null(later["batch_id"], 0), int(frontier)))
-        rows = rows.filter(pc.invert(pc.is_in(_event_keys(rows), _event_keys(waiting))))
-    keyed = _keyed(rows, projection, domain).rows
-    counts = keyed.group_by(["tenant", "key"]).aggregate([([], "count_all")])
+        waiting = _event_keys(later.filter(pc.greater_equal(pc.fill_null(later["batch_id"], 0), int(frontier))))
+    # Each key's events counted a million events at a time (lake/delta/pieces.py), each step added to those before.
+    counts = pa.table({"tenant": pa.array([], pa.string()), "key": pa.array([], pa.string()),
+                       "count_all": pa.array([], pa.int64())})
+    for rows in _parts(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain)):
+        if waiting is not None:
+            rows = rows.filter(pc.invert(pc.is_in(_event_keys(rows), waiting)))
+        base, _ = _key_rows(rows, projection, domain)
+        step = base.filter(pc.is_valid(base["key"])).group_by(["tenant", "key"]).aggregate([([], "count_all")])
+        counts = pa.concat_tables([counts, step.cast(counts.schema)]).group_by(["tenant", "key"]).aggregate(
+            [("count_all", "sum")]).rename_columns(["tenant", "key", "count_all"])
     expected = pa.table({"tenant": counts["tenant"], projection.key_column: counts["key"].cast(pa.string()),
                          "events": counts["count_all"].cast(pa.int64())})
     n, examples = rows_off(expected, feed.files(path, target).to_table(columns=list(expected.column_names)),
@@ -718,12 +726,16 @@ def _refold(
 ) -> dict[tuple[str, str], _Row]:
     """`keys` folded from all their events in `events` (at the version read) but the `waiting` ones (they are
     folded later)."""
-    rows = _whole(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain))
-    if waiting.num_rows:
-        held = tables.tenant_filled(waiting.select(tables.KEY)).cast(pa.schema([("tenant", pa.string()), (
-            "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))
-        rows = tables.tenant_filled(rows).join(held, keys=tables.KEY, join_type="left anti")
-    return _fold(projection, domain, _keyed(rows, projection, domain).only(keys), {})
+    kept = []
+    for rows in _parts(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain)):
+        if waiting.num_rows:  # a million events at a time: only the rows of `keys` are held
+            held = tables.tenant_filled(waiting.select(tables.KEY)).cast(pa.schema([("tenant", pa.string()), (
+                "stream_id", pa.string()), ("version", rows.schema.field("version").type)]))
+            rows = tables.tenant_filled(rows).join(held, keys=tables.KEY, join_type="left anti")
+        kept.append(_keyed(rows, projection, domain).only(keys).rows.drop_columns(["tcode", "kcode"]))
+    if not kept:
+        return {}
+    return _fold(projection, domain, _ordered(pa.concat_tables(kept), None, 0), {})
 
 
 # -- the Spark build -----------------------------------------------------------------------------------
