@@ -227,7 +227,7 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
                          "events": counts["count_all"].cast(pa.int64())})
     n, examples = rows_off(expected, feed.files(path, target).to_table(columns=list(expected.column_names)),
                            ["tenant", projection.key_column])
-    return Reconciled(int(seen), n, examples)
+    return Reconciled(int(seen), n, examples, engine="local")
 
 
 KEY_COLUMNS = ("tenant", "stream_id", "version")

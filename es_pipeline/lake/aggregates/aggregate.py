@@ -222,7 +222,7 @@ class Aggregate:
         parts = list(self._aggregated(events_path, events, size, [0]))
         expected = pa.concat_tables(parts) if parts else self.table.schema.empty_table()
         n, examples = rows_off(expected, feed.plain(feed.files(path, target).to_table()), key)
-        return Reconciled(int(folded), n, examples)
+        return Reconciled(int(folded), n, examples, engine="local")
 
     def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> AggregateResult:
         events_path = EVENTS.path(warehouse)

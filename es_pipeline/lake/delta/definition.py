@@ -108,12 +108,12 @@ class Reconciled:
     keys_off: int = 0  # keys whose row is not what `events` at that version gives (missing, extra or other)
     examples: tuple[str, ...] = ()
     note: str = ""  # why nothing was compared, where nothing was
-    engine: str = "local"  # what compared: "local" (this process) or "spark"
+    engine: str = ""  # what compared: "local" (this process) or "spark"; "" where nothing was
 
     def metadata(self) -> dict[str, Any]:
         return {"keys_off": self.keys_off, "examples": ", ".join(self.examples) or "-",
                 "events_version_folded": -1 if self.events_version is None else self.events_version,
-                "engine": self.engine, **({"note": self.note} if self.note else {})}
+                **({"engine": self.engine} if self.engine else {}), **({"note": self.note} if self.note else {})}
 
 
 def rows_off(expected: pa.Table, actual: pa.Table, key: list[str]) -> tuple[int, tuple[str, ...]]:
