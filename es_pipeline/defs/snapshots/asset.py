@@ -25,8 +25,9 @@ def snapshots(
     context: dg.AssetExecutionContext, config: SnapshotConfig, spark: SparkResource, warehouse: WarehouseResource, event_store: EventStoreResource
 ) -> dg.MaterializeResult:
     # The write-back goes through the snapshot writer's own login when ES_PIPELINE_SNAPSHOT_DSN names one.
-    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/state/snapshots.py).
+    # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/state/snapshots.py),
+    # or as ES_PIPELINE_ENGINE says.
     with projection_run(context):
         r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(),
-                           threshold=config.threshold)
+                           threshold=config.threshold, engine=warehouse.engine)
     return dg.MaterializeResult(metadata=r.metadata())

@@ -11,6 +11,9 @@ snapshots, lake and store, in that turn, after its `stream_state` rows, and none
   psycopg writes them back (the schedule runs every ten minutes: a Spark session each time was most of
   the steady-state cost of the JVM);
 - beyond, and on tables delta-rs should not write (deletion vectors, made before tenants), Spark.
+`ES_PIPELINE_ENGINE` forces either (`spark`; `local`, at any size where delta-rs may write). These bounds count
+streams and snapshots, not `events`' bytes: a take reads `stream_state` and `snapshots` whole (issue 43 left
+them so; docs/decisions/0041).
 
 A stream is due when it has no snapshot and `threshold` events, has `threshold` events more than its
 latest snapshot (the highest version, then revision), or its reducer revision changed.
@@ -55,34 +58,41 @@ class SnapshotResult:
     taken: int
     written_back: int
     state_version: int
+    engine: str = "local"  # "spark" where Spark took them, "local" where this process did
 
-    def metadata(self) -> dict[str, int]:
+    def metadata(self) -> dict[str, int | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"dagster/row_count": self.taken, "written_back": self.written_back,
-                "stream_state_version": self.state_version}
+                "stream_state_version": self.state_version, "engine": self.engine}
 
 
 def take_snapshots(
-    spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD, small: bool = True
+    spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD, small: bool = True,
+    engine: str = "auto",
 ) -> SnapshotResult:
     """Append the snapshots now due to the Delta table, then write back to the store every latest
     snapshot of the lake that the store does not hold (these, and any a failed run left behind).
 
-    `spark`: a session, or a function that returns one, called only if Spark is needed (see the module)."""
-    if small:
-        done = _take_small(warehouse, store, threshold)
+    `spark`: a session, or a function that returns one, called only if Spark is needed (see the module).
+    `engine` (ES_PIPELINE_ENGINE): "spark" always Spark, "local" here at any size (where delta-rs may write the
+    tables), "auto" here up to `SMALL_SNAPSHOTS` streams and `SMALL_SNAPSHOT_ROWS` snapshots."""
+    if small and engine != "spark":
+        done = _take_small(warehouse, store, threshold, bounded=engine != "local")
         if done is not None:
             return SnapshotResult(*done)
     return _take_with_spark(tables.session_of(spark), warehouse, store, threshold)
 
 
-def _take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple[int, int, int] | None:
-    """(taken, written back, stream_state version) of a snapshot run done here; None: Spark's to do."""
+def _take_small(warehouse: Location, store: EventStore, threshold: int,
+                bounded: bool = True) -> tuple[int, int, int] | None:
+    """(taken, written back, stream_state version) of a snapshot run done here; None: Spark's to do (`bounded`:
+    past `SMALL_SNAPSHOTS` or `SMALL_SNAPSHOT_ROWS` too)."""
     state_path = tables.table_path(warehouse, "stream_state")
     snap_path = tables.table_path(warehouse, "snapshots")
     SNAPSHOTS.ensure_arrow(warehouse)
     snap = DeltaTable(snap_path)
-    if feed.has_deletion_vectors(snap) or feed.row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, KEY):
+    if feed.has_deletion_vectors(snap) or (bounded and feed.row_count(snap) > SMALL_SNAPSHOT_ROWS) or \
+            not tables.has_columns(snap, KEY):
         return None  # (a table made before tenants: Spark adds the column)
     # The whole take, the write-back included, in the table's turn, reading `stream_state` once the turn is ours:
     # `tenant erase` deletes a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows.
@@ -90,7 +100,8 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int) -> tuple
         if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
             return 0, _write_back(latest(feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_COLUMNS)), store), -1
         state = DeltaTable(state_path)
-        if feed.has_deletion_vectors(state) or feed.row_count(state) > SMALL_SNAPSHOTS or not tables.has_columns(state, KEY):
+        if feed.has_deletion_vectors(state) or (bounded and feed.row_count(state) > SMALL_SNAPSHOTS) or \
+                not tables.has_columns(state, KEY):
             return None
         state_version = state.version()
         app = SNAPSHOTS.app_id_over(str(state.metadata().id))
@@ -174,7 +185,7 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
         spark.sql(f"ALTER TABLE delta.`{snap_path}` ADD COLUMNS (tenant STRING)")
         spark.sql(f"UPDATE delta.`{snap_path}` SET tenant = '' WHERE tenant IS NULL")
     if not tables.is_delta_table(state_path):
-        return SnapshotResult(0, write_back(spark, warehouse, store), -1)
+        return SnapshotResult(0, write_back(spark, warehouse, store), -1, engine="spark")
     state_version = tables.table_version(spark, state_path)
     state = tables.read(spark, state_path, version=state_version)
     last = tables.read(spark, snap_path).groupBy(*KEY).agg(F.max(F.struct("version", "revision")).alias("last"))
@@ -202,7 +213,7 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
         due.unpersist()
     # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed
     # against the new snapshots it is empty (that lost every write-back once). The lake is the record.
-    return SnapshotResult(taken, write_back(spark, warehouse, store), state_version)
+    return SnapshotResult(taken, write_back(spark, warehouse, store), state_version, engine="spark")
 
 
 def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
