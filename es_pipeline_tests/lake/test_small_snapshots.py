@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
@@ -16,6 +17,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.state import snapshots
 from es_pipeline.lake.state.snapshots import app_id, latest, take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
@@ -43,7 +45,7 @@ def _taken(warehouse: Path) -> list[tuple[str, str, int, Any, int]]:
 
 
 def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
-    dsn: StoreDsn, spark: Any, tmp_path: Path
+    dsn: StoreDsn, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = EventStore(dsn.snapshots)
     small, big = tmp_path / "small", tmp_path / "spark"
@@ -57,7 +59,8 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         shutil.rmtree(big / "stream_state", ignore_errors=True)
         shutil.copytree(small / "stream_state", big / "stream_state")
         on_small = take_snapshots(None, small, store, threshold=4)  # no Spark session: it must not need one
-        on_spark = take_snapshots(spark, big, store, threshold=4, small=False)
+        on_spark = take_snapshots(spark, big, store, threshold=4, engine="spark")  # ES_PIPELINE_ENGINE=spark
+        assert (on_small.engine, on_spark.engine) == ("local", "spark")
         assert on_small.taken == on_spark.taken > 0
         assert _taken(small) == _taken(big)
         assert on_small.state_version == on_spark.state_version
@@ -79,3 +82,7 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
                             "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount == 3
     assert take_snapshots(None, small, store, threshold=4).written_back == 3
     assert stored_snapshots(dsn) == lake
+
+    # ES_PIPELINE_ENGINE=local keeps a take past the streams bound in process (no Spark session to ask for).
+    monkeypatch.setattr(snapshots, "SMALL_SNAPSHOTS", 0)
+    assert take_snapshots(None, small, store, threshold=1, engine="local").engine == "local"
