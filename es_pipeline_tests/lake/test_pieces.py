@@ -20,7 +20,7 @@ def _rows(n: int, seed: int = 7) -> pa.Table:
 def test_count_for_cuts_by_bytes_and_never_below_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pieces, "PIECE_BYTES", 100)
     assert [pieces.count_for(b) for b in (0, 1, 100, 101, 250)] == [1, 1, 1, 2, 3]
-    assert pieces.count_for(10**9) == pieces.SLICES, "a piece holds one slice at least"
+    assert pieces.count_for(10**9) == pieces.MAX_PIECES, "as many files open at once at most"
 
 
 def test_every_row_lands_once_in_the_piece_of_its_slice_and_the_folder_goes() -> None:

@@ -144,18 +144,16 @@ class Aggregate:
         if tables.on_spark(engine, lambda: size):
             return None
         now = int(events.version())
+        read = [0]
+        # The table's rows held (a row per key: `events` itself is read in pieces), so that the turn is confirmed
+        # right before the write, as every build does, and no read of `events` runs inside delta-rs's write.
+        rows = list(self._aggregated(events_path, events, size, read))
         feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
         turn.confirm(path, app_id, prev)
         self.table.ensure_arrow(warehouse)
-        read, written = [0], 0
-
-        def out(aggregated: Iterator[pa.Table]) -> Iterator[pa.RecordBatch]:
-            nonlocal written
-            for table in aggregated:
-                written += table.num_rows
-                yield from table.to_batches()
-
-        self._write(path, out(self._aggregated(events_path, events, size, read)), app_id, now)
+        written = sum(t.num_rows for t in rows)
+        write_deltalake(path, pa.Table.from_batches([b for t in rows for b in t.to_batches()], schema=self.table.schema),
+                        mode="overwrite", schema_mode="overwrite", commit_properties=feed.commit_properties(app_id, now))
         return AggregateResult(written, now, -1, read[0], written)
 
     def _aggregated(self, events_path: str, events: DeltaTable, size: int, read: list[int]) -> Iterator[pa.Table]:
@@ -185,11 +183,6 @@ class Aggregate:
             agg = step if agg is None else self._combined(pa.concat_tables([agg, step]))
         if agg is not None:
             yield agg
-
-    def _write(self, path: str, batches: Iterator[pa.RecordBatch], app_id: str, now: int) -> None:
-        """The table overwritten with `batches` (streamed), under the transaction id of `events` version `now`."""
-        write_deltalake(path, pa.RecordBatchReader.from_batches(self.table.schema, batches), mode="overwrite",
-                        schema_mode="overwrite", commit_properties=feed.commit_properties(app_id, now))
 
     def _combined(self, rows: pa.Table) -> pa.Table:
         """`rows` with one row per key, by `combine`."""

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,11 +31,13 @@ PIECE_BYTES = 64 * 1024 * 1024  # Parquet bytes of `events` a piece holds at mos
 BATCH_ROWS = 131_072  # rows a scan yields at a time
 CHUNK_ROWS = 1_048_576  # rows `chunks` gathers (a streaming aggregate's step)
 SLICES = 1024
+MAX_PIECES = 256  # a piece file open per piece while spreading: well within the usual 1024 open files
 
 
 def count_for(parquet_bytes: int) -> int:
-    """How many pieces a read of `parquet_bytes` of files is cut into (a slice at least to each piece)."""
-    return min(SLICES, max(1, math.ceil(parquet_bytes / PIECE_BYTES)))
+    """How many pieces a read of `parquet_bytes` of files is cut into: at most `MAX_PIECES` (files open at once
+    while spreading; past 16 GiB the pieces grow instead)."""
+    return min(MAX_PIECES, max(1, math.ceil(parquet_bytes / PIECE_BYTES)))
 
 
 def schema(table: DeltaTable, columns: Sequence[str]) -> pa.Schema:
@@ -104,8 +106,9 @@ def spread(source: Iterable[pa.RecordBatch], rows_schema: pa.Schema, count: int,
     folder = tempfile.mkdtemp(prefix="es_pipeline-pieces-")
     try:
         options = pa.ipc.IpcWriteOptions(compression="lz4")
-        writers = [pa.ipc.new_file(_piece_path(folder, i), rows_schema, options=options) for i in range(count)]
-        try:
+        with ExitStack() as files:  # every writer closed, however the pass ends
+            writers = [files.enter_context(pa.ipc.new_file(_piece_path(folder, i), rows_schema, options=options))
+                       for i in range(count)]
             for batch in source:
                 # The batch ordered by piece, then cut where the piece changes: one pass, whatever `count`.
                 which = piece_of(batch)
@@ -115,9 +118,6 @@ def spread(source: Iterable[pa.RecordBatch], rows_schema: pa.Schema, count: int,
                 for run in pc.value_counts(which).to_pylist():  # in order of appearance: ascending
                     writers[run["values"]].write_batch(ordered.slice(start, run["counts"]))
                     start += run["counts"]
-        finally:
-            for writer in writers:
-                writer.close()
         yield Pieces(count, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
