@@ -87,20 +87,6 @@ def files(path: str, table: DeltaTable) -> ds.Dataset:
     return ds.dataset(names, format="parquet", filesystem=fs, schema=plain_schema(pa.schema(table.schema().to_arrow())))
 
 
-def current_rows(path: str, table: DeltaTable, columns: Sequence[str]) -> pa.Table:
-    """The table's rows at the version loaded, the `columns` it has (plain strings): its files read by pyarrow, or
-    by DataFusion where deletion vectors say some of their rows are gone."""
-    held = set(pa.schema(table.schema().to_arrow()).names)
-    wanted = [c for c in columns if c in held]
-    if has_deletion_vectors(table):
-        from deltalake import QueryBuilder
-
-        reader = QueryBuilder().register("t", table).execute("SELECT " + ", ".join(f'"{c}"' for c in wanted)
-                                                            + " FROM t")
-        return plain(pa.RecordBatchReader.from_stream(reader).read_all())
-    return files(path, table).to_table(columns=wanted)
-
-
 def row_count(table: DeltaTable) -> int:
     adds = pa.table(table.get_add_actions(flatten=True))
     return int(pc.sum(adds["num_records"]).as_py() or 0) if adds.num_rows else 0
