@@ -30,7 +30,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from bench.common import WORK_ROOT, admin_dsn, drop_database, fresh_database
+from bench.common import WORK_ROOT, admin_dsn, drop_database, fresh_database, wait_until_extractable
 from bench.results import Goal, machine_facts, write_result
 from es_pipeline.dev.stack import dagster_stack
 from es_pipeline.dev.workload import bulk_load, run_workload
@@ -392,6 +392,7 @@ def _median_ms(fn: Any, repeats: int = TICK_REPEATS) -> tuple[float, float, Any]
 def _tick_figures(dsn: str, label: str) -> dict[str, Any]:
     """Each way of asking, on one state of the store: what it costs and what it found."""
     ranges = split(8)
+    wait_until_extractable(dsn)  # the watermarks below go past every event so far, whatever is open elsewhere
     with psycopg.connect(dsn, autocommit=True) as c:
         # As after a run of every range: every slice's watermark at the horizon; then one new event per range.
         c.execute("DELETE FROM es_pipeline.offsets")
