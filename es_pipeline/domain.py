@@ -35,6 +35,7 @@ import importlib
 import re
 import types
 import typing
+import zoneinfo
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -73,6 +74,7 @@ class Reducer:
     fold: Fold
     domain: str = ""  # the name of the domain that registered it (for messages)
     state: pa.Schema | None = None  # its state's fields, declared: the stream type then has a typed table too
+    history: str | None = None  # "each" or "daily:<zone>": the stream type keeps stream_state_<type>_history too
 
 
 Upcast = Callable[[dict[str, Any]], dict[str, Any]]
@@ -90,6 +92,26 @@ class Upcaster:
 
     def applies_to(self, stream_type: str) -> bool:
         return self.stream_types is None or stream_type in self.stream_types
+
+
+def history_grain(history: bool | str | None, what: str) -> str | None:
+    """A reducer's `history=` as the lake keeps it: None (no history), "each", or "daily:<IANA zone>"."""
+    if history is None or history is False:
+        return None
+    if history is True or history == "each":
+        return "each"
+    if isinstance(history, str) and (history == "daily" or history.startswith("daily:")):
+        zone = history.partition(":")[2] or "UTC"
+        try:
+            zoneinfo.ZoneInfo(zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise DomainError(f"{what} keeps its history in days of zone {zone!r}, which is no time zone here",
+                              'Name an IANA zone, as in history="daily:Europe/Paris" (history="daily": UTC days).') \
+                from None
+        return f"daily:{zone}"
+    raise DomainError(f"{what} has history={history!r}",
+                      'Say history=True (every state), history="daily" (the state at the end of each UTC day it '
+                      'changed) or history="daily:<zone>"; leave it out for no history.')
 
 
 KeyOf = Callable[["Event"], Any]
@@ -161,19 +183,25 @@ class Domain:
     def __repr__(self) -> str:
         return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
 
-    def reducer(self, stream_type: str, *, revision: int, state: Any = None) -> Callable[[Fold], Fold]:
+    def reducer(
+        self, stream_type: str, *, revision: int, state: Any = None, history: bool | str = False
+    ) -> Callable[[Fold], Fold]:
         """Register the decorated function as the reducer of `stream_type` (see the module docstring).
 
         `state`: what its state holds, as a dataclass, a TypedDict or an Arrow schema: the stream type then
-        gets a typed table too, one column per field (docs/domain.md, "Typed state")."""
+        gets a typed table too, one column per field (docs/domain.md, "Typed state").
+        `history`: True (or "each") keeps every state each stream has been in, "daily" the state at the end of
+        each day it changed (UTC days; "daily:Europe/Paris" for another zone), in `stream_state_<type>_history`
+        (docs/domain.md, "State history")."""
         if not isinstance(revision, int) or isinstance(revision, bool) or not 0 < revision < 1000:
             raise DomainError(f"the reducer of {stream_type!r} in domain {self.name!r} has revision {revision!r}",
                               "A revision is a whole number from 1 to 999: start at 1, add one when its logic changes.")
 
         schema = None if state is None else state_schema(state, f"the state of {stream_type!r} in domain {self.name!r}")
+        grain = history_grain(history, f"the reducer of {stream_type!r} in domain {self.name!r}")
 
         def register(fn: Fold) -> Fold:
-            self.add(Reducer(stream_type, revision, fn, self.name, schema))
+            self.add(Reducer(stream_type, revision, fn, self.name, schema, grain))
             return fn
 
         return register

@@ -39,6 +39,7 @@ from es_pipeline.extraction.offsets import batch_frontier, read_watermarks
 from es_pipeline.extraction.slices import split
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.state import history as state_history
 from es_pipeline.lake.state import stream_state, typed_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
@@ -48,7 +49,7 @@ from es_pipeline_tests.support.roles import StoreDsn
 
 CONSUMER = mapping.load(None, "es").consumer
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily", "sku_sales", "event_tables")
-LAKE_MODULES = (cross_stream, event_tables, stream_state, typed_state)  # where `write_deltalake` is imported by name
+LAKE_MODULES = (cross_stream, event_tables, stream_state, typed_state, state_history)  # where `write_deltalake` is imported by name
 
 
 def _revised(domain: Domain) -> Domain:
@@ -196,19 +197,29 @@ class History:
         self.update(PROJECTIONS)
         with psycopg.connect(self.dsn) as conn:
             history = conn.execute("SELECT stream_id, version, event_type, payload, global_position, "
-                                   "(recorded_at AT TIME ZONE 'UTC')::date FROM es.events ORDER BY stream_id, version").fetchall()
+                                   "(recorded_at AT TIME ZONE 'UTC')::date, recorded_at FROM es.events "
+                                   "ORDER BY stream_id, version").fetchall()
         assert {(s, v) for s, v, *_ in history} == set(self.taken_by), "the model took every event once"
         states: dict[str, tuple[int, dict[str, Any]]] = {}
-        for stream, version, etype, payload, _, _ in history:
+        trails: dict[tuple[str, int], list[Any]] = {}  # the cart history: every state, from its running max time
+        for stream, version, etype, payload, _, _, at in history:
             states[stream] = (version, SHOP.reducers["cart"].fold(states.get(stream, (0, {}))[1],
                                                                   Event(stream, version, etype, payload)))
+            before = trails.get((stream, version - 1))
+            high = at if before is None or at > before[1] else before[1]
+            if before is not None:
+                before[2] = high
+            trails[(stream, version)] = [version, high, None, json.loads(json.dumps(states[stream][1]))]
         assert {r["stream_id"]: (r["version"], json.loads(r["state"]))
                 for r in rows_of(self.warehouse, "stream_state")} == states
         assert {r["stream_id"]: (r["version"], r["total"]) for r in rows_of(self.warehouse, "stream_state_cart")} == \
             {s: (v, state["total"]) for s, (v, state) in states.items()}
+        assert {(r["stream_id"], r["version_from"]): [r["version_to"], r["valid_from"], r["valid_to"],
+                                                      json.loads(r["state"])]
+                for r in rows_of(self.warehouse, "stream_state_cart_history")} == trails
         catalog: dict[str, tuple[int, int]] = {}
         daily: dict[tuple[str, str, Any], int] = {}
-        for stream, version, etype, _, _, day in history:
+        for stream, version, etype, _, _, day, _ in history:
             catalog[stream] = (catalog.get(stream, (0, 0))[0] + 1, max(version, catalog.get(stream, (0, 0))[1]))
             daily[("cart", etype, day)] = daily.get(("cart", etype, day), 0) + 1
         assert {r["stream_id"]: (r["events"], r["version"])
@@ -218,7 +229,7 @@ class History:
 
         fold = SHOP.projections["sku_sales"].fold
         sales: dict[str, tuple[int, dict[str, Any]]] = {}
-        for stream, version, etype, payload, _, _ in sorted(
+        for stream, version, etype, payload, _, _, _ in sorted(
                 history, key=lambda h: (self.taken_by[(h[0], h[1])], h[4])):  # (extraction, position)
             n, state = sales.get(payload["sku"], (0, {}))
             sales[payload["sku"]] = (n + 1, fold(state, Event(stream, version, etype, payload)))

@@ -7,6 +7,7 @@ from typing import Any
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.read.query import as_of_spark
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings
 
@@ -28,4 +29,10 @@ def sql_over_lake(settings: Settings, query: str) -> tuple[Any, list[str]]:
     """`query` as a Spark DataFrame over every table of the lake by name (`es-pipeline sql`); the names."""
     spark = get_spark(settings, master=settings.spark_master)
     names = register_tables(spark, settings.warehouse)
-    return spark.sql(query), names
+
+    def columns_of(name: str) -> list[str]:  # a history table's, for `state_as_of` (lake/read/query.py)
+        if name not in names:
+            raise KeyError(name)
+        return [f.name for f in spark.table(name).schema.fields]
+
+    return spark.sql(as_of_spark(query, columns_of)), names

@@ -8,10 +8,14 @@ first build's forked processes (lake/state/whole_fold.py) all fold with `StreamF
   than their commits), so only the contiguous run after the folded version is applied; later events wait
   in the row's `parked` column, and are folded when the gap fills;
 - a stream type with no reducer keeps its versions and times alone (no state, revision 0);
-- a reducer's failure stops its stream there, named (`error`), and the update commits nothing.
+- a reducer's failure stops its stream there, named (`error`), and the update commits nothing;
+- a reducer that keeps history (`Domain.reducer(..., history=...)`) also leaves a trail: the rows its stream's
+  history table gains (lake/state/history.py), each state with its version range and `valid_from`, the
+  running maximum of `recorded_at`; `history_from` / `history_at` carry the current history row's first
+  version and `valid_from` from one update to the next.
 
 The fold's output (`FOLD_OUT`) is `stream_state`'s row without `updated_at`, plus the fold's own
-`folded` (events folded) and `error` columns.
+`folded` (events folded), `error` and `history` (the trail, JSON) columns.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import orjson
 import pyarrow as pa
@@ -35,10 +40,13 @@ FOLD_OUT = pa.schema([
     ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
     ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("parked", pa.string()),
     ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
+    ("history_from", pa.int32()), ("history_at", UTC_MICROS), ("history", pa.string()),
 ])
+_AFTER_TENANT = ("tenant", "history_from", "history_at")  # added to tables of earlier releases, in this order
 # `stream_state`'s columns: the fold's output without its own columns, stamped when committed.
-STATE_SCHEMA = pa.schema([*(f for f in FOLD_OUT if f.name not in ("folded", "error", "tenant")),
-                          pa.field("updated_at", UTC_MICROS), FOLD_OUT.field("tenant")])
+STATE_SCHEMA = pa.schema([*(f for f in FOLD_OUT if f.name not in ("folded", "error", "history", *_AFTER_TENANT)),
+                          pa.field("updated_at", UTC_MICROS), *(FOLD_OUT.field(n) for n in _AFTER_TENANT)])
+HISTORY_COLUMNS = ("history_from", "history_at")  # stream_state's, for the history tables (lake/state/history.py)
 FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]  # of events
 READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
 
@@ -66,6 +74,7 @@ class StateResult:
     skipped_unknown: int
     without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
     typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/state/typed_state.py)
+    history_rows: tuple[tuple[str, int], ...] = ()  # rows written per history table (lake/state/history.py)
     written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
     engine: str = "local"  # "spark" where Spark folded the update, "local" where this process did
 
@@ -80,7 +89,8 @@ class StateResult:
                 "events_table_version": self.events_version, "parked_streams": self.parked_streams,
                 "skipped_unknown_events": self.skipped_unknown, "rebuilt_types": ", ".join(self.rebuilt_types) or "-",
                 "streams_without_reducer": self.without_reducer, "engine": self.engine,
-                **{f"typed_rows/{name}": n for name, n in self.typed_rows}}
+                **{f"typed_rows/{name}": n for name, n in self.typed_rows},
+                **{f"history_rows/{name}": n for name, n in self.history_rows}}
 
 
 # The Delta txn version of a stream_state commit encodes the events table version folded and the
@@ -110,6 +120,7 @@ def txn_version_after(read: int, events_version: int) -> int:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DAY_MICROS = 86_400_000_000
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
 
 
@@ -117,12 +128,22 @@ def _timestamp(micros: int | None) -> datetime | None:
     return None if micros is None else _EPOCH + timedelta(microseconds=micros)
 
 
+def day_of(grain: str) -> Any:
+    """For a "daily:<zone>" history: the function of a time (microseconds since the epoch) giving its day there."""
+    zone = grain.partition(":")[2]
+    if zone == "UTC":
+        return lambda micros: micros // _DAY_MICROS
+    where = ZoneInfo(zone)
+    return lambda micros: (_EPOCH + timedelta(microseconds=micros)).astimezone(where).toordinal()
+
+
 class StreamFold:
     """One stream's fold within a partition: its prior row (if any), then its events in version order.
     Times travel as microseconds since the epoch (a datetime per event would cost as much as the fold)."""
 
     __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
-                 "last_at", "skipped", "folded", "parked", "error", "codec", "last_type")
+                 "last_at", "skipped", "folded", "parked", "error", "codec", "last_type", "day", "trail",
+                 "history_from", "history_at")
 
     def __init__(
         self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
@@ -139,10 +160,19 @@ class StreamFold:
         self.error: str | None = None
         self.codec = state_json.codec(reducer.state if reducer is not None else None)
         self.last_type: str | None = None  # of the last event folded: a state that does not fit names it
+        grain = reducer.history if reducer is not None else None
+        # With history: the day function ("each": None), the rows gained ([version_from, version_to, valid_from,
+        # state JSON]), and the current history row's first version and valid_from (the running max so far).
+        self.day = None if grain is None or grain == "each" else day_of(grain)
+        self.trail: list[list[Any]] | None = None if grain is None else []
+        self.history_from: int | None = None
+        self.history_at: int | None = None
 
-    def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None) -> None:
+    def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None,
+              history_from: int | None = None, history_at: int | None = None) -> None:
         self.state = self.codec.loads(state) if state is not None and self.fold is not None else {}
         self.version, self.last_at, self.skipped = version, last_at, skipped or 0
+        self.history_from, self.history_at = history_from, history_at
 
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
         """Fold one event, or park it (a gap before it), or pass it by (folded already, or after an error).
@@ -163,6 +193,8 @@ class StreamFold:
         except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
             if not self._failed(exc, v, event_type):
                 return
+        if self.trail is not None and not self._keep(v, event_type, recorded_at, self.state):
+            return
         self.version, self.last_at, self.last_type = v, recorded_at, event_type
         self.folded += 1
 
@@ -171,7 +203,7 @@ class StreamFold:
         kept in locals while each event is the next version (a first build's every event but a gap's)."""
         if not self.parked and self.error is None:
             state, version, last_at, folded, kind = self.state, self.version, self.last_at, self.folded, self.last_type
-            fold, stream_id = self.fold, self.stream_id
+            fold, stream_id, keep = self.fold, self.stream_id, self._keep if self.trail is not None else None
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
                 if v != version + 1:
@@ -187,12 +219,49 @@ class StreamFold:
                     except Exception as exc:  # noqa: BLE001 - as in `event`
                         if not self._failed(exc, v, event_type):
                             break
+                    if keep is not None and not keep(v, event_type, recorded_at, state):
+                        break
                 version, last_at, folded, kind = v, recorded_at, folded + 1, event_type
             self.state, self.version, self.last_at, self.folded, self.last_type = state, version, last_at, folded, kind
             if off is not None:
                 self.event(*off)
         for rest in run:  # after a gap or an error: one by one
             self.event(*rest)
+
+    def _keep(self, v: int, event_type: str, recorded_at: int | None, state: dict[str, Any]) -> bool:
+        """The state after event `v` onto the trail: a row of its own, or (daily) the row of its day, replacing the
+        current history row where that is of the same day. False: the state does not fit its declared fields (the
+        stream's error, named)."""
+        try:
+            text = self.codec.dumps(state)
+        except state_json.StateMisfit as misfit:
+            self.error = json.dumps([self.stream_id, v, event_type, str(misfit)])
+            return False
+        held = self.history_at
+        at = (held or 0) if recorded_at is None else recorded_at if held is None or recorded_at > held else held
+        trail = self.trail
+        assert trail is not None
+        day = self.day
+        if day is not None and trail and day(trail[-1][2]) == day(at):
+            trail[-1][1:] = [v, at, text]  # the same day: the day's row ends here now
+        elif day is not None and not trail and self.history_from is not None and self.history_at is not None \
+                and day(self.history_at) == day(at):
+            trail.append([self.history_from, v, at, text])  # goes on with the current row's day: replaces it
+        else:
+            trail.append([v, v, at, text])
+        self.history_at = at
+        return True
+
+    def _history(self) -> str | None:
+        """The trail as the history table's writer takes it (lake/state/history.py): the rows, each ending where the
+        next begins (the last: current), and the current row they close (its first version), if any."""
+        trail = self.trail
+        if not trail:
+            return None
+        rows = [{"f": f, "t": t, "a": a, "b": trail[i + 1][2] if i + 1 < len(trail) else None, "s": s}
+                for i, (f, t, a, s) in enumerate(trail)]
+        closes = self.history_from if self.history_from is not None and trail[0][0] != self.history_from else None
+        return orjson.dumps({"c": closes, "r": rows}).decode()
 
     def _failed(self, exc: Exception, v: int, event_type: str) -> bool:
         """A reducer's failure on event `v`: True if the event is skipped (an unknown type, skipped by
@@ -224,16 +293,21 @@ class StreamFold:
                 state = self.codec.dumps(self.state)
             except state_json.StateMisfit as misfit:
                 self.error = json.dumps([self.stream_id, self.version, self.last_type or "?", str(misfit)])
+        trail = self.trail
         return (
             self.stream_id, self.stream_type, self.version, state, self.last_at,
             self.reducer.revision if self.reducer else 0,
             json.dumps(self.parked, default=str) if self.parked else None,
             self.skipped, self.folded, self.error, self.tenant,
+            (trail[-1][0] if trail else self.history_from) if trail is not None else None,
+            self.history_at if trail is not None else None,
+            self._history() if self.error is None else None,
         )
 
 
 _OUT_BATCH_ROWS = 5_000
-_IN_COLUMNS = ("stream_id", "tenant", "stream_type", "version", "event_type", "payload", "is_prior", "prior_skipped")
+_IN_COLUMNS = ("stream_id", "tenant", "stream_type", "version", "event_type", "payload", "is_prior", "prior_skipped",
+               "prior_history_from")
 
 
 def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
@@ -261,9 +335,10 @@ def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: 
             # A batch without the prior-row columns (lake/state/whole_fold.py: no state yet) has only events.
             columns = [batch.column(name).to_pylist() if name in batch.schema.names else repeat(None, n)
                        for name in _IN_COLUMNS]
-            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, recorded_at in zip(
-                *columns, at, strict=True
-            ):
+            history_at = batch.column("prior_history_at").cast(pa.int64()).to_pylist() \
+                if "prior_history_at" in batch.schema.names else repeat(None, n)
+            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, history_from, \
+                    recorded_at, prior_at in zip(*columns, at, history_at, strict=True):
                 if sid != sid_now or tenant != tenant_now:
                     if current is not None:
                         out.append(current.row())
@@ -273,7 +348,8 @@ def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: 
                     current = StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
                     fold_event = current.event
                 if is_prior:
-                    current.prior(payload, version, recorded_at, prior_skipped)  # type: ignore[union-attr]
+                    current.prior(payload, version, recorded_at, prior_skipped,  # type: ignore[union-attr]
+                                  history_from, prior_at)
                 else:
                     fold_event(version, event_type, payload, recorded_at)
         if current is not None:
@@ -298,7 +374,7 @@ def arrow_updates(out: pa.Table) -> pa.Table:
     if len(errors):
         stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
         raise ReducerError(stream_id, version, event_type, reason)
-    rows = out.drop_columns(["error", "folded"])
+    rows = out.drop_columns(["error", "folded", "history"])
     return rows.append_column("updated_at", pa.array([datetime.now(UTC)] * out.num_rows, UTC_MICROS)) \
         .select(STATE_SCHEMA.names)
 
@@ -352,18 +428,21 @@ def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
     schema = pa.schema([("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
                         ("event_type", pa.string()), ("payload", pa.string()),
                         ("recorded_at", UTC_MICROS), ("tenant", pa.string()),
-                        ("prior_skipped", pa.int32()), ("is_prior", pa.bool_())])
+                        ("prior_skipped", pa.int32()), ("is_prior", pa.bool_()),
+                        ("prior_history_from", pa.int32()), ("prior_history_at", UTC_MICROS)])
     events = new.cast(pa.schema([schema.field(c) for c in FOLD_COLUMNS]))
     n = events.num_rows
     parts = [events.append_column("prior_skipped", pa.nulls(n, pa.int32()))
-             .append_column("is_prior", pa.array([False] * n))]
+             .append_column("is_prior", pa.array([False] * n))
+             .append_column("prior_history_from", pa.nulls(n, pa.int32()))
+             .append_column("prior_history_at", pa.nulls(n, UTC_MICROS))]
     p = prior.to_pydict()
     parked: list[tuple[Any, ...]] = []
     for tenant, sid, stype, text in zip(p["tenant"], p["stream_id"], p["stream_type"], p["parked"], strict=True):
         for e in json.loads(text) if text else ():
             at = None if e["recorded_at"] is None else datetime.fromisoformat(str(e["recorded_at"]))
             parked.append((sid, stype, e["version"], e["event_type"], e["payload"],
-                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False))
+                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False, None, None))
     if parked:
         parts.append(pa.Table.from_pylist([dict(zip(schema.names, r, strict=True)) for r in parked], schema=schema))
     # Prior rows of the touched streams' ids (of any tenant: a superset, folded unchanged if untouched).
@@ -375,6 +454,8 @@ def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
         "event_type": pa.nulls(had.num_rows, pa.string()), "payload": had["state"],
         "recorded_at": had["last_event_at"], "tenant": had["tenant"], "prior_skipped": had["skipped"],
         "is_prior": pa.array([True] * had.num_rows),
+        **{f"prior_{c}": had[c] if c in had.column_names else pa.nulls(had.num_rows, schema.field(f"prior_{c}").type)
+           for c in HISTORY_COLUMNS},
     }, schema=schema))
     rows = pa.concat_tables([t.cast(schema) for t in parts])
     return rows.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("is_prior", "descending"),

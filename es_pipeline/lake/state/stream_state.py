@@ -35,9 +35,10 @@ from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.state import typed_state, whole_fold
+from es_pipeline.lake.state import history, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     FOLD_OUT,
+    HISTORY_COLUMNS,
     REVISION_SLOTS,
     STATE_SCHEMA,
     StateResult,
@@ -138,10 +139,15 @@ def small_increment(
     read = state.transaction_version(app)
     if read is None or not tables.has_columns(state, KEY):
         return None  # a first build, one from another `events`, or a table made before tenants: Spark adds the column
+    if not tables.has_columns(state, HISTORY_COLUMNS):  # a table of a release before state history
+        tables.add_missing_columns(state_path, STATE_SCHEMA)
+        state = DeltaTable(state_path)
     prev = int(read) // REVISION_SLOTS
     now = events_feed.version
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
+    if history.unbound(warehouse, domain, events_feed.table_id, int(read)):
+        return None  # a history table to build whole (turned on, changed, or behind): Spark rebuilds its type
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
         return StateResult(now, prev, 0, 0, (), 0, 0) if txn_version(now, domain.folds) == int(read) else None
     read_rows = events_feed.rows(prev, columns)
@@ -161,10 +167,12 @@ def small_increment(
     updates = arrow_updates(out)
     turn.confirm(state_path, app, int(read))
     before = int(state.version())
+    version = txn_version(now, domain.folds)
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
-                commit_properties=feed.commit_properties(app, txn_version(now, domain.folds))) \
+                commit_properties=feed.commit_properties(app, version)) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
-    result = arrow_result(out, now, prev)
+    kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=())
+    result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())))
     if not typed_state.typed_tables(domain):
         return result  # no table follows the commit: which streams are new is not needed
     held = pc.binary_join_element_wise(prior["tenant"], prior["stream_id"], "\x00")
@@ -195,9 +203,11 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
     feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
     STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
     turn.confirm(state_path, app, None)
+    version = txn_version(now, domain.folds)
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
-                    commit_properties=feed.commit_properties(app, txn_version(now, domain.folds)))
-    return arrow_result(out, now, -1)
+                    commit_properties=feed.commit_properties(app, version))
+    kept = history.write_arrow(warehouse, domain, out, tables.table_id(events_path), version, whole=None)
+    return replace(arrow_result(out, now, -1), history_rows=tuple(sorted(kept.items())))
 
 
 def _update_with_spark(
@@ -210,14 +220,19 @@ def _update_with_spark(
     if not tables.has_columns(state_path, ["tenant"]):  # made before tenants: every row is of no tenant ('')
         spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (tenant STRING)")
         spark.sql(f"UPDATE delta.`{state_path}` SET tenant = '' WHERE tenant IS NULL")
+    if not tables.has_columns(state_path, HISTORY_COLUMNS):  # made before state history
+        spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (history_from INT, history_at TIMESTAMP)")
     now = tables.table_version(spark, events_path)
-    app = app_id(tables.table_id(events_path))
+    events_id = tables.table_id(events_path)
+    app = app_id(events_id)
     read = tables.transaction_version(state_path, app)
     prev = -1 if read is None else read // REVISION_SLOTS
     # Not folded from this `events` (a first build, or the lake's `events` replaced): folded whole, onto nothing,
     # and the table overwritten, so that no row of another `events` stays.
     state = tables.read(spark, state_path) if read is not None else tables.read(spark, state_path).limit(0)
     stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
+    if read is not None:  # a history table not bound to the last commit: its type rebuilt, the table with it
+        stale = sorted({*stale, *history.unbound(warehouse, domain, events_id, read)})
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
     field = domain.metadata_field
@@ -256,9 +271,11 @@ def _update_with_spark(
         "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
         F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"), "tenant",
         F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
+        F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
     )
     rows = todo.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
-        .unionByName(prior_rows)
+        .withColumn("prior_history_from", F.lit(None).cast("int")) \
+        .withColumn("prior_history_at", F.lit(None).cast("timestamp")).unionByName(prior_rows)
     folded = (
         rows.repartition(*KEY)
         .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
@@ -280,9 +297,12 @@ def _update_with_spark(
         log.info("stream_state on Spark: %s events folded over %s streams in %.1f s (the shuffle by stream, the sort, "
                  "the fold)", f"{int(n_events):,}", f"{int(stats['streams'] or 0):,}", time.monotonic() - started)
         started = time.monotonic()
-        updates = folded.drop("error", "folded").withColumn("updated_at", F.current_timestamp())
+        updates = folded.drop("error", "folded", "history").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, app, read)
         version = next_txn_version(now, domain.folds, read)
+        # The history tables first: `folded` reads `stream_state`, and Spark recomputes it once that is written.
+        kept = history.write_spark(spark, warehouse, domain, folded, events_id, version,
+                                   whole=stale if read is not None else list(domain.folds))
         if read is None:
             feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
             (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
@@ -295,7 +315,7 @@ def _update_with_spark(
         folded.unpersist()
     return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
                        int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0),
-                       engine="spark")
+                       engine="spark", history_rows=tuple(sorted(kept.items())))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def item_added_with_unit_price(payload: dict) -> dict:
     return payload
 
 
-@domain.reducer("cart", revision=1, state=Cart)
+# history=True: every state each cart has been in, in `stream_state_cart_history` (how many carts were open at noon).
+@domain.reducer("cart", revision=1, state=Cart, history=True)
 def cart(state: State, event: Event) -> State:
     items: dict[str, int] = dict(state.get("items", {}))
     prices: dict[str, float] = dict(state.get("prices", {}))
@@ -63,7 +64,8 @@ def cart(state: State, event: Event) -> State:
     return {"items": items, "prices": prices, "total": total, "status": status}
 
 
-@domain.reducer("account", revision=1, state=Account)
+# history="daily": each account's state at the end of each (UTC) day it changed (month-end balances).
+@domain.reducer("account", revision=1, state=Account, history="daily")
 def account(state: State, event: Event) -> State:
     balance = float(state.get("balance", 0.0))
     s = dict(state)

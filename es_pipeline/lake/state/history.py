@@ -1,0 +1,250 @@
+"""State history: `stream_state_<type>_history`, every state a stream of a type has been in (SCD type 2).
+
+A reducer registered with `history=True` (or "daily") gives its stream type this table beside `stream_state`:
+one row per state a stream has been in (with "daily", per day it changed: the state at the end of that day), with
+its version range (`version_from`..`version_to`), `valid_from` (the running maximum of the stream's
+`recorded_at` up to `version_to`: a transaction's start time can go backwards within a stream, the interval never
+does) and `valid_to` (the next row's `valid_from`; NULL while current, when `is_current` is true), then the
+state as JSON and, where the reducer declares it, one column per field as in the typed state table.
+
+Made by the fold itself (lake/state/fold.py `StreamFold`: its trail), on every engine, and committed beside
+`stream_state`'s commit, in its turn (after it in this process; before it on Spark, whose fold reads
+`stream_state` and would be computed again once that is written):
+- an increment closes each touched stream's current row (its `valid_to` set) and adds the new ones, in one
+  MERGE per table; "daily" rows of the day already current replace it. The table is partitioned by
+  `is_current`, so the MERGE reads and rewrites only the current rows' files, as `stream_state`'s does;
+- a first build, a stream type rebuilt (a revision, an upcaster), or a table not bound to `stream_state`'s
+  last commit (turned on, its grain or fields changed, a crash between the two commits) is written whole
+  from a fold of every event of its type (lake/state/stream_state.py rebuilds the type for it).
+
+Each commit carries the Delta transaction id (`es_pipeline.stream_state_<type>_history@<events id>/<grain>`,
+the txn version of the `stream_state` commit it follows): a table whose version is not `stream_state`'s is
+rebuilt, never patched, so no state is missed or written twice. Untouched tables take an empty commit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+from es_pipeline.domain import Domain, Reducer
+from es_pipeline.errors import DomainError, TypedStateMismatch
+from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta.definition import Table, spark_type
+from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.state import state_json, typed_state
+
+SUFFIX = "_history"
+_ENVELOPE = pa.schema([
+    ("tenant", pa.string()), ("stream_id", pa.string()), ("version_from", pa.int32()), ("version_to", pa.int32()),
+    ("valid_from", UTC_MICROS), ("valid_to", UTC_MICROS), ("is_current", pa.bool_()), ("revision", pa.int32()),
+    ("state", pa.string()),
+])
+KEY = ("tenant", "stream_id", "version_from")
+PARTITION = ["is_current"]
+# The fold's trail (lake/state/fold.py `StreamFold._history`): the current row it closes, then the rows it adds.
+TRAIL_DDL = "STRUCT<c: INT, r: ARRAY<STRUCT<f: INT, t: INT, a: BIGINT, b: BIGINT, s: STRING>>>"
+
+
+def table_name(stream_type: str) -> str:
+    """`stream_state_<type>_history`, the type as its typed table names it."""
+    return typed_state.table_name(stream_type) + SUFFIX
+
+
+def history_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
+    """Per stream type whose reducer keeps history: (the reducer, its table)."""
+    typed = {table.name: t for t, (_, table) in typed_state.typed_tables(domain).items()}
+    out: dict[str, tuple[Reducer, Table]] = {}
+    for stream_type, reducer in sorted(domain.folds.items()):
+        if reducer.history is None:
+            continue
+        name = table_name(stream_type)
+        if name in typed:
+            raise DomainError(f"stream type {typed[name]!r}'s typed table and {stream_type!r}'s history would both "
+                              f"be {name}", "Rename a stream type, or keep the history of another.")
+        schema = pa.schema([*_ENVELOPE, *(reducer.state or [])])
+        out[stream_type] = (reducer, Table(name, schema, key=KEY, comment=f"state history of the {stream_type} "
+                                           f"streams ({'every state' if reducer.history == 'each' else reducer.history})"))
+    return out
+
+
+def app_id(table: Table, events_id: str, reducer: Reducer) -> str:
+    """The app id of `table`'s commits: bound to the `events` table and to the grain (a new grain: built whole)."""
+    return table.app_id_over(f"{events_id}/{reducer.history}")
+
+
+def unbound(warehouse: Location, domain: Domain, events_id: str, read: int) -> list[str]:
+    """The stream types whose history table does not follow `stream_state`'s last commit (txn version `read`): none
+    yet, another grain or other declared fields, or behind (a crash between the two commits). Rebuilt whole."""
+    out = []
+    for stream_type, (reducer, table) in history_tables(domain).items():
+        path = table.path(warehouse)
+        if not tables.is_delta_table(path):
+            out.append(stream_type)
+            continue
+        held = DeltaTable(path)
+        if held.transaction_version(app_id(table, events_id, reducer)) != read or not _same_columns(held, table):
+            out.append(stream_type)
+    return out
+
+
+def _same_columns(held: DeltaTable, table: Table) -> bool:
+    schema = pa.schema(held.schema().to_arrow())
+    return [f.name for f in schema] == table.schema.names
+
+
+def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: str, version: int,
+                whole: Collection[str] | None) -> dict[str, int]:
+    """The history tables of `domain` after the fold `out` (lake/state/fold.py `FOLD_OUT`), committed by delta-rs at
+    txn `version`; `whole`: the stream types rebuilt (their tables written whole), None: every one. Rows per table."""
+    written: dict[str, int] = {}
+    for stream_type, (reducer, table) in history_tables(domain).items():
+        path = table.path(warehouse)
+        props = feed.commit_properties(app_id(table, events_id, reducer), version)
+        of_type = out.filter(pc.and_(pc.equal(out["stream_type"], stream_type), pc.is_valid(out["history"])))
+        rows, closes = _rows(of_type, reducer, table)
+        if whole is None or stream_type in whole or not tables.is_delta_table(path):
+            write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite", partition_by=PARTITION,
+                            commit_properties=props, description=f"es_pipeline: {table.comment}")
+        elif rows.num_rows:
+            _merge(DeltaTable(path), rows, closes, props)
+        else:
+            target = DeltaTable(path)
+            target.create_write_transaction([], mode="append", schema=target.schema(), partition_by=PARTITION,
+                                            commit_properties=props)
+        written[table.name] = rows.num_rows
+    return written
+
+
+def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, pa.Table]:
+    """The trails of one stream type's folded streams as the history table's rows, and the current rows they close
+    ((tenant, stream_id, version_from) with their new `valid_to`)."""
+    rows: dict[str, list[Any]] = {name: [] for name in ("tenant", "stream_id", "version_from", "version_to",
+                                                        "valid_from", "valid_to", "revision", "state")}
+    closes: dict[str, list[Any]] = {"tenant": [], "stream_id": [], "version_from": [], "valid_to": []}
+    for tenant, sid, revision, text in zip(*(of_type[c].to_pylist() for c in (
+            "tenant", "stream_id", "revision", "history")), strict=True):
+        trail = orjson.loads(text)
+        if trail["c"] is not None:
+            for k, v in zip(closes, (tenant, sid, trail["c"], trail["r"][0]["a"]), strict=True):
+                closes[k].append(v)
+        for r in trail["r"]:
+            for k, v in zip(rows, (tenant, sid, r["f"], r["t"], r["a"], r["b"], revision, r["s"]), strict=True):
+                rows[k].append(v)
+    n = len(rows["state"])
+    envelope = [pa.array(rows["tenant"], pa.string()), pa.array(rows["stream_id"], pa.string()),
+                pa.array(rows["version_from"], pa.int32()), pa.array(rows["version_to"], pa.int32()),
+                pa.array(rows["valid_from"], pa.int64()).cast(UTC_MICROS),
+                pa.array(rows["valid_to"], pa.int64()).cast(UTC_MICROS),
+                pc.is_null(pa.array(rows["valid_to"], pa.int64())), pa.array(rows["revision"], pa.int32()),
+                pa.array(rows["state"], pa.string())]
+    fields: list[pa.Array] = []
+    if reducer.state is not None:
+        try:
+            fields = state_json.columns([json.loads(s) for s in rows["state"]], reducer.state).columns
+        except state_json.StateMisfit as misfit:
+            raise TypedStateMismatch(reducer.stream_type, rows["stream_id"][misfit.index], misfit.field,
+                                     misfit.value, misfit.reason) from None
+    assert n == len(envelope[0])
+    closed = pa.table({"tenant": pa.array(closes["tenant"], pa.string()),
+                       "stream_id": pa.array(closes["stream_id"], pa.string()),
+                       "version_from": pa.array(closes["version_from"], pa.int32()),
+                       "valid_to": pa.array(closes["valid_to"], pa.int64()).cast(UTC_MICROS)})
+    return pa.Table.from_arrays([*envelope, *fields], schema=table.schema), closed
+
+
+def _merge(target: DeltaTable, rows: pa.Table, closes: pa.Table, props: CommitProperties) -> None:
+    """New rows inserted (or, daily, replacing the current row of their day) and the rows they supersede closed,
+    in one commit; only the current rows' partition is read and rewritten."""
+    source = pa.concat_tables([
+        rows.append_column("es_close", pa.array([False] * rows.num_rows, pa.bool_())),
+        _close_rows(closes, rows.schema).append_column("es_close", pa.array([True] * closes.num_rows, pa.bool_())),
+    ])
+    every = {c: f"u.{c}" for c in rows.column_names}
+    on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
+    target.merge(source, predicate=f"t.is_current = true AND {on}", source_alias="u", target_alias="t",
+                 commit_properties=props) \
+        .when_matched_update(updates={"valid_to": "u.valid_to", "is_current": "false"}, predicate="u.es_close") \
+        .when_matched_update(updates=every, predicate="NOT u.es_close") \
+        .when_not_matched_insert(updates=every, predicate="NOT u.es_close").execute()
+
+
+def _close_rows(closes: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`closes` with the history table's columns (NULL where a close says nothing)."""
+    return pa.table({f.name: closes[f.name] if f.name in closes.column_names else pa.nulls(closes.num_rows, f.type)
+                     for f in schema}, schema=schema)
+
+
+def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, events_id: str, version: int,
+                whole: Collection[str]) -> dict[str, int]:
+    """As `write_arrow`, from Spark's fold (`folded`, cached) and by Spark: MERGE, or the table written whole."""
+    from pyspark.sql import functions as F
+
+    written: dict[str, int] = {}
+    for stream_type, (reducer, table) in history_tables(domain).items():
+        path = table.path(warehouse)
+        app = app_id(table, events_id, reducer)
+        trails = folded.where((F.col("stream_type") == stream_type) & F.col("history").isNotNull()) \
+            .select("tenant", "stream_id", "revision", F.from_json("history", TRAIL_DDL).alias("h"))
+        rows = trails.select("tenant", "stream_id", "revision", F.explode("h.r").alias("r")).select(
+            "tenant", "stream_id", F.col("r.f").alias("version_from"), F.col("r.t").alias("version_to"),
+            F.timestamp_micros("r.a").alias("valid_from"), F.timestamp_micros("r.b").alias("valid_to"),
+            F.col("r.b").isNull().alias("is_current"), "revision", F.col("r.s").alias("state"))
+        if reducer.state is not None:
+            declared = ", ".join(f"`{f.name}`: {spark_type(f.type)}" for f in reducer.state)
+            rows = rows.withColumn("_typed", F.from_json("state", f"STRUCT<{declared}>")) \
+                .select(*_ENVELOPE.names, *(F.col(f"_typed.`{f.name}`").alias(f.name) for f in reducer.state))
+        rows = rows.cache()
+        try:
+            n = rows.count()
+            if stream_type in whole or not tables.is_delta_table(path):
+                (rows.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+                 .partitionBy(*PARTITION).option("txnAppId", app).option("txnVersion", str(version)).save(path))
+            elif n:
+                closes = trails.where(F.col("h.c").isNotNull()).select(
+                    "tenant", "stream_id", F.col("h.c").alias("version_from"),
+                    F.timestamp_micros(F.col("h.r")[0]["a"]).alias("valid_to"))
+                _merge_spark(spark, path, rows, closes, app, version)
+            else:
+                target = DeltaTable(path)  # nothing of its type: an empty commit records the version
+                target.create_write_transaction([], mode="append", schema=target.schema(), partition_by=PARTITION,
+                                                commit_properties=feed.commit_properties(app, version))
+        finally:
+            rows.unpersist()
+        written[table.name] = n
+    return written
+
+
+def _merge_spark(spark: Any, path: str, rows: Any, closes: Any, app: str, version: int) -> None:
+    from pyspark.sql import functions as F
+
+    source = rows.withColumn("es_close", F.lit(False)).unionByName(
+        closes.withColumn("es_close", F.lit(True)), allowMissingColumns=True)
+    view = f"_es_history_{abs(hash((path, version))) % 10**9}"
+    source.createOrReplaceTempView(view)
+    on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
+    every = ", ".join(f"`{c}` = u.`{c}`" for c in rows.columns)
+    spark.conf.set("spark.databricks.delta.write.txnAppId", app)
+    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
+    try:
+        spark.sql(
+            f"MERGE INTO delta.`{path}` t USING {view} u ON t.is_current = true AND {on} "
+            f"WHEN MATCHED AND u.es_close THEN UPDATE SET valid_to = u.valid_to, is_current = false "
+            f"WHEN MATCHED THEN UPDATE SET {every} "
+            f"WHEN NOT MATCHED AND NOT u.es_close THEN INSERT ({', '.join(f'`{c}`' for c in rows.columns)}) "
+            f"VALUES ({', '.join(f'u.`{c}`' for c in rows.columns)})")
+    finally:
+        spark.conf.unset("spark.databricks.delta.write.txnAppId")
+        spark.conf.unset("spark.databricks.delta.write.txnVersion")
+        spark.catalog.dropTempView(view)
+
+
+def table_names(warehouse: Location) -> list[str]:
+    """The history tables in the lake now (whatever the domain)."""
+    return [n for n in tables.table_names(warehouse, typed_state.PREFIX) if n.endswith(SUFFIX)]
