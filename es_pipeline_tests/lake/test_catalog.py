@@ -35,7 +35,8 @@ def test_every_table_is_queryable_by_name_with_time_travel_and_readable_by_delta
     take_snapshots(spark, warehouse, store, threshold=5)
 
     names = register_tables(spark, warehouse)
-    assert sorted(names) == sorted([*tables.TABLES, "stream_state_account", "stream_state_cart"])  # typed: the shop's
+    assert sorted(names) == sorted([*tables.TABLES, "stream_state_account", "stream_state_cart",  # typed: the shop's
+                                    "stream_state_account_history", "stream_state_cart_history"])  # and its history
     open_carts = spark.sql("SELECT count(*) AS n FROM stream_state_cart WHERE status = 'open'").first()["n"]
     assert open_carts == spark.sql("SELECT count(*) AS n FROM stream_state WHERE stream_type = 'cart' "
                                    "AND get_json_object(state, '$.status') = 'open'").first()["n"]

@@ -230,3 +230,5 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
     current = DeltaTable(str(warehouse / "stream_state_cart_history")).to_pyarrow_table(
         filters=[("is_current", "=", True)])
     assert pc.all(pc.is_null(current["valid_to"])).as_py()
+    for _, table in history.history_tables(SHOP).values():  # as Spark wrote them: the columns declared, in order
+        assert history._same_columns(DeltaTable(str(warehouse / table.name)), table), table.name

@@ -166,7 +166,8 @@ def test_a_lake_folded_before_its_states_were_declared_gets_its_typed_tables_who
     the feed on and builds every typed table from stream_state; the next increment follows the feed."""
     untyped = Domain("shop, untyped")
     for reducer in SHOP.reducers.values():
-        untyped.add(Reducer(reducer.stream_type, reducer.revision, reducer.fold, reducer.domain))
+        untyped.add(Reducer(reducer.stream_type, reducer.revision, reducer.fold, reducer.domain,
+                            history=reducer.history))  # history kept alike: turning it on would rebuild on Spark
     for upcaster in SHOP.upcasters.values():  # the same revisions: no type rebuilt when the states are declared
         untyped.add_upcaster(upcaster)
     store = EventStore(dsn)

@@ -35,7 +35,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.state import state_json, typed_state
@@ -81,7 +81,9 @@ def app_id(table: Table, events_id: str, reducer: Reducer) -> str:
 
 def unbound(warehouse: Location, domain: Domain, events_id: str, read: int) -> list[str]:
     """The stream types whose history table does not follow `stream_state`'s last commit (txn version `read`): none
-    yet, another grain or other declared fields, or behind (a crash between the two commits). Rebuilt whole."""
+    yet, another grain, or behind (a crash between the two commits). Their types are folded again, the tables
+    written whole. A table that follows it but whose declared fields changed has its columns made again from its
+    own `state` here, in batches, under the same transaction id (no refold)."""
     out = []
     for stream_type, (reducer, table) in history_tables(domain).items():
         path = table.path(warehouse)
@@ -89,14 +91,21 @@ def unbound(warehouse: Location, domain: Domain, events_id: str, read: int) -> l
             out.append(stream_type)
             continue
         held = DeltaTable(path)
-        if held.transaction_version(app_id(table, events_id, reducer)) != read or not _same_columns(held, table):
+        app = app_id(table, events_id, reducer)
+        if held.transaction_version(app) != read:
             out.append(stream_type)
+        elif not _same_columns(held, table):
+            batches = (_with_fields(pa.Table.from_batches([b]), reducer, table).to_batches()
+                       for b in pieces.batches(path, held, _ENVELOPE.names))
+            write_deltalake(path, pa.RecordBatchReader.from_batches(table.schema, (b for bs in batches for b in bs)),
+                            mode="overwrite", schema_mode="overwrite", partition_by=PARTITION,
+                            commit_properties=feed.commit_properties(app, read))
     return out
 
 
 def _same_columns(held: DeltaTable, table: Table) -> bool:
-    schema = pa.schema(held.schema().to_arrow())
-    return [f.name for f in schema] == table.schema.names
+    schema = feed.plain_schema(pa.schema(held.schema().to_arrow()))
+    return [(f.name, f.type) for f in schema] == [(f.name, f.type) for f in table.schema]
 
 
 def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: str, version: int,
@@ -137,26 +146,30 @@ def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, 
         for r in trail["r"]:
             for k, v in zip(rows, (tenant, sid, r["f"], r["t"], r["a"], r["b"], revision, r["s"]), strict=True):
                 rows[k].append(v)
-    n = len(rows["state"])
-    envelope = [pa.array(rows["tenant"], pa.string()), pa.array(rows["stream_id"], pa.string()),
-                pa.array(rows["version_from"], pa.int32()), pa.array(rows["version_to"], pa.int32()),
-                pa.array(rows["valid_from"], pa.int64()).cast(UTC_MICROS),
-                pa.array(rows["valid_to"], pa.int64()).cast(UTC_MICROS),
-                pc.is_null(pa.array(rows["valid_to"], pa.int64())), pa.array(rows["revision"], pa.int32()),
-                pa.array(rows["state"], pa.string())]
-    fields: list[pa.Array] = []
-    if reducer.state is not None:
-        try:
-            fields = state_json.columns([json.loads(s) for s in rows["state"]], reducer.state).columns
-        except state_json.StateMisfit as misfit:
-            raise TypedStateMismatch(reducer.stream_type, rows["stream_id"][misfit.index], misfit.field,
-                                     misfit.value, misfit.reason) from None
-    assert n == len(envelope[0])
+    envelope = pa.Table.from_arrays([
+        pa.array(rows["tenant"], pa.string()), pa.array(rows["stream_id"], pa.string()),
+        pa.array(rows["version_from"], pa.int32()), pa.array(rows["version_to"], pa.int32()),
+        pa.array(rows["valid_from"], pa.int64()).cast(UTC_MICROS), pa.array(rows["valid_to"], pa.int64()).cast(UTC_MICROS),
+        pc.is_null(pa.array(rows["valid_to"], pa.int64())), pa.array(rows["revision"], pa.int32()),
+        pa.array(rows["state"], pa.string())], schema=_ENVELOPE)
     closed = pa.table({"tenant": pa.array(closes["tenant"], pa.string()),
                        "stream_id": pa.array(closes["stream_id"], pa.string()),
                        "version_from": pa.array(closes["version_from"], pa.int32()),
                        "valid_to": pa.array(closes["valid_to"], pa.int64()).cast(UTC_MICROS)})
-    return pa.Table.from_arrays([*envelope, *fields], schema=table.schema), closed
+    return _with_fields(envelope, reducer, table), closed
+
+
+def _with_fields(envelope: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
+    """History rows (`_ENVELOPE`) with the declared fields' columns, from each row's `state`."""
+    fields: list[pa.ChunkedArray | pa.Array] = []
+    if reducer.state is not None:
+        try:
+            fields = state_json.columns([json.loads(s) for s in envelope["state"].to_pylist()], reducer.state).columns
+        except state_json.StateMisfit as misfit:
+            raise TypedStateMismatch(reducer.stream_type, envelope["stream_id"][misfit.index].as_py(), misfit.field,
+                                     misfit.value, misfit.reason) from None
+    return pa.Table.from_arrays([*envelope.select(_ENVELOPE.names).cast(_ENVELOPE).columns, *fields],
+                                schema=table.schema)
 
 
 def _merge(target: DeltaTable, rows: pa.Table, closes: pa.Table, props: CommitProperties) -> None:
