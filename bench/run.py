@@ -21,6 +21,7 @@ from bench import (
     extract_backfill,
     extract_incremental,
     extract_memory,
+    history,
     small_store,
     state,
     table_memory,
@@ -30,7 +31,7 @@ from bench.jdbc import jdbc_jar
 from bench.results import Goal, machine_facts, write_result
 
 BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD,
-              event_tables.NAME, small_store.NAME, table_memory.NAME)
+              event_tables.NAME, small_store.NAME, table_memory.NAME, history.NAME)
 OPTIONAL = (table_memory.LARGE,)  # run only when named with --only (long: 50M events)
 
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  int(os.environ.get("BENCH_HUGE", table_memory.LARGE_EVENTS)))
                 elif name == table_memory.NAME:
                     out = table_memory.run(lambda: fresh_database(db), work, sizes)
+                elif name == history.NAME:
+                    out = history.run(fresh_database(db), work, sizes)
                 elif name == small_store.NAME:
                     out = small_store.run(fresh_database(db), work)
                 else:

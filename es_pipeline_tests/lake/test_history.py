@@ -63,7 +63,8 @@ def _states(domain: Domain, stream_type: str, stream_id: str,
 
 def expected_rows(dsn: StoreDsn, domain: Domain, stream_type: str) -> dict[tuple[str, int], tuple[Any, ...]]:
     """The history table of `stream_type` as a fold of the store gives it: {(stream, version_from): (version_to,
-    valid_from, valid_to, state)}; "daily": the last state of each UTC day of the running maximum."""
+    valid_from, valid_to, state)}; "daily": the last state of each UTC day of the running maximum, from the
+    day's first change."""
     daily = domain.folds[stream_type].history != "each"
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
     for (kind, stream_id), events in _store_events(dsn).items():
@@ -72,7 +73,7 @@ def expected_rows(dsn: StoreDsn, domain: Domain, stream_type: str) -> dict[tuple
         rows: list[list[Any]] = []
         for version, high, state in _states(domain, kind, stream_id, events):
             if daily and rows and rows[-1][2].date() == high.date():
-                rows[-1][1:] = [version, high, state]
+                rows[-1][1], rows[-1][3] = version, state  # the day's last state, from its first change
             else:
                 rows.append([version, version, high, state])
         for i, (first, last, high, state) in enumerate(rows):

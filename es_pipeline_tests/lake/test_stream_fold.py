@@ -77,3 +77,91 @@ def test_a_stream_type_without_a_reducer_keeps_its_versions_and_times_alone_as_a
     in_order = StreamFold("", "s", "nobody", None, False)
     in_order.events(iter(sorted(events)))
     assert in_order.row()[2:7] == (5, None, 50, 0, None) and in_order.row()[8] == 5
+
+
+# -- history: the trail (lake/state/history.py's rows) --------------------------------------------------------------
+
+_HOUR = 3_600_000_000
+
+
+def _mutating(state: dict, event: Event) -> dict:
+    """A reducer that changes its state in place and returns it (allowed: a daily row must still keep its day's
+    last state, not the next day's)."""
+    state["balance"] = round(float(state.get("balance", 0.0)) + float(event.payload["amount"]), 2)
+    state["n"] = int(state.get("n", 0)) + 1
+    return state
+
+
+def _history_events(rng: random.Random) -> list[tuple[int, str, str, int]]:
+    """A stream's events in version order, a few hours apart, `recorded_at` now and then going backwards."""
+    at, out = rng.randrange(0, 48) * _HOUR, []
+    for v in range(1, rng.randint(2, 40)):
+        at += rng.choice([0, 1, 2, 5, 13]) * _HOUR if rng.random() > 0.2 else -rng.randrange(0, 6) * _HOUR
+        out.append((v, "Deposited", json.dumps({"amount": rng.choice([1.5, 2, -3.25])}), at))
+    return out
+
+
+def _expected_trail(events: list[tuple[int, str, str, int]], grain: str) -> list[tuple[int, int, int, int | None, dict]]:
+    """The history a fold of every event gives, computed here: (version_from, version_to, valid_from, valid_to,
+    state) with valid_from the running max of recorded_at; daily: each day's last state (day of that max), from
+    the day's first change."""
+    from datetime import UTC, datetime
+    from zoneinfo import ZoneInfo
+
+    zone = ZoneInfo(grain.partition(":")[2] or "UTC")
+    state: dict = {}
+    high = None
+    rows: list[list] = []
+    for v, kind, payload, at in events:
+        state = _mutating(dict(state), Event("s", v, kind, json.loads(payload)))
+        high = at if high is None or at > high else high
+        day = datetime.fromtimestamp(high / 1e6, UTC).astimezone(zone).date()
+        if grain != "each" and rows and rows[-1][4] == day:
+            rows[-1][1], rows[-1][3] = v, dict(state)  # a day's row: from its first change, its last state
+        else:
+            rows.append([v, v, high, dict(state), day])
+    return [(f, t, a, rows[i + 1][2] if i + 1 < len(rows) else None, s) for i, (f, t, a, s, _) in enumerate(rows)]
+
+
+def _apply(table: dict[int, list], trail: str | None) -> None:
+    """A history table (version_from → [version_to, valid_from, valid_to, state]) after one update's trail, as
+    the MERGE applies it: the closed row's valid_to set, the new rows inserted or (same key) replacing."""
+    if trail is None:
+        return
+    held = json.loads(trail)
+    if held["c"] is not None:
+        table[held["c"]][2] = held["r"][0]["a"]
+    for r in held["r"]:
+        kept = table[r["f"]][1] if r["f"] in table else r["a"]  # a replaced day's row keeps its valid_from
+        table[r["f"]] = [r["t"], kept, r["b"], json.loads(r["s"])]
+
+
+@pytest.mark.parametrize("grain", ["each", "daily:UTC", "daily:Asia/Tokyo"])
+@pytest.mark.parametrize("seed", range(25))
+def test_the_trail_of_any_split_of_a_stream_into_updates_is_its_history(seed: int, grain: str) -> None:
+    """Folded whole (as a run and one by one) or over several updates (each from the prior row's state, version
+    and `history_from` / `history_at`, its trail applied as the MERGE does), the history is the one computed here."""
+    rng = random.Random(seed)
+    events = _history_events(rng)
+    reducer = Reducer("account", 1, _mutating, history=grain)
+    expected = {f: [t, a, b, s] for f, t, a, b, s in _expected_trail(events, grain)}
+    whole, one_by_one = StreamFold("", "s", "account", reducer, False), StreamFold("", "s", "account", reducer, False)
+    whole.events(iter(events))
+    for e in events:
+        one_by_one.event(*e)
+    assert whole.row() == one_by_one.row()
+    table: dict[int, list] = {}
+    _apply(table, whole.row()[-1])
+    assert table == expected
+    table, prior = {}, None
+    cuts = sorted(rng.sample(range(1, len(events)), min(3, len(events) - 1))) if len(events) > 1 else []
+    for lo, hi in zip([0, *cuts], [*cuts, len(events)], strict=True):
+        fold = StreamFold("", "s", "account", reducer, False)
+        if prior is not None:
+            fold.prior(prior[3], prior[2], prior[4], prior[7], prior[11], prior[12])
+        fold.events(iter(events[lo:hi]))
+        prior = fold.row()
+        _apply(table, prior[-1])
+    assert table == expected
+    # stream_state's history_from / history_at: the current row's first version, the running max so far.
+    assert prior is not None and prior[11] == max(expected) and prior[12] == max(at for *_, at in events)

@@ -188,6 +188,8 @@ class StreamFold:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
             data = json.loads(payload)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+        if self.day is not None and not self._before(recorded_at, self.state):
+            return
         try:
             self.state = self.fold(self.state, _new_event(Event, (self.stream_id, v, event_type, data)))
         except Exception as exc:  # noqa: BLE001 - any reducer failure is reported, with its place
@@ -204,6 +206,7 @@ class StreamFold:
         if not self.parked and self.error is None:
             state, version, last_at, folded, kind = self.state, self.version, self.last_at, self.folded, self.last_type
             fold, stream_id, keep = self.fold, self.stream_id, self._keep if self.trail is not None else None
+            before = self._before if self.day is not None else None
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
                 if v != version + 1:
@@ -214,6 +217,8 @@ class StreamFold:
                         data = orjson.loads(payload)
                     except orjson.JSONDecodeError:
                         data = json.loads(payload)
+                    if before is not None and not before(recorded_at, state):
+                        break
                     try:
                         state = fold(state, _new_event(Event, (stream_id, v, event_type, data)))
                     except Exception as exc:  # noqa: BLE001 - as in `event`
@@ -231,25 +236,53 @@ class StreamFold:
     def _keep(self, v: int, event_type: str, recorded_at: int | None, state: dict[str, Any]) -> bool:
         """The state after event `v` onto the trail: a row of its own, or (daily) the row of its day, replacing the
         current history row where that is of the same day. False: the state does not fit its declared fields (the
-        stream's error, named)."""
-        try:
-            text = self.codec.dumps(state)
-        except state_json.StateMisfit as misfit:
-            self.error = json.dumps([self.stream_id, v, event_type, str(misfit)])
-            return False
+        stream's error, named). A daily row's text waits until its day is over (`_before`) or the fold ends
+        (`_settle`): only a day's last state is written."""
+        text: str | None = None
+        if self.day is None:
+            try:
+                text = self.codec.trail_text(state)
+            except state_json.StateMisfit as misfit:
+                self.error = json.dumps([self.stream_id, v, event_type, str(misfit)])
+                return False
         held = self.history_at
         at = (held or 0) if recorded_at is None else recorded_at if held is None or recorded_at > held else held
         trail = self.trail
         assert trail is not None
         day = self.day
         if day is not None and trail and day(trail[-1][2]) == day(at):
-            trail[-1][1:] = [v, at, text]  # the same day: the day's row ends here now
+            trail[-1][1], trail[-1][3] = v, text  # the same day: the day's row ends here now (from its first change)
         elif day is not None and not trail and self.history_from is not None and self.history_at is not None \
                 and day(self.history_at) == day(at):
-            trail.append([self.history_from, v, at, text])  # goes on with the current row's day: replaces it
+            # Goes on with the current row's day: replaces it, keeping its valid_from (the MERGE leaves it).
+            trail.append([self.history_from, v, at, text])
         else:
             trail.append([v, v, at, text])
         self.history_at = at
+        return True
+
+    def _before(self, recorded_at: int | None, state: dict[str, Any]) -> bool:
+        """Daily, before an event is folded: if it starts another day, the day's row takes its text from `state`
+        (its last state, not yet changed by the next event's fold, which may change it in place)."""
+        trail = self.trail
+        if not trail or trail[-1][3] is not None:
+            return True
+        held = self.history_at
+        at = held if recorded_at is None or (held is not None and held >= recorded_at) else recorded_at
+        if at is None or self.day(trail[-1][2]) == self.day(at):  # type: ignore[misc]
+            return True
+        return self._settle(state)
+
+    def _settle(self, state: dict[str, Any]) -> bool:
+        """The last row's text from `state`, where it waits for it (daily); False: it does not fit (the error)."""
+        trail = self.trail
+        if not trail or trail[-1][3] is not None:
+            return True
+        try:
+            trail[-1][3] = self.codec.trail_text(state)
+        except state_json.StateMisfit as misfit:
+            self.error = json.dumps([self.stream_id, trail[-1][1], self.last_type or "?", str(misfit)])
+            return False
         return True
 
     def _history(self) -> str | None:
@@ -258,10 +291,17 @@ class StreamFold:
         trail = self.trail
         if not trail:
             return None
-        rows = [{"f": f, "t": t, "a": a, "b": trail[i + 1][2] if i + 1 < len(trail) else None, "s": s}
-                for i, (f, t, a, s) in enumerate(trail)]
+        rows = [{"f": f, "t": t, "a": a, "b": b, "s": s} for f, t, a, b, s in self.history_rows()]
         closes = self.history_from if self.history_from is not None and trail[0][0] != self.history_from else None
         return orjson.dumps({"c": closes, "r": rows}).decode()
+
+    def history_rows(self) -> Iterator[tuple[int, int, int, int | None, str]]:
+        """The trail's rows: (version_from, version_to, valid_from, valid_to, state JSON), times in microseconds,
+        each ending where the next begins (the last: current, None)."""
+        trail = self.trail or []
+        last = len(trail) - 1
+        for i, (f, t, a, s) in enumerate(trail):
+            yield f, t, a, trail[i + 1][2] if i < last else None, s
 
     def _failed(self, exc: Exception, v: int, event_type: str) -> bool:
         """A reducer's failure on event `v`: True if the event is skipped (an unknown type, skipped by
@@ -284,10 +324,13 @@ class StreamFold:
         self.parked.append({"version": v, "event_type": event_type, "payload": payload,
                             "recorded_at": _timestamp(recorded_at)})
 
-    def row(self) -> tuple[Any, ...]:
+    def row(self, with_trail: bool = True) -> tuple[Any, ...]:
         """The stream's row; a state that does not fit its declared fields (or JSON) is the stream's error, named
-        by the last event folded."""
+        by the last event folded. `with_trail`: with the history's trail as JSON (else the caller takes
+        `history_rows`)."""
         state = None
+        if self.error is None:
+            self._settle(self.state)
         if self.fold is not None and self.error is None:
             try:
                 state = self.codec.dumps(self.state)
@@ -301,7 +344,7 @@ class StreamFold:
             self.skipped, self.folded, self.error, self.tenant,
             (trail[-1][0] if trail else self.history_from) if trail is not None else None,
             self.history_at if trail is not None else None,
-            self._history() if self.error is None else None,
+            self._history() if self.error is None and with_trail else None,
         )
 
 

@@ -11,7 +11,8 @@ Made by the fold itself (lake/state/fold.py `StreamFold`: its trail), on every e
 `stream_state`'s commit, in its turn (after it in this process; before it on Spark, whose fold reads
 `stream_state` and would be computed again once that is written):
 - an increment closes each touched stream's current row (its `valid_to` set) and adds the new ones, in one
-  MERGE per table; "daily" rows of the day already current replace it. The table is partitioned by
+  MERGE per table; a "daily" row of the day already current replaces it (keeping its `valid_from`, the time
+  of that day's first change). The table is partitioned by
   `is_current`, so the MERGE reads and rewrites only the current rows' files, as `stream_state`'s does;
 - a first build, a stream type rebuilt (a revision, an upcaster), or a table not bound to `stream_state`'s
   last commit (turned on, its grain or fields changed, a crash between the two commits) is written whole
@@ -25,7 +26,7 @@ rebuilt, never patched, so no state is missed or written twice. Untouched tables
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import orjson
@@ -39,6 +40,7 @@ from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.state import state_json, typed_state
+from es_pipeline.lake.state.fold import StreamFold
 
 SUFFIX = "_history"
 _ENVELOPE = pa.schema([
@@ -131,11 +133,25 @@ def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: s
     return written
 
 
+def write_built(warehouse: Location, domain: Domain, built: dict[str, list[pa.Table]], events_id: str,
+                version: int) -> dict[str, int]:
+    """A whole build's history tables, from the rows the folding processes made (`built_rows`, per stream type),
+    each written whole by delta-rs at txn `version`. Rows per table."""
+    written: dict[str, int] = {}
+    for stream_type, (reducer, table) in history_tables(domain).items():
+        parts = built.get(stream_type) or []
+        rows = pa.concat_tables(parts) if parts else table.schema.empty_table()
+        write_deltalake(table.path(warehouse), rows, mode="overwrite", schema_mode="overwrite", partition_by=PARTITION,
+                        commit_properties=feed.commit_properties(app_id(table, events_id, reducer), version),
+                        description=f"es_pipeline: {table.comment}")
+        written[table.name] = rows.num_rows
+    return written
+
+
 def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, pa.Table]:
     """The trails of one stream type's folded streams as the history table's rows, and the current rows they close
     ((tenant, stream_id, version_from) with their new `valid_to`)."""
-    rows: dict[str, list[Any]] = {name: [] for name in ("tenant", "stream_id", "version_from", "version_to",
-                                                        "valid_from", "valid_to", "revision", "state")}
+    rows: dict[str, list[Any]] = {name: [] for name in _TRAIL_COLUMNS}
     closes: dict[str, list[Any]] = {"tenant": [], "stream_id": [], "version_from": [], "valid_to": []}
     for tenant, sid, revision, text in zip(*(of_type[c].to_pylist() for c in (
             "tenant", "stream_id", "revision", "history")), strict=True):
@@ -144,14 +160,9 @@ def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, 
             for k, v in zip(closes, (tenant, sid, trail["c"], trail["r"][0]["a"]), strict=True):
                 closes[k].append(v)
         for r in trail["r"]:
-            for k, v in zip(rows, (tenant, sid, r["f"], r["t"], r["a"], r["b"], revision, r["s"]), strict=True):
+            for k, v in zip(rows, (tenant, sid, r["f"], r["t"], r["a"], r["b"], r["s"], revision), strict=True):
                 rows[k].append(v)
-    envelope = pa.Table.from_arrays([
-        pa.array(rows["tenant"], pa.string()), pa.array(rows["stream_id"], pa.string()),
-        pa.array(rows["version_from"], pa.int32()), pa.array(rows["version_to"], pa.int32()),
-        pa.array(rows["valid_from"], pa.int64()).cast(UTC_MICROS), pa.array(rows["valid_to"], pa.int64()).cast(UTC_MICROS),
-        pc.is_null(pa.array(rows["valid_to"], pa.int64())), pa.array(rows["revision"], pa.int32()),
-        pa.array(rows["state"], pa.string())], schema=_ENVELOPE)
+    envelope = _envelope(rows)
     closed = pa.table({"tenant": pa.array(closes["tenant"], pa.string()),
                        "stream_id": pa.array(closes["stream_id"], pa.string()),
                        "version_from": pa.array(closes["version_from"], pa.int32()),
@@ -159,17 +170,49 @@ def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, 
     return _with_fields(envelope, reducer, table), closed
 
 
+def built_rows(folds: Iterable[StreamFold], reducer: Reducer, table: Table) -> pa.Table:
+    """The history rows of streams folded from their first event (a whole build, in the process that folded
+    them: no trail goes through JSON), declared fields included."""
+    rows = [(fold.tenant, fold.stream_id, *row) for fold in folds for row in fold.history_rows()]
+    if not rows:
+        return table.schema.empty_table()
+    tenant, stream_id, version_from, version_to, valid_from, valid_to, state = zip(*rows, strict=True)
+    return _with_fields(_envelope({
+        "tenant": tenant, "stream_id": stream_id, "version_from": version_from, "version_to": version_to,
+        "valid_from": valid_from, "valid_to": valid_to, "state": state, "revision": [reducer.revision] * len(rows)}),
+        reducer, table)
+
+
+_TRAIL_COLUMNS = ("tenant", "stream_id", "version_from", "version_to", "valid_from", "valid_to", "state", "revision")
+
+
+def _envelope(rows: dict[str, Any]) -> pa.Table:
+    valid_to = pa.array(rows["valid_to"], pa.int64())
+    return pa.Table.from_arrays([
+        pa.array(rows["tenant"], pa.string()), pa.array(rows["stream_id"], pa.string()),
+        pa.array(rows["version_from"], pa.int32()), pa.array(rows["version_to"], pa.int32()),
+        pa.array(rows["valid_from"], pa.int64()).cast(UTC_MICROS), valid_to.cast(UTC_MICROS), pc.is_null(valid_to),
+        pa.array(rows["revision"], pa.int32()), pa.array(rows["state"], pa.string())], schema=_ENVELOPE)
+
+
 def _with_fields(envelope: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
     """History rows (`_ENVELOPE`) with the declared fields' columns, from each row's `state`."""
     fields: list[pa.ChunkedArray | pa.Array] = []
     if reducer.state is not None:
         try:
-            fields = state_json.columns([json.loads(s) for s in envelope["state"].to_pylist()], reducer.state).columns
+            fields = state_json.columns([_parsed(s) for s in envelope["state"].to_pylist()], reducer.state).columns
         except state_json.StateMisfit as misfit:
             raise TypedStateMismatch(reducer.stream_type, envelope["stream_id"][misfit.index].as_py(), misfit.field,
                                      misfit.value, misfit.reason) from None
     return pa.Table.from_arrays([*envelope.select(_ENVELOPE.names).cast(_ENVELOPE).columns, *fields],
                                 schema=table.schema)
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)  # what orjson refuses (integers past 64 bits, NaN): the fold wrote it so
 
 
 def _merge(target: DeltaTable, rows: pa.Table, closes: pa.Table, props: CommitProperties) -> None:
@@ -180,11 +223,12 @@ def _merge(target: DeltaTable, rows: pa.Table, closes: pa.Table, props: CommitPr
         _close_rows(closes, rows.schema).append_column("es_close", pa.array([True] * closes.num_rows, pa.bool_())),
     ])
     every = {c: f"u.{c}" for c in rows.column_names}
+    replaced = {c: v for c, v in every.items() if c != "valid_from"}  # a day's row keeps its first change's time
     on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
     target.merge(source, predicate=f"t.is_current = true AND {on}", source_alias="u", target_alias="t",
                  commit_properties=props) \
         .when_matched_update(updates={"valid_to": "u.valid_to", "is_current": "false"}, predicate="u.es_close") \
-        .when_matched_update(updates=every, predicate="NOT u.es_close") \
+        .when_matched_update(updates=replaced, predicate="NOT u.es_close") \
         .when_not_matched_insert(updates=every, predicate="NOT u.es_close").execute()
 
 
@@ -242,7 +286,7 @@ def _merge_spark(spark: Any, path: str, rows: Any, closes: Any, app: str, versio
     view = f"_es_history_{abs(hash((path, version))) % 10**9}"
     source.createOrReplaceTempView(view)
     on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
-    every = ", ".join(f"`{c}` = u.`{c}`" for c in rows.columns)
+    every = ", ".join(f"`{c}` = u.`{c}`" for c in rows.columns if c != "valid_from")  # as in `_merge`
     spark.conf.set("spark.databricks.delta.write.txnAppId", app)
     spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
     try:

@@ -198,7 +198,7 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
     folded = whole_fold.fold_table(events_path, domain, skip_unknown, engine)
     if folded is None:
         return None
-    out, now = folded
+    out, now, built = folded
     updates = arrow_updates(out)
     feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
     STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
@@ -206,7 +206,7 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
     version = txn_version(now, domain.folds)
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
                     commit_properties=feed.commit_properties(app, version))
-    kept = history.write_arrow(warehouse, domain, out, tables.table_id(events_path), version, whole=None)
+    kept = history.write_built(warehouse, domain, built, tables.table_id(events_path), version)
     return replace(arrow_result(out, now, -1), history_rows=tuple(sorted(kept.items())))
 
 

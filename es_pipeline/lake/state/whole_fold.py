@@ -14,7 +14,8 @@ done here instead:
    `StreamFold.events` (the same reducers and rules as Spark's workers);
 3. the output returned to lake/state/stream_state.py, which writes it with delta-rs under the same Delta
    transaction id (app id, version) Spark's MERGE carries, inside the table's turn, so either engine goes on
-   from what the other folded.
+   from what the other folded; with it, the history tables' rows (lake/state/history.py), made by each
+   folding process from its streams' trails as it goes.
 
 A larger table, or `events` with deletion vectors, returns None, and Spark does it.
 """
@@ -30,7 +31,8 @@ from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake.delta import feed, pieces, tables
-from es_pipeline.lake.state import forked
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.state import forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
     FOLD_OUT,
@@ -44,10 +46,15 @@ CHUNK = 65_536  # events taken and turned into Python objects at a time (whole s
 
 
 
+Histories = dict[str, tuple[Reducer, Table]]  # lake/state/history.py `history_tables`
+Built = dict[str, list[pa.Table]]  # per stream type, its history rows
+
+
 def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
-               engine: str = "auto") -> tuple[pa.Table, int] | None:
+               engine: str = "auto") -> tuple[pa.Table, int, Built] | None:
     """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
-    read), or None: Spark's to do (see the module; `engine` as `tables.on_spark` takes it)."""
+    read, the history tables' rows), or None: Spark's to do (see the module; `engine` as `tables.on_spark` takes
+    it)."""
     events = DeltaTable(events_path)
     if feed.has_deletion_vectors(events):
         return None  # its files alone are not its rows
@@ -58,12 +65,21 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]
     count = pieces.count_for(size)
     rows = pieces.batches(events_path, events, read)
+    histories = history.history_tables(domain)
     with pieces.spread(rows, pieces.schema(events, read), count, pieces.by_slice(count)) as parts:
         if parts.count == 1:
-            return _fold(_prepared(parts.read(0), domain), dict(domain.folds), skip_unknown), now
+            return _joined(_fold(_prepared(parts.read(0), domain), dict(domain.folds), skip_unknown, histories), now)
         # A piece per call, one forked process per core: each holds one piece at a time.
-        folded = forked.run((parts, domain, skip_unknown), _fold_piece, range(parts.count))
-    return pa.concat_tables(folded), now
+        folded = forked.run((parts, domain, skip_unknown, histories), _fold_piece, range(parts.count))
+    return _joined(folded, now)
+
+
+def _joined(folded: list[tuple[pa.Table, Built]], now: int) -> tuple[pa.Table, int, Built]:
+    built: Built = {}
+    for _, parts in folded:
+        for stream_type, tables_of_type in parts.items():
+            built.setdefault(stream_type, []).extend(tables_of_type)
+    return pa.concat_tables([out for out, _ in folded]), now, built
 
 
 def _prepared(rows: pa.Table, domain: Domain) -> pa.Table:
@@ -71,7 +87,8 @@ def _prepared(rows: pa.Table, domain: Domain) -> pa.Table:
     return with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
 
 
-def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
+def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool,
+          histories: Histories) -> list[tuple[pa.Table, Built]]:
     """Every stream of `rows` folded: in this process, or split by slice over one forked process per core."""
     n = forked.shares(rows.num_rows) if "slice" in rows.column_names else 1
     bounds: list[int] = []
@@ -79,31 +96,33 @@ def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool) -> p
         low, high = (int(v.as_py()) for v in pc.min_max(rows["slice"]).values())
         bounds = [low + (high + 1 - low) * i // n for i in range(n + 1)]
     # Forked: each worker reads its share of the rows this process holds, without copying them to it.
-    return pa.concat_tables(forked.run((rows, registry, skip_unknown, bounds), _fold_share, range(n)))
+    return forked.run((rows, registry, skip_unknown, bounds, histories), _fold_share, range(n))
 
 
-def _fold_piece(i: int) -> pa.Table:
+def _fold_piece(i: int) -> tuple[pa.Table, Built]:
     """The fold of piece `i` (whole streams), read from disk by the worker that folds it."""
-    parts, domain, skip_unknown = forked.shared()
-    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), skip_unknown)
+    parts, domain, skip_unknown, histories = forked.shared()
+    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), skip_unknown, histories)
 
 
-def _fold_share(share: int) -> pa.Table:
+def _fold_share(share: int) -> tuple[pa.Table, Built]:
     """The fold of one share of the rows (its span of slices; all of them without `bounds`).
 
     The rows are ordered by stream and version without sorting strings: the share's tenants and stream ids
     become dictionary codes, and the codes are sorted. Then `CHUNK` events at a time (whole streams) are
     taken in that order and folded stream by stream (`StreamFold.events`)."""
-    rows, registry, skip_unknown, bounds = forked.shared()
+    rows, registry, skip_unknown, bounds, histories = forked.shared()
     ids = None
     if bounds:
         lo, hi = bounds[share], bounds[share + 1]
         ids = pc.indices_nonzero(pc.and_(pc.greater_equal(rows["slice"], lo), pc.less(rows["slice"], hi)))
-    return _fold_rows(rows, ids, registry, skip_unknown)
+    return _fold_rows(rows, ids, registry, skip_unknown, histories)
 
 
-def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer], skip_unknown: bool) -> pa.Table:
-    """The fold of `rows` (those at `ids`; all without), stream by stream."""
+def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer], skip_unknown: bool,
+               histories: Histories) -> tuple[pa.Table, Built]:
+    """The fold of `rows` (those at `ids`; all without), stream by stream, and the history rows of the types that
+    keep one (made a chunk of streams at a time, from each stream's trail)."""
 
     def share_of(name: str) -> pa.Array:
         column = rows[name] if ids is None else rows[name].take(ids)
@@ -120,18 +139,25 @@ def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer
     events = [rows[name].take(at) for name in ("version", "event_type", "payload")]
     events.append(rows["recorded_at"].take(at).cast(pa.int64()))
     out: list[tuple[object, ...]] = []
+    built: Built = {}
     first = 0  # the first stream of the next chunk
     while first < len(starts) - 1:
         end = min(max(bisect_left(starts, starts[first] + CHUNK, first + 1), first + 1), len(starts) - 1)
         lo, n = starts[first], starts[end] - starts[first]
         run = zip(*(column.slice(lo, n).to_pylist() for column in events), strict=True)
+        kept: dict[str, list[StreamFold]] = {}
         for k in range(first, end):
             stream_type = heads[2][k]
             fold = StreamFold(heads[1][k], heads[0][k], stream_type, registry.get(stream_type), skip_unknown)
             fold.events(islice(run, starts[k + 1] - starts[k]))
-            out.append(fold.row())
+            out.append(fold.row(with_trail=False))
+            if fold.trail and fold.error is None:
+                kept.setdefault(stream_type, []).append(fold)
+        for stream_type, folds in kept.items():
+            reducer, table = histories[stream_type]
+            built.setdefault(stream_type, []).append(history.built_rows(folds, reducer, table))
         first = end
-    return pa.Table.from_batches([fold_out_batch(out)] if out else [], schema=FOLD_OUT)
+    return pa.Table.from_batches([fold_out_batch(out)] if out else [], schema=FOLD_OUT), built
 
 
 def _codes(values: pa.Array) -> pa.Array:
