@@ -26,6 +26,7 @@ from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.maintenance import maintain
 from es_pipeline.lake.read import query
+from es_pipeline.lake.state import history
 from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
@@ -102,7 +103,8 @@ def _project(spark: Any, warehouse: Any, store: StoreDsn) -> None:
 
 
 EXPECTED = {"events", "stream_state", "stream_catalog", "event_type_daily", "snapshots", "stream_state_cart",
-            "stream_state_account", "sku_sales", "event_tables", "events_item_added", "events_deposited"}
+            "stream_state_account", "sku_sales", "event_tables", "events_item_added", "events_deposited",
+            "stream_state_cart_history", "stream_state_account_history"}
 
 
 def test_every_engine_reads_every_table_alike_fresh_compacted_and_after_an_erasure(
@@ -135,7 +137,8 @@ def test_every_engine_reads_every_table_alike_fresh_compacted_and_after_an_erasu
         kept = conn.execute("SELECT count(*) FROM es.events").fetchone()[0]  # type: ignore[index]
     assert erased["events"]["count"] == kept < 720
     con, _ = query.duckdb_connection(warehouse)
-    for name in [n for n in inventory.lake_tables(warehouse) if n.startswith(event_tables.PREFIX)]:
+    for name in [n for n in inventory.lake_tables(warehouse)
+                 if n.startswith(event_tables.PREFIX) or n.endswith(history.SUFFIX)]:
         assert con.execute(f"SELECT count(*) FROM \"{name}\" WHERE tenant = '{GONE}'").fetchone()[0] == 0, name
     typed = sum(erased[n]["count"] for n in erased if n.startswith(event_tables.PREFIX))
     assert typed == kept  # every kept event in its typed table, once
