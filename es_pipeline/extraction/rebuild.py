@@ -7,7 +7,7 @@
   reset, in that order (a crash between leaves offsets without a table, which the next run refuses, and this
   command, run again, finishes). The next runs extract every event once; each projection then finds no position
   under the new `events` (lake/delta/definition.py `over`) and builds itself whole at its next update.
-- a projection (`stream_state` with its typed state tables, `stream_catalog`, `event_type_daily`, a cross-stream
+- a projection (`stream_state` with its typed state and history tables, `stream_catalog`, `event_type_daily`, a cross-stream
   table, the typed event tables through their mapping `event_tables`, `snapshots`): removed in its own turn
   (lake/delta/serial.py), so that no update of it runs meanwhile; its next update builds it whole from `events` (the
   typed state tables follow a new `stream_state` the same way). Nothing is lost: each is a fold of `events`.

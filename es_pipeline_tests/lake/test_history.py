@@ -177,6 +177,16 @@ def test_history_and_state_as_of_equal_a_fold_of_the_store_on_every_path(
     assert on_spark.engine == "spark" and not on_spark.rebuilt_types
     _check(dsn, warehouse)
 
+    # docs/analysts.md's month-end balances, as written there (a LATERAL call per month end).
+    ends = [dt.datetime(2026, 10, 31, 23, 59, 59, 999999, UTC), dt.datetime(2026, 11, 30, 23, 59, 59, 999999, UTC)]
+    month_ends = query.run(warehouse, "SELECT m.month_end, count(*) AS accounts, round(sum(a.balance), 2) AS total "
+                                      "FROM (VALUES (TIMESTAMP '2026-10-31 23:59:59.999999'), "
+                                      "(TIMESTAMP '2026-11-30 23:59:59.999999')) AS m(month_end), "
+                                      "LATERAL (FROM state_as_of('account', m.month_end)) a GROUP BY 1 ORDER BY 1").rows
+    for row, end in zip(month_ends.to_pylist(), ends, strict=True):
+        held = expected_as_of(dsn, SHOP, "account", end)
+        assert (row["accounts"], row["total"]) == (len(held), round(sum(s["balance"] for _, s in held.values()), 2))
+
     # Spark SQL answers `state_as_of` alike (the call written out as a subquery).
     names = register_tables(spark, str(warehouse))
 
