@@ -69,6 +69,7 @@ def _same(a: list[Any] | None, b: list[Any] | None) -> bool:
 @settings(max_examples=int(os.environ.get("ES_PIPELINE_EXAMPLES", "500")), deadline=None)
 @given(st.lists(_PAYLOAD, min_size=1, max_size=5) | st.lists(_REGULAR, min_size=1, max_size=8),
        st.lists(_PAYLOAD | _REGULAR, max_size=3), _DECLARED)
+@example(payloads=[{"a": None, "x": {"p": None, "q": False}}, {"x": {"p": False}}], before=[], declared=None)
 def test_arrow_and_python_give_the_same_columns_for_any_batch(payloads: list[dict], before: list[dict],
                                                              declared: pa.Schema | None) -> None:
     held = type_rows(_rows(before), None, declared=declared).rows.schema if before else None

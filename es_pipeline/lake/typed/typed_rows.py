@@ -162,6 +162,22 @@ def column_for(field: str, columns: Iterable[str]) -> str | None:
 _OUTSIZE = float(shapes.EXACT)  # a double this large may be a whole number Arrow's reader rounded: value by value
 
 
+def _null_members(values: pa.Array) -> bool:
+    """Whether an object of `values` (at any depth) lacks a member, or holds it null, where another has it: Arrow's
+    reader orders an object's members by where each first appears, null or not, the rule by where each first
+    holds a value (shapes.py `infer`), so their orders could differ: value by value then."""
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        return _null_members(values.flatten())
+    if not pa.types.is_struct(values.type):
+        return False
+    valid = pc.is_valid(values)
+    for i in range(values.type.num_fields):
+        member = values.field(i)
+        if pc.any(pc.and_(valid, pc.is_null(member))).as_py() or _null_members(member):
+            return True
+    return False
+
+
 def arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
                 fixed: dict[str, pa.DataType]) -> tuple[dict[str, Any], pa.Array, int] | None:
     """The payload columns by Arrow's JSON reader, or None where it cannot give exactly what the rule says."""
@@ -213,7 +229,7 @@ def arrow_path(rows: pa.Table, columns: dict[str, pa.DataType],
                                               or not shapes.settled(f.type)):
                 return None
         values = read[f.name].combine_chunks()
-        if _outsize(values):
+        if _outsize(values) or _null_members(values):
             return None
         if column in texts:
             values = shapes.cast_texts(values, texts[column])
