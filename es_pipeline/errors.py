@@ -20,10 +20,11 @@ class ConfigError(EsPipelineError):
 class DatabaseUnreachable(EsPipelineError, Retryable):
     def __init__(self, host: str, port: str, dbname: str, reason: str) -> None:
         self.host, self.port, self.dbname, self.reason = host, port, dbname, reason
-        super().__init__(
-            f"cannot connect to PostgreSQL at {host}:{port}, database {dbname!r}: {reason}. "
-            "Check ES_PIPELINE_PG_DSN, or start the local server with `es-pipeline db start` (or `make db`)."
-        )
+        refused = any(w in reason.lower() for w in ("password", "authentication", "role", "permission"))
+        hint = ("Check the user and password of ES_PIPELINE_PG_DSN (or the passfile it names): the server answered "
+                "and refused them." if refused else
+                "Check ES_PIPELINE_PG_DSN, or start the local server with `es-pipeline db start` (or `make db`).")
+        super().__init__(f"cannot connect to PostgreSQL at {host}:{port}, database {dbname!r}: {reason}. {hint}")
 
 
 class UnsupportedDsn(EsPipelineError):

@@ -74,6 +74,18 @@ def test_unreachable_server_is_one_clear_line() -> None:
     assert "\n" not in message
 
 
+def test_a_refused_password_says_so_and_not_to_start_a_server(pg_server: str) -> None:
+    """The server answered: starting one is no advice; the user and password are what to check."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = {k: v for k, v in conninfo_to_dict(pg_server).items() if k != "passfile"}
+    with pytest.raises(DatabaseUnreachable) as info:
+        connect(make_conninfo(**{**parts, "password": "not-the-password"}))
+    message = str(info.value)
+    assert "password" in message and "refused them" in message and "db start" not in message, message
+    assert "not-the-password" not in message
+
+
 class _Info:
     server_version = 120011
 

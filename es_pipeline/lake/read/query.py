@@ -207,7 +207,7 @@ def write(rows: pa.Table, fmt: str, out: IO[str] = sys.stdout, *, limit: int | N
     """`rows` as a table for a terminal (at most `limit` rows, and how many there were), CSV (NULL as an empty
     field) or JSON lines. `complete`: `rows` is the whole result (else its first rows)."""
     if fmt == "csv":
-        writer = csv.writer(out)
+        writer = csv.writer(out, lineterminator="\n")  # one newline per line, as the other formats write
         writer.writerow(rows.column_names)
         for row in rows.to_pylist():
             writer.writerow(["" if v is None else _text(v) for v in row.values()])
