@@ -24,7 +24,7 @@ the `events` delete and purge) and are extracted by the next runs, once each
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
@@ -40,6 +40,7 @@ from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.state import history
 from es_pipeline.lake.state import stream_state as st
 from es_pipeline.lake.state.fold import txn_version_after
 from es_pipeline.settings import Settings
@@ -93,6 +94,25 @@ def _projection_after(
     if int(read) == at(before):
         return (app_id, at(erased_at)), False
     return None, True
+
+
+def _history_after(name: str, path: str, state_path: str, events_id: str, before: int,
+                   grains: Sequence[str]) -> tuple[str, int] | None:
+    """For a history table (lake/state/history.py) about to lose the tenant's rows, after `stream_state` did: the
+    (app id, version) its DELETE records, so that it stays bound to `stream_state` (its version is `stream_state`'s
+    when it follows it); None where it need not or cannot (then, unbound, its next update builds it whole). Its app
+    id names its grain, which is the domain's: tried for each of `grains`."""
+    state_read = tables.transaction_version(state_path, st.app_id(events_id))
+    if state_read is None:
+        return None
+    for grain in grains:
+        app = history.app_id_of(name, events_id, grain)
+        held = tables.transaction_version(path, app)
+        if held is None or held == state_read:
+            continue
+        if held == txn_version_after(state_read, before):  # it followed stream_state up to the erasure
+            return app, state_read
+    return None
 
 
 def _lock_everything(session: OffsetSession, wait_seconds: float, progress: Callable[[str], None]) -> None:
@@ -208,10 +228,14 @@ def _erase_projections(
     crossing = set(cross_stream.table_names(warehouse))
     events_path = EVENTS.path(warehouse)
     events_id = tables.table_id(events_path) if tables.is_delta_table(events_path) else ""
+    grains = history.grains_of(settings.domain_modules)
     for name in names:
         path = tables.table_path(warehouse, name)
         with one_at_a_time(settings.pg_dsn, inventory.turn_of(name)):
             advance, lagging = _projection_after(name, path, events_id, before, erased_at) if deleted else (None, False)
+            if deleted and name.endswith(history.SUFFIX) and inventory.turn_of(name) == "stream_state":
+                advance = _history_after(name, path, tables.table_path(warehouse, "stream_state"), events_id, before,
+                                         grains)
             gone = lake_erase.delete_tenant(path, tenant, advance=advance)
             done.lake_rows[name] = gone[0] if gone else 0
             if name in crossing:  # its change feed may still hold the tenant's waiting events: folded anew

@@ -243,3 +243,32 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
     assert pc.all(pc.is_null(current["valid_to"])).as_py()
     for _, table in history.history_tables(SHOP).values():  # as Spark wrote them: the columns declared, in order
         assert history._same_columns(DeltaTable(str(warehouse / table.name)), table), table.name
+
+
+def test_a_declared_field_added_retypes_the_history_in_place_and_the_next_increment_closes_rows_as_before(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """The account state declares one more field: its history table gets the column from its own `state` (no refold,
+    no JVM), every row's `is_current` kept, and the next increment closes and adds rows as before."""
+    import copy
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    more = copy.copy(SHOP)
+    account = SHOP.reducers["account"]
+    assert account.state is not None
+    more.reducers = {**SHOP.reducers, "account": replace(account, state=pa.schema([*account.state,
+                                                                                  pa.field("note", pa.string())]))}
+    more._folds = None
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=20, events=120, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=61)
+    _past_accounts(dsn, 0)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(no_spark, warehouse, domain=SHOP)
+    _past_accounts(dsn, 1)  # the same accounts go on: their current rows are closed or (same day) replaced
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(no_spark, warehouse, domain=more)
+    table = DeltaTable(str(warehouse / "stream_state_account_history")).to_pyarrow_table()
+    assert "note" in table.column_names and table["note"].null_count == table.num_rows
+    _check(dsn, warehouse, more)

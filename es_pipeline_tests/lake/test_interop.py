@@ -26,7 +26,7 @@ from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.maintenance import maintain
 from es_pipeline.lake.read import query
-from es_pipeline.lake.state import history
+from es_pipeline.lake.state import history, stream_state
 from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
@@ -131,6 +131,10 @@ def test_every_engine_reads_every_table_alike_fresh_compacted_and_after_an_erasu
     settings = replace(Settings.from_env(), pg_dsn=str(tenant_store), warehouse=warehouse, source_mapping=SOURCE,
                        source_spec="es-tenants", spark_master="local[2]")
     erase_tenant(settings, GONE, wait_seconds=60, progress=lambda _: None)
+    # The history tables' deletes recorded stream_state's new position: still bound, no type refolded for them.
+    events_id = tables.table_id(tables.table_path(warehouse, "events"))
+    read = tables.transaction_version(tables.table_path(warehouse, "stream_state"), stream_state.app_id(events_id))
+    assert read is not None and history.unbound(warehouse, SHOP, events_id, read) == []
     _project(spark, warehouse, tenant_store)
     erased = assert_every_engine_agrees(spark, warehouse, expect=EXPECTED)
     with psycopg.connect(tenant_store.extractor) as conn:

@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain, Reducer
+from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import DomainError, TypedStateMismatch
 from es_pipeline.lake.delta import feed, pieces, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
@@ -63,6 +64,7 @@ def history_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
     """Per stream type whose reducer keeps history: (the reducer, its table)."""
     typed = {table.name: t for t, (_, table) in typed_state.typed_tables(domain).items()}
     out: dict[str, tuple[Reducer, Table]] = {}
+    named: dict[str, str] = {}
     for stream_type, reducer in sorted(domain.folds.items()):
         if reducer.history is None:
             continue
@@ -70,6 +72,10 @@ def history_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
         if name in typed:
             raise DomainError(f"stream type {typed[name]!r}'s typed table and {stream_type!r}'s history would both "
                               f"be {name}", "Rename a stream type, or keep the history of another.")
+        if name in named:
+            raise DomainError(f"stream types {named[name]!r} and {stream_type!r} would both keep their history in "
+                              f"{name}", "Keep the history of one of them only, or rename a stream type.")
+        named[name] = stream_type
         schema = pa.schema([*_ENVELOPE, *(reducer.state or [])])
         out[stream_type] = (reducer, Table(name, schema, key=KEY, comment=f"state history of the {stream_type} "
                                            f"streams ({'every state' if reducer.history == 'each' else reducer.history})"))
@@ -78,14 +84,31 @@ def history_tables(domain: Domain) -> dict[str, tuple[Reducer, Table]]:
 
 def app_id(table: Table, events_id: str, reducer: Reducer) -> str:
     """The app id of `table`'s commits: bound to the `events` table and to the grain (a new grain: built whole)."""
-    return table.app_id_over(f"{events_id}/{reducer.history}")
+    return app_id_of(table.name, events_id, reducer.history or "")
 
 
-def unbound(warehouse: Location, domain: Domain, events_id: str, read: int) -> list[str]:
+def app_id_of(name: str, events_id: str, grain: str) -> str:
+    """`app_id` by the table's name and a grain ("each", "daily:<zone>")."""
+    return f"es_pipeline.{name}@{events_id}/{grain}"
+
+
+def grains_of(modules: Iterable[str]) -> list[str]:
+    """The grains a history table's app id may name: "each", "daily:UTC", and those the domain in `modules` keeps
+    (where it loads; else the two)."""
+    out = ["each", "daily:UTC"]
+    try:
+        domain = load_domain(tuple(modules))
+    except Exception:  # noqa: BLE001 - no domain here: the two common grains, and an unbound table is rebuilt
+        return out
+    return out + sorted({r.history for r in domain.reducers.values() if r.history and r.history not in out})
+
+
+def unbound(warehouse: Location, domain: Domain, events_id: str, read: int, stale: Collection[str] = ()) -> list[str]:
     """The stream types whose history table does not follow `stream_state`'s last commit (txn version `read`): none
     yet, another grain, or behind (a crash between the two commits). Their types are folded again, the tables
-    written whole. A table that follows it but whose declared fields changed has its columns made again from its
-    own `state` here, in batches, under the same transaction id (no refold)."""
+    written whole. A table that follows it but whose declared fields changed (its type not `stale`: not rebuilt
+    anyway) has its columns made again from its own `state` here, in batches, under the same transaction id (no
+    refold); where an old state does not fit the new fields, its type is folded again instead."""
     out = []
     for stream_type, (reducer, table) in history_tables(domain).items():
         path = table.path(warehouse)
@@ -96,13 +119,38 @@ def unbound(warehouse: Location, domain: Domain, events_id: str, read: int) -> l
         app = app_id(table, events_id, reducer)
         if held.transaction_version(app) != read:
             out.append(stream_type)
-        elif not _same_columns(held, table):
-            batches = (_with_fields(pa.Table.from_batches([b]), reducer, table).to_batches()
-                       for b in pieces.batches(path, held, _ENVELOPE.names))
-            write_deltalake(path, pa.RecordBatchReader.from_batches(table.schema, (b for bs in batches for b in bs)),
-                            mode="overwrite", schema_mode="overwrite", partition_by=PARTITION,
-                            commit_properties=feed.commit_properties(app, read))
+        elif stream_type not in stale and not _same_columns(held, table) and not _retyped(path, held, reducer, table,
+                                                                                            app, read):
+            out.append(stream_type)
     return out
+
+
+def _retyped(path: str, held: DeltaTable, reducer: Reducer, table: Table, app: str, read: int) -> bool:
+    """The table written again with the declared fields' columns made from each row's `state`, batch by batch
+    (`is_current` from `valid_to`: a partition column is not in the files); False, nothing committed, where a state
+    does not fit them."""
+
+    misfit: list[TypedStateMismatch] = []
+
+    def batches() -> Any:
+        for batch in pieces.batches(path, held, [n for n in _ENVELOPE.names if n != "is_current"]):
+            rows = pa.Table.from_batches([batch])
+            rows = rows.append_column("is_current", pc.is_null(rows["valid_to"]))
+            try:
+                typed = _with_fields(rows, reducer, table)
+            except TypedStateMismatch as exc:
+                misfit.append(exc)
+                raise
+            yield from typed.to_batches()
+
+    try:
+        write_deltalake(path, pa.RecordBatchReader.from_batches(table.schema, batches()), mode="overwrite",
+                        schema_mode="overwrite", partition_by=PARTITION, commit_properties=feed.commit_properties(app, read))
+    except Exception:  # the misfit comes back through Arrow's reader, wrapped or not: anything else re-raises
+        if misfit:
+            return False
+        raise
+    return True
 
 
 def _same_columns(held: DeltaTable, table: Table) -> bool:

@@ -146,10 +146,11 @@ def small_increment(
     now = events_feed.version
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
-    if history.unbound(warehouse, domain, events_feed.table_id, int(read)):
-        return None  # a history table to build whole (turned on, changed, or behind): Spark rebuilds its type
     if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
-        return StateResult(now, prev, 0, 0, (), 0, 0) if txn_version(now, domain.folds) == int(read) else None
+        if txn_version(now, domain.folds) != int(read) or history.unbound(warehouse, domain, events_feed.table_id,
+                                                                          int(read)):
+            return None  # (or a history table to build whole: its type rebuilt)
+        return StateResult(now, prev, 0, 0, (), 0, 0)
     read_rows = events_feed.rows(prev, columns)
     if read_rows is None:
         return None
@@ -159,6 +160,8 @@ def small_increment(
     kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
     if stale_types(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(), strict=True), domain):
         return None  # a reducer added, bumped or removed: Spark rebuilds those types
+    if history.unbound(warehouse, domain, events_feed.table_id, int(read)):
+        return None  # a history table to build whole (turned on, another grain, or behind): Spark rebuilds its type
     prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
                                 pc.is_valid(whole["parked"])))
     rows = fold_input(new, prior)
@@ -232,7 +235,7 @@ def _update_with_spark(
     state = tables.read(spark, state_path) if read is not None else tables.read(spark, state_path).limit(0)
     stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
     if read is not None:  # a history table not bound to the last commit: its type rebuilt, the table with it
-        stale = sorted({*stale, *history.unbound(warehouse, domain, events_id, read)})
+        stale = sorted({*stale, *history.unbound(warehouse, domain, events_id, read, stale)})
     # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
     enc = F.col("payload_encoding")
     field = domain.metadata_field
