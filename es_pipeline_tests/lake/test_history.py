@@ -245,6 +245,7 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
         assert history._same_columns(DeltaTable(str(warehouse / table.name)), table), table.name
 
 
+@pytest.mark.slow  # a store, two updates and a check of every row: `make test`, not `make check`'s budget
 def test_a_declared_field_added_retypes_the_history_in_place_and_the_next_increment_closes_rows_as_before(
     dsn: StoreDsn, warehouse: Path
 ) -> None:
