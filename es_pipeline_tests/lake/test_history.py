@@ -24,6 +24,7 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.lake.read import query
+from es_pipeline.lake.read.as_of import as_of_spark
 from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.state import history
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -196,7 +197,7 @@ def test_history_and_state_as_of_equal_a_fold_of_the_store_on_every_path(
         return [f.name for f in spark.table(name).schema.fields]
 
     moment = dt.datetime.combine(DAY0.date() + dt.timedelta(days=4), dt.time.max, UTC)
-    sql = query.as_of_spark(f"SELECT stream_id, version, balance FROM state_as_of('account', "
+    sql = as_of_spark(f"SELECT stream_id, version, balance FROM state_as_of('account', "
                             f"TIMESTAMP '{moment.replace(tzinfo=None).isoformat(sep=' ')}')", columns_of)
     got = {r["stream_id"]: (r["version"], r["balance"]) for r in spark.sql(sql).collect()}
     assert got == {s: (v, state["balance"]) for s, (v, state) in expected_as_of(dsn, SHOP, "account", moment).items()}

@@ -7,7 +7,7 @@ from typing import Any
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
-from es_pipeline.lake.read.query import as_of_spark
+from es_pipeline.lake.read.as_of import as_of_spark
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings
 

@@ -9,7 +9,7 @@ the same reader family as delta-rs), which comes from PyPI (`duckdb-ext-delta`, 
 
 On both engines `state_as_of('<stream type>', <moment>)` is a table: each stream's state at that moment, from
 its history table (lake/state/history.py), without the interval logic: DuckDB has it as a table macro, Spark SQL
-has the call rewritten into the same subquery (`as_of_spark`). Times without a zone are UTC on both.
+has the call rewritten into the same subquery (lake/read/as_of.py). Times without a zone are UTC on both.
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ import pyarrow as pa
 from es_pipeline.errors import QueryFailed
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.read import as_of
 
-ENGINES = ("duckdb", "spark")
-AS_OF = "state_as_of"
-# The history table of a stream type, named as lake/state/typed_state.py's `table_name` names it, then `_history`.
-_HISTORY_OF = "'stream_state_' || coalesce(nullif(trim(regexp_replace(lower({t}), '[^a-z0-9]+', '_', 'g'), '_'), ''), " \
-    "'_') || '_history'"
-_AS_OF_COLUMNS = ("tenant", "stream_id", "version_to AS version", "valid_from", "revision")
-_HISTORY_ENVELOPE = ("tenant", "stream_id", "version_from", "version_to", "valid_from", "valid_to", "is_current",
-                     "revision")  # es_pipeline/cli.py says them too, so as not to import this module to parse
+ENGINES = ("duckdb", "spark")  # es_pipeline/cli.py says them too, so as not to import this module to parse
 FORMATS = ("table", "csv", "json")
 
 
@@ -71,70 +65,14 @@ def duckdb_connection(warehouse: Location, query: str | None = None) -> tuple[An
     con.execute("SET TimeZone = 'UTC'")  # a moment written without a zone (TIMESTAMP '2026-10-31 23:59') is UTC
     listed = tables.table_names(warehouse, "")  # every Delta table under the warehouse, `events` first
     names = [n for n in tables.TABLES if n in listed] + [n for n in listed if n not in tables.TABLES]
-    as_of = query is not None and AS_OF in query.lower()
+    histories = query is not None and as_of.AS_OF in query.lower()
     named = [n for n in names if query is None or re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", query, re.IGNORECASE)
-             or (as_of and n.endswith("_history"))]
+             or (histories and n.endswith("_history"))]
     for name in named or names:  # a view reads its table's log when made: a lake of 300 tables makes only those used
         quoted = tables.table_path(warehouse, name).replace("'", "''")
         con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM delta_scan(\'{quoted}\')')
-    # The state of every stream of a type at a moment: the history row whose interval holds it.
-    con.execute(
-        f"CREATE OR REPLACE MACRO {AS_OF}(stream_type, moment) AS TABLE "
-        f"SELECT {', '.join(_AS_OF_COLUMNS)}, * EXCLUDE ({', '.join(_HISTORY_ENVELOPE)}) "
-        f"FROM query_table({_HISTORY_OF.format(t='stream_type')}) "
-        f"WHERE valid_from <= moment::TIMESTAMPTZ AND (valid_to IS NULL OR valid_to > moment::TIMESTAMPTZ)")
+    con.execute(as_of.DUCKDB_MACRO)
     return con, names
-
-
-def as_of_spark(query: str, columns_of: Any) -> str:
-    """`query` with each `state_as_of('<type>', <moment>)` written out as the subquery it stands for, for Spark SQL
-    (which has no table macros); `columns_of(table)`: that history table's columns (KeyError: there is none)."""
-    out, at = [], 0
-    for found in re.finditer(rf"\b{AS_OF}\s*\(", query, re.IGNORECASE):
-        if found.start() < at:
-            continue
-        args, end = _arguments(query, found.end())
-        if len(args) != 2 or not re.fullmatch(r"\s*'[^']*'\s*", args[0]):
-            raise QueryFailed("spark", f"{AS_OF} takes a stream type in quotes and a moment: "
-                              f"{AS_OF}('account', TIMESTAMP '2026-10-31 23:59')", [])
-        stream_type = args[0].strip()[1:-1]
-        from es_pipeline.lake.state.history import table_name
-
-        name = table_name(stream_type)
-        try:
-            fields = [c for c in columns_of(name) if c not in _HISTORY_ENVELOPE]
-        except KeyError:
-            raise QueryFailed("spark", f"no history table {name} in the lake: the reducer of {stream_type!r} keeps no "
-                              "history (Domain.reducer(..., history=True))", []) from None
-        moment = f"CAST(({args[1]}) AS TIMESTAMP)"
-        out.append(query[at:found.start()])
-        out.append(f"(SELECT {', '.join([*_AS_OF_COLUMNS, *(f'`{c}`' for c in fields)])} FROM {name} "
-                   f"WHERE valid_from <= {moment} AND (valid_to IS NULL OR valid_to > {moment}))")
-        at = end
-    return "".join(out) + query[at:]
-
-
-def _arguments(text: str, start: int) -> tuple[list[str], int]:
-    """The comma-separated arguments of a call whose `(` ends at `start` (quotes and nested parentheses kept
-    whole), and where its `)` ends."""
-    args, depth, quote, begin = [], 0, "", start
-    for i in range(start, len(text)):
-        ch = text[i]
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"`":
-            quote = ch
-        elif ch == "(":
-            depth += 1
-        elif ch == ")" and depth:
-            depth -= 1
-        elif ch == ")":
-            args.append(text[begin:i])
-            return args, i + 1
-        elif ch == "," and not depth:
-            args.append(text[begin:i])
-            begin = i + 1
-    raise QueryFailed("spark", f"{AS_OF}( is not closed", [])
 
 
 def _s3_secret(con: Any) -> None:
