@@ -10,6 +10,7 @@ standard AWS variables, as delta-rs does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -197,15 +198,23 @@ def merge_by_key(
     """
     keys = [key] if isinstance(key, str) else list(key)
     on = " AND ".join(f"t.{k} = u.{k}" for k in keys)
-    view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
-    updates.createOrReplaceTempView(view)
-    spark.conf.set("spark.databricks.delta.write.txnAppId", app_id)
-    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
-    try:
+    with spark_merge_source(spark, updates, path, app_id, version) as view:
         spark.sql(
             f"MERGE INTO delta.`{path}` t USING {view} u ON {on} "
             f"WHEN MATCHED THEN UPDATE SET {update_set} WHEN NOT MATCHED THEN INSERT *"
         )
+
+
+@contextlib.contextmanager
+def spark_merge_source(spark: Any, source: Any, path: str, app_id: str, version: int) -> Iterator[str]:
+    """`source` as a temporary view (its name yielded) for a MERGE into `path` committed as Delta transaction
+    (`app_id`, `version`): MERGE has no writer options, only session confs, set and cleared around it."""
+    view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
+    source.createOrReplaceTempView(view)
+    spark.conf.set("spark.databricks.delta.write.txnAppId", app_id)
+    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
+    try:
+        yield view
     finally:
         spark.conf.unset("spark.databricks.delta.write.txnAppId")
         spark.conf.unset("spark.databricks.delta.write.txnVersion")

@@ -331,23 +331,15 @@ def _merge_spark(spark: Any, path: str, rows: Any, closes: Any, app: str, versio
 
     source = rows.withColumn("es_close", F.lit(False)).unionByName(
         closes.withColumn("es_close", F.lit(True)), allowMissingColumns=True)
-    view = f"_es_history_{abs(hash((path, version))) % 10**9}"
-    source.createOrReplaceTempView(view)
     on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
     every = ", ".join(f"`{c}` = u.`{c}`" for c in rows.columns if c != "valid_from")  # as in `_merge`
-    spark.conf.set("spark.databricks.delta.write.txnAppId", app)
-    spark.conf.set("spark.databricks.delta.write.txnVersion", str(version))
-    try:
+    with tables.spark_merge_source(spark, source, path, app, version) as view:
         spark.sql(
             f"MERGE INTO delta.`{path}` t USING {view} u ON t.is_current = true AND {on} "
             f"WHEN MATCHED AND u.es_close THEN UPDATE SET valid_to = u.valid_to, is_current = false "
             f"WHEN MATCHED THEN UPDATE SET {every} "
             f"WHEN NOT MATCHED AND NOT u.es_close THEN INSERT ({', '.join(f'`{c}`' for c in rows.columns)}) "
             f"VALUES ({', '.join(f'u.`{c}`' for c in rows.columns)})")
-    finally:
-        spark.conf.unset("spark.databricks.delta.write.txnAppId")
-        spark.conf.unset("spark.databricks.delta.write.txnVersion")
-        spark.catalog.dropTempView(view)
 
 
 def table_names(warehouse: Location) -> list[str]:
