@@ -77,6 +77,7 @@ class StateResult:
     history_rows: tuple[tuple[str, int], ...] = ()  # rows written per history table (lake/state/history.py)
     written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
     engine: str = "local"  # "spark" where Spark folded the update, "local" where this process did
+    held_types: tuple[str, ...] = ()  # stream types left as they were, to rebuild beside (lake/state/rebuild.py)
 
     @property
     def worked(self) -> bool:
@@ -88,7 +89,7 @@ class StateResult:
         return {"events_folded": self.events_folded, "streams_updated": self.streams_updated,
                 "events_table_version": self.events_version, "parked_streams": self.parked_streams,
                 "skipped_unknown_events": self.skipped_unknown, "rebuilt_types": ", ".join(self.rebuilt_types) or "-",
-                "streams_without_reducer": self.without_reducer, "engine": self.engine,
+                "rebuilding_types": ", ".join(self.held_types) or "-", "streams_without_reducer": self.without_reducer, "engine": self.engine,
                 **{f"typed_rows/{name}": n for name, n in self.typed_rows},
                 **{f"history_rows/{name}": n for name, n in self.history_rows}}
 

@@ -159,11 +159,14 @@ def _same_columns(held: DeltaTable, table: Table) -> bool:
 
 
 def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: str, version: int,
-                whole: Collection[str] | None) -> dict[str, int]:
+                whole: Collection[str] | None, skip: Collection[str] = ()) -> dict[str, int]:
     """The history tables of `domain` after the fold `out` (lake/state/fold.py `FOLD_OUT`), committed by delta-rs at
-    txn `version`; `whole`: the stream types rebuilt (their tables written whole), None: every one. Rows per table."""
+    txn `version`; `whole`: the stream types rebuilt (their tables written whole), None: every one; `skip`: the
+    types whose tables are left as they are (being rebuilt beside, lake/state/rebuild.py). Rows per table."""
     written: dict[str, int] = {}
     for stream_type, (reducer, table) in history_tables(domain).items():
+        if stream_type in skip:
+            continue
         path = table.path(warehouse)
         props = feed.commit_properties(app_id(table, events_id, reducer), version)
         of_type = out.filter(pc.and_(pc.equal(out["stream_type"], stream_type), pc.is_valid(out["history"])))
@@ -194,6 +197,13 @@ def write_built(warehouse: Location, domain: Domain, built: dict[str, list[pa.Ta
                         description=f"es_pipeline: {table.comment}")
         written[table.name] = rows.num_rows
     return written
+
+
+def rows_of(out: pa.Table, reducer: Reducer, table: Table) -> pa.Table:
+    """The history rows of a first fold's output `out` (lake/state/fold.py `FOLD_OUT`, its trails) for the stream type
+    of `reducer` (its table `table`)."""
+    of_type = out.filter(pc.and_(pc.equal(out["stream_type"], reducer.stream_type), pc.is_valid(out["history"])))
+    return _rows(of_type, reducer, table)[0]
 
 
 def _rows(of_type: pa.Table, reducer: Reducer, table: Table) -> tuple[pa.Table, pa.Table]:
@@ -287,12 +297,14 @@ def _close_rows(closes: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, events_id: str, version: int,
-                whole: Collection[str]) -> dict[str, int]:
+                whole: Collection[str], skip: Collection[str] = ()) -> dict[str, int]:
     """As `write_arrow`, from Spark's fold (`folded`, cached) and by Spark: MERGE, or the table written whole."""
     from pyspark.sql import functions as F
 
     written: dict[str, int] = {}
     for stream_type, (reducer, table) in history_tables(domain).items():
+        if stream_type in skip:
+            continue
         path = table.path(warehouse)
         app = app_id(table, events_id, reducer)
         trails = folded.where((F.col("stream_type") == stream_type) & F.col("history").isNotNull()) \

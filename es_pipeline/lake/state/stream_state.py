@@ -30,14 +30,12 @@ from deltalake import DeltaTable, write_deltalake
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake.delta import feed, pieces, tables
-from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.feed import Feed
 from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.state import history, typed_state, whole_fold
+from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
-    FOLD_OUT,
     HISTORY_COLUMNS,
     REVISION_SLOTS,
     STATE_SCHEMA,
@@ -45,28 +43,25 @@ from es_pipeline.lake.state.fold import (
     Written,
     arrow_result,
     arrow_updates,
-    fold_input,
-    fold_partitions,
     next_txn_version,
     read_columns,
-    stale_types,
     txn_version,
     with_schema_versions,
+)
+from es_pipeline.lake.state.state_table import (
+    KEY,
+    STREAM_STATE,
+    app_id,
+    fold_onto,
+    spark_columns,
+    spark_fold,
+    without_prior,
 )
 from es_pipeline.source import payloads
 
 log = logging.getLogger(__name__)
 
-# Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
-STREAM_STATE = Table("stream_state", STATE_SCHEMA, key=("tenant", "stream_id"), comment="current state per stream")
-KEY = STREAM_STATE.key
-_FOLD_OUT_DDL = ", ".join(f"{f.name} {spark_type(f.type)}" for f in FOLD_OUT)
 _PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
-
-
-def app_id(events_id: str) -> str:
-    """The app id of `stream_state`'s commits folded from the `events` table of Delta id `events_id`."""
-    return STREAM_STATE.app_id_over(events_id)
 
 
 def folded_version(warehouse: Location) -> tuple[int, int] | None:
@@ -83,17 +78,24 @@ def folded_version(warehouse: Location) -> tuple[int, int] | None:
 
 def update_stream_state(
     spark: Any, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
-    small_increments: bool = True, engine: str = "auto",
+    small_increments: bool = True, engine: str = "auto", rebuilds: str = "beside",
 ) -> StateResult:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
     if Spark is needed: a small increment and a first build the engine rule keeps here (`engine`,
     `tables.on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
-    `NoEventsYet` before `events` exists."""
+    Then, out of the table's turn, every stream type to rebuild is rebuilt beside it and swapped in
+    (lake/state/rebuild.py), unless `rebuilds` is "hold". `NoEventsYet` before `events` exists."""
     tables.require_events(warehouse, STREAM_STATE.name)
     with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-        return with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
-                                                            small_increments and engine != "spark", engine))
+        result = with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
+                                                              small_increments and engine != "spark", engine))
+    swapped = rebuild.run_pending(spark, warehouse, domain, store_dsn, engine=engine, skip_unknown=skip_unknown,
+                                  hold=rebuilds == "hold")
+    if not swapped:
+        return result
+    return replace(result, rebuilt_types=tuple(swapped), held_types=tuple(t for t in result.held_types
+                                                                           if t not in swapped))
 
 
 def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
@@ -146,10 +148,7 @@ def small_increment(
     now = events_feed.version
     if feed.has_deletion_vectors(state):
         return None  # its files alone are not its rows
-    if prev >= now:  # nothing new; a reducer revision bump changes the txn version, and Spark rebuilds those types
-        if txn_version(now, domain.folds) != int(read) or history.unbound(warehouse, domain, events_feed.table_id,
-                                                                          int(read)):
-            return None  # (or a history table to build whole: its type rebuilt)
+    if prev >= now:  # nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py)
         return StateResult(now, prev, 0, 0, (), 0, 0)
     read_rows = events_feed.rows(prev, columns)
     if read_rows is None:
@@ -158,15 +157,13 @@ def small_increment(
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
     whole = feed.files(state_path, state).to_table()
     kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
-    if stale_types(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(), strict=True), domain):
-        return None  # a reducer added, bumped or removed: Spark rebuilds those types
-    if history.unbound(warehouse, domain, events_feed.table_id, int(read)):
-        return None  # a history table to build whole (turned on, another grain, or behind): Spark rebuilds its type
-    prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
-                                pc.is_valid(whole["parked"])))
-    rows = fold_input(new, prior)
-    out = pa.Table.from_batches(list(fold_partitions(dict(domain.folds), skip_unknown)(rows.to_batches())),
-                                schema=FOLD_OUT)
+    # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
+    # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
+    held = rebuild.pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
+                                                  strict=True), events_feed.table_id, int(read))
+    if held:
+        new, whole = rebuild.without(new, held), rebuild.without(whole, held)
+    out, prior = fold_onto(whole, new, domain, skip_unknown)
     updates = arrow_updates(out)
     turn.confirm(state_path, app, int(read))
     before = int(state.version())
@@ -174,8 +171,8 @@ def small_increment(
     state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
                 commit_properties=feed.commit_properties(app, version)) \
         .when_matched_update_all().when_not_matched_insert_all().execute()
-    kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=())
-    result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())))
+    kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=(), skip=held)
+    result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
     if not typed_state.typed_tables(domain):
         return result  # no table follows the commit: which streams are new is not needed
     held = pc.binary_join_element_wise(prior["tenant"], prior["stream_id"], "\x00")
@@ -233,34 +230,19 @@ def _update_with_spark(
     # Not folded from this `events` (a first build, or the lake's `events` replaced): folded whole, onto nothing,
     # and the table overwritten, so that no row of another `events` stays.
     state = tables.read(spark, state_path) if read is not None else tables.read(spark, state_path).limit(0)
-    stale = stale_types(state.select("stream_type", "revision").distinct().collect(), domain)
-    if read is not None:  # a history table not bound to the last commit: its type rebuilt, the table with it
-        stale = sorted({*stale, *history.unbound(warehouse, domain, events_id, read, stale)})
-    # Payloads as reducers read them: JSON as is, base64 or text wrapped as {"base64": …} (source/payloads.py).
-    enc = F.col("payload_encoding")
-    field = domain.metadata_field
-    held = None if field is None else F.get_json_object("metadata", "$['" + field.replace("'", "") + "']")
-    event_type = F.col("event_type") if held is None else F.concat(  # as Domain.versioned_type makes it
-        F.col("event_type"), F.lit(".v"), F.greatest(F.lit(1), F.when(
-            held.rlike("^[0-9]{1,18}$"), held.cast("long")).otherwise(F.lit(1))).cast("string"))
-    cols = ["stream_id", "stream_type", "version", event_type.alias("event_type"),
-            F.when(enc.isNull() | (enc == "json"), F.col("payload"))
-            .otherwise(F.to_json(F.create_map(enc, F.col("payload")))).alias("payload"), "recorded_at",
-            F.coalesce(F.col("tenant"), F.lit("")).alias("tenant")]
+    # A stream type to rebuild is left as it is, its events with it, until its rebuild beside swaps it in.
+    held = [] if read is None else rebuild.pending(
+        warehouse, domain, state.select("stream_type", "revision").distinct().collect(), events_id, read)
+    cols = spark_columns(domain)
     if prev < 0 or (whole and prev < now):
         new = tables.read(spark, events_path, version=now).select(*cols)
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
-        new = None
-    if stale:
-        rebuild = tables.read(spark, events_path, version=now) \
-            .where(F.col("stream_type").isin(stale)).select(*cols)
-        new = rebuild if new is None else new.where(~F.col("stream_type").isin(stale)).unionByName(rebuild)
-    if new is None:
         return StateResult(now, prev, 0, 0, (), 0, 0, engine="spark")
-
-    prior = state.where(~F.col("stream_type").isin(stale)) if stale else state
+    prior = state
+    if held:
+        new, prior = new.where(~F.col("stream_type").isin(held)), state.where(~F.col("stream_type").isin(held))
     parked = (
         prior.where("parked IS NOT NULL")
         .select("tenant", "stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
@@ -276,15 +258,7 @@ def _update_with_spark(
         F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
         F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
     )
-    rows = todo.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
-        .withColumn("prior_history_from", F.lit(None).cast("int")) \
-        .withColumn("prior_history_at", F.lit(None).cast("timestamp")).unionByName(prior_rows)
-    folded = (
-        rows.repartition(*KEY)
-        .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
-        .mapInArrow(fold_partitions(dict(domain.folds), skip_unknown), _FOLD_OUT_DDL)
-        .cache()
-    )
+    folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown).cache()
     started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
@@ -305,7 +279,7 @@ def _update_with_spark(
         version = next_txn_version(now, domain.folds, read)
         # The history tables first: `folded` reads `stream_state`, and Spark recomputes it once that is written.
         kept = history.write_spark(spark, warehouse, domain, folded, events_id, version,
-                                   whole=stale if read is not None else list(domain.folds))
+                                   whole=() if read is not None else list(domain.folds), skip=held)
         if read is None:
             feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
             (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
@@ -316,9 +290,9 @@ def _update_with_spark(
                  "a new table" if read is None else "MERGE")
     finally:
         folded.unpersist()
-    return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), tuple(stale),
+    return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), (),
                        int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0),
-                       engine="spark", history_rows=tuple(sorted(kept.items())))
+                       engine="spark", history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,560 @@
+"""Rebuilds beside the live table: a stream type whose fold changed is built again next to `stream_state` and
+swapped into it in one commit, while every other type stays fresh.
+
+A stream type is *pending* (`pending`) when its rows in `stream_state` were folded by another revision of its
+reducer (bumped, added, removed; an upcaster registered or changed), or its history table does not follow
+`stream_state` (turned on, another grain, a crash between the two commits). Until its swap the live table's
+updates, the tailing run's and the automation's alike, leave that type alone: its rows stay as the old revision
+folded them (in service, their lag growing), its new events wait in `events`, and every other type goes on.
+
+The new version is built in a shadow (`Shadow`: `<warehouse>/_rebuilds/<table>-<hash>/`, a small lake of its own
+holding a `stream_state` and the history table of that one type), in the rebuild's own turn
+(`TURN`, lake/delta/serial.py), never in `stream_state`'s:
+1. *pieces*: every event of the type at one `events` version (the build's, recorded in the shadow's description)
+   spread by slice into pieces of whole streams (lake/delta/pieces.py), each folded by this machine's cores at a
+   lower priority (lake/state/whole_fold.py, forked at `NICE`) or, where the engine rule says, by Spark, and
+   appended: its history rows first, then its state rows, whose commit records the piece and the history table's
+   version it follows. A build killed half way resumes after its last piece; a history piece without its state
+   piece is rolled back (restored) first;
+2. *catch-up*: the type's events committed since, folded onto the shadow from `events`' change feed,
+   `CATCH_UP_COMMITS` commits at a time, up to the version the live table has folded (never past it);
+3. *swap*, in `stream_state`'s turn: the shadow caught up to the live table's `events` version exactly; then the
+   type's history table written whole from the shadow's, the type's rows of `stream_state` replaced by the shadow's
+   in one MERGE (rows of the type the shadow lacks deleted), the other history tables' empty commits, the typed
+   state tables following; the shadow is removed last. A crash anywhere in the swap leaves the shadow, and the
+   next run swaps again.
+
+A second revision during the first (or another grain, other declared fields, `events` replaced) gives the type
+another key: its shadow is dropped and the build starts again. `progress` reads how far each rebuild is (pieces
+and events folded of the total, since when, the expected end) for health and the CLI; the setting
+`ES_PIPELINE_REBUILDS=hold` keeps pending rebuilds from running (the old rows stay in service).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from es_pipeline.domain import Domain
+from es_pipeline.lake.delta import feed, pieces, tables
+from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.state import history, typed_state, whole_fold
+from es_pipeline.lake.state.fold import (
+    FOLD_OUT,
+    READ_COLUMNS,
+    REVISION_SLOTS,
+    STATE_SCHEMA,
+    arrow_updates,
+    next_txn_version,
+    read_columns,
+    stale_types,
+    with_schema_versions,
+)
+from es_pipeline.lake.state.state_table import (
+    KEY,
+    STREAM_STATE,
+    app_id,
+    fold_onto,
+    spark_columns,
+    spark_fold,
+    without_prior,
+)
+from es_pipeline.source import payloads
+
+log = logging.getLogger(__name__)
+
+TURN = "stream_state.rebuild"  # the turn every rebuild beside `stream_state` takes (one at a time)
+FOLDER = "_rebuilds"  # under the warehouse: one shadow per stream type being rebuilt
+NICE = 10  # added to the niceness of the processes folding a rebuild's pieces: the live updates come first
+CATCH_UP_COMMITS = 500  # `events` commits folded onto a shadow at a time while it catches up
+REBUILDS = ("beside", "hold")  # ES_PIPELINE_REBUILDS: pending rebuilds run beside the live table, or wait
+_PIECES = "es_pipeline.rebuild.pieces"  # txn app ids of a shadow's state table: pieces appended,
+_FOLDED = "es_pipeline.rebuild.events"  # the `events` version folded (from its last piece on),
+_HISTORY = "es_pipeline.rebuild.history"  # and the version of its history table this commit follows
+
+
+def pending(warehouse: Location, domain: Domain, kinds: Iterable[Any], events_id: str, read: int) -> list[str]:
+    """The stream types to rebuild, from the (stream_type, revision) pairs `stream_state` holds and its last commit
+    (txn version `read`, from `events` of id `events_id`): a reducer changed (lake/state/fold.py `stale_types`), or
+    a history table unbound (lake/state/history.py `unbound`, which retypes in place a table whose fields alone
+    changed: call it in `stream_state`'s turn)."""
+    stale = stale_types(kinds, domain)
+    return sorted({*stale, *history.unbound(warehouse, domain, events_id, read, stale)})
+
+
+def without(rows: pa.Table, types: Collection[str]) -> pa.Table:
+    """`rows` but those of the stream `types`."""
+    column = rows["stream_type"]
+    return rows.filter(pc.invert(pc.fill_null(pc.is_in(column, pa.array(sorted(types), column.type)), False)))
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """Where a stream type is rebuilt: a folder of the warehouse holding its `stream_state` and history table."""
+
+    warehouse: Location
+    stream_type: str
+
+    @property
+    def lake(self) -> str:
+        tag = f"{zlib.crc32(self.stream_type.encode()):08x}"  # two types one table name would give stay apart
+        return tables.table_path(self.warehouse, f"{FOLDER}/{typed_state.table_name(self.stream_type)}-{tag}")
+
+    @property
+    def state_path(self) -> str:
+        return STREAM_STATE.path(self.lake)
+
+    def plan(self) -> dict[str, Any] | None:
+        """What the shadow was started as (its state table's description), None where there is none whole."""
+        if not tables.is_delta_table(self.state_path):
+            return None
+        try:
+            plan = json.loads(DeltaTable(self.state_path).metadata().description or "")
+        except ValueError:
+            return None
+        return plan if isinstance(plan, dict) and "key" in plan else None
+
+    def drop(self) -> None:
+        """The shadow's folder and everything in it (a local folder or an object store's prefix), if there."""
+        fs, root = tables.filesystem(self.lake)
+        try:
+            fs.delete_dir(root)
+        except FileNotFoundError:
+            pass
+
+
+def shadows(warehouse: Location) -> list[Shadow]:
+    """The shadows in the lake now, each with its stream type (from its description; unreadable ones: type "")."""
+    fs, root = tables.filesystem(tables.table_path(warehouse, FOLDER))
+    import pyarrow.fs as pafs
+
+    try:
+        found = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    out = []
+    for info in sorted(found, key=lambda i: i.path):
+        if info.type != pafs.FileType.Directory:
+            continue
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        path = tables.table_path(tables.table_path(warehouse, FOLDER), name)
+        stream_type = ""
+        if tables.is_delta_table(STREAM_STATE.path(path)):
+            try:
+                stream_type = json.loads(DeltaTable(STREAM_STATE.path(path)).metadata().description or "{}")["type"]
+            except (ValueError, KeyError):
+                stream_type = ""
+        shadow = Shadow(warehouse, stream_type)
+        out.append(shadow if shadow.lake == path else _Orphan(warehouse, stream_type, path))
+    return out
+
+
+@dataclass(frozen=True)
+class _Orphan(Shadow):
+    """A shadow folder whose own description does not name it (a start cut short): only ever dropped."""
+
+    path: str = ""
+
+    @property
+    def lake(self) -> str:
+        return self.path
+
+
+def drop_all(warehouse: Location, keep: Collection[str] = ()) -> list[str]:
+    """Every shadow dropped but those of the stream types `keep`; the types dropped. In the rebuilds' turn."""
+    dropped = []
+    for shadow in shadows(warehouse):
+        if shadow.stream_type in keep and not isinstance(shadow, _Orphan):
+            continue
+        shadow.drop()
+        dropped.append(shadow.stream_type or "?")
+    return dropped
+
+
+def key_of(domain: Domain, stream_type: str, events_id: str) -> str:
+    """What a shadow is built as: the `events` table, the type's revision, history grain and declared fields. A shadow
+    of another key is dropped (a second revision during the first, `events` replaced)."""
+    reducer = domain.folds.get(stream_type)
+    fields = "" if reducer is None or reducer.state is None else ",".join(f"{f.name}:{f.type}" for f in reducer.state)
+    grain = "" if reducer is None else reducer.history or ""
+    return f"{events_id}/r{domain.revisions().get(stream_type, 0)}/{grain}/{fields}"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a rebuild is: its stream type, phase ("pieces": folding what `events` held when it started; "catching
+    up": the events since), events folded of the total at its start, pieces, when it started and when it should end
+    at its pace so far (None until a piece is done)."""
+
+    stream_type: str
+    phase: str
+    events_folded: int
+    events_total: int
+    pieces_done: int
+    pieces: int
+    events_version: int  # the `events` version it has folded up to (during the pieces, the one it started from)
+    started: datetime
+    expected_end: datetime | None
+
+    def line(self) -> str:
+        end = "" if self.expected_end is None else f", expected end {self.expected_end:%Y-%m-%d %H:%M:%S} UTC"
+        share = self.events_folded / self.events_total if self.events_total else 1.0
+        return (f"{self.stream_type}: {self.phase}, {self.events_folded:,} of {self.events_total:,} events folded "
+                f"({share:.0%}; piece {self.pieces_done} of {self.pieces}), started "
+                f"{self.started:%Y-%m-%d %H:%M:%S} UTC{end}")
+
+
+def progress(warehouse: Location, now: datetime | None = None) -> list[Progress]:
+    """Every rebuild under way, as its shadow records it."""
+    now = now or datetime.now(UTC)
+    out = []
+    for shadow in shadows(warehouse):
+        plan = shadow.plan()
+        if plan is None or isinstance(shadow, _Orphan):
+            continue
+        table = DeltaTable(shadow.state_path)
+        done = int(table.transaction_version(_PIECES) or 0)
+        folded_to = table.transaction_version(_FOLDED)
+        counts = [int(n) for n in plan["piece_events"]]
+        total, folded = sum(counts), sum(counts[:done])
+        started = datetime.fromtimestamp(plan["started"], UTC)
+        end = None
+        if 0 < folded < total:
+            end = now + (now - started) * ((total - folded) / folded)
+        out.append(Progress(shadow.stream_type, "pieces" if folded_to is None else "catching up", folded, total,
+                            done, len(counts), int(plan["events_version"] if folded_to is None else folded_to),
+                            started, end))
+    return out
+
+
+def run_pending(
+    spark: Any, warehouse: Location, domain: Domain, store_dsn: str | None, *, engine: str = "auto",
+    skip_unknown: bool = False, hold: bool = False, say: Callable[[str], None] = log.info,
+) -> list[str]:
+    """Every pending rebuild built beside and swapped in, one stream type after another, in the rebuilds' turn (the
+    live table's turn only for each swap); the types swapped. Shadows no longer wanted are dropped. `hold`: none
+    built (the old rows stay in service). `spark`: a session or a function returning one, called where the engine
+    rule sends a type's pieces there."""
+    state_path = STREAM_STATE.path(warehouse)
+    events_path = EVENTS.path(warehouse)
+    if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
+        return []
+    with one_at_a_time(store_dsn, TURN):
+        with one_at_a_time(store_dsn, STREAM_STATE.name):  # `unbound` may retype a history table in place
+            todo = _pending_now(warehouse, domain)
+        drop_all(warehouse, keep=todo)
+        if hold or not todo:
+            return []
+        swapped = []
+        for stream_type in todo:
+            shadow = Shadow(warehouse, stream_type)
+            if not build(spark, shadow, domain, engine=engine, skip_unknown=skip_unknown, say=say):
+                continue
+            with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
+                if swap(spark, shadow, domain, turn, skip_unknown=skip_unknown, say=say):
+                    swapped.append(stream_type)
+        return swapped
+
+
+def _pending_now(warehouse: Location, domain: Domain) -> list[str]:
+    """`pending` read from the live table now ([] before its first build from this `events`)."""
+    live = DeltaTable(STREAM_STATE.path(warehouse))
+    events_id = tables.table_id(EVENTS.path(warehouse))
+    read = live.transaction_version(app_id(events_id))
+    if read is None:
+        return []
+    kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
+        .group_by(["stream_type", "revision"]).aggregate([])
+    return pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
+                                          strict=True), events_id, int(read))
+
+
+def _live_folded(warehouse: Location, events_id: str) -> int | None:
+    """The `events` version the live `stream_state` has folded (it only grows), None where not from this `events`."""
+    read = DeltaTable(STREAM_STATE.path(warehouse)).transaction_version(app_id(events_id))
+    return None if read is None else int(read) // REVISION_SLOTS
+
+
+def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", skip_unknown: bool = False,
+          say: Callable[[str], None] = log.info, stop_after: int | None = None) -> bool:
+    """The shadow whole and caught up to what the live table has folded (started, or resumed where it was); False
+    where it cannot be (the live table not from this `events`). In the rebuilds' turn. `stop_after`: return after
+    that many pieces (a test's crash half way)."""
+    events_path = EVENTS.path(shadow.warehouse)
+    events_id = tables.table_id(events_path)
+    key = key_of(domain, shadow.stream_type, events_id)
+    plan = shadow.plan()
+    if plan is not None and plan["key"] != key:
+        say(f"rebuild of {shadow.stream_type}: its shadow was built as another version ({plan['key']}): started again")
+        shadow.drop()
+        plan = None
+    if _live_folded(shadow.warehouse, events_id) is None:
+        return False
+    if plan is None or DeltaTable(shadow.state_path).transaction_version(_FOLDED) is None:
+        if not _pieces(spark, shadow, domain, key, plan, engine, skip_unknown, say, stop_after):
+            return False
+    upto = _live_folded(shadow.warehouse, events_id)
+    assert upto is not None
+    return _catch_up(shadow, domain, upto, skip_unknown)
+
+
+def _histories(domain: Domain, stream_type: str) -> whole_fold.Histories:
+    return {t: h for t, h in history.history_tables(domain).items() if t == stream_type}
+
+
+def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str, Any] | None, engine: str,
+            skip_unknown: bool, say: Callable[[str], None], stop_after: int | None) -> bool:
+    """Step 1: the pieces not yet appended, folded and appended (the shadow started where there is none)."""
+    events_path = EVENTS.path(shadow.warehouse)
+    version = None if plan is None else int(plan["events_version"])
+    try:
+        events = DeltaTable(events_path, version=version)
+    except Exception:  # noqa: BLE001 - the version it started from is gone (vacuumed, `events` replaced): anew
+        shadow.drop()
+        plan, events = None, DeltaTable(events_path)
+    size = tables.files_bytes(events)
+    count = pieces.count_for(size) if plan is None else len(plan["piece_events"])
+    on_spark = tables.on_spark(engine, lambda: size)
+    stream_type = shadow.stream_type
+    read = [*READ_COLUMNS, "slice", *(["metadata"] if domain.metadata_field else [])]
+    if on_spark:
+        session = tables.session_of(spark)
+        rows = _spark_events(session, events_path, int(events.version()), stream_type, domain)
+        counts = _spark_piece_counts(rows, count) if plan is None else plan["piece_events"]
+        if plan is None:
+            plan = _start(shadow, domain, key, int(events.version()), counts)
+        return _append_pieces(shadow, domain, plan, skip_unknown, say, stop_after,
+                              lambda i: _spark_piece(rows, i, count, domain, skip_unknown, stream_type))
+    counted = [0] * count
+    of_piece = pieces.by_slice(count)
+
+    def of_type() -> Iterator[pa.RecordBatch]:
+        for batch in pieces.batches(events_path, events, read):
+            batch = batch.filter(pc.equal(batch["stream_type"], stream_type))
+            if batch.num_rows:
+                for run in pc.value_counts(of_piece(batch)).to_pylist():
+                    counted[run["values"]] += run["counts"]
+                yield batch
+
+    with pieces.spread(of_type(), pieces.schema(events, read), count, of_piece) as parts:
+        if plan is None:
+            plan = _start(shadow, domain, key, int(events.version()), counted)
+        histories = _histories(domain, stream_type)
+        return _append_pieces(shadow, domain, plan, skip_unknown, say, stop_after,
+                              lambda i: whole_fold.fold_piece(parts.read(i), domain, skip_unknown, histories, NICE))
+
+
+def _start(shadow: Shadow, domain: Domain, key: str, events_version: int, counts: list[int]) -> dict[str, Any]:
+    """The shadow's tables made empty, its plan in the state table's description."""
+    shadow.drop()
+    plan = {"key": key, "type": shadow.stream_type, "events_version": events_version,
+            "piece_events": [int(n) for n in counts], "started": time.time()}
+    recorded = []
+    table = _history_table(domain, shadow.stream_type)
+    if table is not None:
+        write_deltalake(table.path(shadow.lake), table.schema.empty_table(), mode="overwrite",
+                        partition_by=history.PARTITION)
+        recorded = [Transaction(_HISTORY, 0)]
+    write_deltalake(shadow.state_path, STATE_SCHEMA.empty_table(), mode="overwrite", description=json.dumps(plan),
+                    commit_properties=CommitProperties(app_transactions=[Transaction(_PIECES, 0), *recorded]))
+    return plan
+
+
+def _history_table(domain: Domain, stream_type: str) -> Any:
+    found = history.history_tables(domain).get(stream_type)
+    return None if found is None else found[1]
+
+
+def _history_settled(shadow: Shadow, domain: Domain) -> int | None:
+    """The shadow's history table's version, rolled back to the one its state table's last commit follows where a
+    later commit (its part of a step cut short) went beyond it; None where the type keeps no history."""
+    table = _history_table(domain, shadow.stream_type)
+    if table is None:
+        return None
+    held = DeltaTable(table.path(shadow.lake))
+    recorded = int(DeltaTable(shadow.state_path).transaction_version(_HISTORY) or 0)
+    if int(held.version()) != recorded:
+        held.restore(recorded)
+        held = DeltaTable(table.path(shadow.lake))
+    return int(held.version())
+
+
+def _append_pieces(shadow: Shadow, domain: Domain, plan: dict[str, Any], skip_unknown: bool,
+                   say: Callable[[str], None], stop_after: int | None,
+                   fold_piece: Callable[[int], tuple[pa.Table, whole_fold.Built]]) -> bool:
+    counts = [int(n) for n in plan["piece_events"]]
+    state = DeltaTable(shadow.state_path)
+    done = int(state.transaction_version(_PIECES) or 0)
+    table = _history_table(domain, shadow.stream_type)
+    started = time.monotonic()
+    for i in range(done, len(counts)):
+        if stop_after is not None and i - done >= stop_after:
+            return False
+        _history_settled(shadow, domain)
+        out, built = fold_piece(i)
+        recorded = []
+        if table is not None:
+            parts = built.get(shadow.stream_type) or []
+            rows = pa.concat_tables(parts) if parts else table.schema.empty_table()
+            write_deltalake(table.path(shadow.lake), rows, mode="append", partition_by=history.PARTITION)
+            recorded = [Transaction(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
+        last = [Transaction(_FOLDED, int(plan["events_version"]))] if i == len(counts) - 1 else []
+        write_deltalake(shadow.state_path, arrow_updates(out).cast(STATE_SCHEMA), mode="append",
+                        commit_properties=CommitProperties(app_transactions=[Transaction(_PIECES, i + 1), *recorded,
+                                                                             *last]))
+        say(f"rebuild of {shadow.stream_type}: piece {i + 1} of {len(counts)} folded ({sum(counts[:i + 1]):,} of "
+            f"{sum(counts):,} events, {time.monotonic() - started:.1f} s)")
+    if not counts:  # nothing of the type in `events`: the shadow is whole, and empty
+        write_deltalake(shadow.state_path, STATE_SCHEMA.empty_table(), mode="append", commit_properties=
+                        CommitProperties(app_transactions=[Transaction(_FOLDED, int(plan["events_version"]))]))
+    return True
+
+
+def _spark_events(spark: Any, events_path: str, version: int, stream_type: str, domain: Domain) -> Any:
+    from pyspark.sql import functions as F
+
+    return tables.read(spark, events_path, version=version).where(F.col("stream_type") == stream_type) \
+        .select(*spark_columns(domain), "slice")
+
+
+def _piece_column(count: int) -> Any:
+    from pyspark.sql import functions as F
+
+    return F.floor(F.col("slice").cast("long") * count / pieces.SLICES).cast("int")
+
+
+def _spark_piece_counts(rows: Any, count: int) -> list[int]:
+    counts = [0] * count
+    for row in rows.groupBy(_piece_column(count).alias("piece")).count().collect():
+        counts[int(row["piece"])] = int(row["count"])
+    return counts
+
+
+def _spark_piece(rows: Any, i: int, count: int, domain: Domain, skip_unknown: bool,
+                 stream_type: str) -> tuple[pa.Table, whole_fold.Built]:
+    """Piece `i` folded by Spark, its output brought here (a piece's streams: bounded) with its history rows."""
+    events = rows.where(_piece_column(count) == i).drop("slice")
+    out = spark_fold(without_prior(events), domain, skip_unknown).toArrow()
+    out = pa.Table.from_batches(out.cast(FOLD_OUT).to_batches(), schema=FOLD_OUT)
+    found = history.history_tables(domain).get(stream_type)
+    return out, ({} if found is None else {stream_type: [history.rows_of(out, *found)]})
+
+
+def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> bool:
+    """Step 2: the type's events of the `events` commits after the shadow's version up to `upto` folded onto it;
+    False where the change feed no longer holds them (the shadow dropped: built again next time)."""
+    events_path = EVENTS.path(shadow.warehouse)
+    events = DeltaTable(events_path)
+    events_id = str(events.metadata().id)
+    columns = read_columns(domain)
+    state = DeltaTable(shadow.state_path)
+    at = int(state.transaction_version(_FOLDED) or 0)
+    while at < upto:
+        end = min(upto, at + CATCH_UP_COMMITS)
+        rows = feed.new_rows(events, at, end, columns, whole=True)
+        if rows is None:
+            log.warning("rebuild of %s: the change feed after events version %s is gone: started again",
+                        shadow.stream_type, at)
+            shadow.drop()
+            return False
+        rows = rows.filter(pc.equal(rows["stream_type"], shadow.stream_type))
+        recorded = []
+        _history_settled(shadow, domain)
+        if rows.num_rows:
+            new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
+            out, _ = fold_onto(feed.files(shadow.state_path, state).to_table(), new, domain, skip_unknown)
+            table = _history_table(domain, shadow.stream_type)
+            if table is not None:
+                others = [t for t in history.history_tables(domain) if t != shadow.stream_type]
+                history.write_arrow(shadow.lake, domain, out, events_id, end, whole=(), skip=others)
+                recorded = [Transaction(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
+            state.merge(arrow_updates(out).cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY),
+                        source_alias="u", target_alias="t", commit_properties=CommitProperties(
+                            app_transactions=[Transaction(_FOLDED, end), *recorded])) \
+                .when_matched_update_all().when_not_matched_insert_all().execute()
+        else:
+            state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=
+                                           CommitProperties(app_transactions=[Transaction(_FOLDED, end)]))
+        state = DeltaTable(shadow.state_path)
+        at = end
+    return True
+
+
+def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown: bool = False,
+         say: Callable[[str], None] = log.info) -> bool:
+    """Step 3, in `stream_state`'s turn: the shadow caught up to the live table exactly and swapped in; False where it
+    could not be (the live table moved to another `events`, the change feed gone: built again next time)."""
+    warehouse, stream_type = shadow.warehouse, shadow.stream_type
+    state_path, events_path = STREAM_STATE.path(warehouse), EVENTS.path(warehouse)
+    events_id = tables.table_id(events_path)
+    app = app_id(events_id)
+    live = DeltaTable(state_path)
+    found = live.transaction_version(app)
+    plan = shadow.plan()
+    if found is None or plan is None or plan["key"] != key_of(domain, stream_type, events_id):
+        return False
+    read = int(found)
+    if not _catch_up(shadow, domain, read // REVISION_SLOTS, skip_unknown):
+        return False
+    started = time.monotonic()
+    held = set(_pending_now(warehouse, domain))  # the others still to rebuild keep their tables as they are
+    rows = feed.files(shadow.state_path, DeltaTable(shadow.state_path)).to_table()
+    rows = rows.set_column(rows.schema.get_field_index("updated_at"), "updated_at",
+                           pa.array([datetime.now(UTC)] * rows.num_rows, STATE_SCHEMA.field("updated_at").type))
+    version = next_txn_version(read // REVISION_SLOTS, domain.folds, read)
+    turn.confirm(state_path, app, read)
+    found_history = history.history_tables(domain).get(stream_type)
+    if found_history is not None:  # the type's history table first: a crash after it leaves the type to swap again
+        reducer, table = found_history
+        shadow_history = DeltaTable(table.path(shadow.lake))
+        write_deltalake(table.path(warehouse), pa.RecordBatchReader.from_batches(
+            table.schema, _history_rows(table.path(shadow.lake), shadow_history, table.schema)), mode="overwrite",
+            schema_mode="overwrite",
+            partition_by=history.PARTITION, description=f"es_pipeline: {table.comment}",
+            commit_properties=feed.commit_properties(history.app_id(table, events_id, reducer), version))
+    literal = "'" + stream_type.replace("'", "''") + "'"
+    if feed.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
+        _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
+    else:
+        live.merge(rows.cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
+                   target_alias="t", commit_properties=feed.commit_properties(app, version)) \
+            .when_matched_update_all().when_not_matched_insert_all() \
+            .when_not_matched_by_source_delete(predicate=f"t.stream_type = {literal}").execute()
+    empty = FOLD_OUT.empty_table()
+    history.write_arrow(warehouse, domain, empty, events_id, version, whole=(), skip={stream_type, *held})
+    typed_state.update(warehouse, domain)
+    shadow.drop()
+    say(f"rebuild of {stream_type}: swapped into stream_state in one commit ({rows.num_rows:,} streams, "
+        f"{time.monotonic() - started:.1f} s)")
+    return True
+
+
+def _history_rows(path: str, table: DeltaTable, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """A history table's rows, a batch at a time, as `schema` (`is_current` from `valid_to`: a partition column is not
+    in the files)."""
+    for batch in pieces.batches(path, table, [n for n in schema.names if n != "is_current"]):
+        columns = {n: batch.column(n) for n in batch.schema.names}
+        columns["is_current"] = pc.is_null(columns["valid_to"])
+        yield pa.RecordBatch.from_arrays([columns[n].cast(schema.field(n).type) for n in schema.names], schema=schema)
+
+
+def _swap_spark(spark: Any, state_path: str, rows: pa.Table, literal: str, app: str, version: int) -> None:
+    source = spark.createDataFrame(rows.cast(STATE_SCHEMA))
+    on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
+    with tables.spark_merge_source(spark, source, state_path, app, version) as view:
+        spark.sql(f"MERGE INTO delta.`{state_path}` t USING {view} u ON {on} WHEN MATCHED THEN UPDATE SET * "
+                  f"WHEN NOT MATCHED THEN INSERT * WHEN NOT MATCHED BY SOURCE AND t.stream_type = {literal} "
+                  "THEN DELETE")
+
