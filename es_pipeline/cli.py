@@ -183,6 +183,8 @@ def _offsets(args: argparse.Namespace, settings: Settings) -> int:
 def _lake(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction.rebuild import EVENTS, rebuild, rebuildable
 
+    if args.action == "rebuilds":
+        return _rebuilds(args, settings)
     names = list(dict.fromkeys(args.tables or [EVENTS]))
     if args.list:
         print("\n".join(rebuildable(settings.warehouse)))
@@ -194,6 +196,30 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
               f"consumer {settings.source.consumer!r}. Let the running events runs finish (turn new_events_sensor off "
               "to stop new ones), then run this again.", file=sys.stderr)
         return 1
+    return 0
+
+
+def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
+    """`lake rebuilds`: the stream types to rebuild and how far each rebuild beside `stream_state` is; `--run`: run
+    them now, here (the engine rule, or `--engine`), each swapped in when caught up."""
+    from es_pipeline.domain import load as load_domain
+    from es_pipeline.lake.delta.serial import one_at_a_time
+    from es_pipeline.lake.spark import get_spark
+    from es_pipeline.lake.state import rebuild
+
+    domain = load_domain(settings.domain_modules)
+    if args.run:
+        swapped = rebuild.run_pending(lambda: get_spark(settings), settings.warehouse, domain, settings.pg_dsn,
+                                      engine=args.engine or settings.engine, say=print)
+        print(f"swapped into stream_state: {', '.join(swapped) or 'none'}")
+    with one_at_a_time(settings.pg_dsn, "stream_state"):
+        waiting = rebuild.pending_now(settings.warehouse, domain)
+    under_way = {p.stream_type: p for p in rebuild.progress(settings.warehouse)}
+    held = " (held: ES_PIPELINE_REBUILDS=hold)" if settings.rebuilds == "hold" else ""
+    print(f"stream types to rebuild: {', '.join(waiting) or 'none'}{held if waiting else ''}")
+    for stream_type in waiting:
+        found = under_way.get(stream_type)
+        print(f"  {found.line() if found else f'{stream_type}: not started (its old rows in service)'}")
     return 0
 
 
@@ -321,15 +347,19 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_offsets)
 
     lake = sub.add_parser("lake", help="the lake's tables (docs/operations.md, \"Rebuilding the lake\")")
-    lake.add_argument("action", choices=["rebuild"],
+    lake.add_argument("action", choices=["rebuild", "rebuilds"],
                       help="rebuild: build tables again from their source. `events` (the default) from the store: "
                       "refused while a run extracts or where the lake holds events the store lacks; then removed and "
                       "the offsets reset, and every projection rebuilds itself at its next update. A projection: "
-                      "removed in its turn; its next update builds it whole from `events`")
+                      "removed in its turn; its next update builds it whole from `events`. rebuilds: the stream "
+                      "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now)")
     lake.add_argument("tables", nargs="*", help="events (default) and/or projections; --list names them")
     lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild, and do nothing")
     lake.add_argument("--accept-loss", action="store_true",
                       help="rebuild events even where the lake holds events the store lacks: they are lost")
+    lake.add_argument("--run", action="store_true", help="rebuilds: run the pending rebuilds now, in this process")
+    lake.add_argument("--engine", choices=["auto", "spark", "local"],
+                      help="rebuilds --run: where the pieces are folded (default: ES_PIPELINE_ENGINE)")
     lake.set_defaults(func=_lake)
 
     src = sub.add_parser("source", help="the event table read (ES_PIPELINE_SOURCE, docs/sources.md)")

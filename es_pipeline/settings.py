@@ -24,6 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # process, no JVM) or Spark. Both commit the same Delta `txn` action (docs/architecture.md).
 WRITERS = ("delta-rs", "spark")
 ENGINES = ("auto", "spark", "local")  # ES_PIPELINE_ENGINE
+REBUILDS = ("beside", "hold")  # ES_PIPELINE_REBUILDS (lake/state/rebuild.py)
 MAX_SLICE_RANGES = 1024  # one slice per range at most (extraction.slices.NUM_SLICES)
 
 # The project's own development server (`es-pipeline db start`): the default event store.
@@ -77,6 +78,7 @@ class Settings:
     dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
     events_writer: str = "delta-rs"
     engine: str = "auto"  # ES_PIPELINE_ENGINE: where a table is built whole (auto: Spark past 1 GiB of `events`)
+    rebuilds: str = "beside"  # ES_PIPELINE_REBUILDS: a stream type's rebuild runs beside the live table, or is held
     sensor_interval_seconds: int = 15  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
     automation: bool = True
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT
@@ -125,6 +127,7 @@ class Settings:
             dagster_home=Path(env.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home"),
             events_writer=_choice(env, "ES_PIPELINE_EVENTS_WRITER", "delta-rs", WRITERS),
             engine=_choice(env, "ES_PIPELINE_ENGINE", "auto", ENGINES),
+            rebuilds=_choice(env, "ES_PIPELINE_REBUILDS", "beside", REBUILDS),
             sensor_interval_seconds=_int(env, "ES_PIPELINE_SENSOR_INTERVAL", default_sensor_interval(tail), 1, 86_400,
                                          "a whole number of seconds between 1 and 86400"),
             automation=_choice(env, "ES_PIPELINE_AUTOMATION", "on", ("on", "off")) == "on",

@@ -39,10 +39,12 @@ class EventStoreResource(dg.ConfigurableResource):
 
 class WarehouseResource(dg.ConfigurableResource):
     """Where the Delta tables are (`ES_PIPELINE_WAREHOUSE`): a local folder, or an s3:// URI; and which engine works
-    on them (`ES_PIPELINE_ENGINE`: auto, spark or local; `lake.delta.tables.on_spark`)."""
+    on them (`ES_PIPELINE_ENGINE`: auto, spark or local; `lake.delta.tables.on_spark`); whether a stream type's
+    rebuild runs beside the live table or waits (`ES_PIPELINE_REBUILDS`: beside or hold; lake/state/rebuild.py)."""
 
     path: str
     engine: str = "auto"
+    rebuilds: str = "beside"
 
     @property
     def root(self) -> Path | str:
@@ -68,7 +70,8 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     return {
         "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn,
                                           source=settings.source_spec),
-        "warehouse": WarehouseResource(path=str(settings.warehouse), engine=settings.engine),
+        "warehouse": WarehouseResource(path=str(settings.warehouse), engine=settings.engine,
+                                       rebuilds=settings.rebuilds),
         "spark": SparkResource(
             spark_config={"spark.remote": settings.spark_remote} if settings.spark_remote else spark_conf(settings)
         ),

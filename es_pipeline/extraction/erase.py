@@ -10,7 +10,8 @@ In this order, each step safe to run again (a cut-short erasure is finished by r
 5. delete its rows from `events`, purge its files (`lake/delta/erase.py`: vacuum with no retention, change data
    removed) and check that none still holds the tenant, under the slice locks (no append can write a file the
    purge would take for unreferenced); then release the locks, so that extraction goes on;
-6. the same for `stream_state`, `stream_catalog`, `event_type_daily` and `snapshots`, each in its turn
+6. every rebuild beside `stream_state` waited for and its shadow dropped (it may hold the tenant, read before);
+   then the same for `stream_state`, `stream_catalog`, `event_type_daily` and `snapshots`, each in its turn
    (`serial.one_at_a_time`, which a long rebuild may hold: extraction no longer waits for it): the writers of
    each table are held off while its rows and files go. A projection that was up to date with `events` records
    the erasure's version with its DELETE and goes on from there; one that lagged is rebuilt whole by its next
@@ -40,7 +41,7 @@ from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.state import history
+from es_pipeline.lake.state import history, rebuild
 from es_pipeline.lake.state import stream_state as st
 from es_pipeline.lake.state.fold import txn_version_after
 from es_pipeline.settings import Settings
@@ -229,6 +230,10 @@ def _erase_projections(
     events_path = EVENTS.path(warehouse)
     events_id = tables.table_id(events_path) if tables.is_delta_table(events_path) else ""
     grains = history.grains_of(settings.domain_modules)
+    # A rebuild beside stream_state (lake/state/rebuild.py) may hold the tenant's rows in its shadow, read before the
+    # erasure: waited for (its turn), then every shadow dropped; the next one starts from `events` without the tenant.
+    with one_at_a_time(settings.pg_dsn, rebuild.TURN):
+        rebuild.drop_all(warehouse)
     for name in names:
         path = tables.table_path(warehouse, name)
         with one_at_a_time(settings.pg_dsn, inventory.turn_of(name)):

@@ -60,7 +60,8 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
         automation_condition=AFTER_EVENTS,
         description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
         "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
-        "from their previous state; a reducer revision bump rebuilds that type alone. A stream type without a "
+        "from their previous state; a reducer revision bump rebuilds that type alone, beside the live table, swapped in "
+        "one commit when caught up (the other types stay fresh meanwhile). A stream type without a "
         f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).",
     )
     def stream_state(
@@ -69,7 +70,7 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     ) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
-                                    store_dsn=event_store.dsn, engine=warehouse.engine)
+                                    store_dsn=event_store.dsn, engine=warehouse.engine, rebuilds=warehouse.rebuilds)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return stream_state

@@ -247,13 +247,11 @@ def run_pending(
     live table's turn only for each swap); the types swapped. Shadows no longer wanted are dropped. `hold`: none
     built (the old rows stay in service). `spark`: a session or a function returning one, called where the engine
     rule sends a type's pieces there."""
-    state_path = STREAM_STATE.path(warehouse)
-    events_path = EVENTS.path(warehouse)
-    if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
+    if not _built(warehouse):
         return []
     with one_at_a_time(store_dsn, TURN):
         with one_at_a_time(store_dsn, STREAM_STATE.name):  # `unbound` may retype a history table in place
-            todo = _pending_now(warehouse, domain)
+            todo = pending_now(warehouse, domain)
         drop_all(warehouse, keep=todo)
         if hold or not todo:
             return []
@@ -268,8 +266,10 @@ def run_pending(
         return swapped
 
 
-def _pending_now(warehouse: Location, domain: Domain) -> list[str]:
-    """`pending` read from the live table now ([] before its first build from this `events`)."""
+def pending_now(warehouse: Location, domain: Domain) -> list[str]:
+    """`pending` read from the live table now ([] before its first build from this `events`); in its turn."""
+    if not _built(warehouse):
+        return []
     live = DeltaTable(STREAM_STATE.path(warehouse))
     events_id = tables.table_id(EVENTS.path(warehouse))
     read = live.transaction_version(app_id(events_id))
@@ -279,6 +279,10 @@ def _pending_now(warehouse: Location, domain: Domain) -> list[str]:
         .group_by(["stream_type", "revision"]).aggregate([])
     return pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
                                           strict=True), events_id, int(read))
+
+
+def _built(warehouse: Location) -> bool:
+    return tables.is_delta_table(STREAM_STATE.path(warehouse)) and tables.is_delta_table(EVENTS.path(warehouse))
 
 
 def _live_folded(warehouse: Location, events_id: str) -> int | None:
@@ -509,7 +513,7 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
     if not _catch_up(shadow, domain, read // REVISION_SLOTS, skip_unknown):
         return False
     started = time.monotonic()
-    held = set(_pending_now(warehouse, domain))  # the others still to rebuild keep their tables as they are
+    held = set(pending_now(warehouse, domain))  # the others still to rebuild keep their tables as they are
     rows = feed.files(shadow.state_path, DeltaTable(shadow.state_path)).to_table()
     rows = rows.set_column(rows.schema.get_field_index("updated_at"), "updated_at",
                            pa.array([datetime.now(UTC)] * rows.num_rows, STATE_SCHEMA.field("updated_at").type))
