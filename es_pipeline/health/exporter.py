@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from es_pipeline.extraction.slices import split
 from es_pipeline.health.store import StoreReading, read_store
 from es_pipeline.lake.read.behind import Behind, Lake
+from es_pipeline.lake.state import rebuild
 from es_pipeline.settings import Settings
 from es_pipeline.store.conninfo import KeptConnection
 
@@ -49,6 +50,7 @@ class Reading:
     dagster: Any = None  # health.dagster_state.DagsterReading, when an instance is configured
     spark_connect: tuple[str, bool] | None = None  # (host:port, answering) when ES_PIPELINE_SPARK_REMOTE is set
     snapshot_backlog: int | None = None  # streams whose latest snapshot in the lake the store lacks
+    rebuilds: list[rebuild.Progress] = field(default_factory=list)  # rebuilds beside stream_state under way
     ok: dict[str, bool] = field(default_factory=dict)  # part → read without error
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # what the reading cost, wall clock
@@ -145,6 +147,7 @@ class Reader:
             r.events_version = self.lake.events_version()
             r.behind = self.lake.behind()
             self.latency.observe(self.lake, r.events_version)
+            r.rebuilds = rebuild.progress(self.settings.warehouse)
         self._part(r, "lake", lake)
         if self._dagster:
             def dagster() -> None:
@@ -278,6 +281,14 @@ def lake_metrics(r: Reading, consumer: str, latency: Latency) -> Iterator[Metric
                  ["consumer", "projection"], [([consumer, b.name], float(b.versions)) for b in r.behind])
     yield _gauge("es_pipeline_projection_behind_seconds", "Age of the oldest `events` commit the projection has not "
                  "folded; 0 when up to date", ["consumer", "projection"], [([consumer, b.name], b.seconds) for b in r.behind])
+    yield _gauge("es_pipeline_rebuild_events_folded", "Events a rebuild beside stream_state has folded of those `events` "
+                 "held when it started (lake/state/rebuild.py)", ["consumer", "stream_type"],
+                 [([consumer, p.stream_type], float(p.events_folded)) for p in r.rebuilds])
+    yield _gauge("es_pipeline_rebuild_events_total", "Events of the stream type `events` held when its rebuild started",
+                 ["consumer", "stream_type"], [([consumer, p.stream_type], float(p.events_total)) for p in r.rebuilds])
+    yield _gauge("es_pipeline_rebuild_expected_end_timestamp_seconds", "When the rebuild should have folded every piece, "
+                 "at its pace so far", ["consumer", "stream_type"],
+                 [([consumer, p.stream_type], p.expected_end.timestamp()) for p in r.rebuilds if p.expected_end])
     h = HistogramMetricFamily("es_pipeline_commit_to_lake_seconds", "Per `events` commit: from its oldest event's "
                               "recorded_at to the Delta commit", labels=["consumer"])
     # Each observation is counted in every bucket it fits: the counts are cumulative, as the format wants.

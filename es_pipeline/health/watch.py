@@ -115,6 +115,10 @@ def render(r: Reading, *, tailing: bool, throughput: float | None, intervals: di
         lines.append(f"{'projection':<28} {'behind (commits)':>17} {'behind (s)':>11}")
         for b in r.behind:
             lines.append(f"{b.name:<28} {('not built' if b.folded is None else f'{b.versions:,}'):>17} {b.seconds:>11.0f}")
+    if r.rebuilds:
+        lines.append("")
+        lines.append("rebuilding beside stream_state (the old rows in service until the swap):")
+        lines += [f"  {p.line()}" for p in r.rebuilds]
     lines += ["", health_line(r, tailing=tailing, intervals=intervals)]
     return "\n".join(lines)
 

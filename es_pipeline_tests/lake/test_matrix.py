@@ -39,8 +39,9 @@ from es_pipeline.extraction.offsets import batch_frontier, read_watermarks
 from es_pipeline.extraction.slices import split
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.follow import follow
 from es_pipeline.lake.state import history as state_history
-from es_pipeline.lake.state import stream_state, typed_state
+from es_pipeline.lake.state import rebuild, stream_state, typed_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -49,7 +50,7 @@ from es_pipeline_tests.support.roles import StoreDsn
 
 CONSUMER = mapping.load(None, "es").consumer
 PROJECTIONS = ("stream_state", "stream_catalog", "event_type_daily", "sku_sales", "event_tables")
-LAKE_MODULES = (cross_stream, event_tables, stream_state, typed_state, state_history)  # where `write_deltalake` is imported by name
+LAKE_MODULES = (cross_stream, event_tables, stream_state, typed_state, state_history, rebuild)  # where `write_deltalake` is imported by name
 
 
 def _revised(domain: Domain) -> Domain:
@@ -80,6 +81,11 @@ OPERATIONS = st.one_of(
     st.tuples(st.just("update"), st.sets(st.sampled_from(PROJECTIONS), min_size=1), st.sampled_from(sorted(DOMAINS))),
     st.tuples(st.just("race"), st.sampled_from(PROJECTIONS)),  # two updates of one table at once
     st.tuples(st.just("crash"), st.sampled_from(PROJECTIONS), st.integers(0, 2), st.booleans()),  # k-th commit, after?
+    # A revision's rebuild beside stream_state (lake/state/rebuild.py) in three pieces, crashing at its k-th commit
+    # (the live increment's, the shadow's start, pieces, catch-up, the swap's): resumed, or started again under
+    # another revision, by a later update.
+    st.tuples(st.just("rebuild_crash"), st.sampled_from(sorted(DOMAINS)), st.integers(0, 11), st.booleans()),
+    st.tuples(st.just("tail"), st.sampled_from(sorted(DOMAINS))),  # a tailing run's increments (a type held back)
 )
 
 
@@ -184,6 +190,15 @@ class History:
         with contextlib.suppress(Crash), _crash_at(k, after):
             self.update({name})
 
+    def rebuild_crash(self, domain: str, k: int, after: bool) -> None:
+        with contextlib.suppress(Crash), _crash_at(k, after), pytest.MonkeyPatch.context() as m:
+            m.setattr(rebuild.pieces, "count_for", lambda size: 3)
+            self.update({"stream_state"}, DOMAINS[domain])
+
+    def tail(self, domain: str) -> None:
+        dsn = self.dsn.extractor
+        follow(self.warehouse, dsn, DOMAINS[domain], frontier=lambda: batch_frontier(dsn, CONSUMER))
+
     def run(self, operation: tuple[Any, ...]) -> None:
         kind, *args = operation
         if kind == "update":
@@ -212,6 +227,7 @@ class History:
             trails[(stream, version)] = [version, high, None, json.loads(json.dumps(states[stream][1]))]
         assert {r["stream_id"]: (r["version"], json.loads(r["state"]))
                 for r in rows_of(self.warehouse, "stream_state")} == states
+        assert rebuild.progress(self.warehouse) == [], "every rebuild swapped in, its shadow gone"
         assert {r["stream_id"]: (r["version"], r["total"]) for r in rows_of(self.warehouse, "stream_state_cart")} == \
             {s: (v, state["total"]) for s, (v, state) in states.items()}
         assert {(r["stream_id"], r["version_from"]): [r["version_to"], r["valid_from"], r["valid_to"],

@@ -21,13 +21,14 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
+from es_pipeline.health.exporter import Latency, Reading, lake_metrics
 from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.follow import follow
 from es_pipeline.lake.state import forked, rebuild
 from es_pipeline.lake.state.fold import StateResult
 from es_pipeline.lake.state.stream_state import update_stream_state
-from es_pipeline.store.event_store import EventStore
 from es_pipeline.store.conninfo import lock_transaction
+from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.lake.test_history import expected_rows, lake_rows
 from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -111,6 +112,9 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     (found,) = rebuild.progress(warehouse)
     assert (found.stream_type, found.phase, found.pieces_done, found.pieces) == ("cart", "pieces", 1, 4)
     assert 0 < found.events_folded < found.events_total and found.expected_end is not None
+    metrics = {m.name: m for m in lake_metrics(Reading(rebuilds=[found]), "shop", Latency())}
+    assert [(s.labels["stream_type"], s.value) for s in metrics["es_pipeline_rebuild_events_folded"].samples] == \
+        [("cart", found.events_folded)]
     assert lake_states(warehouse) == now
 
     # A second revision during the first: the shadow built as revision 2 is dropped, and revision 3 starts anew.

@@ -322,12 +322,15 @@ def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str
             skip_unknown: bool, say: Callable[[str], None], stop_after: int | None) -> bool:
     """Step 1: the pieces not yet appended, folded and appended (the shadow started where there is none)."""
     events_path = EVENTS.path(shadow.warehouse)
-    version = None if plan is None else int(plan["events_version"])
+    # Built from the `events` version the live table has folded (never a later one: the swap, at the live table's
+    # version, would hold events its next increments fold again).
+    live = _live_folded(shadow.warehouse, tables.table_id(events_path))
+    version = live if plan is None else int(plan["events_version"])
     try:
         events = DeltaTable(events_path, version=version)
     except Exception:  # noqa: BLE001 - the version it started from is gone (vacuumed, `events` replaced): anew
         shadow.drop()
-        plan, events = None, DeltaTable(events_path)
+        plan, events = None, DeltaTable(events_path, version=live)
     size = tables.files_bytes(events)
     count = pieces.count_for(size) if plan is None else len(plan["piece_events"])
     on_spark = tables.on_spark(engine, lambda: size)
@@ -465,6 +468,11 @@ def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> 
     columns = read_columns(domain)
     state = DeltaTable(shadow.state_path)
     at = int(state.transaction_version(_FOLDED) or 0)
+    if at > upto:  # (never: built from the live table's version) a shadow ahead of the live table is never swapped
+        log.warning("rebuild of %s: its shadow is ahead of stream_state (%s > %s): started again", shadow.stream_type,
+                    at, upto)
+        shadow.drop()
+        return False
     while at < upto:
         end = min(upto, at + CATCH_UP_COMMITS)
         rows = feed.new_rows(events, at, end, columns, whole=True)

@@ -168,9 +168,13 @@ def small_increment(
     turn.confirm(state_path, app, int(read))
     before = int(state.version())
     version = txn_version(now, domain.folds)
-    state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t",
-                commit_properties=feed.commit_properties(app, version)) \
-        .when_matched_update_all().when_not_matched_insert_all().execute()
+    if updates.num_rows:
+        state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
+                    target_alias="t", commit_properties=feed.commit_properties(app, version)) \
+            .when_matched_update_all().when_not_matched_insert_all().execute()
+    else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
+        state.create_write_transaction([], mode="append", schema=state.schema(),
+                                       commit_properties=feed.commit_properties(app, version))
     kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=(), skip=held)
     result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
     if not typed_state.typed_tables(domain):
@@ -284,6 +288,10 @@ def _update_with_spark(
             feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
             (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
              .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
+        elif not stats["streams"] and not feed.has_deletion_vectors(DeltaTable(state_path)):
+            # Only events of a type held back: the position recorded alone (as the small path does).
+            DeltaTable(state_path).create_write_transaction([], mode="append", schema=DeltaTable(state_path).schema(),
+                                                            commit_properties=feed.commit_properties(app, version))
         else:
             tables.merge_by_key(spark, state_path, updates, KEY, app_id=app, version=version)
         log.info("stream_state on Spark: the rows written in %.1f s (%s)", time.monotonic() - started,
