@@ -22,6 +22,7 @@ from bench import (
     extract_incremental,
     extract_memory,
     history,
+    rebuild,
     small_store,
     state,
     table_memory,
@@ -31,7 +32,7 @@ from bench.jdbc import jdbc_jar
 from bench.results import Goal, machine_facts, write_result
 
 BENCHMARKS = (extract_backfill.NAME, extract_incremental.NAME, extract_memory.NAME, state.INCREMENTAL, state.REBUILD,
-              event_tables.NAME, small_store.NAME, table_memory.NAME, history.NAME)
+              event_tables.NAME, small_store.NAME, table_memory.NAME, history.NAME, rebuild.NAME)
 OPTIONAL = (table_memory.LARGE,)  # run only when named with --only (long: 50M events)
 
 
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = table_memory.run(lambda: fresh_database(db), work, sizes)
                 elif name == history.NAME:
                     out = history.run(fresh_database(db), work, sizes)
+                elif name == rebuild.NAME:
+                    out = rebuild.run(fresh_database(db), work, sizes)
                 elif name == small_store.NAME:
                     out = small_store.run(fresh_database(db), work)
                 else:
