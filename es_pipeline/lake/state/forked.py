@@ -7,7 +7,6 @@ maps, and clears it. Below `ONE_PROCESS_ROWS` rows a fork costs more than it sav
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -32,10 +31,9 @@ def shared() -> Any:
     return _SHARED
 
 
-def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any], nice: int = 0) -> list[T]:
+def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
     """`fn` over the zipped `arguments`, in forked processes (each reading `share` with `shared()`; one per core at
-    most, each taking the next call when done; `nice` added to their niceness, for work that must yield the cores to
-    fresher work: a rebuild beside the live table), or in this process where there is one call or none."""
+    most, each taking the next call when done), or in this process where there is one call or none."""
     global _SHARED
     calls = list(zip(*arguments, strict=True))
     _SHARED = share
@@ -43,8 +41,7 @@ def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any], nice: int =
         if len(calls) <= 1:
             return [fn(*call) for call in calls]
         _py4j_kept_at_fork()
-        with ProcessPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1), mp_context=get_context("fork"),
-                                 initializer=functools.partial(os.nice, nice) if nice else None) as pool:
+        with ProcessPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1), mp_context=get_context("fork")) as pool:
             return list(pool.map(fn, *zip(*calls, strict=True)))
     finally:
         _SHARED = None

@@ -11,8 +11,8 @@ The new version is built in a shadow (`Shadow`: `<warehouse>/_rebuilds/<table>-<
 holding a `stream_state` and the history table of that one type), in the rebuild's own turn
 (`TURN`, lake/delta/serial.py), never in `stream_state`'s:
 1. *pieces*: every event of the type at one `events` version (the build's, recorded in the shadow's description)
-   spread by slice into pieces of whole streams (lake/delta/pieces.py), each folded by this machine's cores at a
-   lower priority (lake/state/whole_fold.py, forked at `NICE`) or, where the engine rule says, by Spark, and
+   spread by slice into pieces of whole streams (lake/delta/pieces.py), each folded by this machine's cores
+   (lake/state/whole_fold.py), the whole build at a lower priority (`NICE`), or, where the engine rule says, by Spark, and
    appended: its history rows first, then its state rows, whose commit records the piece and the history table's
    version it follows. A build killed half way resumes after its last piece; a history piece without its state
    piece is rolled back (restored) first;
@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -294,8 +297,34 @@ def _live_folded(warehouse: Location, events_id: str) -> int | None:
 def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", skip_unknown: bool = False,
           say: Callable[[str], None] = log.info, stop_after: int | None = None) -> bool:
     """The shadow whole and caught up to what the live table has folded (started, or resumed where it was); False
-    where it cannot be (the live table not from this `events`). In the rebuilds' turn. `stop_after`: return after
-    that many pieces (a test's crash half way)."""
+    where it cannot be (the live table not from this `events`). In the rebuilds' turn, this thread at a lower
+    priority meanwhile (`NICE`: the live updates come first). `stop_after`: return after that many pieces (a
+    test's crash half way)."""
+    with _yielding(NICE):
+        return _build(spark, shadow, domain, engine, skip_unknown, say, stop_after)
+
+
+@contextmanager
+def _yielding(nice: int) -> Iterator[None]:
+    """This thread (and the processes it forks) `nice` lower in priority for the block, then as before where the
+    system lets it (lowering a niceness again needs CAP_SYS_NICE: else it stays, until the run ends)."""
+    thread = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, thread)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, before + nice))
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, before)
+        except OSError:
+            log.info("a rebuild's niceness (%s) kept: lowering it again needs CAP_SYS_NICE", before + nice)
+
+
+def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown: bool, say: Callable[[str], None],
+           stop_after: int | None) -> bool:
     events_path = EVENTS.path(shadow.warehouse)
     events_id = tables.table_id(events_path)
     key = key_of(domain, shadow.stream_type, events_id)
@@ -360,7 +389,7 @@ def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str
             plan = _start(shadow, domain, key, int(events.version()), counted)
         histories = _histories(domain, stream_type)
         return _append_pieces(shadow, domain, plan, skip_unknown, say, stop_after,
-                              lambda i: whole_fold.fold_piece(parts.read(i), domain, skip_unknown, histories, NICE))
+                              lambda i: whole_fold.fold_piece(parts.read(i), domain, skip_unknown, histories))
 
 
 def _start(shadow: Shadow, domain: Domain, key: str, events_version: int, counts: list[int]) -> dict[str, Any]:

@@ -74,11 +74,10 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
     return _joined(folded, now)
 
 
-def fold_piece(rows: pa.Table, domain: Domain, skip_unknown: bool, histories: Histories,
-               nice: int = 0) -> tuple[pa.Table, Built]:
-    """Every stream of `rows` (whole streams, as `events` holds them) folded by this machine's cores (forked at
-    `nice`): the fold's output, and the rows of the history tables of `histories`."""
-    out, _, built = _joined(_fold(_prepared(rows, domain), dict(domain.folds), skip_unknown, histories, nice), -1)
+def fold_piece(rows: pa.Table, domain: Domain, skip_unknown: bool, histories: Histories) -> tuple[pa.Table, Built]:
+    """Every stream of `rows` (whole streams, as `events` holds them) folded by this machine's cores: the fold's
+    output, and the rows of the history tables of `histories`."""
+    out, _, built = _joined(_fold(_prepared(rows, domain), dict(domain.folds), skip_unknown, histories), -1)
     return out, built
 
 
@@ -96,7 +95,7 @@ def _prepared(rows: pa.Table, domain: Domain) -> pa.Table:
 
 
 def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool,
-          histories: Histories, nice: int = 0) -> list[tuple[pa.Table, Built]]:
+          histories: Histories) -> list[tuple[pa.Table, Built]]:
     """Every stream of `rows` folded: in this process, or split by slice over one forked process per core."""
     n = forked.shares(rows.num_rows) if "slice" in rows.column_names else 1
     bounds: list[int] = []
@@ -104,7 +103,7 @@ def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool,
         low, high = (int(v.as_py()) for v in pc.min_max(rows["slice"]).values())
         bounds = [low + (high + 1 - low) * i // n for i in range(n + 1)]
     # Forked: each worker reads its share of the rows this process holds, without copying them to it.
-    return forked.run((rows, registry, skip_unknown, bounds, histories), _fold_share, range(n), nice=nice)
+    return forked.run((rows, registry, skip_unknown, bounds, histories), _fold_share, range(n))
 
 
 def _fold_piece(i: int) -> tuple[pa.Table, Built]:
