@@ -205,3 +205,28 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
     assert lake_states(warehouse) == store_states(dsn, two)
     assert lake_rows(warehouse, "cart") == expected_rows(dsn, two, "cart")
     carts_never_mixed(warehouse, first)
+
+
+def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_held_back(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """The carts held back under revision 2 while the live table moved past their events; then revision 2 is rolled
+    back before any rebuild: the rows are of the domain's revision again, yet the carts stay pending (their held
+    mark), are rebuilt, and every event is in the lake once."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=30, events=200, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=81)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=82)
+    extract_all(dsn.extractor, None, warehouse)
+    held = follow(warehouse, dsn.extractor, bumped(SHOP, 2))["stream_state"]
+    assert isinstance(held, StateResult) and held.held_types == ("cart",)
+    run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=83)
+    extract_all(dsn.extractor, None, warehouse)
+    again = follow(warehouse, dsn.extractor, SHOP)["stream_state"]  # rolled back: still held, until rebuilt
+    assert isinstance(again, StateResult) and again.held_types == ("cart",)
+    done = update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    assert done.rebuilt_types == ("cart",)
+    assert lake_states(warehouse) == store_states(dsn, SHOP)
+    later = follow(warehouse, dsn.extractor, SHOP)["stream_state"]
+    assert isinstance(later, StateResult) and not later.held_types

@@ -88,13 +88,66 @@ _FOLDED = "es_pipeline.rebuild.events"  # the `events` version folded (from its 
 _HISTORY = "es_pipeline.rebuild.history"  # and the version of its history table this commit follows
 
 
-def pending(warehouse: Location, domain: Domain, kinds: Iterable[Any], events_id: str, read: int) -> list[str]:
-    """The stream types to rebuild, from the (stream_type, revision) pairs `stream_state` holds and its last commit
-    (txn version `read`, from `events` of id `events_id`): a reducer changed (lake/state/fold.py `stale_types`), or
-    a history table unbound (lake/state/history.py `unbound`, which retypes in place a table whose fields alone
-    changed: call it in `stream_state`'s turn)."""
+def pending(warehouse: Location, domain: Domain, kinds: Iterable[Any], events_id: str, read: int,
+            live: DeltaTable) -> list[str]:
+    """The stream types to rebuild, from the (stream_type, revision) pairs `stream_state` (`live`) holds and its last
+    commit (txn version `read`, from `events` of id `events_id`): a reducer changed (lake/state/fold.py
+    `stale_types`), a history table unbound (lake/state/history.py `unbound`, which retypes in place a table whose
+    fields alone changed: call it in `stream_state`'s turn), or a type a commit held back and no swap has replaced
+    since (`held_back`: its events since are in no row, whatever the domain says now)."""
+    kinds = list(kinds)
     stale = stale_types(kinds, domain)
-    return sorted({*stale, *history.unbound(warehouse, domain, events_id, read, stale)})
+    types = {t for t, _ in kinds} | set(domain.folds)
+    return sorted({*stale, *history.unbound(warehouse, domain, events_id, read, stale),
+                   *held_back(live, events_id, types)})
+
+
+def held_app(events_id: str, stream_type: str) -> str:
+    """The app id whose txn version marks a stream type held back by `stream_state`'s commits (the live table's txn
+    version it was first held at, plus one)."""
+    return f"es_pipeline.stream_state.held/{stream_type}@{events_id}"
+
+
+def swapped_app(events_id: str, stream_type: str) -> str:
+    """The app id whose txn version marks a stream type swapped in (the swap's txn version): held no longer."""
+    return f"es_pipeline.stream_state.swapped/{stream_type}@{events_id}"
+
+
+def held_back(live: DeltaTable, events_id: str, types: Iterable[str]) -> list[str]:
+    """The stream `types` a commit of `live` held back and no swap has replaced since. Such a type stays pending
+    whatever the domain says (a revision rolled back before its rebuild): the live table's position moved past its
+    events, which only a rebuild folds."""
+    out = []
+    for stream_type in sorted(set(types)):
+        held = live.transaction_version(held_app(events_id, stream_type))
+        swapped = live.transaction_version(swapped_app(events_id, stream_type))
+        if held is not None and held > (swapped if swapped is not None else -1):
+            out.append(stream_type)
+    return out
+
+
+def marks(live: DeltaTable, events_id: str, held: Collection[str], read: int) -> list[Transaction]:
+    """The transactions the next commit of `live` (from txn version `read`) adds for the types it holds back that are
+    not marked yet."""
+    marked = set(held_back(live, events_id, held))
+    return [Transaction(held_app(events_id, t), read + 1) for t in sorted(held) if t not in marked]
+
+
+def record(spark: Any, path: str, transactions: list[Transaction]) -> None:
+    """`transactions` recorded in one commit of no rows (by Spark, one commit each, where delta-rs does not write the
+    table: deletion vectors)."""
+    if not transactions:
+        return
+    table = DeltaTable(path)
+    if not feed.has_deletion_vectors(table):
+        table.create_write_transaction([], mode="append", schema=table.schema(),
+                                       commit_properties=CommitProperties(app_transactions=transactions))
+        return
+    session = tables.session_of(spark)
+    empty = session.createDataFrame([], tables.read(session, path).schema)
+    for t in transactions:
+        empty.write.format("delta").mode("append").option("txnAppId", t.app_id).option("txnVersion", str(t.version)) \
+            .save(path)
 
 
 def without(rows: pa.Table, types: Collection[str]) -> pa.Table:
@@ -281,7 +334,7 @@ def pending_now(warehouse: Location, domain: Domain) -> list[str]:
     kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
         .group_by(["stream_type", "revision"]).aggregate([])
     return pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
-                                          strict=True), events_id, int(read))
+                                          strict=True), events_id, int(read), live)
 
 
 def _built(warehouse: Location) -> bool:
@@ -568,9 +621,12 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
     literal = "'" + stream_type.replace("'", "''") + "'"
     if feed.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
         _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
+        # After the swap (a crash between leaves the type held, swapped again next time).
+        record(spark, state_path, [Transaction(swapped_app(events_id, stream_type), version)])
     else:
         live.merge(rows.cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
-                   target_alias="t", commit_properties=feed.commit_properties(app, version)) \
+                   target_alias="t", commit_properties=CommitProperties(app_transactions=[
+                       Transaction(app, version), Transaction(swapped_app(events_id, stream_type), version)])) \
             .when_matched_update_all().when_not_matched_insert_all() \
             .when_not_matched_by_source_delete(predicate=f"t.stream_type = {literal}").execute()
     empty = FOLD_OUT.empty_table()

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
@@ -160,7 +160,7 @@ def small_increment(
     # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
     # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
     held = rebuild.pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
-                                                  strict=True), events_feed.table_id, int(read))
+                                                  strict=True), events_feed.table_id, int(read), state)
     if held:
         new, whole = rebuild.without(new, held), rebuild.without(whole, held)
     out, prior = fold_onto(whole, new, domain, skip_unknown)
@@ -168,13 +168,15 @@ def small_increment(
     turn.confirm(state_path, app, int(read))
     before = int(state.version())
     version = txn_version(now, domain.folds)
+    # With the position, the types held back from now on: they stay pending until swapped (lake/state/rebuild.py).
+    props = CommitProperties(app_transactions=[Transaction(app, version),
+                                               *rebuild.marks(state, events_feed.table_id, held, int(read))])
     if updates.num_rows:
         state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
-                    target_alias="t", commit_properties=feed.commit_properties(app, version)) \
+                    target_alias="t", commit_properties=props) \
             .when_matched_update_all().when_not_matched_insert_all().execute()
     else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
-        state.create_write_transaction([], mode="append", schema=state.schema(),
-                                       commit_properties=feed.commit_properties(app, version))
+        state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=props)
     kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=(), skip=held)
     result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
     if not typed_state.typed_tables(domain):
@@ -235,8 +237,9 @@ def _update_with_spark(
     # and the table overwritten, so that no row of another `events` stays.
     state = tables.read(spark, state_path) if read is not None else tables.read(spark, state_path).limit(0)
     # A stream type to rebuild is left as it is, its events with it, until its rebuild beside swaps it in.
+    live = DeltaTable(state_path)
     held = [] if read is None else rebuild.pending(
-        warehouse, domain, state.select("stream_type", "revision").distinct().collect(), events_id, read)
+        warehouse, domain, state.select("stream_type", "revision").distinct().collect(), events_id, read, live)
     cols = spark_columns(domain)
     if prev < 0 or (whole and prev < now):
         new = tables.read(spark, events_path, version=now).select(*cols)
@@ -281,6 +284,8 @@ def _update_with_spark(
         updates = folded.drop("error", "folded", "history").withColumn("updated_at", F.current_timestamp())
         turn.confirm(state_path, app, read)
         version = next_txn_version(now, domain.folds, read)
+        if read is not None:  # the types held back from now on, before the commit that passes their events
+            rebuild.record(spark, state_path, rebuild.marks(live, events_id, held, read))
         # The history tables first: `folded` reads `stream_state`, and Spark recomputes it once that is written.
         kept = history.write_spark(spark, warehouse, domain, folded, events_id, version,
                                    whole=() if read is not None else list(domain.folds), skip=held)

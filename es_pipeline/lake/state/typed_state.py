@@ -135,7 +135,12 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
         changes = None if read is None else feeds[read]
         changed = None if changes is None else _latest(changes, stream_type)
         if changed is None:
-            rows = _typed(_current(state_path, state(), stream_type), reducer, table)
+            current = _current(state_path, state(), stream_type)
+            if current.num_rows and not pc.all(pc.equal(current["revision"], domain.folds[stream_type].revision)).as_py():
+                # Rows of another revision: the type is being rebuilt beside `stream_state` (lake/state/rebuild.py),
+                # whose swap this table follows; its fields may not fit those rows.
+                continue
+            rows = _typed(current, reducer, table)
             write_deltalake(path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props,
                             configuration=table.properties or None)
         else:
