@@ -19,6 +19,7 @@ from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, l
 from es_pipeline.defs.projections.assets import build_projection_assets
 from es_pipeline.defs.projections.automation import build_projections_automation_sensor
 from es_pipeline.defs.projections.checks import build_projection_checks
+from es_pipeline.defs.projections.rebuilds import build_rebuilds_job, build_rebuilds_sensor
 from es_pipeline.defs.resources import build_resources
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.schedule import snapshots_job, snapshots_schedule
@@ -61,12 +62,14 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
         events_job, split(settings.slice_ranges), interval_seconds=settings.sensor_interval_seconds,
         tail_seconds=settings.tail_seconds,
     )
+    rebuilds_job = build_rebuilds_job(domain)
     return dg.Definitions(
         assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
         asset_checks=[*CHECKS, *build_projection_checks(domain)],
-        jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job],
+        jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job, rebuilds_job],
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),
-                 build_run_failure_alert()],
+                 build_run_failure_alert(),
+                 build_rebuilds_sensor(rebuilds_job, domain, running=settings.rebuilds == "beside")],
         schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
         # Every job's steps in the run's own process unless it says otherwise: a hand materialization of a

@@ -17,7 +17,8 @@ def test_defs_load_with_the_designed_names() -> None:
                       "stream_catalog_matches_events", "event_type_daily_matches_events"}
     # The exporter reads every one of them (and one per cross-stream projection: the next test).
     assert {c for _, c in dagster_state.checks_of(sorted(keys))} == checks
-    assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor", "run_failure_alert"}
+    assert {s.name for s in defs.sensors} == {"new_events_sensor", "projections_automation_sensor", "run_failure_alert",
+                                              "stream_state_rebuilds_sensor"}
     assert {s.name for s in defs.schedules} == {"delta_maintenance_schedule", "snapshots_schedule", "lake_checks_schedule"}
     events = defs.resolve_assets_def("events")
     assert isinstance(events.partitions_def, dg.StaticPartitionsDefinition)

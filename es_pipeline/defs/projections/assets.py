@@ -70,7 +70,8 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     ) -> dg.MaterializeResult:
         with projection_run(context):
             r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
-                                    store_dsn=event_store.dsn, engine=warehouse.engine, rebuilds=warehouse.rebuilds)
+                                    store_dsn=event_store.dsn, engine=warehouse.engine,
+                                    rebuilds="hold")  # in their own job (defs/projections/rebuilds.py)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return stream_state

@@ -337,6 +337,26 @@ def pending_now(warehouse: Location, domain: Domain) -> list[str]:
                                           strict=True), events_id, int(read), live)
 
 
+def waiting(warehouse: Location, domain: Domain) -> list[str]:
+    """The stream types to rebuild as `pending` finds them, read without a turn and without writing (a history table
+    whose fields alone changed, which an update retypes in place, is not counted): what the rebuilds' sensor asks."""
+    if not _built(warehouse):
+        return []
+    live = DeltaTable(STREAM_STATE.path(warehouse))
+    events_id = tables.table_id(EVENTS.path(warehouse))
+    read = live.transaction_version(app_id(events_id))
+    if read is None:
+        return []
+    kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
+        .group_by(["stream_type", "revision"]).aggregate([])
+    pairs = list(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(), strict=True))
+    unbound = [t for t, (reducer, table) in history.history_tables(domain).items()
+               if not tables.is_delta_table(table.path(warehouse))
+               or DeltaTable(table.path(warehouse)).transaction_version(history.app_id(table, events_id, reducer)) != read]
+    return sorted({*stale_types(pairs, domain), *unbound,
+                   *held_back(live, events_id, {t for t, _ in pairs} | set(domain.folds))})
+
+
 def _built(warehouse: Location) -> bool:
     return tables.is_delta_table(STREAM_STATE.path(warehouse)) and tables.is_delta_table(EVENTS.path(warehouse))
 
