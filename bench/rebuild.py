@@ -90,7 +90,9 @@ class Loop:
         self.committed: dict[str, float] = {}
         self.seen: dict[str, float] = {}
         self.passes = 0
-        self.held_passes = 0  # passes whose stream_state increment held the accounts back
+        self.held_passes = 0
+        self.extract_s: list[float] = []  # per pass: the extraction's seconds,
+        self.follow_s: list[float] = []  # the increments' (lake/follow.py)  # passes whose stream_state increment held the accounts back
         self.stop_probes = threading.Event()
         self.stop_loop = threading.Event()
         self.failed: list[BaseException] = []
@@ -115,8 +117,12 @@ class Loop:
             extractor = Extractor(self.dsn, None, self.lake, schema=SCHEMA)
             state = str(self.lake / "stream_state")
             while not self.stop_loop.is_set():
+                t0 = time.perf_counter()
                 extractor.run(ALL_SLICES, run_id=f"bench-rebuild-{self.phase}-{self.passes}")
+                t1 = time.perf_counter()
                 done = follow(self.lake, self.dsn, self.domain).get("stream_state")
+                self.extract_s.append(t1 - t0)
+                self.follow_s.append(time.perf_counter() - t1)
                 self.held_passes += bool(getattr(done, "held_types", ()))
                 now = time.time()
                 rows = DeltaTable(state).to_pyarrow_table(columns=["stream_id"], filters=[("stream_type", "=", "cart")])
@@ -218,6 +224,11 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
                     "baseline_latencies_s": [round(x, 3) for x in base],
                     "rebuild_latencies_s": [round(x, 3) for x in rebuilding],
                     "passes_holding_accounts": sum(x.held_passes for x in loops),
+                    "pass_seconds_median": {
+                        "baseline": {"extract": round(statistics.median(baseline.extract_s), 3),
+                                     "follow": round(statistics.median(baseline.follow_s), 3)},
+                        "rebuild": {"extract": round(statistics.median([x for lp in loops for x in lp.extract_s]), 3),
+                                    "follow": round(statistics.median([x for lp in loops for x in lp.follow_s]), 3)}},
                     "p50_ratio": round(p50, 4), "p95_ratio": round(p95, 4)},
         "goals": [Goal("p50 commit → stream_state, rebuilding / not", p50, "<=", GOAL),
                   Goal("p95 commit → stream_state, rebuilding / not", p95, "<=", GOAL)],

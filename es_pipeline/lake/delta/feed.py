@@ -23,14 +23,16 @@ log = logging.getLogger(__name__)
 SMALL_INCREMENT = 200_000  # new events at most; above, Spark does the update
 
 
-def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str], *, whole: bool = False) -> pa.Table | None:
+def new_rows(events: DeltaTable, after: int, upto: int, columns: list[str], *, whole: bool = False,
+             predicate: str | None = None) -> pa.Table | None:
     """The rows that the `events` commits after..upto (inclusive) added (`columns` may name `_commit_version`), or
     None when they cannot be read (their files vacuumed or purged) or, unless `whole`, number more than
-    `SMALL_INCREMENT`: then Spark takes the update, or the table is built anew."""
+    `SMALL_INCREMENT`: then Spark takes the update, or the table is built anew. `predicate`: only the rows it
+    keeps (SQL over the table's columns), filtered as the feed is read."""
     limit = None if whole else SMALL_INCREMENT
     try:
         feed = pa.RecordBatchReader.from_stream(events.load_cdf(
-            starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"]))
+            starting_version=after + 1, ending_version=upto, columns=[*columns, "_change_type"], predicate=predicate))
         batches, rows = [], 0
         for batch in feed:
             rows += batch.num_rows

@@ -577,7 +577,7 @@ def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> 
         return False
     while at < upto:
         end = min(upto, at + CATCH_UP_COMMITS)
-        rows = feed.new_rows(events, at, end, columns, whole=True)
+        rows = feed.new_rows(events, at, end, columns, whole=True, predicate=f"stream_type = {_literal(shadow.stream_type)}")
         if rows is None:
             log.warning("rebuild of %s: the change feed after events version %s is gone: started again",
                         shadow.stream_type, at)
@@ -627,7 +627,14 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
     rows = feed.files(shadow.state_path, DeltaTable(shadow.state_path)).to_table()
     rows = rows.set_column(rows.schema.get_field_index("updated_at"), "updated_at",
                            pa.array([datetime.now(UTC)] * rows.num_rows, STATE_SCHEMA.field("updated_at").type))
+    mine = feed.files(state_path, live).to_table(columns=list(KEY) + ["stream_type"])
+    gone = mine.filter(pc.equal(mine["stream_type"], stream_type)).select(list(KEY)) \
+        .join(rows.select(list(KEY)), list(KEY), join_type="left anti")  # rows the shadow lacks: deleted
     version = next_txn_version(read // REVISION_SLOTS, domain.folds, read)
+    if version <= read:  # every slot of this `events` version taken (decision 0043): after its next commit
+        say(f"rebuild of {stream_type}: no transaction version left at events version {read // REVISION_SLOTS}: "
+            "swapped after the next `events` commit")
+        return False
     turn.confirm(state_path, app, read)
     found_history = history.history_tables(domain).get(stream_type)
     if found_history is not None:  # the type's history table first: a crash after it leaves the type to swap again
@@ -638,7 +645,7 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
             schema_mode="overwrite",
             partition_by=history.PARTITION, description=f"es_pipeline: {table.comment}",
             commit_properties=feed.commit_properties(history.app_id(table, events_id, reducer), version))
-    literal = "'" + stream_type.replace("'", "''") + "'"
+    literal = _literal(stream_type)
     if feed.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
         _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
         # After the swap (a crash between leaves the type held, swapped again next time).
@@ -652,10 +659,21 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
     empty = FOLD_OUT.empty_table()
     history.write_arrow(warehouse, domain, empty, events_id, version, whole=(), skip={stream_type, *held})
     typed_state.update(warehouse, domain)
+    typed = typed_state.typed_tables(domain).get(stream_type)
+    if gone.num_rows and typed is not None and tables.is_delta_table(typed[1].path(warehouse)):
+        # The typed table follows inserts and updates of the change feed: the streams deleted, deleted here.
+        DeltaTable(typed[1].path(warehouse)).merge(
+            gone, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u", target_alias="t") \
+            .when_matched_delete().execute()
     shadow.drop()
     say(f"rebuild of {stream_type}: swapped into stream_state in one commit ({rows.num_rows:,} streams, "
         f"{time.monotonic() - started:.1f} s)")
     return True
+
+
+def _literal(text: str) -> str:
+    """`text` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _history_rows(path: str, table: DeltaTable, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
