@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import multiprocessing
+import os
 import statistics
 import threading
 import time
@@ -43,7 +44,7 @@ from bench.results import Goal, n, ratio, secs
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake.follow import follow
-from es_pipeline.lake.state import rebuild
+from es_pipeline.lake.state import forked, rebuild
 from es_pipeline.lake.state.stream_state import update_stream_state
 
 NAME = "rebuild_beside"
@@ -66,6 +67,16 @@ def _domain(bump: int) -> Domain:
 
 BASE = _domain(0)
 REBUILDS = 3  # the accounts rebuilt this many times in a row (revision + 1, + 2, + 3): more probes to count
+
+
+def _burn(seconds: float) -> None:
+    """A control: one core's worth of pure Python arithmetic, no I/O, for `seconds`, as the rebuild's forked
+    folds run (in a scheduling group of its own at the lowest priority: lake/state/forked.py `in_background`)."""
+    forked.in_background()
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        x = (x * 31 + 7) % 1_000_003
 
 
 def _rebuild_process(dsn: str, lake: str, bump: int) -> None:
@@ -174,6 +185,24 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     base = baseline.run(lambda: len(baseline.committed) >= PROBES)
     log.info("[%s] baseline: %d probes, p50 %.2f s, p95 %.2f s", NAME, len(base), _pct(base, 0.5), _pct(base, 0.95))
 
+    # The controls: the same loop beside processes that only compute, at the rebuild's niceness: on every core, and
+    # on every core but one (what a rebuild takes, lake/state/rebuild.py).
+    controls: list[tuple[int, list[float], Loop]] = []
+    for count in (os.cpu_count() or 1, max(1, (os.cpu_count() or 1) - 1)):
+        burners = [multiprocessing.get_context("spawn").Process(target=_burn, args=(3600.0,)) for _ in range(count)]
+        for b in burners:
+            b.start()
+        control = Loop(dsn, lake, BASE, f"control{count}")
+        try:
+            burned = control.run(lambda control=control: len(control.committed) >= PROBES // 2)
+        finally:
+            for b in burners:
+                b.kill()
+                b.join()
+        controls.append((count, burned, control))
+        log.info("[%s] beside %d niced CPU burners: p50 %.2f s, p95 %.2f s", NAME, count, _pct(burned, 0.5),
+                 _pct(burned, 0.95))
+
     rebuilding: list[float] = []
     seconds: list[float] = []
     loops: list[Loop] = []
@@ -218,6 +247,8 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
                        "loop_pause_s": LOOP_PAUSE, "baseline_probes": PROBES},
         "columns": ["phase", "probes", "p50 s", "p95 s", "max s", "p50 ratio", "p95 ratio", "loop passes"],
         "rows": [row("tailing loop alone", base, baseline.passes, True),
+                 *[row(f"control: beside {count} CPU-bound processes in the background (no I/O)", burned, control.passes)
+                   for count, burned, control in controls],
                  row(f"tailing loop while the accounts are rebuilt ({REBUILDS} rebuilds, median "
                      f"{secs(rebuild_seconds)} s each)", rebuilding, sum(x.passes for x in loops))],
         "figures": {"first_build_seconds": round(first_build, 3), "rebuild_seconds": [round(x, 3) for x in seconds],
@@ -227,6 +258,9 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
                     "pass_seconds_median": {
                         "baseline": {"extract": round(statistics.median(baseline.extract_s), 3),
                                      "follow": round(statistics.median(baseline.follow_s), 3)},
+                        **{f"control_{count}": {"extract": round(statistics.median(c.extract_s), 3),
+                                                "follow": round(statistics.median(c.follow_s), 3)}
+                           for count, _, c in controls},
                         "rebuild": {"extract": round(statistics.median([x for lp in loops for x in lp.extract_s]), 3),
                                     "follow": round(statistics.median([x for lp in loops for x in lp.follow_s]), 3)}},
                     "p50_ratio": round(p50, 4), "p95_ratio": round(p95, 4)},

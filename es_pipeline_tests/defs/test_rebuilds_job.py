@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import dagster as dg
+import pytest
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
@@ -19,6 +20,7 @@ from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
 
+@pytest.mark.slow  # two workloads, three Dagster runs: `make test`, not `make check`'s budget
 def test_the_asset_run_holds_the_type_back_and_the_sensors_job_swaps_it_in(
     dsn: StoreDsn, settings: Settings, warehouse: Path
 ) -> None:

@@ -82,6 +82,7 @@ def carts_never_mixed(warehouse: Path, since: int) -> None:
         assert len({r["revision"] for r in rows if r["stream_type"] == "cart"}) <= 1, version
 
 
+@pytest.mark.slow  # three workloads, a rebuild in four pieces: `make test`, not `make check`'s budget
 def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_second_one_and_swaps_in_one_commit(
     dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,6 +208,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
     carts_never_mixed(warehouse, first)
 
 
+@pytest.mark.slow  # three workloads and a rebuild: `make test`, not `make check`'s budget
 def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_held_back(
     dsn: StoreDsn, warehouse: Path
 ) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from multiprocessing import get_context
 from typing import Any, TypeVar
 
@@ -18,11 +19,41 @@ ONE_PROCESS_ROWS = 200_000  # below, one process: a fork costs more than it save
 
 T = TypeVar("T")
 _SHARED: Any = None  # what `run` shares with its workers (set before the fork, cleared after)
+_AT_MOST: int | None = None  # workers at most, within `at_most`
+_BACKGROUND = False  # workers in a scheduling group of their own at the lowest priority, within `at_most`
 
 
 def shares(rows: int) -> int:
     """How many shares a read of `rows` rows is split into: one per core, or one below `ONE_PROCESS_ROWS`."""
     return 1 if rows < ONE_PROCESS_ROWS else (os.cpu_count() or 1)
+
+
+@contextmanager
+def at_most(workers: int, *, background: bool = False) -> Iterator[None]:
+    """`run` forks at most `workers` processes within the block (work in the background leaves cores to the live
+    work: lake/state/rebuild.py); `background`: each in a session, so a scheduling group (Linux's autogroup), of
+    its own at the lowest priority (`in_background`)."""
+    global _AT_MOST, _BACKGROUND
+    before, _AT_MOST, was, _BACKGROUND = _AT_MOST, max(1, workers), _BACKGROUND, background
+    try:
+        yield
+    finally:
+        _AT_MOST, _BACKGROUND = before, was
+
+
+def in_background() -> None:
+    """This process in a session of its own, its scheduling group at niceness 19 (where Linux groups by session,
+    `kernel.sched_autogroup_enabled`, a process's niceness only ranks it within its session: the database server and
+    the other sessions' processes share the cores with the session as a whole, however nice its work)."""
+    try:
+        os.setsid()
+    except OSError:  # a process group leader already
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write("19")
+    except OSError:  # no autogroup here: the niceness inherited is what there is
+        pass
 
 
 def shared() -> Any:
@@ -41,7 +72,9 @@ def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
         if len(calls) <= 1:
             return [fn(*call) for call in calls]
         _py4j_kept_at_fork()
-        with ProcessPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1), mp_context=get_context("fork")) as pool:
+        workers = min(len(calls), os.cpu_count() or 1, _AT_MOST or len(calls))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork"),
+                                 initializer=in_background if _BACKGROUND else None) as pool:
             return list(pool.map(fn, *zip(*calls, strict=True)))
     finally:
         _SHARED = None
