@@ -274,5 +274,10 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
             "the pieces' forked folds, the catch-up) at niceness +10 (lake/state/rebuild.py `NICE`), the swap at the "
             "process's own; the swap takes `stream_state`'s turn, and the loop's increment skips a pass meanwhile. The rebuild phase's last probes may be taken after the rebuild has ended "
             "(5 at least).",
+            "The controls separate the rebuild's own cost from the machine's: the same loop beside processes that "
+            "only compute (no I/O, no lake), in a scheduling group of their own at the lowest priority, as the "
+            "rebuild's folds run. Where a control's ratios match the rebuild's, what slows the loop is any work on "
+            "the cores at all (its many short waits, Postgres round trips and delta-rs' threads, each wake later: "
+            "see the per-pass seconds in the JSON), not the rebuild's design.",
         ],
     }
