@@ -19,6 +19,7 @@ import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
+from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.health.exporter import Latency, Reading, lake_metrics
@@ -84,7 +85,7 @@ def carts_never_mixed(warehouse: Path, since: int) -> None:
 
 @pytest.mark.slow  # three workloads, a rebuild in four pieces: `make test`, not `make check`'s budget
 def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_second_one_and_swaps_in_one_commit(
-    dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(rebuild.pieces, "count_for", lambda size: 4)  # a small lake, cut as a large one is
     monkeypatch.setattr(forked, "ONE_PROCESS_ROWS", 0)  # each piece folded by forked, niced processes
@@ -125,6 +126,14 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     (found,) = rebuild.progress(warehouse)
     assert found.pieces_done == 2 and json.loads(DeltaTable(shadow.state_path).metadata().description)["key"] \
         == rebuild.key_of(three, "cart", DeltaTable(str(warehouse / "events")).metadata().id)
+
+    # `es-pipeline lake rebuilds` says so (its domain the shop's: the carts still held back, by their mark).
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
+    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    monkeypatch.setenv("ES_PIPELINE_DOMAIN", "shop.domain")
+    assert main(["lake", "rebuilds"]) == 0
+    out = capsys.readouterr().out
+    assert "stream types to rebuild: cart" in out and "cart: pieces, " in out and "piece 2 of 4" in out, out
 
     # More events meanwhile, folded by the tailing run but for the carts; then the rebuild resumed and swapped.
     run_workload(store, streams=40, events=200, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=63)
@@ -232,3 +241,35 @@ def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_hel
     assert lake_states(warehouse) == store_states(dsn, SHOP)
     later = follow(warehouse, dsn.extractor, SHOP)["stream_state"]
     assert isinstance(later, StateResult) and not later.held_types
+
+
+def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
+    """`stream_state` with deletion vectors (delta-rs does not write it): the held marks and the swap go by Spark."""
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=30, events=200, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=101)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
+    path = str(warehouse / "stream_state")
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = true)")
+    run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=102)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
+    assert rebuild.feed.has_deletion_vectors(DeltaTable(path))
+
+    two = bumped(SHOP, 2)
+    run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=103)
+    extract_all(dsn.extractor, None, warehouse)
+    held = update_stream_state(spark, warehouse, domain=two, rebuilds="hold")
+    assert held.engine == "spark" and held.held_types == ("cart",)
+    events_id = DeltaTable(str(warehouse / "events")).metadata().id
+    assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == ["cart"]
+    done = update_stream_state(spark, warehouse, domain=two)
+    assert done.rebuilt_types == ("cart",)
+    assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == []
+    rows = spark.read.format("delta").load(path).collect()  # (deletion vectors: read by Spark)
+    assert {r["stream_id"]: (r["version"], json.loads(r["state"]), r["revision"]) for r in rows} == \
+        store_states(dsn, two)
+    for version in range(DeltaTable(path).version() + 1):  # every cart row of one revision at every version
+        kinds = spark.read.format("delta").option("versionAsOf", version).load(path) \
+            .where("stream_type = 'cart'").select("revision").distinct().count()
+        assert kinds <= 1, version
