@@ -192,3 +192,24 @@ def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
     with psycopg.connect(dsn) as conn:
         conn.execute("DELETE FROM es.snapshots WHERE stream_id IN (SELECT stream_id FROM es.snapshots LIMIT 3)")
     assert Reader(replace(settings, slice_ranges=2), dagster=False).reading(0).snapshot_backlog == 3
+
+
+def test_a_rebuild_under_way_is_drawn_by_status_and_exported_with_its_expected_end() -> None:
+    """lake/state/rebuild.py's `Progress` in `es-pipeline status` (one line per rebuild) and in the gauges."""
+    from datetime import UTC, datetime
+
+    from es_pipeline.health.exporter import Latency, Reading, lake_metrics
+    from es_pipeline.health.watch import render
+    from es_pipeline.lake.state.rebuild import Progress
+
+    started, end = datetime(2026, 11, 27, 9, 0, tzinfo=UTC), datetime(2026, 11, 27, 9, 30, tzinfo=UTC)
+    found = Progress("cart", "pieces", 2_500_000, 5_000_000, 2, 4, 17, started, end)
+    text = render(Reading(rebuilds=[found]), tailing=True, throughput=None)
+    assert "rebuilding beside stream_state" in text
+    assert "cart: pieces, 2,500,000 of 5,000,000 events folded (50%; piece 2 of 4), started 2026-11-27 09:00:00 " \
+        "UTC, expected end 2026-11-27 09:30:00 UTC" in text
+    families = {f.name: f for f in lake_metrics(Reading(rebuilds=[found]), "events", Latency())}
+    assert families["es_pipeline_rebuild_events_total"].samples[0].value == 5_000_000
+    assert families["es_pipeline_rebuild_expected_end_timestamp_seconds"].samples[0].value == end.timestamp()
+    assert not [f for f in lake_metrics(Reading(), "events", Latency()) if f.name.startswith("es_pipeline_rebuild")
+                and f.samples]
