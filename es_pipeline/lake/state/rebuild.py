@@ -371,8 +371,8 @@ def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", s
           say: Callable[[str], None] = log.info, stop_after: int | None = None) -> bool:
     """The shadow whole and caught up to what the live table has folded (started, or resumed where it was); False
     where it cannot be (the live table not from this `events`). In the rebuilds' turn, at a lower priority
-    (`NICE`; its forked folds in a scheduling group of their own, lake/state/forked.py `in_background`). `stop_after`: return after that many pieces (a
-    test's crash half way)."""
+    (`NICE`; its forked folds in a scheduling group of their own, lake/state/forked.py `in_background`).
+    `stop_after`: return after that many pieces (a test's crash half way)."""
     # Every core (bench/results/rebuild_beside.md: a core left free spared the tailing run nothing on 2 cores, and
     # made the rebuild 1.5x longer); the forked folds in a scheduling group of their own at the lowest priority.
     with _yielding(NICE), forked.at_most(os.cpu_count() or 1, background=True):
@@ -381,36 +381,22 @@ def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", s
 
 @contextmanager
 def _yielding(nice: int) -> Iterator[None]:
-    """Every thread of this process (and what they fork or start) `nice` lower in priority for the block: the
-    build's own, Arrow's and delta-rs's thread pools, which read and write its pieces. Then as before, where the
-    system lets it (lowering a niceness again needs CAP_SYS_NICE: else it stays until the run ends)."""
-    threads = _threads()
-    before = {}
-    for thread in threads:
-        try:
-            before[thread] = os.getpriority(os.PRIO_PROCESS, thread)
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, before[thread] + nice))
-        except OSError:  # a thread that ended meanwhile
-            before.pop(thread, None)
+    """This thread (and the processes it forks) `nice` lower in priority for the block, then as before where the
+    system lets it (lowering a niceness again needs CAP_SYS_NICE: else it stays, until the run ends). The
+    process's other threads are left as they are: a library caller's work is its own."""
+    thread = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, thread)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, before + nice))
+    except OSError:
+        pass
     try:
         yield
     finally:
-        kept = 0
-        for thread in set(_threads()):  # those started meanwhile took the niceness of their starter: back too
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread, before.get(thread, min(before.values(), default=0)))
-            except OSError:
-                kept += 1
-        if kept:
-            log.info("a rebuild's niceness kept by %d threads: lowering it again needs CAP_SYS_NICE", kept)
-
-
-def _threads() -> list[int]:
-    """This process's threads (Linux: /proc/self/task), or this one alone elsewhere."""
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [threading.get_native_id()]
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, before)
+        except OSError:
+            log.info("a rebuild's niceness (%s) kept: lowering it again needs CAP_SYS_NICE", before + nice)
 
 
 def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown: bool, say: Callable[[str], None],
