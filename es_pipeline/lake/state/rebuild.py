@@ -324,37 +324,41 @@ def run_pending(
 
 def pending_now(warehouse: Location, domain: Domain) -> list[str]:
     """`pending` read from the live table now ([] before its first build from this `events`); in its turn."""
-    if not _built(warehouse):
+    found = _live_kinds(warehouse)
+    if found is None:
         return []
-    live = DeltaTable(STREAM_STATE.path(warehouse))
-    events_id = tables.table_id(EVENTS.path(warehouse))
-    read = live.transaction_version(app_id(events_id))
-    if read is None:
-        return []
-    kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
-        .group_by(["stream_type", "revision"]).aggregate([])
-    return pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
-                                          strict=True), events_id, int(read), live)
+    live, events_id, read, kinds = found
+    return pending(warehouse, domain, kinds, events_id, read, live)
 
 
 def waiting(warehouse: Location, domain: Domain) -> list[str]:
     """The stream types to rebuild as `pending` finds them, read without a turn and without writing (a history table
     whose fields alone changed, which an update retypes in place, is not counted): what the rebuilds' sensor asks."""
-    if not _built(warehouse):
+    found = _live_kinds(warehouse)
+    if found is None:
         return []
+    live, events_id, read, kinds = found
+    unbound = [t for t, (reducer, table) in history.history_tables(domain).items()
+               if not tables.is_delta_table(table.path(warehouse))
+               or DeltaTable(table.path(warehouse)).transaction_version(history.app_id(table, events_id, reducer)) != read]
+    return sorted({*stale_types(kinds, domain), *unbound,
+                   *held_back(live, events_id, {t for t, _ in kinds} | set(domain.folds))})
+
+
+def _live_kinds(warehouse: Location) -> tuple[DeltaTable, str, int, list[tuple[str, int]]] | None:
+    """The live table, the id of the `events` it folds, its last txn version, and the (stream_type, revision) pairs
+    its rows hold; None before its first build from this `events`."""
+    if not _built(warehouse):
+        return None
     live = DeltaTable(STREAM_STATE.path(warehouse))
     events_id = tables.table_id(EVENTS.path(warehouse))
     read = live.transaction_version(app_id(events_id))
     if read is None:
-        return []
+        return None
     kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
         .group_by(["stream_type", "revision"]).aggregate([])
-    pairs = list(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(), strict=True))
-    unbound = [t for t, (reducer, table) in history.history_tables(domain).items()
-               if not tables.is_delta_table(table.path(warehouse))
-               or DeltaTable(table.path(warehouse)).transaction_version(history.app_id(table, events_id, reducer)) != read]
-    return sorted({*stale_types(pairs, domain), *unbound,
-                   *held_back(live, events_id, {t for t, _ in pairs} | set(domain.folds))})
+    return live, events_id, int(read), list(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
+                                                strict=True))
 
 
 def _built(warehouse: Location) -> bool:
