@@ -52,8 +52,8 @@ class Feed:
     the three projections one after another, usually from the same version): each asks for the rows after
     its own version, in its own columns. The table's log is loaded once."""
 
-    def __init__(self, events_path: str, columns: list[str], version: int | None = None) -> None:
-        self.table, self.columns = DeltaTable(events_path, version=version), list(dict.fromkeys(columns))
+    def __init__(self, events_path: str, columns: list[str]) -> None:
+        self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
         self.version = self.table.version()
         self.table_id = str(self.table.metadata().id)  # which `events` (lake/delta/definition.py `over`)
         self._after: int | None = None

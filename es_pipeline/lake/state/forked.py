@@ -19,8 +19,7 @@ ONE_PROCESS_ROWS = 200_000  # below, one process: a fork costs more than it save
 
 T = TypeVar("T")
 _SHARED: Any = None  # what `run` shares with its workers (set before the fork, cleared after)
-_AT_MOST: int | None = None  # workers at most, within `at_most`
-_BACKGROUND = False  # workers in a scheduling group of their own at the lowest priority, within `at_most`
+_BACKGROUND = False  # workers in a scheduling group of their own at the lowest priority, within `background`
 
 
 def shares(rows: int) -> int:
@@ -29,16 +28,15 @@ def shares(rows: int) -> int:
 
 
 @contextmanager
-def at_most(workers: int, *, background: bool = False) -> Iterator[None]:
-    """`run` forks at most `workers` processes within the block (work in the background leaves cores to the live
-    work: lake/state/rebuild.py); `background`: each in a session, so a scheduling group (Linux's autogroup), of
-    its own at the lowest priority (`in_background`)."""
-    global _AT_MOST, _BACKGROUND
-    before, _AT_MOST, was, _BACKGROUND = _AT_MOST, max(1, workers), _BACKGROUND, background
+def background() -> Iterator[None]:
+    """Within the block, `run`'s workers each in a session, so a scheduling group (Linux's autogroup), of their own at
+    the lowest priority (`in_background`): work that must leave the cores to the live work (lake/state/rebuild.py)."""
+    global _BACKGROUND
+    was, _BACKGROUND = _BACKGROUND, True
     try:
         yield
     finally:
-        _AT_MOST, _BACKGROUND = before, was
+        _BACKGROUND = was
 
 
 def in_background() -> None:
@@ -72,8 +70,7 @@ def run(share: Any, fn: Callable[..., T], *arguments: Iterable[Any]) -> list[T]:
         if len(calls) <= 1:
             return [fn(*call) for call in calls]
         _py4j_kept_at_fork()
-        workers = min(len(calls), os.cpu_count() or 1, _AT_MOST or len(calls))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork"),
+        with ProcessPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1), mp_context=get_context("fork"),
                                  initializer=in_background if _BACKGROUND else None) as pool:
             return list(pool.map(fn, *zip(*calls, strict=True)))
     finally:
