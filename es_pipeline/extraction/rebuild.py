@@ -71,7 +71,7 @@ def rebuild(
             continue
         path = tables.table_path(warehouse, name)
         with one_at_a_time(dsn, name):
-            _remove(path)
+            tables.remove_folder(path)
         done.removed.append(name)
         say(f"removed {name} ({path}): its next update builds it whole from `events`")
     return done
@@ -91,17 +91,8 @@ def _rebuild_events(dsn: str, source: Source, warehouse: Location, *, accept_los
             + (f"{missing.num_rows:,} of them not in the store, removed as accepted" if missing.num_rows
                else "every one in the store"))
         with one_at_a_time(dsn, EVENTS):  # no compaction or erasure of the table meanwhile
-            _remove(path)
+            tables.remove_folder(path)
         forgotten = offsets.reset(session.conn, consumer)
     say(f"removed events and forgot {forgotten} slice watermarks of consumer {consumer!r}: the next runs extract "
         "every event of the store once; each projection rebuilds itself at its next update")
     return Rebuilt([EVENTS], keys.num_rows, missing.num_rows, forgotten)
-
-
-def _remove(path: str) -> None:
-    """The table's folder and everything in it (a local folder or an object store's prefix), if there."""
-    fs, root = tables.filesystem(path)
-    try:
-        fs.delete_dir(root)
-    except FileNotFoundError:
-        pass

@@ -47,6 +47,15 @@ def table_path(warehouse: Location, name: str) -> str:
     return f"{w.rstrip('/')}/{name}" if is_uri(w) else str(Path(w) / name)
 
 
+def remove_folder(location: Location) -> None:
+    """A folder and everything in it (a local folder or an object store's prefix), if there."""
+    fs, root = filesystem(location)
+    try:
+        fs.delete_dir(root)
+    except FileNotFoundError:
+        pass
+
+
 def filesystem(location: Location) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem of a location, and the location's path in it."""
     if is_uri(location):

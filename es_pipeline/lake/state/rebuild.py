@@ -46,6 +46,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain
@@ -183,19 +184,13 @@ class Shadow:
         return plan if isinstance(plan, dict) and "key" in plan else None
 
     def drop(self) -> None:
-        """The shadow's folder and everything in it (a local folder or an object store's prefix), if there."""
-        fs, root = tables.filesystem(self.lake)
-        try:
-            fs.delete_dir(root)
-        except FileNotFoundError:
-            pass
+        """The shadow's folder and everything in it, if there."""
+        tables.remove_folder(self.lake)
 
 
 def shadows(warehouse: Location) -> list[Shadow]:
     """The shadows in the lake now, each with its stream type (from its description; unreadable ones: type "")."""
     fs, root = tables.filesystem(tables.table_path(warehouse, FOLDER))
-    import pyarrow.fs as pafs
-
     try:
         found = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     except FileNotFoundError:
@@ -379,7 +374,7 @@ def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", s
     `stop_after`: return after that many pieces (a test's crash half way)."""
     # Every core (bench/results/rebuild_beside.md: a core left free spared the tailing run nothing on 2 cores, and
     # made the rebuild 1.5x longer); the forked folds in a scheduling group of their own at the lowest priority.
-    with _yielding(NICE), forked.at_most(os.cpu_count() or 1, background=True):
+    with _yielding(NICE), forked.background():
         return _build(spark, shadow, domain, engine, skip_unknown, say, stop_after)
 
 
