@@ -207,7 +207,7 @@ def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state import rebuild
 
-    domain = load_domain(settings.domain_modules)
+    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     if args.run:
         swapped = rebuild.run_pending(lambda: get_spark(settings), settings.warehouse, domain, settings.pg_dsn,
                                       engine=args.engine or settings.engine, say=print)
@@ -240,6 +240,9 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.extraction.status import status_report
     from es_pipeline.health.watch import health_line
 
+    conf = args.configuration
+    if conf.component:
+        print(f"settings: component {conf.component} and the environment (`es-pipeline config` shows each)")
     print(status_report(settings))
     print(health_line(reader.reading(), tailing=settings.tail_seconds > 0, intervals=reader.intervals))
     return 0
@@ -298,6 +301,74 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.project import partition_keys
+    from es_pipeline.settings import PROJECT_ROOT
+    from es_pipeline.store.conninfo import describe
+
+    conf = args.configuration
+    print(f"project: {conf.project or PROJECT_ROOT}" + (f" (component {conf.component})" if conf.component else ""))
+    if conf.note:
+        print(f"note: {conf.note}")
+    host, port, dbname = describe(settings.pg_dsn)
+    shown = [
+        ("ES_PIPELINE_PG_DSN", f"{host}:{port}/{dbname} (the DSN itself is never shown)"),
+        ("ES_PIPELINE_DOMAIN", ", ".join(settings.domain_modules) or "(none)"),
+        ("ES_PIPELINE_WAREHOUSE", str(settings.warehouse)),
+        ("ES_PIPELINE_SLICE_RANGES", str(settings.slice_ranges)),
+        ("ES_PIPELINE_SOURCE", settings.source.label),
+        ("ES_PIPELINE_TAIL_SECONDS", str(settings.tail_seconds)),
+        ("ES_PIPELINE_ENGINE", settings.engine),
+        ("ES_PIPELINE_FRESHNESS_SECONDS", str(settings.freshness_seconds)),
+        ("ES_PIPELINE_SPARK_REMOTE", settings.spark_remote or "(none: a local Spark where one is needed)"),
+        ("DAGSTER_HOME", str(settings.dagster_home)),
+    ]
+    for variable, value in shown:
+        print(f"  {variable:<30} {value:<48} from {conf.source_of(variable)}")
+    print(f"  partitions of `events`: {', '.join(partition_keys(settings))}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.health.doctor import FAIL, diagnose
+
+    conf = args.configuration
+    print(f"settings: {('component ' + conf.component + ' and ') if conf.component else ''}the environment "
+          "(`es-pipeline config` shows each)")
+    failed = 0
+    for finding in diagnose(settings):
+        print(f"{finding.level:<5} {finding.what:<11} {finding.line}")
+        failed += finding.level == FAIL
+    return 1 if failed else 0
+
+
+def _materialize(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.project import dagster_home, materialize, partition_keys
+
+    if args.list:
+        print("\n".join(partition_keys(settings)))
+        return 0
+    print(f"materializing into {settings.warehouse}, recorded in the Dagster instance at {dagster_home(settings)}",
+          flush=True)
+
+    def said(done) -> None:
+        figures = ", ".join(f"{k} {v}" for k, v in done.metadata.items()
+                            if k in ("rows", "events", "events_folded", "streams_updated", "batches") and v is not None)
+        print(f"  {done.asset}{' ' + done.partition if done.partition else ''}: {figures or 'done'} "
+              f"({done.seconds:.1f} s)", flush=True)
+
+    materialize(settings, progress=said)
+    print("the lake is up to date: `es-pipeline sql \"SELECT * FROM stream_state LIMIT 5\"`")
+    return 0
+
+
+def _dagster_yaml(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.health.doctor import recommended_instance_yaml
+
+    print(recommended_instance_yaml(), end="")
+    return 0
+
+
 def _demo_run(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.dev.demo import run_demo_pass
 
@@ -307,7 +378,23 @@ def _demo_run(args: argparse.Namespace, settings: Settings) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="es-pipeline", description=__doc__)
+    p.add_argument("--component", help="in a dg project with several EsPipeline components: the folder of the one to "
+                   "read (its defs.yaml's attributes are the settings, as in the code location)")
     sub = p.add_subparsers(dest="command", required=True)
+
+    cf = sub.add_parser("config", help="every setting, and where it came from (a dg project's component, the "
+                        "environment, the default); the partition keys")
+    cf.set_defaults(func=_config)
+    dr = sub.add_parser("doctor", help="check the domain, the store and its migrations, the lake, Java and the jars, "
+                        "the Dagster instance: one line each; exit 1 when something fails")
+    dr.set_defaults(func=_doctor)
+    ma = sub.add_parser("materialize", help="bring the lake up to date now, in this process, recorded in Dagster: "
+                        "`events` range by range, then every projection (the first run of a new lake)")
+    ma.add_argument("--list", action="store_true", help="print the partition keys of `events` and do nothing")
+    ma.set_defaults(func=_materialize)
+    dy = sub.add_parser("dagster-yaml", help="print the Dagster instance settings es_pipeline relies on "
+                        "(for $DAGSTER_HOME/dagster.yaml in a dg project)")
+    dy.set_defaults(func=_dagster_yaml)
 
     db = sub.add_parser("db", help="the local PostgreSQL server and the event-store migrations")
     db.add_argument("action", choices=["start", "stop", "migrate", "roles"],
@@ -414,8 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        settings = Settings.from_env()
-        return int(args.func(args, settings) or 0)
+        from es_pipeline.project import configuration
+
+        args.configuration = configuration(args.component)
+        return int(args.func(args, args.configuration.settings) or 0)
     except EsPipelineError as exc:
         print(f"es-pipeline: {exc}", file=sys.stderr)
         return 2

@@ -537,9 +537,10 @@ def _name(reducer: Reducer) -> str:
 NO_DOMAIN = Domain("none")  # a store's events, with no reducer: every stream's row without state
 
 
-def load(modules: Sequence[str]) -> Domain:
+def load(modules: Sequence[str], origin: str = "ES_PIPELINE_DOMAIN") -> Domain:
     """The domain that `modules` register (each module's `Domain` objects, or the one its `:attribute` names),
-    merged; `NO_DOMAIN` for none. Imports them: what a module registers at import is registered then."""
+    merged; `NO_DOMAIN` for none. Imports them: what a module registers at import is registered then. `origin`
+    is what named the modules, for the errors (`Settings.origin`: the variable, or a component's attribute)."""
     found: list[Domain] = []
     for spec in modules:
         name, _, attribute = spec.partition(":")
@@ -547,20 +548,20 @@ def load(modules: Sequence[str]) -> Domain:
             module = importlib.import_module(name)
         except ImportError as exc:
             raise DomainError(
-                f"ES_PIPELINE_DOMAIN names module {name!r}, which cannot be imported ({exc})",
+                f"{origin} names module {name!r}, which cannot be imported ({exc})",
                 "Install the team's package into es_pipeline's environment (`uv pip install -e path/to/package`, "
                 "or a dependency of the project) and check the module's name.") from exc
         if attribute:
             value = getattr(module, attribute, None)
             if not isinstance(value, Domain):
-                raise DomainError(f"ES_PIPELINE_DOMAIN names {spec!r}, which is not a Domain ({type(value).__name__})",
+                raise DomainError(f"{origin} names {spec!r}, which is not a Domain ({type(value).__name__})",
                                   f"Name a module, or a `Domain` object in it (`{name}:domain`).")
             found.append(value)
             continue
         held = [v for v in vars(module).values() if isinstance(v, Domain)]
         unique = list({id(d): d for d in held}.values())
         if not unique:
-            raise DomainError(f"module {name!r} (ES_PIPELINE_DOMAIN) holds no Domain",
+            raise DomainError(f"module {name!r} ({origin}) holds no Domain",
                               "Make one there (`domain = Domain(\"name\")`) and register the reducers on it.")
         found.extend(unique)
     if not found:

@@ -483,9 +483,11 @@ class TypedStateMismatch(EsPipelineError):
 class QueryFailed(EsPipelineError):
     """An analyst's query that its engine refused (`es-pipeline sql`): the engine's own words, and what to try."""
 
-    def __init__(self, engine: str, reason: str, tables: list[str]) -> None:
+    def __init__(self, engine: str, reason: str, tables: list[str], warehouse: object = None) -> None:
         self.engine, self.reason, self.tables = engine, reason, tables
         known = ", ".join(tables[:12]) + (", …" if len(tables) > 12 else "") if tables else "none yet"
+        if warehouse is not None:
+            known += f" (in {warehouse}; `es-pipeline config` says where that came from)"
         other = "--engine spark for Spark SQL (time travel, DESCRIBE HISTORY)" if engine == "duckdb" else \
             "the default engine (DuckDB)"
         super().__init__(f"{engine} could not run the query: {reason}. The lake's tables: {known}. "

@@ -55,7 +55,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
     """Every Dagster object of a code location over `settings`, folding with `domain` (by default the modules
     ES_PIPELINE_DOMAIN names: `settings.domain_modules`)."""
     settings = settings or Settings.from_env()
-    domain = domain if domain is not None else load_domain(settings.domain_modules)
+    domain = domain if domain is not None else load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     events = build_events_asset(slice_ranges_partitions(settings.slice_ranges), settings, domain)
     events_job = build_events_job(events)
     new_events_sensor = build_new_events_sensor(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -18,7 +18,26 @@ from es_pipeline.errors import ConfigError
 from es_pipeline.source import mapping
 from es_pipeline.source.mapping import Source
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+def project_root(cwd: Path | None = None) -> Path:
+    """The folder es_pipeline's defaults resolve from: the warehouse, DAGSTER_HOME, the local server's data, the
+    generated secrets (`.secrets/`) and the caches (`.cache/`: Delta jars, Java trust store).
+
+    In a source checkout of es_pipeline (the package beside its own pyproject.toml), the checkout, as `make` expects.
+    Installed, the user's project: the nearest folder at or above the working directory holding a `pyproject.toml`
+    or `dg.toml` (a dg project's root), else the working directory. Never the package's folder: nothing is written
+    into site-packages (docs/quickstart.md).
+    """
+    checkout = Path(__file__).resolve().parent.parent
+    manifest = checkout / "pyproject.toml"
+    if manifest.is_file() and re.search(r'^name = "es_pipeline"$', manifest.read_text(), re.M):
+        return checkout
+    here = (cwd or Path.cwd()).resolve()
+    return next((d for d in (here, *here.parents) if (d / "pyproject.toml").is_file() or (d / "dg.toml").is_file()),
+                here)
+
+
+PROJECT_ROOT = project_root()
 
 # Who appends extracted batches to the Delta `events` table: delta-rs (Rust, in the run's own
 # process, no JVM) or Spark. Both commit the same Delta `txn` action (docs/architecture.md).
@@ -98,15 +117,33 @@ class Settings:
     domain_modules: tuple[str, ...] = ()
     # Every lake asset's freshness policy: failed when not materialized for this long, warned at half of it.
     freshness_seconds: int = DEFAULT_FRESHNESS_SECONDS
+    # Where a variable's value came from when not the environment: (variable, "attribute `domain` of defs/lake/
+    # defs.yaml"), so that an error names what the user actually set (the EsPipeline component's attributes).
+    origins: tuple[tuple[str, str], ...] = ()
 
     @property
     def source(self) -> Source:
         """Where the events are read (ES_PIPELINE_SOURCE, docs/sources.md)."""
         return self.source_mapping or mapping.native(self.schema)
 
+    def origin(self, variable: str) -> str:
+        """What the user set for `variable`: the variable's name, or the attribute that gave its value."""
+        return dict(self.origins).get(variable, variable)
+
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        env = dict(os.environ if environ is None else environ)
+    def from_env(cls, environ: Mapping[str, str] | None = None, origins: Mapping[str, str] | None = None) -> Settings:
+        """The settings of `environ` (default: the process's environment). `origins` names, per variable, what set
+        it instead (a component attribute): a refused value is reported under that name."""
+        try:
+            settings = cls._from_env(dict(os.environ if environ is None else environ))
+        except ConfigError as exc:
+            if origins and exc.setting in origins:
+                raise ConfigError(origins[exc.setting], exc.value, exc.expected) from None
+            raise
+        return replace(settings, origins=tuple(sorted((origins or {}).items())))
+
+    @classmethod
+    def _from_env(cls, env: dict[str, str]) -> Settings:
         port = _int(env, "ES_PIPELINE_LOCAL_PG_PORT", DEFAULT_LOCAL_PG_PORT, 1, 65535, "a TCP port (1-65535)")
         source = (mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
                   if env.get("ES_PIPELINE_SOURCE", "").strip() else None)
@@ -148,6 +185,40 @@ class Settings:
             freshness_seconds=_int(env, "ES_PIPELINE_FRESHNESS_SECONDS", DEFAULT_FRESHNESS_SECONDS, 60, 7 * 86_400,
                                    "a whole number of seconds between 60 (Dagster's least) and 604800"),
         )
+
+
+# The EsPipeline component's attributes (es_pipeline/component.py), each standing for one variable: set in a
+# dg project's defs.yaml, it wins over the variable. The command line reads the same file (es_pipeline/project.py).
+COMPONENT_ATTRIBUTES = {
+    "domain": "ES_PIPELINE_DOMAIN",
+    "warehouse": "ES_PIPELINE_WAREHOUSE",
+    "slice_ranges": "ES_PIPELINE_SLICE_RANGES",
+    "source": "ES_PIPELINE_SOURCE",
+    "tail_seconds": "ES_PIPELINE_TAIL_SECONDS",
+    "engine": "ES_PIPELINE_ENGINE",
+    "freshness_seconds": "ES_PIPELINE_FRESHNESS_SECONDS",
+}
+
+
+def attribute_variables(attributes: Mapping[str, object], project_root: Path) -> dict[str, str]:
+    """The variables a component's set attributes stand for, valued as the environment would hold them: the domain's
+    modules comma-separated, a relative warehouse folder under `project_root`. Unknown attributes: ConfigError."""
+    unknown = sorted(set(attributes) - set(COMPONENT_ATTRIBUTES))
+    if unknown:
+        raise ConfigError(f"attribute `{unknown[0]}` of the EsPipeline component", str(attributes[unknown[0]]),
+                          f"one of {', '.join(COMPONENT_ATTRIBUTES)}")
+    values: dict[str, str] = {}
+    for attribute, variable in COMPONENT_ATTRIBUTES.items():
+        value = attributes.get(attribute)
+        if value is None or value == [] or value == "":
+            continue
+        if attribute == "domain":
+            values[variable] = ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
+        elif attribute == "warehouse" and "://" not in str(value) and not Path(str(value)).is_absolute():
+            values[variable] = str(project_root / str(value))
+        else:
+            values[variable] = str(value)
+    return values
 
 
 def default_sensor_interval(tail_seconds: int) -> int:

@@ -96,7 +96,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         print(f"   {res.range_key:<10} {res.rows:>8,} {res.batches:>8} {res.horizon:>10} {res.events_behind:>9,} {res.total_seconds:>8.1f}")
 
     t0 = time.monotonic()
-    domain = load_domain(settings.domain_modules)
+    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn,
                                 engine=settings.engine)
     print(f"   stream_state: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "

@@ -117,7 +117,7 @@ def run(warehouse: Location, query: str, *, engine: str = "duckdb", settings: An
             rows = pa.Table.from_batches(batches, schema=reader.schema)
             return Answer(rows.slice(0, first), names, complete=rows.num_rows <= first)
         except duckdb.Error as exc:
-            raise QueryFailed("duckdb", _first_line(exc), names) from None
+            raise QueryFailed("duckdb", _first_line(exc), names, warehouse) from None
         finally:
             if con is not None:
                 con.close()

@@ -70,6 +70,9 @@ def _resolve_into(target: Path) -> None:
                               "the `portable` extra that `make` adds where there is none) and pyspark's bundled Ivy jar.")
     JAR_CACHE.mkdir(parents=True, exist_ok=True)
     target.mkdir(parents=True, exist_ok=True)
+    # Said once, where it is written: the first Spark start of a project fetches about 21 MB from Maven Central.
+    print(f"es_pipeline: fetching the Delta Lake jars (delta-spark {DELTA_VERSION}, delta-storage, PostgreSQL JDBC "
+          f"{JDBC_VERSION}; about 21 MB) from Maven Central into {target}, once", file=sys.stderr, flush=True)
     for org, artifact, version in (
         ("io.delta", delta_artifact(), DELTA_VERSION),
         ("io.delta", "delta-storage", DELTA_VERSION),
@@ -133,6 +136,8 @@ def s3a_jars() -> list[Path]:
         if java is None:
             raise SparkSetupError("cannot resolve the S3A jars: need Java (17 or 21)")
         target.mkdir(parents=True, exist_ok=True)
+        print(f"es_pipeline: fetching the S3A jars (hadoop-aws {hadoop}, AWS SDK {sdk} modules; about 9 MB) from "
+              f"Maven Central into {target}, once", file=sys.stderr, flush=True)
         _ivy_retrieve(java, ivy_jar, "org.apache.hadoop", "hadoop-aws", hadoop, target, keep=S3A_KEEP)
         _ivy_retrieve(java, ivy_jar, "software.amazon.awssdk", "s3-transfer-manager", sdk, target, keep=S3A_KEEP,
                       transitive=True)

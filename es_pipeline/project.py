@@ -1,0 +1,185 @@
+"""The user's dg project, as the command line sees it: one configuration with the code location, and a first
+materialization in one command.
+
+`configuration()` reads the `EsPipeline` component's attributes from the project's `defs.yaml` (the one the code
+location loads), so `es-pipeline status`, `sql`, `doctor` and the rest work on the same warehouse, ranges and
+domain as Dagster does, and say where each setting came from. A `defs.yaml` that uses dg's templating
+(`{{ env.X }}`) is read through dg's own loader (`ComponentTree`), so it resolves as in the code location; a plain
+one is read directly, without importing Dagster (`es-pipeline sql` stays quick). Outside a dg project, or in one
+without the component, the environment alone, as before.
+
+`materialize()` runs es_pipeline's assets in this process on the project's Dagster instance: `events`, range by
+range, then every projection, recorded in Dagster as any run. The only modules here that reach Dagster, when
+called (pyproject.toml names the door).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from es_pipeline.errors import ConfigError
+from es_pipeline.settings import COMPONENT_ATTRIBUTES, Settings, attribute_variables
+
+COMPONENT_TYPES = ("es_pipeline.component.EsPipeline", "es_pipeline.EsPipeline")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    settings: Settings
+    project: Path | None = None  # the dg project's root, if the command runs inside one
+    component: str | None = None  # its EsPipeline component's defs.yaml, relative to the project
+    note: str = ""  # why the component was not read, where that matters
+
+    def source_of(self, variable: str) -> str:
+        """Where `variable`'s value came from: the component's attribute, the environment, or the default."""
+        origin = self.settings.origin(variable)
+        if origin != variable:
+            return origin
+        return "environment" if os.environ.get(variable, "").strip() else "default"
+
+
+def dg_project_root(start: Path) -> Path | None:
+    """The nearest folder at or above `start` with a `dg.toml`, or a `pyproject.toml` with a [tool.dg] table."""
+    here = start.resolve()
+    for folder in (here, *here.parents):
+        if (folder / "dg.toml").is_file():
+            return folder
+        manifest = folder / "pyproject.toml"
+        if manifest.is_file():
+            try:
+                if "dg" in tomllib.loads(manifest.read_text()).get("tool", {}):
+                    return folder
+            except tomllib.TOMLDecodeError:
+                return None
+    return None
+
+
+def _documents(path: Path) -> Iterator[dict]:
+    try:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict):
+                yield doc
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "(YAML)", f"a valid YAML file ({str(exc).splitlines()[0]})") from None
+
+
+def components(root: Path) -> list[Path]:
+    """The `defs.yaml` files under `root` that declare an EsPipeline component."""
+    skip = {".venv", "node_modules", ".git", ".cache", "warehouse", ".dagster_home", ".pgdata"}
+    found = []
+    for path in sorted(root.rglob("defs.yaml")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        if any(doc.get("type") in COMPONENT_TYPES for doc in _documents(path)):
+            found.append(path)
+    return found
+
+
+def configuration(component: str | None = None, cwd: Path | None = None) -> Configuration:
+    """The settings the command line runs with: the environment's, with the dg project's EsPipeline attributes in
+    their variables' place. `component`: the folder of the one to read, where a project has several."""
+    root = dg_project_root(cwd or Path.cwd())
+    if root is None:
+        if component:
+            raise ConfigError("--component", component, "a component of a dg project: run inside the project's folder")
+        return Configuration(Settings.from_env())
+    found = components(root)
+    names = {path.parent.name: path for path in found}
+    if component:
+        if component not in names:
+            raise ConfigError("--component", component, f"one of {', '.join(names) or '(none: no EsPipeline component here)'}")
+        found = [names[component]]
+    if not found:
+        return Configuration(Settings.from_env(), root, None,
+                             f"no EsPipeline component in {root} (`dg scaffold defs es_pipeline.component.EsPipeline lake`)")
+    if len(found) > 1:
+        raise ConfigError("--component", "", f"one of {', '.join(names)}: the project has several EsPipeline components")
+    path = found[0]
+    where = str(path.relative_to(root))
+    attributes = _attributes(path, root)
+    given = attribute_variables(attributes, root)
+    origins = {variable: f"attribute `{attribute}` of {where}" for attribute, variable in COMPONENT_ATTRIBUTES.items()
+               if variable in given}
+    return Configuration(Settings.from_env({**os.environ, **given}, origins), root, where)
+
+
+def _attributes(path: Path, root: Path) -> dict:
+    doc = next(d for d in _documents(path) if d.get("type") in COMPONENT_TYPES)
+    if "{{" not in path.read_text():
+        return dict(doc.get("attributes") or {})
+    # Templated: dg's loader resolves it exactly as the code location does.
+    import dagster as dg
+
+    from es_pipeline.component import EsPipeline
+
+    tree = dg.ComponentTree.for_project(root)
+    loaded = tree.load_component(path.parent.resolve().relative_to(tree.defs_module_path.resolve()), EsPipeline)
+    return {k: v for k, v in loaded.model_dump().items() if v is not None and v != []}
+
+
+def dagster_home(settings: Settings) -> Path:
+    """The Dagster instance's folder: DAGSTER_HOME, else the project's `.dagster_home` (made here)."""
+    home = Path(os.environ.get("DAGSTER_HOME") or settings.dagster_home)
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+@dataclass(frozen=True)
+class Materialized:
+    asset: str
+    partition: str | None
+    seconds: float
+    metadata: dict
+
+
+def materialize(settings: Settings, *, progress: Callable[[Materialized], None] = lambda _: None) -> list[Materialized]:
+    """Brings the lake up to date in this process, through Dagster: `events` for every slice range, then every
+    projection (stream_state, the aggregates, the team's typed tables and cross-stream projections). The snapshots
+    stay with their schedule. Each is a run on the project's instance, as if launched from the UI."""
+    import dagster as dg
+
+    from es_pipeline.location import build_definitions
+
+    defs = build_definitions(settings)
+    instance = dg.DagsterInstance.from_config(str(dagster_home(settings)))
+    resources = dict(defs.resources or {})
+    assets = [a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition)]
+    events = next(a for a in assets if a.key == dg.AssetKey("events"))
+    projections = [a for a in assets if a.key not in (dg.AssetKey("events"), dg.AssetKey("snapshots"))]
+    done = []
+    for key in partition_keys(settings):
+        t0 = time.monotonic()
+        result = dg.materialize([events], partition_key=key, resources=resources, instance=instance,
+                                tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+        done.append(_report(result, "events", key, t0))
+        progress(done[-1])
+    t0 = time.monotonic()
+    result = dg.materialize(projections, resources=resources, instance=instance,
+                            tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+    for materialization in result.get_asset_materialization_events():
+        data = materialization.step_materialization_data.materialization
+        done.append(Materialized(data.asset_key.to_user_string(), None, time.monotonic() - t0,
+                                 {k: v.value for k, v in data.metadata.items()}))
+        progress(done[-1])
+    return done
+
+
+def _report(result, asset: str, partition: str | None, t0: float) -> Materialized:
+    metadata: dict = {}
+    for materialization in result.get_asset_materialization_events():
+        metadata.update({k: v.value for k, v in materialization.step_materialization_data.materialization.metadata.items()})
+    return Materialized(asset, partition, time.monotonic() - t0, metadata)
+
+
+def partition_keys(settings: Settings) -> list[str]:
+    """The `events` asset's partition keys: one per slice range (`0000-0255` ... for 4 ranges)."""
+    from es_pipeline.extraction.slices import split
+
+    return [r.key for r in split(settings.slice_ranges)]
