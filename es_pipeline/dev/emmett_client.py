@@ -23,6 +23,9 @@ FILES = ("package.json", "package-lock.json", "append.mjs", "read.mjs")
 
 def install() -> Path:
     """The client's folder, with its node_modules (npm ci, once per package-lock.json)."""
+    if not SCRIPTS.is_dir():
+        raise FileNotFoundError(f"the Emmett client's scripts ({SCRIPTS}) ship with es_pipeline's source repository, "
+                                "not with the wheel: run the Emmett demo from a checkout")
     HOME.mkdir(parents=True, exist_ok=True)
     stale = any(not (HOME / f).exists() or (HOME / f).read_bytes() != (SCRIPTS / f).read_bytes() for f in FILES)
     for f in FILES:

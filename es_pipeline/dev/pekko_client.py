@@ -31,6 +31,9 @@ _RESULT = re.compile(r"^(written|replayed) (\d+)$")
 
 
 def _sources() -> list[Path]:
+    if not SOURCES.is_dir():
+        raise FileNotFoundError(f"the Pekko client's sources ({SOURCES}) ship with es_pipeline's source repository, "
+                                "not with the wheel: run it from a checkout")
     return sorted(p for p in SOURCES.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
