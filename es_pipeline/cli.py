@@ -29,6 +29,10 @@ def _db(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "start":
         state = local_server.start(settings.local_pg_port)
         print(f"local PostgreSQL {state} on 127.0.0.1:{settings.local_pg_port} (data in {local_server.PGDATA})")
+    elif args.action == "dsn":  # names the passfile, never a password
+        from es_pipeline.settings import local_pg_dsn
+
+        print(local_pg_dsn(settings.local_pg_port))
     elif args.action == "stop":
         print("local PostgreSQL stopped" if local_server.stop() else "local PostgreSQL was not running")
     elif args.action == "roles":
@@ -397,8 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     dy.set_defaults(func=_dagster_yaml)
 
     db = sub.add_parser("db", help="the local PostgreSQL server and the event-store migrations")
-    db.add_argument("action", choices=["start", "stop", "migrate", "roles"],
-                    help="roles: create es_pipeline's group roles and their grants (idempotent; prints the SQL)")
+    db.add_argument("action", choices=["start", "stop", "migrate", "roles", "dsn"],
+                    help="roles: create es_pipeline's group roles and their grants (idempotent; prints the SQL); "
+                    "dsn: the local server's connection string (it names the passfile, never the password)")
     db.set_defaults(func=_db)
 
     demo = sub.add_parser("demo", help="demo workloads")
