@@ -249,6 +249,14 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
         print(f"settings: component {conf.component} and the environment (`es-pipeline config` shows each)")
     print(status_report(settings))
     print(health_line(reader.reading(), tailing=settings.tail_seconds > 0, intervals=reader.intervals))
+    if settings.domain_modules:  # a domain that does not import stops every projection: said here, not only in a run
+        from es_pipeline.domain import load as load_domain
+
+        try:
+            load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+        except EsPipelineError as exc:
+            print(f"domain: {exc}")
+            return 1
     return 0
 
 

@@ -43,6 +43,7 @@ ALLOWED: dict[str, str] = {
     "bench/work/": "the benchmarks' working folder, git-ignored, made by a run and removed after it",
     "path/to/mapping.toml": "docs/sources.md: where a team's own mapping file goes",
     "es_pipeline_rules.yml": "docs/operations.md: the operator's file, written by the command beside it",
+    "dg.toml": "dg's own project file (docs/decisions/0044): a dg project may have it instead of pyproject.toml",
 }
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
