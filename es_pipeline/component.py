@@ -55,7 +55,7 @@ attributes:
   # Where tables are built whole: auto (Spark past 1 GiB of `events`), spark, or local (never Spark).
   # engine: auto
   # A lake asset not materialized for this long is stale in Dagster (60-604800 seconds).
-  # freshness_seconds: 900
+  # freshness_seconds: 120
 """
 
 
@@ -95,7 +95,7 @@ class EsPipeline(dg.Component, dg.Model, dg.Resolvable):
         "default auto."))
     freshness_seconds: int | None = Field(default=None, description=(
         "A lake asset not materialized for this long is stale in Dagster (60-604800). "
-        "ES_PIPELINE_FRESHNESS_SECONDS; default 900."))
+        "ES_PIPELINE_FRESHNESS_SECONDS; default 120."))
 
     def given(self, project_root: Path | None = None) -> dict[str, str]:
         """The variables the set attributes stand for, with their values as the environment would hold them."""

@@ -64,7 +64,11 @@ DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_TAIL_SECONDS = 300
 # How often, at most, a tailing run reports its passes to Dagster as materializations (0: every pass).
 DEFAULT_REPORT_SECONDS = 30
-DEFAULT_FRESHNESS_SECONDS = 900  # a lake asset not materialized for this long is stale in Dagster (FreshnessPolicy)
+# The commit→table p95 the EsPipelineTableLatencyHigh alert holds every table to (health/alerts.yml).
+DEFAULT_LATENCY_BOUND_SECONDS = 30
+# A lake asset not materialized for this long is stale in Dagster (FreshnessPolicy): two minutes, four of a tailing
+# run's reports (ES_PIPELINE_REPORT_SECONDS, 30 s) under a steady trickle; Dagster's shortest window is a minute.
+DEFAULT_FRESHNESS_SECONDS = 120
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -120,6 +124,8 @@ class Settings:
     # Where a variable's value came from when not the environment: (variable, "attribute `domain` of defs/lake/
     # defs.yaml"), so that an error names what the user actually set (the EsPipeline component's attributes).
     origins: tuple[tuple[str, str], ...] = ()
+    # The commit→table p95, in seconds, past which EsPipelineTableLatencyHigh fires (the exporter publishes it).
+    latency_bound_seconds: int = DEFAULT_LATENCY_BOUND_SECONDS
 
     @property
     def source(self) -> Source:
@@ -182,6 +188,8 @@ class Settings:
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
             domain_modules=_modules(env, "ES_PIPELINE_DOMAIN"),
+            latency_bound_seconds=_int(env, "ES_PIPELINE_LATENCY_BOUND_SECONDS", DEFAULT_LATENCY_BOUND_SECONDS, 1,
+                                       86_400, "a whole number of seconds between 1 and 86400"),
             freshness_seconds=_int(env, "ES_PIPELINE_FRESHNESS_SECONDS", DEFAULT_FRESHNESS_SECONDS, 60, 7 * 86_400,
                                    "a whole number of seconds between 60 (Dagster's least) and 604800"),
         )

@@ -29,7 +29,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.health.store import StoreReading, read_store
 from es_pipeline.lake.read.behind import Behind, Lake
 from es_pipeline.lake.state import rebuild
-from es_pipeline.settings import Settings
+from es_pipeline.settings import DEFAULT_LATENCY_BOUND_SECONDS, Settings
 from es_pipeline.store.conninfo import KeptConnection
 
 log = logging.getLogger(__name__)
@@ -57,31 +57,89 @@ class Reading:
     at: float = 0.0
 
 
-class Latency:
-    """The commit→lake histogram, cumulative over the exporter's life: one observation per `events` commit
-    (its oldest event's wait), taken from the commits the lake gained since the last reading."""
+class Histogram:
+    """Counts of observations per LATENCY_BUCKETS bound (each in every bound it fits: cumulative, as Prometheus's
+    format wants), their sum and number."""
 
     def __init__(self) -> None:
         self.counts = [0] * len(LATENCY_BUCKETS)
         self.total = 0.0
         self.n = 0
+
+    def add(self, seconds: float) -> None:
+        self.n += 1
+        self.total += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+
+class Latency:
+    """The commit→table histograms, cumulative over the exporter's life, one per table: `events` gets one
+    observation per commit (its oldest event's wait, from `recorded_at` to the Delta commit); each projection one
+    per `events` commit it folded (that commit's oldest event's wait until the projection's commit that folded
+    it), read from the commits the tables gained since the last reading (their log entries: no row is read)."""
+
+    KEEP = 5000  # `events` commits whose oldest event time is kept for the projections still to fold them
+
+    def __init__(self) -> None:
+        self.events = Histogram()
+        self.tables: dict[str, Histogram] = {}
         self.rows = 0  # events the observed commits appended
         self.seen: int | None = None
+        self.oldest: dict[int, float] = {}  # `events` version → its oldest event's recorded_at (epoch seconds)
+        self.table_seen: dict[str, int] = {}  # projection → its table's version read up to
+        self.folded: dict[str, int] = {}  # projection → the `events` version its last observed commit folded
 
-    def observe(self, lake: Lake, newest: int | None) -> None:
+    @property
+    def counts(self) -> list[int]:  # `events`' (the commit→lake histogram)
+        return self.events.counts
+
+    @property
+    def total(self) -> float:
+        return self.events.total
+
+    @property
+    def n(self) -> int:
+        return self.events.n
+
+    def observe(self, lake: Lake, newest: int | None, cursors: dict[str, Any] | None = None) -> None:
         if newest is None:
             return
         if self.seen is None:  # history is not ours to count: from the commits after the first reading on
             self.seen = newest
+        else:
+            commits = lake.commits(newest)
+            for version, seconds, rows in lake.commit_latencies(self.seen, upto=newest):
+                self.rows += rows
+                self.events.add(seconds)
+                if version in commits:
+                    self.oldest[version] = commits[version][0] - seconds
+            self.seen = newest
+        for name, cursor in (cursors or {}).items():
+            self._observe_table(lake, name, cursor)
+        for version in [v for v in self.oldest if v <= newest - self.KEEP]:
+            del self.oldest[version]
+
+    def _observe_table(self, lake: Lake, name: str, cursor: Any) -> None:
+        if cursor is None:
             return
-        for _, seconds, rows in lake.commit_latencies(self.seen, upto=newest):
-            self.n += 1
-            self.rows += rows
-            self.total += seconds
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                if seconds <= bound:
-                    self.counts[i] += 1
-        self.seen = newest
+        table = lake.table(cursor[0])
+        if table is None:
+            return
+        if name not in self.table_seen:  # from this reading on, as for `events`
+            self.table_seen[name] = int(table.version())
+            found = table.transaction_version(cursor[1])
+            self.folded[name] = -1 if found is None else int(found) // cursor[2]
+            return
+        histogram = self.tables.setdefault(name, Histogram())
+        for version, committed, folded in lake.folds(name, self.table_seen[name], cursor):
+            for v in range(self.folded[name] + 1, folded + 1):
+                if v in self.oldest:  # commits that added events (and were observed by this exporter)
+                    histogram.add(max(0.0, committed - self.oldest[v]))
+            self.folded[name] = max(self.folded[name], folded)
+            self.table_seen[name] = version
+        self.table_seen[name] = max(self.table_seen[name], int(table.version()))
 
 
 class Reader:
@@ -145,8 +203,9 @@ class Reader:
 
         def lake() -> None:
             r.events_version = self.lake.events_version()
-            r.behind = self.lake.behind()
-            self.latency.observe(self.lake, r.events_version)
+            cursors = self.lake.cursors()
+            r.behind = self.lake.behind(cursors=cursors)
+            self.latency.observe(self.lake, r.events_version, cursors)
             r.rebuilds = rebuild.progress(self.settings.warehouse)
         self._part(r, "lake", lake)
         if self._dagster:
@@ -197,7 +256,7 @@ class PipelineCollector(Collector):
         yield from _reading_metrics(r, consumer)
         if r.store is not None:
             yield from _store_metrics(r.store, consumer, self.reader.settings.tail_seconds)
-        yield from lake_metrics(r, consumer, self.reader.latency)
+        yield from lake_metrics(r, consumer, self.reader.latency, float(self.reader.settings.latency_bound_seconds))
         if r.snapshot_backlog is not None:
             yield _gauge("es_pipeline_snapshot_writeback_backlog", "Streams whose latest snapshot in the lake the "
                          "store does not hold (written back by the next snapshots run)", ["consumer"],
@@ -273,7 +332,8 @@ def _age(now: float, at: float | None) -> float:
     return 0.0 if at is None else max(0.0, now - at)
 
 
-def lake_metrics(r: Reading, consumer: str, latency: Latency) -> Iterator[Metric]:
+def lake_metrics(r: Reading, consumer: str, latency: Latency,
+                 bound: float = DEFAULT_LATENCY_BOUND_SECONDS) -> Iterator[Metric]:
     if r.events_version is not None:
         yield _gauge("es_pipeline_lake_events_version", "The Delta version of `events`", ["consumer"],
                      [([consumer], float(r.events_version))])
@@ -296,6 +356,15 @@ def lake_metrics(r: Reading, consumer: str, latency: Latency) -> Iterator[Metric
                for bound, n in zip(LATENCY_BUCKETS, latency.counts, strict=True)]
     h.add_metric([consumer], buckets, sum_value=latency.total)
     yield h
+    t = HistogramMetricFamily("es_pipeline_commit_to_table_seconds", "Per `events` commit and table: from its oldest "
+                              "event's recorded_at to the table's commit that holds it (`events`: the Delta commit; a "
+                              "projection: the commit that folded it)", labels=["consumer", "table"])
+    for name, histogram in [("events", latency.events), *sorted(latency.tables.items())]:
+        t.add_metric([consumer, name], [("+Inf" if bound == float("inf") else repr(bound), float(n))
+                                        for bound, n in zip(LATENCY_BUCKETS, histogram.counts, strict=True)], sum_value=histogram.total)
+    yield t
+    yield _gauge("es_pipeline_latency_bound_seconds", "The commit→table p95 the EsPipelineTableLatencyHigh alert "
+                 "holds each table to (ES_PIPELINE_LATENCY_BOUND_SECONDS)", ["consumer"], [([consumer], bound)])
     c = CounterMetricFamily("es_pipeline_lake_events_appended", "Events the `events` commits observed by this "
                             "exporter appended (its rate: throughput into the lake)", labels=["consumer"])
     c.add_metric([consumer], float(latency.rows))

@@ -113,6 +113,32 @@ def test_projection_distance_comes_from_the_delta_log(dsn: StoreDsn, settings: S
     assert behind["event_tables"].versions == 1 and behind["event_tables"].seconds >= 1.0
 
 
+def test_each_table_has_its_commit_to_table_latency(dsn: StoreDsn, settings: Settings, warehouse: Path) -> None:
+    """`events` observes each commit's oldest event's wait until the Delta commit; a projection, until its own commit
+    that folded it: the typed event tables folded a second after the extraction wait that second more."""
+    store = EventStore(dsn.writer)
+    store.append("a-1", "account", [NewEvent("Opened", {"n": 1})], 0)
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    extractor.run(ALL)
+    event_tables.update(warehouse, Domain("plain"), store_dsn=dsn.extractor)
+    reader = Reader(replace(settings, slice_ranges=2, latency_bound_seconds=7), dagster=False)
+    reader.reading(min_interval=0)  # what came before the exporter is not observed
+    for n in (2, 3):
+        store.append("a-1", "account", [NewEvent("Renamed", {"n": n})], n - 1)
+        extractor.run(ALL)
+    time.sleep(1.2)
+    event_tables.update(warehouse, Domain("plain"), store_dsn=dsn.extractor)
+    reader.reading(min_interval=0)
+    samples = _samples(reader)
+    assert _value(samples, "es_pipeline_commit_to_table_seconds_count", table="events") == 2
+    assert _value(samples, "es_pipeline_commit_to_table_seconds_count", table="event_tables") == 2
+    events_sum = _value(samples, "es_pipeline_commit_to_table_seconds_sum", table="events")
+    typed_sum = _value(samples, "es_pipeline_commit_to_table_seconds_sum", table="event_tables")
+    assert typed_sum >= events_sum + 2 * 1.2 - 0.1 and typed_sum < 60
+    assert _value(samples, "es_pipeline_latency_bound_seconds", consumer="events") == 7
+    assert _value(samples, "es_pipeline_commit_to_lake_seconds_count") == 2  # the older name, kept
+
+
 @pytest.mark.slow  # three processes, each importing the CLI's command (8 s): not in `make check`
 def test_the_cli_prints_a_scrape_the_rules_and_a_health_line(dsn: StoreDsn, warehouse: Path) -> None:
     env = {**os.environ, "ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(warehouse),

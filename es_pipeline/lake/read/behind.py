@@ -90,37 +90,68 @@ class Lake:
             self._cross, self._cross_listed = cross_stream.table_names(self.warehouse), time.monotonic()
         return self._cross
 
-    def folded(self) -> dict[str, int | None]:
-        """Each projection's folded `events` version: the built-in ones, every cross-stream table, the typed event
-        tables (their mapping's cursor); None where the projection has not been built from the `events` table the
-        lake holds now (not built, or built from another: it is rebuilt at its next update, never up to date)."""
-        out: dict[str, int | None] = {}
+    def cursors(self) -> dict[str, tuple[str, str, int] | None]:
+        """Where each projection records the `events` version it folded: (the table whose log holds it, the
+        transaction's app id, what its version is divided by); None where it cannot be read (not built)."""
+        out: dict[str, tuple[str, str, int] | None] = {}
         events = self.table("events")
         if events is None:
             return out
         events_id = str(events.metadata().id)
-        state = self.table("stream_state")
-        read = None if state is None else state.transaction_version(stream_state.app_id(events_id))
-        out["stream_state"] = None if read is None else int(read) // REVISION_SLOTS
+        out["stream_state"] = ("stream_state", stream_state.app_id(events_id), REVISION_SLOTS)
         for aggregate in (STREAM_CATALOG, EVENT_TYPE_DAILY):
-            t = self.table(aggregate.name)
-            v = None if t is None else t.transaction_version(aggregate.table.app_id_over(events_id))
-            out[aggregate.name] = None if v is None else int(v)
+            out[aggregate.name] = (aggregate.name, aggregate.table.app_id_over(events_id), 1)
         for name in self.cross_stream_names():
             t = self.table(name)
             definition = None if t is None else t.metadata().configuration.get(cross_stream.KIND)
-            cursor = None if definition is None else t.transaction_version(  # type: ignore[union-attr]
-                cross_stream.app_ids(name, definition, events_id)[1])
-            out[name] = None if cursor is None else int(cursor)
+            out[name] = None if definition is None else (
+                name, cross_stream.app_ids(name, definition, events_id)[1], 1)
         mapping = self.table(event_tables.NAME)
-        v = None if mapping is None else mapping.transaction_version(event_tables.APP_ID)
         conf = {} if mapping is None else mapping.metadata().configuration
-        if conf.get(event_tables.BUILT_FROM) != events_id or conf.get(event_tables.BUILT_FOR) == event_tables.BUILDING:
-            v = None  # built from another `events` (its next update builds them anew), or a build under way
-        out[event_tables.NAME] = None if v is None else int(v)
+        built = conf.get(event_tables.BUILT_FROM) == events_id and conf.get(event_tables.BUILT_FOR) != event_tables.BUILDING
+        out[event_tables.NAME] = (event_tables.NAME, event_tables.APP_ID, 1) if built else None
         return out
 
-    def behind(self, now: float | None = None) -> list[Behind]:
+    def folded(self, cursors: dict[str, tuple[str, str, int] | None] | None = None) -> dict[str, int | None]:
+        """Each projection's folded `events` version: the built-in ones, every cross-stream table, the typed event
+        tables (their mapping's cursor); None where the projection has not been built from the `events` table the
+        lake holds now (not built, or built from another: it is rebuilt at its next update, never up to date)."""
+        out: dict[str, int | None] = {}
+        for name, cursor in (self.cursors() if cursors is None else cursors).items():
+            t = None if cursor is None else self.table(cursor[0])
+            v = None if t is None or cursor is None else t.transaction_version(cursor[1])
+            out[name] = None if v is None or cursor is None else int(v) // cursor[2]
+        return out
+
+    def folds(self, name: str, after: int, cursor: tuple[str, str, int] | None) -> list[tuple[int, float, int]]:
+        """(table version, commit time, folded `events` version) of each commit of projection `name` after its
+        table version `after` that moved its cursor, read from the commits' own log entries (small files, each
+        once). `cursor`: the projection's, from `cursors()`. A commit whose log entry is gone (a checkpoint and log
+        cleanup) is left out."""
+        t = None if cursor is None else self.table(cursor[0])
+        if t is None or cursor is None:
+            return []
+        fs, root = tables.filesystem(tables.table_path(self.warehouse, cursor[0]))
+        out = []
+        for version in range(after + 1, int(t.version()) + 1):
+            try:
+                with fs.open_input_stream(f"{root}/_delta_log/{version:020d}.json") as f:
+                    lines = f.read().decode().splitlines()
+            except (FileNotFoundError, OSError):
+                continue
+            committed, folded = None, None
+            for line in lines:
+                action = json.loads(line)
+                if "commitInfo" in action:
+                    committed = action["commitInfo"].get("timestamp")
+                elif "txn" in action and action["txn"].get("appId") == cursor[1]:
+                    folded = int(action["txn"]["version"]) // cursor[2]
+            if committed is not None and folded is not None:
+                out.append((version, committed / 1000.0, folded))
+        return out
+
+    def behind(self, now: float | None = None,
+               cursors: dict[str, tuple[str, str, int] | None] | None = None) -> list[Behind]:
         """Every projection's distance behind `events` now (none before `events` exists): the commits that added
         events it has not folded, and the age of the oldest. A compaction or an erasure adds no event, and
         leaves no projection behind. Where the unfolded commits go back past the last LOOKBACK versions, every
@@ -132,7 +163,7 @@ class Lake:
         commits = self.commits(newest)
         known_from = min(commits, default=newest + 1)
         out = []
-        for name, folded in self.folded().items():
+        for name, folded in self.folded(cursors).items():
             first = 0 if folded is None else folded + 1
             if first < known_from:
                 oldest = commits[known_from][0] if commits else None
