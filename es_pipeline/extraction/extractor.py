@@ -428,7 +428,10 @@ class Extractor:
         result.read_seconds += waited[0]
         result.write_seconds += time.monotonic() - t1 - waited[0]
         self._step("delta_committed", batch)
-        session.commit(batch, in_lake=in_lake)
+        # The slices it brought rows of (counted as the Arrow rows passed; a replay, or Spark's read, counts none:
+        # every slice moves then).
+        moved = None if replay or not result.rows_by_slice else result.rows_by_slice.keys()
+        session.commit(batch, in_lake=in_lake, moved=moved)
         self._step("offsets_committed", batch)
         result.rows += rows
         result.batches += 1

@@ -103,7 +103,7 @@ def test_a_store_never_migrated_fails_the_run_in_one_line(empty_dsn: str, wareho
 def test_with_tailing_the_sensor_requests_one_run_over_every_range_and_the_next_as_it_ends(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
-    defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60), SHOP)
+    defs = build_definitions(replace(settings, slice_ranges=2, tail_seconds=60, sensor_interval_seconds=15), SHOP)
     sensor = defs.resolve_sensor_def("new_events_sensor")
     run_workload(EventStore(dsn.writer), streams=50, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     with dg.instance_for_test() as instance:
