@@ -102,7 +102,7 @@ class Settings:
     events_writer: str = "delta-rs"
     engine: str = "auto"  # ES_PIPELINE_ENGINE: where a table is built whole (auto: Spark past 1 GiB of `events`)
     rebuilds: str = "beside"  # ES_PIPELINE_REBUILDS: a stream type's rebuild runs beside the live table, or is held
-    sensor_interval_seconds: int = 15  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
+    sensor_interval_seconds: int = 30  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
     automation: bool = True
     local_pg_port: int = DEFAULT_LOCAL_PG_PORT
     batch_events: int = DEFAULT_BATCH_EVENTS
@@ -230,10 +230,11 @@ def attribute_variables(attributes: Mapping[str, object], project_root: Path) ->
 
 
 def default_sensor_interval(tail_seconds: int) -> int:
-    """`new_events_sensor`'s interval unless ES_PIPELINE_SENSOR_INTERVAL says: 5 s with one pass per run; 15 s
-    with tailing runs, where a tick only hands over to the next run (queued 35 s before the current one
-    ends, so no gap) and a tick every 5 s cost the daemon and the code server CPU for nothing."""
-    return 15 if tail_seconds > 0 else 5
+    """`new_events_sensor`'s interval unless ES_PIPELINE_SENSOR_INTERVAL says: 5 s with one pass per run; 30 s
+    with tailing runs, where a tick only hands over to the next run (queued 65 s before the current one
+    ends, so no gap; a quarter of a shorter tail): each tick is a gRPC call from the daemon to the code server and a few instance queries,
+    the largest part of both processes' CPU under a trickle (docs/decisions/0045)."""
+    return max(5, min(30, tail_seconds // 4)) if tail_seconds > 0 else 5  # a short tail: a handoff well within it
 
 
 def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int, expected: str) -> int:

@@ -62,7 +62,7 @@ def test_settings_read_the_values_given() -> None:
 def test_the_sensor_ticks_less_often_by_default_where_runs_tail() -> None:
     """Tailing runs take the commits themselves: the sensor's default tick is 15 s with them, 5 s without;
     a value given is kept either way."""
-    assert Settings.from_env({}).sensor_interval_seconds == 15
+    assert Settings.from_env({}).sensor_interval_seconds == 30
     assert Settings.from_env({"ES_PIPELINE_TAIL_SECONDS": "0"}).sensor_interval_seconds == 5
     assert Settings.from_env({"ES_PIPELINE_SENSOR_INTERVAL": "3"}).sensor_interval_seconds == 3
 

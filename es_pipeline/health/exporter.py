@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 ALERTS = Path(__file__).with_name("alerts.yml")  # the Prometheus alert rules over these metrics
 DEFAULT_PORT = 9464  # https://github.com/prometheus/prometheus/wiki/Default-port-allocations: free in that list
-AUTOMATION_INTERVAL = 30  # seconds: projections_automation_sensor's minimum interval (defs/projections/automation.py)
+AUTOMATION_INTERVAL = 60  # seconds: projections_automation_sensor's minimum interval (defs/projections/automation.py)
 MIN_INTERVAL = 5.0
 BACKLOG_EVERY = 600  # seconds: the write-back backlog is read again at least this often (a snapshots run's cadence)  # seconds a reading is served again before a new one is taken
 LATENCY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0, float("inf"))
