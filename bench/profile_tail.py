@@ -101,10 +101,12 @@ def sample(seconds: float, out: Path) -> dict[str, Any]:
     procs, files = [], {}
     for part, pids in _targets().items():
         for pid in _roots(pids):
-            file = out / f"{part.split(' ')[0].lower()}-{pid}.txt"
+            file = out / f"sampled-{len(files)}.txt"  # a name no part of _part() matches: py-spy is itself
             files[file] = part
+            # The daemon's children are the warm launcher and its runs, sampled on their own.
+            children = [] if part == "Dagster daemon" else ["--subprocesses"]
             procs.append(subprocess.Popen(
-                [spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", str(RATE_HZ),
+                [spy, "record", "--pid", str(pid), *children, "--nonblocking", "--rate", str(RATE_HZ),
                  "--duration", str(int(seconds)), "--format", "raw", "--output", str(file)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     before = _processes()
@@ -114,8 +116,10 @@ def sample(seconds: float, out: Path) -> dict[str, Any]:
         p.wait(timeout=120)
     hz = os.sysconf("SC_CLK_TCK")
     cores: Counter[str] = Counter()
+    spies = {p.pid for p in procs}
     for pid, (part, ticks) in after.items():
-        cores[part] += max(ticks - before.get(pid, (part, 0))[1], 0) / hz / seconds
+        label = "py-spy (the profiler itself)" if pid in spies else part
+        cores[label] += max(ticks - before.get(pid, (part, 0))[1], 0) / hz / seconds
     by_part: dict[str, dict[str, Any]] = {}
     for file, part in files.items():
         if not file.exists():
