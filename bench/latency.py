@@ -72,7 +72,7 @@ def _lake_seen(path: Path, seen: dict[tuple[str, int], float], stop: threading.E
         time.sleep(0.25)
 
 
-SENSOR_INTERVAL = "default (5 one pass per run, 15 tailing)"  # the stacks run make dev's sensor interval
+SENSOR_INTERVAL = "default (5 one pass per run, 30 tailing)"  # the stacks run make dev's sensor interval
 PIECES = ("total", "sensor_wait", "queue", "launch", "pass_wait", "spark", "read", "write", "other")
 
 
