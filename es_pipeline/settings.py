@@ -69,6 +69,7 @@ DEFAULT_LATENCY_BOUND_SECONDS = 30
 # A lake asset not materialized for this long is stale in Dagster (FreshnessPolicy): two minutes, four of a tailing
 # run's reports (ES_PIPELINE_REPORT_SECONDS, 30 s) under a steady trickle; Dagster's shortest window is a minute.
 DEFAULT_FRESHNESS_SECONDS = 120
+DEFAULT_FOLLOW_SECONDS = 15  # lake/follow.py GAP: the CPU goal of docs/decisions/0045 keeps it
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -126,6 +127,9 @@ class Settings:
     origins: tuple[tuple[str, str], ...] = ()
     # The commit→table p95, in seconds, past which EsPipelineTableLatencyHigh fires (the exporter publishes it).
     latency_bound_seconds: int = DEFAULT_LATENCY_BOUND_SECONDS
+    # How often, at most, a tailing run follows the projections' small increments (0: after every pass that moved
+    # events: commit → projection about 1.5 s instead of 8, for about 0.1 of a core more at 20 events/s).
+    follow_seconds: int = DEFAULT_FOLLOW_SECONDS
 
     @property
     def source(self) -> Source:
@@ -188,6 +192,8 @@ class Settings:
                                 "a whole number of events (0: never read over JDBC)")
                            if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
             domain_modules=_modules(env, "ES_PIPELINE_DOMAIN"),
+            follow_seconds=_int(env, "ES_PIPELINE_FOLLOW_SECONDS", DEFAULT_FOLLOW_SECONDS, 0, 3_600,
+                                "a whole number of seconds between 0 (after every pass) and 3600"),
             latency_bound_seconds=_int(env, "ES_PIPELINE_LATENCY_BOUND_SECONDS", DEFAULT_LATENCY_BOUND_SECONDS, 1,
                                        86_400, "a whole number of seconds between 1 and 86400"),
             freshness_seconds=_int(env, "ES_PIPELINE_FRESHNESS_SECONDS", DEFAULT_FRESHNESS_SECONDS, 60, 7 * 86_400,

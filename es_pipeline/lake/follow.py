@@ -31,8 +31,8 @@ from es_pipeline.lake.typed.event_tables import EventTablesResult
 
 Result = AggregateResult | StateResult | CrossStreamResult | EventTablesResult
 
-GAP = 15.0  # seconds between two follows by a tailing run, at least (each is three delta-rs MERGEs: commit →
-# projection p50 ≈ 8 s, against a goal of 15 s; 10 s cost more CPU than the goal allows)
+GAP = 15.0  # seconds between two follows by a tailing run, at least (ES_PIPELINE_FOLLOW_SECONDS): every pass costs
+# about 0.1 of a core more under make dev's trickle, for projections within 2 s instead of 8 (docs/decisions/0045)
 _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
              "overflow_values")  # summed over gathered updates
 
@@ -88,8 +88,9 @@ class Follower:
     failed would not run again (and fail where its alert sees it) until `events` changed once more."""
 
     def __init__(self, warehouse: tables.Location, domain: Domain, connect: Callable[[], psycopg.Connection],
-                 frontier: Callable[[psycopg.Connection], int]) -> None:
+                 frontier: Callable[[psycopg.Connection], int], gap: float = GAP) -> None:
         self.warehouse, self.domain, self.connect, self.frontier = warehouse, domain, connect, frontier
+        self.gap = gap  # seconds between two follows at least; 0: after every pass that moved events
         self.last = 0.0
         self.failed = False
         self.conn: psycopg.Connection | None = None
@@ -103,7 +104,7 @@ class Follower:
 
     def update(self, *, force: bool = False) -> None:
         """Follow now, if due (or `force`d). Raises what the follow raised, once: the follower stops then."""
-        if self.failed or (not force and time.monotonic() - self.last < GAP):
+        if self.failed or (not force and time.monotonic() - self.last < self.gap):
             return
         self.last = time.monotonic()
         try:

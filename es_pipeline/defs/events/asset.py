@@ -61,7 +61,7 @@ def build_events_asset(
                     extractor.session(slice_range, context.run.run_id) as session:
                 if tail_seconds > 0:
                     return _tail(context, extractor, slice_range, session, tail_seconds, keys,
-                                 report_seconds=settings.report_seconds,
+                                 report_seconds=settings.report_seconds, follow_seconds=settings.follow_seconds,
                                  follow=here.pg_dsn if settings.automation else None, domain=domain, stop=stop)
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
@@ -82,7 +82,8 @@ def build_events_asset(
 
 def _tail(
     context: dg.AssetExecutionContext, extractor: Extractor, slice_range: SliceRange, session: OffsetSession,
-    tail_seconds: float, keys: list[str], *, report_seconds: float, follow: str | None, domain: Domain,
+    tail_seconds: float, keys: list[str], *, report_seconds: float, follow_seconds: float, follow: str | None,
+    domain: Domain,
     stop: threading.Event,
 ) -> dg.MaterializeResult:
     """Passes over `slice_range` for `tail_seconds`, reported as materializations of the partitions they
@@ -91,11 +92,12 @@ def _tail(
     its own.
 
     With `follow` (the store's DSN, where the projections' automation is on), the projections' small
-    increments are folded in too, every `GAP` seconds (lake/follow.py) and after each report, reported as
+    increments are folded in too, every `follow_seconds` (ES_PIPELINE_FOLLOW_SECONDS; 0: every pass) and after
+    each report, reported as
     materializations of those projections right after the report of `events`; what needs Spark, or
     fails, is left to the automation's runs."""
     reports = _Reports(context, keys, report_seconds)
-    projections = _Projections(context, extractor.warehouse, follow, domain, extractor.consumer)
+    projections = _Projections(context, extractor.warehouse, follow, domain, extractor.consumer, follow_seconds)
 
     def on_pass(result: ExtractResult) -> None:
         reported = reports.add(result)
@@ -151,11 +153,11 @@ class _Projections:
     by this run."""
 
     def __init__(self, context: dg.AssetExecutionContext, warehouse: Location, store_dsn: str | None,
-                 domain: Domain, consumer: str) -> None:
+                 domain: Domain, consumer: str, gap: float) -> None:
         self.context = context
         self.follower = None if store_dsn is None else Follower(
             warehouse, domain, lambda: lock_transaction(store_dsn, application_name="es_pipeline tail projections"),
-            lambda conn: batch_frontier(conn, consumer))
+            lambda conn: batch_frontier(conn, consumer), gap)
 
     def __enter__(self) -> "_Projections":
         return self
