@@ -140,11 +140,10 @@ def sample(seconds: float, out: Path) -> dict[str, Any]:
 
 
 def _short(frame: str) -> str:
-    """`function (path/to/module.py:line)` → `function (module.py)`: the same function's lines together."""
+    """`function (path/to/package/module.py:line)` → `function [package.module]`: the same function's lines together."""
     name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    tail = "/".join(path.split("/")[-2:])
-    return f"{name} ({tail})"
+    path = where.rstrip(")").rsplit(":", 1)[0].removesuffix(".py")
+    return f"{name} [{'.'.join(path.split('/')[-2:])}]"
 
 
 def run(seconds: float, rate: float) -> dict[str, Any]:
