@@ -70,15 +70,32 @@ def _documents(path: Path) -> Iterator[dict]:
         raise ConfigError(str(path), "(YAML)", f"a valid YAML file ({str(exc).splitlines()[0]})") from None
 
 
+def _defs_folders(root: Path) -> list[Path]:
+    """Where the project's `defs.yaml` files are: its defs module's folder (`[tool.dg.project]` `defs_module`, by
+    default `<root_module>.defs`), under `src/` or not; the whole project where it says none."""
+    manifest = root / "dg.toml" if (root / "dg.toml").is_file() else root / "pyproject.toml"
+    try:
+        conf = tomllib.loads(manifest.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return [root]
+    project = conf.get("project", {}) if manifest.name == "dg.toml" else conf.get("tool", {}).get("dg", {}).get("project", {})
+    module = project.get("defs_module") or (f"{project['root_module']}.defs" if project.get("root_module") else None)
+    if module is None:
+        return [root]
+    relative = Path(*module.split("."))
+    return [d for d in (root / "src" / relative, root / relative) if d.is_dir()] or [root]
+
+
 def components(root: Path) -> list[Path]:
-    """The `defs.yaml` files under `root` that declare an EsPipeline component."""
+    """The `defs.yaml` files of the project's defs folder that declare an EsPipeline component."""
     skip = {".venv", "node_modules", ".git", ".cache", "warehouse", ".dagster_home", ".pgdata"}
     found = []
-    for path in sorted(root.rglob("defs.yaml")):
-        if skip & set(path.relative_to(root).parts):
-            continue
-        if any(doc.get("type") in COMPONENT_TYPES for doc in _documents(path)):
-            found.append(path)
+    for folder in _defs_folders(root):
+        for path in sorted(folder.rglob("defs.yaml")):
+            if skip & set(path.relative_to(root).parts):
+                continue
+            if any(doc.get("type") in COMPONENT_TYPES for doc in _documents(path)):
+                found.append(path)
     return found
 
 
