@@ -26,7 +26,7 @@ from pydantic import Field
 
 from es_pipeline.health.doctor import instance_gaps
 from es_pipeline.location import build_definitions
-from es_pipeline.settings import COMPONENT_ATTRIBUTES, PROJECT_ROOT, Settings, attribute_variables
+from es_pipeline.settings import PROJECT_ROOT, Settings, from_component
 
 log = logging.getLogger("es_pipeline")
 
@@ -97,17 +97,10 @@ class EsPipeline(dg.Component, dg.Model, dg.Resolvable):
         "A lake asset not materialized for this long is stale in Dagster (60-604800). "
         "ES_PIPELINE_FRESHNESS_SECONDS; default 120."))
 
-    def given(self, project_root: Path | None = None) -> dict[str, str]:
-        """The variables the set attributes stand for, with their values as the environment would hold them."""
-        return attribute_variables(self.model_dump(), project_root or PROJECT_ROOT)
-
     def settings(self, where: str = "defs.yaml", project_root: Path | None = None) -> Settings:
         """The environment's settings with the attributes given in their variables' place; a refused value is
         reported as the attribute of `where` (the component's defs.yaml)."""
-        given = self.given(project_root)
-        origins = {variable: f"attribute `{attribute}` of {where}" for attribute, variable in COMPONENT_ATTRIBUTES.items()
-                   if variable in given}
-        return Settings.from_env({**os.environ, **given}, origins)
+        return from_component(self.model_dump(), where, project_root or PROJECT_ROOT)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         where = _relative(context.path / "defs.yaml", context.project_root)

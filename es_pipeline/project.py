@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from es_pipeline.errors import ConfigError
-from es_pipeline.settings import COMPONENT_ATTRIBUTES, Settings, attribute_variables
+from es_pipeline.settings import Settings, from_component
 
 COMPONENT_TYPES = ("es_pipeline.component.EsPipeline", "es_pipeline.EsPipeline")
 
@@ -120,11 +120,7 @@ def configuration(component: str | None = None, cwd: Path | None = None) -> Conf
         raise ConfigError("--component", "", f"one of {', '.join(names)}: the project has several EsPipeline components")
     path = found[0]
     where = str(path.relative_to(root))
-    attributes = _attributes(path, root)
-    given = attribute_variables(attributes, root)
-    origins = {variable: f"attribute `{attribute}` of {where}" for attribute, variable in COMPONENT_ATTRIBUTES.items()
-               if variable in given}
-    return Configuration(Settings.from_env({**os.environ, **given}, origins), root, where)
+    return Configuration(from_component(_attributes(path, root), where, root), root, where)
 
 
 def _attributes(path: Path, root: Path) -> dict:

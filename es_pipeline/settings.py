@@ -235,6 +235,17 @@ def attribute_variables(attributes: Mapping[str, object], project_root: Path) ->
     return values
 
 
+def from_component(attributes: Mapping[str, object], where: str, project_root: Path,
+                   environ: Mapping[str, str] | None = None) -> Settings:
+    """The environment's settings (default: the process's) with an EsPipeline component's attributes in their
+    variables' place, as the code location and the command line both take them; a refused value is reported as the
+    attribute of `where` (the component's defs.yaml)."""
+    given = attribute_variables(attributes, project_root)
+    origins = {variable: f"attribute `{attribute}` of {where}" for attribute, variable in COMPONENT_ATTRIBUTES.items()
+               if variable in given}
+    return Settings.from_env({**(os.environ if environ is None else environ), **given}, origins)
+
+
 def default_sensor_interval(tail_seconds: int) -> int:
     """`new_events_sensor`'s interval unless ES_PIPELINE_SENSOR_INTERVAL says: 5 s with one pass per run; 30 s
     with tailing runs, where a tick only hands over to the next run (queued 65 s before the current one
