@@ -37,7 +37,7 @@ from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.extraction.probe import TAIL_ROWS, probe
 from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.tail import PASS_GAP
-from es_pipeline.lake.follow import GAP as PROJECTIONS_GAP
+from es_pipeline.settings import DEFAULT_FOLLOW_SECONDS as PROJECTIONS_GAP
 from es_pipeline.store.conninfo import connect
 from es_pipeline.store.event_store import EventStore, NewEvent
 

@@ -69,7 +69,10 @@ DEFAULT_LATENCY_BOUND_SECONDS = 30
 # A lake asset not materialized for this long is stale in Dagster (FreshnessPolicy): two minutes, four of a tailing
 # run's reports (ES_PIPELINE_REPORT_SECONDS, 30 s) under a steady trickle; Dagster's shortest window is a minute.
 DEFAULT_FRESHNESS_SECONDS = 120
-DEFAULT_FOLLOW_SECONDS = 15  # lake/follow.py GAP: the CPU goal of docs/decisions/0045 keeps it
+# Seconds between two follows of the projections by a tailing run, at least (lake/follow.py): every pass instead
+# costs about 0.1 of a core more under make dev's trickle, for projections within 2 s instead of 8; the CPU goal of
+# docs/decisions/0045 keeps 15.
+DEFAULT_FOLLOW_SECONDS = 15
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 

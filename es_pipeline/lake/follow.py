@@ -2,7 +2,7 @@
 
 A tailing `events` run (extraction/tail.py) keeps the tables fresh between the automation's runs:
 `follow` takes every table's small increment from one read of `events`' change feed, each in its own turn;
-`Follower` calls it at most every `GAP` seconds, gathers what the updates did for the run to report after each
+`Follower` calls it at most every `gap` seconds (ES_PIPELINE_FOLLOW_SECONDS), gathers what the updates did for the run to report after each
 report of `events`, and remembers which tables it found up to date (reported once, at the run's end). What needs
 Spark, a whole build, or fails, is left to the automation's runs.
 """
@@ -31,8 +31,6 @@ from es_pipeline.lake.typed.event_tables import EventTablesResult
 
 Result = AggregateResult | StateResult | CrossStreamResult | EventTablesResult
 
-GAP = 15.0  # seconds between two follows by a tailing run, at least (ES_PIPELINE_FOLLOW_SECONDS): every pass costs
-# about 0.1 of a core more under make dev's trickle, for projections within 2 s instead of 8 (docs/decisions/0045)
 _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
              "overflow_values")  # summed over gathered updates
 
@@ -78,7 +76,7 @@ def follow(
 
 class Follower:
     """The tables a tailing run keeps fresh, and what it has to report of them: `update` follows (at most every
-    `GAP` seconds unless forced), `flush` hands over the gathered figures of each table that changed (one
+    `gap` seconds unless forced), `flush` hands over the gathered figures of each table that changed (one
     materialization each, after a report of `events`, so that the automation sees them handled after their
     dependency), `confirm` those of the tables the last follow found up to date that nothing reported yet.
 
@@ -88,7 +86,7 @@ class Follower:
     failed would not run again (and fail where its alert sees it) until `events` changed once more."""
 
     def __init__(self, warehouse: tables.Location, domain: Domain, connect: Callable[[], psycopg.Connection],
-                 frontier: Callable[[psycopg.Connection], int], gap: float = GAP) -> None:
+                 frontier: Callable[[psycopg.Connection], int], gap: float) -> None:
         self.warehouse, self.domain, self.connect, self.frontier = warehouse, domain, connect, frontier
         self.gap = gap  # seconds between two follows at least; 0: after every pass that moved events
         self.last = 0.0
