@@ -103,7 +103,10 @@ class Latency:
     def n(self) -> int:
         return self.events.n
 
-    def observe(self, lake: Lake, newest: int | None, cursors: dict[str, Any] | None = None) -> None:
+    def observe(self, lake: Lake, newest: int | None, cursors: dict[str, Any] | None = None,
+                folded: dict[str, int | None] | None = None) -> None:
+        """What `events` and each projection (`cursors`, `folded`: the lake's, from this reading) gained since the
+        last reading."""
         if newest is None:
             return
         if self.seen is None:  # history is not ours to count: from the commits after the first reading on
@@ -117,29 +120,25 @@ class Latency:
                     self.oldest[version] = commits[version][0] - seconds
             self.seen = newest
         for name, cursor in (cursors or {}).items():
-            self._observe_table(lake, name, cursor)
+            self._observe_table(lake, name, cursor, (folded or {}).get(name))
         for version in [v for v in self.oldest if v <= newest - self.KEEP]:
             del self.oldest[version]
 
-    def _observe_table(self, lake: Lake, name: str, cursor: Any) -> None:
-        if cursor is None:
-            return
-        table = lake.table(cursor[0])
+    def _observe_table(self, lake: Lake, name: str, cursor: Any, folded_now: int | None) -> None:
+        table = None if cursor is None else lake.table(cursor[0])  # kept open by the lake: only its new log entries are read
         if table is None:
             return
+        version = int(table.version())
         if name not in self.table_seen:  # from this reading on, as for `events`
-            self.table_seen[name] = int(table.version())
-            found = table.transaction_version(cursor[1])
-            self.folded[name] = -1 if found is None else int(found) // cursor[2]
+            self.table_seen[name], self.folded[name] = version, -1 if folded_now is None else folded_now
             return
         histogram = self.tables.setdefault(name, Histogram())
-        for version, committed, folded in lake.folds(name, self.table_seen[name], cursor):
+        for _, committed, folded in lake.folds(cursor, self.table_seen[name], version):
             for v in range(self.folded[name] + 1, folded + 1):
                 if v in self.oldest:  # commits that added events (and were observed by this exporter)
                     histogram.add(max(0.0, committed - self.oldest[v]))
             self.folded[name] = max(self.folded[name], folded)
-            self.table_seen[name] = version
-        self.table_seen[name] = max(self.table_seen[name], int(table.version()))
+        self.table_seen[name] = version
 
 
 class Reader:
@@ -205,7 +204,7 @@ class Reader:
             r.events_version = self.lake.events_version()
             cursors = self.lake.cursors()
             r.behind = self.lake.behind(cursors=cursors)
-            self.latency.observe(self.lake, r.events_version, cursors)
+            self.latency.observe(self.lake, r.events_version, cursors, {b.name: b.folded for b in r.behind})
             r.rebuilds = rebuild.progress(self.settings.warehouse)
         self._part(r, "lake", lake)
         if self._dagster:

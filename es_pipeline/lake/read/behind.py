@@ -123,17 +123,13 @@ class Lake:
             out[name] = None if v is None or cursor is None else int(v) // cursor[2]
         return out
 
-    def folds(self, name: str, after: int, cursor: tuple[str, str, int] | None) -> list[tuple[int, float, int]]:
-        """(table version, commit time, folded `events` version) of each commit of projection `name` after its
-        table version `after` that moved its cursor, read from the commits' own log entries (small files, each
-        once). `cursor`: the projection's, from `cursors()`. A commit whose log entry is gone (a checkpoint and log
-        cleanup) is left out."""
-        t = None if cursor is None else self.table(cursor[0])
-        if t is None or cursor is None:
-            return []
+    def folds(self, cursor: tuple[str, str, int], after: int, upto: int) -> list[tuple[int, float, int]]:
+        """(table version, commit time, folded `events` version) of each commit of a projection's table after version
+        `after`, up to `upto`, that moved its cursor (from `cursors()`), read from the commits' own log entries (small
+        files, each once). A commit whose log entry is gone (a checkpoint and log cleanup) is left out."""
         fs, root = tables.filesystem(tables.table_path(self.warehouse, cursor[0]))
         out = []
-        for version in range(after + 1, int(t.version()) + 1):
+        for version in range(after + 1, upto + 1):
             try:
                 with fs.open_input_stream(f"{root}/_delta_log/{version:020d}.json") as f:
                     lines = f.read().decode().splitlines()
