@@ -22,8 +22,8 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
-from es_pipeline.store.event_store import EventStore
-from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.lakecheck import assert_exactly_once, assert_exactly_once_by_key, extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 from es_pipeline_tests.support.store import watermark_count
 
@@ -169,3 +169,34 @@ def test_a_roles_timeouts_cannot_cut_a_run(dsn: StoreDsn, warehouse: Path) -> No
     keys = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["stream_id", "version"])
     assert keys.num_rows == 200_000 and len(set(zip(keys["stream_id"].to_pylist(), keys["version"].to_pylist(),
                                                     strict=True))) == 200_000
+
+
+def test_a_pass_moves_only_the_slices_it_brought_rows_of_and_loses_or_repeats_nothing(dsn: StoreDsn,
+                                                                                        warehouse: Path) -> None:
+    """`OffsetSession.commit(moved=...)`: within FULL_ADVANCE_SECONDS, the slices without rows keep their watermark;
+    an event that later commits into one of them is extracted once, as the store holds it (decision 0045)."""
+    store = EventStore(dsn.writer)
+    with psycopg.connect(dsn.extractor) as conn:
+        by_slice: dict[int, str] = {}
+        for n in range(200):  # three streams in three different slices
+            sid = f"moved-{n}"
+            row = conn.execute("SELECT es.slice_of(%s)", (sid,)).fetchone()
+            assert row is not None
+            by_slice.setdefault(int(row[0]), sid)
+            if len(by_slice) == 3:
+                break
+    (a, first), (b, second), (c, third) = sorted(by_slice.items())
+    extractor = Extractor(dsn.extractor, None, warehouse)
+    everything = SliceRange(0, 1023)
+    with extractor.session(everything, "moved-test") as session:
+        store.append(first, "cart", [NewEvent("ItemAdded", {"n": 1})], 0)
+        one = extractor.run(everything, run_id="moved-test", session=session)  # a session's first commit: all move
+        store.append(second, "cart", [NewEvent("ItemAdded", {"n": 2})], 0)
+        two = extractor.run(everything, run_id="moved-test", session=session)
+        marks = session.watermarks([a, b, c])
+        assert marks[b] == two.horizon and marks[a] == marks[c] == one.horizon < two.horizon
+        store.append(third, "cart", [NewEvent("ItemAdded", {"n": 3})], 0)
+        store.append(first, "cart", [NewEvent("ItemRemoved", {"n": 4})], 1)
+        three = extractor.run(everything, run_id="moved-test", session=session)
+    assert (one.rows, two.rows, three.rows) == (1, 1, 2)
+    assert assert_exactly_once_by_key(warehouse, dsn.extractor) == 4
