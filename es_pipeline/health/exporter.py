@@ -73,6 +73,11 @@ class Histogram:
             if seconds <= bound:
                 self.counts[i] += 1
 
+    def buckets(self) -> list[tuple[str, float]]:
+        """(le, count) pairs, as a HistogramMetricFamily takes them."""
+        return [("+Inf" if bound == float("inf") else repr(bound), float(n))
+                for bound, n in zip(LATENCY_BUCKETS, self.counts, strict=True)]
+
 
 class Latency:
     """The commit→table histograms, cumulative over the exporter's life, one per table: `events` gets one
@@ -90,18 +95,6 @@ class Latency:
         self.oldest: dict[int, float] = {}  # `events` version → its oldest event's recorded_at (epoch seconds)
         self.table_seen: dict[str, int] = {}  # projection → its table's version read up to
         self.folded: dict[str, int] = {}  # projection → the `events` version its last observed commit folded
-
-    @property
-    def counts(self) -> list[int]:  # `events`' (the commit→lake histogram)
-        return self.events.counts
-
-    @property
-    def total(self) -> float:
-        return self.events.total
-
-    @property
-    def n(self) -> int:
-        return self.events.n
 
     def observe(self, lake: Lake, newest: int | None, cursors: dict[str, Any] | None = None,
                 folded: dict[str, int | None] | None = None) -> None:
@@ -350,17 +343,13 @@ def lake_metrics(r: Reading, consumer: str, latency: Latency,
                  [([consumer, p.stream_type], p.expected_end.timestamp()) for p in r.rebuilds if p.expected_end])
     h = HistogramMetricFamily("es_pipeline_commit_to_lake_seconds", "Per `events` commit: from its oldest event's "
                               "recorded_at to the Delta commit", labels=["consumer"])
-    # Each observation is counted in every bucket it fits: the counts are cumulative, as the format wants.
-    buckets = [("+Inf" if bound == float("inf") else repr(bound), float(n))
-               for bound, n in zip(LATENCY_BUCKETS, latency.counts, strict=True)]
-    h.add_metric([consumer], buckets, sum_value=latency.total)
+    h.add_metric([consumer], latency.events.buckets(), sum_value=latency.events.total)
     yield h
     t = HistogramMetricFamily("es_pipeline_commit_to_table_seconds", "Per `events` commit and table: from its oldest "
                               "event's recorded_at to the table's commit that holds it (`events`: the Delta commit; a "
                               "projection: the commit that folded it)", labels=["consumer", "table"])
     for name, histogram in [("events", latency.events), *sorted(latency.tables.items())]:
-        t.add_metric([consumer, name], [("+Inf" if bound == float("inf") else repr(bound), float(n))
-                                        for bound, n in zip(LATENCY_BUCKETS, histogram.counts, strict=True)], sum_value=histogram.total)
+        t.add_metric([consumer, name], histogram.buckets(), sum_value=histogram.total)
     yield t
     yield _gauge("es_pipeline_latency_bound_seconds", "The commit→table p95 the EsPipelineTableLatencyHigh alert "
                  "holds each table to (ES_PIPELINE_LATENCY_BOUND_SECONDS)", ["consumer"], [([consumer], bound)])
