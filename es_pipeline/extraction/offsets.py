@@ -37,7 +37,7 @@ from es_pipeline.errors import (
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake.delta import tables
 from es_pipeline.source.mapping import Source, as_source, native
-from es_pipeline.store.conninfo import connect, lock_transaction, no_timeouts_sql
+from es_pipeline.store.conninfo import connect, int_array, lock_transaction, no_timeouts_sql
 
 # The consumer whose sink is the Delta `events` table, for the native store in `es` (`Source.consumer` names
 # every source's: its offsets, sinks, batches and lock keys are its own).
@@ -147,7 +147,7 @@ class OffsetSession:
         holder = self._lock_holder()
         holder.execute("SAVEPOINT es_pipeline_lock")  # rolling back to it releases the locks it took
         rows = holder.execute(
-            "SELECT s, pg_try_advisory_xact_lock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, wanted)
+            "SELECT s, pg_try_advisory_xact_lock(%s, s) FROM unnest(%s::int[]) AS s", (self.namespace, int_array(wanted))
         ).fetchall()
         got = [s for s, ok in rows if ok]
         missed = sorted(s for s, ok in rows if not ok)
@@ -179,7 +179,7 @@ class OffsetSession:
         row = self.conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s AND classid = %s::oid "
             "AND objid = ANY(%s::oid[]) AND objsubid = 2 AND granted",
-            (self.holder_pid or 0, self.namespace, wanted),
+            (self.holder_pid or 0, self.namespace, int_array(wanted)),
         ).fetchone()
         if self.holder_pid is None or row is None or int(row[0]) != len(wanted):
             raise SliceLockLost(self.label, self.holder_pid)
@@ -327,7 +327,7 @@ class OffsetSession:
         """The slices of these whose first run since a rebase is still to come (see extraction/rebase.py)."""
         return [int(s) for (s,) in self.conn.execute(
             "SELECT slice FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[]) "
-            "ORDER BY slice", (self.consumer, list(slices)))]
+            "ORDER BY slice", (self.consumer, int_array(slices)))]
 
     def rows_batch_id(self, batch: Batch) -> int:
         """The `batch_id` a batch's rows carry: its own, but in a slice's first run after a rebase the rebase's
@@ -340,7 +340,7 @@ class OffsetSession:
 
     def catchup_done(self, slices: Sequence[int]) -> None:
         self.conn.execute("DELETE FROM es_pipeline.rebase_catchup WHERE consumer = %s AND slice = ANY(%s::smallint[])",
-                          (self.consumer, list(slices)))
+                          (self.consumer, int_array(slices)))
 
     def forget_pending(self, batch: Batch) -> None:
         """Drop a pending record whose batch must not be replayed (Delta refused it as already committed)."""
@@ -390,7 +390,7 @@ class OffsetSession:
                     "ON CONFLICT (consumer, slice) DO UPDATE SET watermark = excluded.watermark, "
                     "updated_at = excluded.updated_at, run_id = excluded.run_id "
                     "WHERE o.watermark < excluded.watermark",
-                    (self.consumer, str(batch.upper), self.run_id, slices),
+                    (self.consumer, str(batch.upper), self.run_id, int_array(slices)),
                 )
             if batch.batch_id is not None:
                 self.conn.execute("DELETE FROM es_pipeline.pending_batches WHERE batch_id = %s", (batch.batch_id,))
@@ -410,8 +410,8 @@ class OffsetSession:
     def _insert_pending(self, batch: Batch) -> tuple[int] | None:
         return self.conn.execute(
             "INSERT INTO es_pipeline.pending_batches (consumer, app_id, slices, from_watermarks, upper_bound, run_id) "
-            "VALUES (%s, %s, %s::smallint[], %s::text[]::xid8[], %s::text::xid8, %s) RETURNING batch_id",
-            (batch.consumer, batch.app_id, list(batch.slices), [str(w) for w in batch.from_watermarks],
+            "VALUES (%s, %s, %s::smallint[], %s::xid8[], %s::text::xid8, %s) RETURNING batch_id",
+            (batch.consumer, batch.app_id, int_array(batch.slices), int_array(batch.from_watermarks),
              str(batch.upper), self.run_id),
         ).fetchone()
 
@@ -471,7 +471,7 @@ def read_watermarks(conn: psycopg.Connection, consumer: str, slices: Sequence[in
     """Watermark per slice; a slice never extracted has watermark 0 (nothing is below it)."""
     rows = conn.execute(
         "SELECT slice, watermark FROM es_pipeline.offsets WHERE consumer = %s AND slice = ANY(%s::smallint[])",
-        (consumer, list(slices)),
+        (consumer, int_array(slices)),
     ).fetchall()
     found = {int(s): int(w) for s, w in rows}
     return {s: found.get(s, 0) for s in slices}
