@@ -50,6 +50,9 @@ PARALLEL_READ_MIN_ROWS = 20_000  # below this, a second connection costs more th
 EVENTS_LAKE_ARROW_SCHEMA = EVENTS.schema  # the `events` table as Arrow (lake/events.py)
 
 CATCHUP_SLICES = 16  # slices per chunk of the first run after a rebase (extraction/rebase.py)
+# A backlog this small is one batch without sampling its rows' width: the width only guides the cuts by bytes, and
+# 256 rows pass the default guide (512 MB) only above 2 MB each. A tailing pass (a few dozen events) saves a query.
+UNSAMPLED_BACKLOG = 256
 PROGRESS_AFTER_SECONDS = 10.0  # a pass of one batch reports progress only if it took this long (tailing passes are short)
 # Steps at which tests may inject a crash (`on_step` raising): the names are part of the test contract.
 STEPS = ("locked", "read", "delta_committed", "offsets_committed")
@@ -132,6 +135,7 @@ class Extractor:
     spark_seconds: float = 0.0  # what starting (or attaching to) Spark cost `build_extractor`
     _jdbc_params: dict[str, str] | None = field(default=None, init=False, repr=False)
     _table: DeltaTable | None = field(default=None, init=False, repr=False)
+    _checked: bool = field(default=False, init=False, repr=False)  # `_table` as this pass's check loaded it
     _small_reads: reader.SmallReads = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +196,7 @@ class Extractor:
                 # of this range that the store does not know (a lake restored under a tailing run).
                 session.check_source()
                 session.check_lake_commits(app_id, self._delta().transaction_version(app_id), self.events_path)
+                self._checked = True
 
             horizon = session.horizon()
             watermarks = session.watermarks(slice_range.slices)
@@ -324,8 +329,16 @@ class Extractor:
         self._open(session, slice_range, app_id_for(self.consumer, slice_range.key), result)
         return result
 
-    def _delta(self) -> DeltaTable:
-        """The `events` table brought up to its newest version: loaded once, then only the new log read."""
+    def _delta(self, *, as_checked: bool = False) -> DeltaTable:
+        """The `events` table brought up to its newest version: loaded once, then only the new log read.
+
+        `as_checked`: the table as this pass's check of the lake loaded it a moment ago, once (a tailing pass lists
+        the log once, not twice). It holds this range's batches as they are: no other process commits under its
+        app id while the slices are locked; a commit of another range meanwhile is the append's commit to retry."""
+        if as_checked and self._checked and self._table is not None:
+            self._checked = False
+            return self._table
+        self._checked = False
         if self._table is None:
             self._table = DeltaTable(self.events_path)
         else:
@@ -354,6 +367,8 @@ class Extractor:
         """
         if not backlog:
             return []
+        if backlog <= min(self.batch_events, UNSAMPLED_BACKLOG):
+            return [(horizon, backlog)]
         target = self.batch_target(reader.average_row_bytes(session.conn, self.events_source, pairs, horizon))
         if backlog <= target:
             return [(horizon, backlog)]
@@ -477,7 +492,7 @@ class Extractor:
             if self.writer != "spark":
                 return arrow_append.append_batches(
                     stream, EVENTS_LAKE_ARROW_SCHEMA, self.events_path, app_id=batch.app_id, version=batch.batch_id,
-                    before_commit=before_commit, table=self._delta(),
+                    before_commit=before_commit, table=self._delta(as_checked=True),
                 )
             done = tables.transaction_version(self.events_path, batch.app_id)
             if done is not None and done >= batch.batch_id:
