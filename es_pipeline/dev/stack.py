@@ -146,11 +146,14 @@ def dagster_stack(
                 stdout=open(logs / "connect.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
             ))
             wait_port(port, 120)
-        # One code server for the stack, as `dagster dev` starts it: a daemon given workspace.yaml itself
-        # would start its own and replace it every minute (a fresh interpreter importing the code each time).
+        # One code server for the stack, as docs/deploy.md runs it: a daemon given workspace.yaml itself would
+        # start its own and replace it every minute (a fresh interpreter importing the code each time). The server
+        # itself (`dagster api grpc`), not `dagster code-server start`, which is a proxy in front of a server it
+        # restarts on reload: a second process relaying every call and pinging its child every second, which
+        # cost as much CPU as the server (docs/decisions/0045).
         code_port = free_port()
         procs.append(subprocess.Popen(
-            [str(VENV_BIN / "dagster"), "code-server", "start", "-m", "es_pipeline.definitions", "-a", "defs",
+            [str(VENV_BIN / "dagster"), "api", "grpc", "-m", "es_pipeline.definitions", "-a", "defs",
              "--location-name", "es_pipeline", "-h", "127.0.0.1", "-p", str(code_port), "--log-level", "warning"],
             env=env, cwd=PROJECT_ROOT, stdout=open(logs / "code-server.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True,
