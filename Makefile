@@ -78,7 +78,7 @@ typecheck: venv
 # The whole suite but the e2e tier (whole stacks in processes: daemons, code servers, Prometheus), which
 # `make test` runs beside the other majors' tests: its tests wait on daemons more than they compute.
 pytest: setup
-	$(VENV)/bin/pytest -q --durations=25 -m "not e2e" es_pipeline_tests examples/shop/tests
+	$(VENV)/bin/pytest -q --durations=60 -m "not e2e" es_pipeline_tests examples/shop/tests
 
 test-e2e: setup
 	$(VENV)/bin/pytest -q --durations=10 -m e2e es_pipeline_tests
