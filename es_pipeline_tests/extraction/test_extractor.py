@@ -21,7 +21,7 @@ from deltalake import DeltaTable
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.errors import LakeOffsetsMismatch, SinkChanged, SliceLocked
 from es_pipeline.extraction import offsets, reader
-from es_pipeline.extraction.extractor import Extractor, build_extractor
+from es_pipeline.extraction.extractor import UNSAMPLED_BACKLOG, Extractor, build_extractor
 from es_pipeline.extraction.offsets import Batch
 from es_pipeline.extraction.reader import batch_query
 from es_pipeline.extraction.slices import SliceRange, split
@@ -425,6 +425,33 @@ def test_wide_events_are_cut_by_bytes_as_well_as_rows(dsn: StoreDsn, spark: Any,
     assert result.batches >= 3000 // (2 * target)
     assert max(result.batch_rows) <= 1.5 * target + 100, "a cut falls between transactions of 100 events"
     assert assert_exactly_once(spark, warehouse, dsn) == 3000
+
+
+def _append_wide(dsn: str, first: int, count: int) -> None:
+    """`count` events of ~4 KB, one transaction each, versions `first`.. of stream 'wide'."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for v in range(first, first + count):
+            conn.execute(
+                "INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
+                "VALUES ('wide', 'doc', %s, 'Written', jsonb_build_object('text', repeat(md5(%s::text), 128)))", (v, v))
+
+
+def test_a_backlog_of_at_most_256_events_is_one_batch_and_a_larger_one_is_cut_by_width(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    """A tailing pass's small backlog is one batch without sampling its width (UNSAMPLED_BACKLOG): 200 rows of
+    ~4 KB pass a 64 KiB guide in one batch. Past 256 the width is sampled and the same rows are cut into
+    batches of about 16. Exactly once either way."""
+    assert UNSAMPLED_BACKLOG == 256
+    ex = Extractor(dsn.extractor, None, warehouse, batch_bytes=64 << 10)
+    _append_wide(dsn, 1, 200)
+    small = ex.run(SliceRange(0, 1023))
+    assert (small.batches, small.batch_rows) == (1, [200])
+    _append_wide(dsn, 201, 300)
+    large = ex.run(SliceRange(0, 1023))
+    assert large.batches >= 300 // 32 and max(large.batch_rows) <= 1.5 * 16 + 1, large.batch_rows
+    versions = DeltaTable(str(warehouse / "events")).to_pyarrow_table(columns=["version"])["version"].to_pylist()
+    assert sorted(versions) == list(range(1, 501)), "every event once"
 
 
 BIG_EVENTS = 400  # of 1 MiB each, in one transaction
