@@ -28,7 +28,7 @@ from es_pipeline.lake.delta.tables import UTC_MICROS
 from es_pipeline.lake.events import READ_SCHEMA
 from es_pipeline.source import payloads
 from es_pipeline.source.mapping import Source, as_source
-from es_pipeline.store.conninfo import adbc_dsn, jdbc_url, no_timeouts_sql, resolved
+from es_pipeline.store.conninfo import adbc_dsn, int_array, jdbc_url, no_timeouts_sql, resolved
 
 EVENT_COLUMNS = (
     "e.global_position, e.tx_id::text::bigint AS tx_id, e.stream_id, e.stream_type, e.version, "
@@ -48,12 +48,17 @@ def _where(pairs: Sequence[tuple[int, int]], upper: int | None) -> tuple[str, st
     """
     hi = f" AND e.tx_id < '{int(upper)}'::xid8" if upper is not None else ""
     lowers = {int(w) for _, w in pairs}
-    slices = ",".join(str(int(s)) for s, _ in pairs)
+    slices = int_array(s for s, _ in pairs)
     if len(lowers) == 1:
         (lo,) = lowers
-        return "", f"e.slice = ANY('{{{slices}}}'::smallint[]) AND e.tx_id >= '{lo}'::xid8{hi}"
-    lows = ",".join(str(int(w)) for _, w in pairs)
-    return f"unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) AS w(slice, lo)", hi
+        return "", f"e.slice = ANY('{slices}'::smallint[]) AND e.tx_id >= '{lo}'::xid8{hi}"
+    return _per_slice(pairs), hi
+
+
+def _per_slice(pairs: Sequence[tuple[int, int]]) -> str:
+    """A FROM item of one row per (slice, lower bound): `w(slice, lo)`."""
+    slices, lows = int_array(s for s, _ in pairs), int_array(w for _, w in pairs)
+    return f"unnest('{slices}'::smallint[], '{lows}'::xid8[]) AS w(slice, lo)"
 
 
 def _select(source: Source | str, columns: str, pairs: Sequence[tuple[int, int]], upper: int | None) -> str:
@@ -260,11 +265,9 @@ def first_tx_ids(conn: psycopg.Connection, source: Source | str, pairs: Sequence
     if not pairs:
         return None
     table = as_source(source).relation()
-    slices = ",".join(str(int(s)) for s, _ in pairs)
-    lows = ",".join(str(int(w)) for _, w in pairs)
     row = conn.execute(
-        f"SELECT min(f.tx_id::text::bigint) FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) "  # type: ignore[arg-type]
-        f"AS w(slice, lo) CROSS JOIN LATERAL (SELECT e.tx_id FROM {table} e WHERE e.slice = w.slice "
+        f"SELECT min(f.tx_id::text::bigint) FROM {_per_slice(pairs)} "  # type: ignore[arg-type]
+        f"CROSS JOIN LATERAL (SELECT e.tx_id FROM {table} e WHERE e.slice = w.slice "
         f"AND e.tx_id >= w.lo AND e.tx_id < '{int(upper)}'::xid8 ORDER BY e.tx_id LIMIT 1) f"
     ).fetchone()
     return int(row[0]) if row and row[0] is not None else None
@@ -339,11 +342,9 @@ def waiting(
     if found.extractable + found.behind_horizon < cap:
         return found
     table = as_source(source).relation()
-    slices = ",".join(str(int(s)) for s, _ in pairs)
-    lows = ",".join(str(int(w)) for _, w in pairs)
     first = conn.execute(  # type: ignore[call-overload]
         f"SELECT extract(epoch FROM min(f.recorded_at))::float8, min(f.tx_id::text::bigint) "
-        f"FROM unnest('{{{slices}}}'::smallint[], '{{{lows}}}'::xid8[]) AS w(slice, lo) CROSS JOIN LATERAL "
+        f"FROM {_per_slice(pairs)} CROSS JOIN LATERAL "
         f"(SELECT e.recorded_at, e.tx_id FROM {table} e WHERE e.slice = w.slice AND e.tx_id >= w.lo "
         f"ORDER BY e.tx_id LIMIT 1) f"
     ).fetchone()
