@@ -48,10 +48,9 @@ def _where(pairs: Sequence[tuple[int, int]], upper: int | None) -> tuple[str, st
     """
     hi = f" AND e.tx_id < '{int(upper)}'::xid8" if upper is not None else ""
     lowers = {int(w) for _, w in pairs}
-    slices = int_array(s for s, _ in pairs)
     if len(lowers) == 1:
         (lo,) = lowers
-        return "", f"e.slice = ANY('{slices}'::smallint[]) AND e.tx_id >= '{lo}'::xid8{hi}"
+        return "", f"e.slice = ANY('{int_array(s for s, _ in pairs)}'::smallint[]) AND e.tx_id >= '{lo}'::xid8{hi}"
     return _per_slice(pairs), hi
 
 
