@@ -32,6 +32,8 @@ from es_pipeline_tests.support.hooks import Crash, crash_at, hold_when_locked, n
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
 from es_pipeline_tests.support.roles import StoreDsn
 
+SPARK_WRITER = pytest.mark.spark_writer  # the lake written through Spark: the other PostgreSQL majors skip these
+
 
 def naive_poll(dsn: StoreDsn, stop: threading.Event, seen: set[tuple[str, int]]) -> None:
     """The broken extractor that reads by sequence, `global_position > last`, polled while writers write."""
@@ -50,7 +52,7 @@ def naive_poll(dsn: StoreDsn, stop: threading.Event, seen: set[tuple[str, int]])
             time.sleep(0.005)
 
 
-@pytest.mark.parametrize("writer", ["delta-rs", "spark"])
+@pytest.mark.parametrize("writer", ["delta-rs", pytest.param("spark", marks=SPARK_WRITER)])
 def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events(
     dsn: StoreDsn, spark: Any, warehouse: Path, writer: str
 ) -> None:
@@ -107,8 +109,9 @@ def test_rollbacks_and_position_gaps_are_invisible(dsn: StoreDsn, spark: Any, wa
     [
         ("read", "delta-rs", "delta-rs"),
         ("delta_committed", "delta-rs", "delta-rs"),
-        ("delta_committed", "spark", "delta-rs"),  # a commit by either writer is seen by the other
-        ("delta_committed", "delta-rs", "spark"),
+        # A commit by either writer is seen by the other.
+        pytest.param("delta_committed", "spark", "delta-rs", marks=SPARK_WRITER),
+        pytest.param("delta_committed", "delta-rs", "spark", marks=SPARK_WRITER),
     ],
 )
 def test_crash_at_a_step_then_rerun_is_exactly_once(

