@@ -12,11 +12,24 @@ from es_pipeline.lake.cross_stream import update as update_cross_stream
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed.event_tables import update as update_event_tables
 
-# Eager, but not held back while an `events` run is in progress: a tailing run is in progress all the time,
-# and reports each pass as a materialization; the projections read a committed version of `events` anyway.
-AFTER_EVENTS = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_in_progress()).with_label(
-    "eager, also while events runs tail"
-)
+_AC = dg.AutomationCondition
+# A dependency materialized after this table last was. Timed: both in one evaluation (the automation's every
+# 60 s), the later one wins, where eager's "handled" lets the table's own update win: a tailing run's follow
+# reports the table a second after each report of `events`; when a follow fails (a reducer raising), the
+# reports of `events` after it, in the same minute as the last follow's, must still bring a run.
+BEHIND = _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_updated()).with_label(
+    "a dependency updated after this table")
+# Eager's parts but two: not held back while an `events` run is in progress (a tailing run is, all the time, and
+# reports each pass as a materialization; the projections read a committed version of `events` anyway), and
+# requested only while behind (or missing): once when it falls behind or a dependency updates again, not again
+# until then (a run that failed is tried again at the next update of `events`, not every evaluation).
+AFTER_EVENTS = (
+    _AC.in_latest_time_window()
+    & (_AC.missing() | BEHIND)
+    & (_AC.newly_missing() | BEHIND.newly_true() | _AC.any_deps_updated()).since(_AC.newly_requested())
+    & ~_AC.any_deps_missing()
+    & ~_AC.in_progress()
+).with_label("after events: behind a dependency, also while events runs tail")
 
 
 def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinition:
