@@ -154,7 +154,8 @@ class Reports:
         self.last = -float("inf")
 
     def add(self, result: ExtractResult) -> bool:
-        """Count a pass in; whether that made a report."""
+        """Count a pass in; whether its report is due now (`flush` it then): the first pass's at once, later
+        ones once `gap` seconds have passed since the last report."""
         self.passes += 1
         self.gathered += 1
         self.newest = result
@@ -162,10 +163,7 @@ class Reports:
             self.sums[name] = self.sums.get(name, 0) + getattr(result, name)
         for key, rows in _rows_per_partition(result, self.keys).items():
             self.rows[key] = self.rows.get(key, 0) + rows
-        if time.monotonic() - self.last >= self.gap:
-            self.flush()
-            return True
-        return False
+        return self.due()
 
     def due(self) -> bool:
         """Passes gathered whose report is due (the gap since the last is over)."""

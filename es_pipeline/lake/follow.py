@@ -78,7 +78,12 @@ class Follower:
     """The tables a tailing run keeps fresh, and what it has to report of them: `update` follows (at most every
     `gap` seconds unless forced), `flush` hands over the gathered figures of each table that changed (one
     materialization each, after a report of `events`, so that the automation sees them handled after their
-    dependency), `confirm` those of the tables the last follow found up to date that nothing reported yet.
+    dependency), `confirm` those of the tables the last follow found up to date (at the run's end, after the
+    run's own materialization of `events`).
+
+    Only the tables the latest follow covered are handed over: one it skipped (its turn taken, Spark needed)
+    keeps its figures for a later report, for reported after this report of `events` it would tell the
+    automation (defs/projections/assets.py, AFTER_EVENTS) that the table had kept up with it.
 
     `connect` opens the connection the turns are taken on (kept for the run); `frontier(conn)` reads the batch
     frontier on it. A follow that fails stops following for the run, and drops what it had gathered: reported
@@ -93,8 +98,8 @@ class Follower:
         self.failed = False
         self.conn: psycopg.Connection | None = None
         self.pending: dict[str, dict[str, Any]] = {}
-        self.reported: set[str] = set()  # tables reported by this run
-        self.up_to_date: dict[str, dict[str, Any]] = {}  # tables the last follow found with nothing to fold
+        self.covered: set[str] = set()  # tables the latest follow updated or found up to date
+        self.up_to_date: dict[str, dict[str, Any]] = {}  # tables the latest follow found with nothing to fold
 
     def close(self) -> None:
         if self.conn is not None:
@@ -114,12 +119,15 @@ class Follower:
             self.failed, self.pending = True, {}
             raise
         self.up_to_date = {}  # from this follow only: a table skipped since (its turn taken, Spark) is not
+        self.covered = set()
         for name, result in done.items():
             metadata: dict[str, Any] = result.metadata()
             if result.worked:
                 self._gather(name, metadata)
+                self.covered.add(name)
             elif not (isinstance(result, CrossStreamResult) and result.events_waiting):  # held for the frontier
                 self.up_to_date[name] = metadata
+                self.covered.add(name)
 
     def _gather(self, name: str, metadata: dict[str, Any]) -> None:
         """The newest update's figures; the work (events, keys) and count of all gathered updates."""
@@ -130,14 +138,15 @@ class Follower:
         self.pending[name] = {**metadata, "updates": before.get("updates", 0) + 1}
 
     def flush(self) -> dict[str, dict[str, Any]]:
-        """The gathered figures per table, to report now (and forget)."""
-        out, self.pending = self.pending, {}
-        self.reported.update(out)
+        """The gathered figures of each table the latest follow covered, to report now (and forget)."""
+        out = {name: m for name, m in self.pending.items() if name in self.covered}
+        self.pending = {name: m for name, m in self.pending.items() if name not in out}
         return out
 
     def confirm(self) -> dict[str, dict[str, Any]]:
-        """At the run's end: the figures of each table the last follow found up to date that this run did not
-        report, to report once (a table kept up to date stays fresh; one that fails or is skipped goes stale)."""
+        """At the run's end: the figures of each table the last follow found up to date, to report once more
+        after the run's own materialization of `events` (a table kept up to date stays fresh, and is not
+        behind it; one that fails or is skipped is, and goes stale)."""
         if self.failed:
             return {}
-        return {name: {**m, "up_to_date": True} for name, m in self.up_to_date.items() if name not in self.reported}
+        return {name: {**m, "up_to_date": True} for name, m in self.up_to_date.items()}

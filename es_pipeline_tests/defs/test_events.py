@@ -159,7 +159,8 @@ def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
     dsn: StoreDsn, settings: Settings, spark: Any, warehouse: Path
 ) -> None:
     """Once Spark has built the projections, a tailing run folds each pass's events into them itself
-    (small increments, delta-rs), each update a materialization of that projection."""
+    (small increments, delta-rs), each update a materialization of that projection, and each of them
+    reported once more after the run's own materialization of `events`."""
     store = EventStore(dsn.writer)
     run_workload(store, streams=20, events=60, writers=1, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
@@ -175,9 +176,13 @@ def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
                              tags=tailing_request(split(2), 0, 8).tags)
         later.join()
         assert res.success
-        kept = [e.step_materialization_data.materialization for e in res.all_events if e.is_step_materialization
-                and "kept_by" in e.step_materialization_data.materialization.metadata]
+        reported = [e.step_materialization_data.materialization for e in res.all_events if e.is_step_materialization]
+    kept = [m for m in reported if "kept_by" in m.metadata]
     assert {m.asset_key.to_user_string() for m in kept} == {"stream_state", "stream_catalog", "event_type_daily"}
+    # Each reported after the run's own (last) materialization of events: the automation sees them not behind it.
+    order = [m.asset_key.to_user_string() for m in reported]
+    assert set(order[max(i for i, key in enumerate(order) if key == "events") + 1:]) == {
+        "stream_state", "stream_catalog", "event_type_daily"}, order
     folded = sum(m.metadata["events_folded"].value for m in kept if m.asset_key.to_user_string() == "stream_state")
     assert folded == 40
     catalog = tables.read(spark, str(warehouse / "stream_catalog")).agg({"events": "sum"}).first()[0]

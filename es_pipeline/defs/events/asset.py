@@ -1,6 +1,7 @@
 """The `events` asset: committed events of one slice range, exactly once into Delta; and its job."""
 
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -45,7 +46,7 @@ def build_events_asset(
         event_store: EventStoreResource,
         spark: SparkResource,
         warehouse: WarehouseResource,
-    ) -> dg.MaterializeResult:
+    ) -> Iterator[dg.MaterializeResult]:
         # One range; or, for a tailing run, every range (a partition range, first key to last), taken as one.
         keys = list(context.partition_keys)
         slice_range = SliceRange(SliceRange.from_key(keys[0]).lo, SliceRange.from_key(keys[-1]).hi)
@@ -60,9 +61,10 @@ def build_events_asset(
             with stop_requests(context, finish=True) as stop, \
                     extractor.session(slice_range, context.run.run_id) as session:
                 if tail_seconds > 0:
-                    return _tail(context, extractor, slice_range, session, tail_seconds, keys,
-                                 report_seconds=settings.report_seconds, follow_seconds=settings.follow_seconds,
-                                 follow=here.pg_dsn if settings.automation else None, domain=domain, stop=stop)
+                    yield from _tail(context, extractor, slice_range, session, tail_seconds, keys,
+                                     report_seconds=settings.report_seconds, follow_seconds=settings.follow_seconds,
+                                     follow=here.pg_dsn if settings.automation else None, domain=domain, stop=stop)
+                    return
                 result = extractor.run(slice_range, run_id=context.run.run_id, session=session)
         except Exception as exc:  # a database, Delta or filesystem failure we can name: one line, no traceback
             known = explain(exc)
@@ -73,7 +75,7 @@ def build_events_asset(
             f"{slice_range.key}: {result.rows} events in {result.batches} batches below horizon {result.horizon}; "
             f"{result.events_behind} committed events wait behind it"
         )
-        return dg.MaterializeResult(
+        yield dg.MaterializeResult(
             metadata={**result.metadata(), "spark_session_seconds": round(extractor.spark_seconds, 3)}
         )
 
@@ -85,31 +87,36 @@ def _tail(
     tail_seconds: float, keys: list[str], *, report_seconds: float, follow_seconds: float, follow: str | None,
     domain: Domain,
     stop: threading.Event,
-) -> dg.MaterializeResult:
+) -> Iterator[dg.MaterializeResult]:
     """Passes over `slice_range` for `tail_seconds`, reported as materializations of the partitions they
     brought events to (`_Reports`: at most every `report_seconds`, each with the rows of the passes since the
     last); the run's own materialization of its partitions then sums the run up, without a row count of
     its own.
 
     With `follow` (the store's DSN, where the projections' automation is on), the projections' small
-    increments are folded in too, every `follow_seconds` (ES_PIPELINE_FOLLOW_SECONDS; 0: every pass) and after
-    each report, reported as
-    materializations of those projections right after the report of `events`; what needs Spark, or
-    fails, is left to the automation's runs."""
+    increments are folded in too, every `follow_seconds` (ES_PIPELINE_FOLLOW_SECONDS; 0: every pass) and
+    before each report, and reported as materializations of those projections right after the report of
+    `events` (and after the run's own materialization at its end); what needs Spark, or fails, is left to
+    the automation's runs. The order is what the automation reads (AFTER_EVENTS, defs/projections/assets.py):
+    a table materialized after `events` kept up with it; one that was not (skipped, failed) is behind it, and
+    its automation's run comes."""
     reports = _Reports(context, keys, report_seconds)
     projections = _Projections(context, extractor.warehouse, follow, domain, extractor.consumer, follow_seconds)
 
+    def report() -> None:  # the follow first: its report, after events', covers every event that one reports
+        projections.maybe_update(force=True)
+        reports.flush()
+        projections.flush()
+
     def on_pass(result: ExtractResult) -> None:
-        reported = reports.add(result)
-        projections.maybe_update(force=reported)  # a report of events: the projections' follows at once
-        if reported:
-            projections.flush()
+        if reports.add(result):
+            report()
+        else:
+            projections.maybe_update()  # between reports, at most every follow_seconds
 
     def on_idle() -> None:  # passes gathered, and none comes to report them: reported once their gap is over
         if reports.due():
-            reports.flush()
-            projections.maybe_update(force=True)
-            projections.flush()
+            report()
 
     with projections:
         first = extractor.run(slice_range, run_id=context.run.run_id, session=session)
@@ -117,20 +124,21 @@ def _tail(
             on_pass(first)
         tailed = tail(extractor, slice_range, run_id=context.run.run_id, seconds=tail_seconds, on_pass=on_pass,
                       session=session, stop=stop, on_idle=on_idle)
-        reports.flush()
         if not stop.is_set():  # asked to stop: the projections' automation takes what is left
             projections.maybe_update(force=True)
+        reports.flush()
+        last = tailed.last or first
+        ended = "asked to stop, " if stop.is_set() else ""
+        context.log.info(f"{slice_range.key}: {ended}tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events "
+                         f"in {reports.passes} passes after {tailed.probes} probes")
+        yield dg.MaterializeResult(metadata={
+            "run_events": first.rows + tailed.rows, "passes": reports.passes, "probes": tailed.probes,
+            "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
+            "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3), "stopped_early": stop.is_set(),
+        })
+        if not stop.is_set():  # after the run's own materialization of events, which they kept up with
             projections.flush()
             projections.confirm()
-    last = tailed.last or first
-    ended = "asked to stop, " if stop.is_set() else ""
-    context.log.info(f"{slice_range.key}: {ended}tailed {tail_seconds:.0f} s: {first.rows + tailed.rows} events in "
-                     f"{reports.passes} passes after {tailed.probes} probes")
-    return dg.MaterializeResult(metadata={
-        "run_events": first.rows + tailed.rows, "passes": reports.passes, "probes": tailed.probes,
-        "tail_seconds": tail_seconds, "horizon": last.horizon, "events_behind_horizon": last.events_behind,
-        "oldest_open_tx_seconds": round(last.oldest_open_tx_seconds, 3), "stopped_early": stop.is_set(),
-    })
 
 
 class _Reports(Reports):
