@@ -13,10 +13,11 @@ from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed.event_tables import update as update_event_tables
 
 _AC = dg.AutomationCondition
-# A dependency materialized after this table last was. Timed: both in one evaluation (the automation's every
-# 60 s), the later one wins, where eager's "handled" lets the table's own update win: a tailing run's follow
-# reports the table a second after each report of `events`; when a follow fails (a reducer raising), the
-# reports of `events` after it, in the same minute as the last follow's, must still bring a run.
+# A dependency materialized after this table last was (docs/decisions/0046). Within one evaluation (the
+# automation's, every 60 s) the later of the two wins, by timestamps; eager() lets the table's own update win,
+# whichever came first. A tailing run reports each table its follow kept up to date right after each report
+# of `events`, so a follow that failed leaves the table behind that report, and a run comes, even when the
+# last follow that worked was reported in the same evaluation.
 BEHIND = _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_updated()).with_label(
     "a dependency updated after this table")
 # Eager's parts but two: not held back while an `events` run is in progress (a tailing run is, all the time, and
