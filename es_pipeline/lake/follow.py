@@ -81,8 +81,8 @@ class Follower:
     dependency), `confirm` those of the tables the last follow found up to date (at the run's end, after the
     run's own materialization of `events`).
 
-    Only the tables the latest follow covered are handed over: one it skipped (its turn taken, Spark needed)
-    keeps its figures for a later report, for reported after this report of `events` it would tell the
+    Only the tables the latest follow covered are handed over. One it skipped (its turn taken, Spark needed)
+    keeps its figures for a later report: reported after this report of `events`, they would tell the
     automation (defs/projections/assets.py, AFTER_EVENTS) that the table had kept up with it.
 
     `connect` opens the connection the turns are taken on (kept for the run); `frontier(conn)` reads the batch
