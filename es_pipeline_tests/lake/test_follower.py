@@ -1,0 +1,61 @@
+"""What a tailing run's Follower hands over to report, and when (pure bookkeeping: the follows themselves are
+stand-ins here; test_small_increments and defs/test_events run the real ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from es_pipeline.domain import NO_DOMAIN
+from es_pipeline.lake import follow as follow_module
+from es_pipeline.lake.follow import Follower
+
+
+@dataclass
+class _Done:
+    worked: bool
+    events_folded: int = 0
+
+    def metadata(self) -> dict[str, Any]:
+        return {"events_folded": self.events_folded}
+
+
+def _follower(monkeypatch: pytest.MonkeyPatch, follows: list[dict[str, Any] | Exception]) -> Follower:
+    """A Follower whose follows answer `follows` in turn (a dict: the tables done; an exception: raised)."""
+    answers = iter(follows)
+
+    def next_follow(*_: Any, **__: Any) -> dict[str, Any]:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(follow_module, "follow", next_follow)
+    return Follower("/nowhere", NO_DOMAIN, connect=lambda: None, frontier=lambda conn: 0, gap=0)  # type: ignore[arg-type,return-value]
+
+
+def test_a_table_the_latest_follow_skipped_keeps_its_figures_for_a_later_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    follower = _follower(monkeypatch, [
+        {"stream_state": _Done(True, 5), "stream_catalog": _Done(True, 5)},
+        {"stream_catalog": _Done(True, 2)},  # stream_state's turn taken by another update
+        {"stream_state": _Done(False), "stream_catalog": _Done(False)},
+    ])
+    follower.update(force=True)
+    follower.update(force=True)
+    # Reported now, after a report of events that the skipped table did not fold, it would claim to be up to date.
+    assert follower.flush() == {"stream_catalog": {"events_folded": 7, "updates": 2}}
+    follower.update(force=True)
+    assert follower.flush() == {"stream_state": {"events_folded": 5, "updates": 1}}
+    # At the run's end, every table the last follow found up to date, whether this run reported it before or not.
+    assert set(follower.confirm()) == {"stream_state", "stream_catalog"}
+
+
+def test_a_failed_follow_drops_what_it_gathered_and_confirms_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    follower = _follower(monkeypatch, [{"stream_state": _Done(True, 3)}, ValueError("reducer raised")])
+    follower.update(force=True)
+    with pytest.raises(ValueError):
+        follower.update(force=True)
+    follower.update(force=True)  # stopped for the run: no follow asked
+    assert follower.flush() == {} and follower.confirm() == {}
