@@ -2,9 +2,9 @@
 
 A tailing `events` run (extraction/tail.py) keeps the tables fresh between the automation's runs:
 `follow` takes every table's small increment from one read of `events`' change feed, each in its own turn;
-`Follower` calls it at most every `gap` seconds (ES_PIPELINE_FOLLOW_SECONDS), gathers what the updates did for the run to report after each
-report of `events`, and remembers which tables it found up to date (reported once, at the run's end). What needs
-Spark, a whole build, or fails, is left to the automation's runs.
+`Follower` calls it at most every `gap` seconds (ES_PIPELINE_FOLLOW_SECONDS) and before each report of `events`,
+and hands over for the run to report, right after that report, every table the follow covered (updated, or found
+up to date). What needs Spark, a whole build, or fails, is left to the automation's runs.
 """
 
 from __future__ import annotations
@@ -76,19 +76,18 @@ def follow(
 
 class Follower:
     """The tables a tailing run keeps fresh, and what it has to report of them: `update` follows (at most every
-    `gap` seconds unless forced), `flush` hands over the gathered figures of each table that changed (one
-    materialization each, after a report of `events`, so that the automation sees them handled after their
-    dependency), `confirm` those of the tables the last follow found up to date (at the run's end, after the
-    run's own materialization of `events`).
+    `gap` seconds unless forced); `flush`, right after a report of `events` (and at the run's end, after its own
+    materialization of `events`), hands over each table the latest follow covered: the gathered figures of one
+    it updated, the figures of one it found up to date. One materialization each: logged after `events`', it
+    tells the automation (defs/projections/assets.py, AFTER_EVENTS) that the table is not behind it.
 
-    Only the tables the latest follow covered are handed over. One it skipped (its turn taken, Spark needed)
-    keeps its figures for a later report: reported after this report of `events`, they would tell the
-    automation (defs/projections/assets.py, AFTER_EVENTS) that the table had kept up with it.
+    A table the latest follow skipped (its turn taken, Spark needed) keeps its figures for a later report: reported
+    after this report of `events`, they would say it had kept up with events it has not folded.
 
     `connect` opens the connection the turns are taken on (kept for the run); `frontier(conn)` reads the batch
-    frontier on it. A follow that fails stops following for the run, and drops what it had gathered: reported
-    after this report of `events`, it would tell the automation the tables had handled it, and the one that
-    failed would not run again (and fail where its alert sees it) until `events` changed once more."""
+    frontier on it. A follow that fails stops following for the run, and drops what it had gathered: nothing
+    more is reported, so the tables are behind `events`, and the automation's run comes (and fails where its
+    alert sees it, when the failure is a reducer's)."""
 
     def __init__(self, warehouse: tables.Location, domain: Domain, connect: Callable[[], psycopg.Connection],
                  frontier: Callable[[psycopg.Connection], int], gap: float) -> None:
@@ -98,8 +97,8 @@ class Follower:
         self.failed = False
         self.conn: psycopg.Connection | None = None
         self.pending: dict[str, dict[str, Any]] = {}
-        self.covered: set[str] = set()  # tables the latest follow updated or found up to date
-        self.up_to_date: dict[str, dict[str, Any]] = {}  # tables the latest follow found with nothing to fold
+        self.covered: set[str] = set()  # tables the latest follow updated or found up to date, not yet handed over
+        self.up_to_date: dict[str, dict[str, Any]] = {}  # of those, the ones it found with nothing to fold
 
     def close(self) -> None:
         if self.conn is not None:
@@ -116,7 +115,7 @@ class Follower:
             conn = self.conn
             done = follow(self.warehouse, conn, self.domain, lambda: self.frontier(conn))
         except Exception:
-            self.failed, self.pending = True, {}
+            self.failed, self.pending, self.covered, self.up_to_date = True, {}, set(), {}
             raise
         self.up_to_date = {}  # from this follow only: a table skipped since (its turn taken, Spark) is not
         self.covered = set()
@@ -138,15 +137,10 @@ class Follower:
         self.pending[name] = {**metadata, "updates": before.get("updates", 0) + 1}
 
     def flush(self) -> dict[str, dict[str, Any]]:
-        """The gathered figures of each table the latest follow covered, to report now (and forget)."""
+        """Per table the latest follow covered, its figures to report now (and forget): the gathered ones of a
+        table it updated, `up_to_date` for one it found with nothing to fold."""
         out = {name: m for name, m in self.pending.items() if name in self.covered}
+        out.update({name: {**m, "up_to_date": True} for name, m in self.up_to_date.items() if name not in out})
         self.pending = {name: m for name, m in self.pending.items() if name not in out}
+        self.covered, self.up_to_date = set(), {}
         return out
-
-    def confirm(self) -> dict[str, dict[str, Any]]:
-        """At the run's end: the figures of each table the last follow found up to date, to report once more
-        after the run's own materialization of `events` (a table kept up to date stays fresh, and is not
-        behind it; one that fails or is skipped is, and goes stale)."""
-        if self.failed:
-            return {}
-        return {name: {**m, "up_to_date": True} for name, m in self.up_to_date.items()}

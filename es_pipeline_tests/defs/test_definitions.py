@@ -102,6 +102,8 @@ def test_a_projection_behind_events_is_requested_even_when_it_was_updated_in_the
     assert requested() == 0  # its run failed, and nothing new: not tried every minute
     report("events", first)
     assert requested() == 1  # events updated again: tried again
+    report("stream_state"), report("events", second)
+    assert requested() == 1  # its run done, then events updated, both before the next evaluation: asked again
     report("stream_state")
     assert requested() == 0
     report("events", second)

@@ -39,23 +39,26 @@ def _follower(monkeypatch: pytest.MonkeyPatch, follows: list[dict[str, Any] | Ex
 def test_a_table_the_latest_follow_skipped_keeps_its_figures_for_a_later_report(monkeypatch: pytest.MonkeyPatch) -> None:
     follower = _follower(monkeypatch, [
         {"stream_state": _Done(True, 5), "stream_catalog": _Done(True, 5)},
-        {"stream_catalog": _Done(True, 2)},  # stream_state's turn taken by another update
+        {"stream_catalog": _Done(True, 2), "event_type_daily": _Done(False)},  # stream_state's turn taken
         {"stream_state": _Done(False), "stream_catalog": _Done(False)},
     ])
     follower.update(force=True)
     follower.update(force=True)
     # Reported now, after a report of events that the skipped table did not fold, it would claim to be up to date.
-    assert follower.flush() == {"stream_catalog": {"events_folded": 7, "updates": 2}}
+    assert follower.flush() == {"stream_catalog": {"events_folded": 7, "updates": 2},
+                                "event_type_daily": {"events_folded": 0, "up_to_date": True}}
+    assert follower.flush() == {}  # handed over once
     follower.update(force=True)
-    assert follower.flush() == {"stream_state": {"events_folded": 5, "updates": 1}}
-    # At the run's end, every table the last follow found up to date, whether this run reported it before or not.
-    assert set(follower.confirm()) == {"stream_state", "stream_catalog"}
+    # Its figures, now that a follow covered it; and a table found up to date, reported too (not behind events).
+    assert follower.flush() == {"stream_state": {"events_folded": 5, "updates": 1},
+                                "stream_catalog": {"events_folded": 0, "up_to_date": True}}
 
 
-def test_a_failed_follow_drops_what_it_gathered_and_confirms_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    follower = _follower(monkeypatch, [{"stream_state": _Done(True, 3)}, ValueError("reducer raised")])
+def test_a_failed_follow_drops_what_it_gathered_and_reports_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    follower = _follower(monkeypatch, [{"stream_state": _Done(True, 3), "stream_catalog": _Done(False)},
+                                       ValueError("reducer raised")])
     follower.update(force=True)
     with pytest.raises(ValueError):
         follower.update(force=True)
     follower.update(force=True)  # stopped for the run: no follow asked
-    assert follower.flush() == {} and follower.confirm() == {}
+    assert follower.flush() == {}

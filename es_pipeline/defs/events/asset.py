@@ -138,7 +138,6 @@ def _tail(
         })
         if not stop.is_set():  # after the run's own materialization of events, which they kept up with
             projections.flush()
-            projections.confirm()
 
 
 class _Reports(Reports):
@@ -185,10 +184,6 @@ class _Projections:
     def flush(self) -> None:
         if self.follower is not None:
             self._log(self.follower.flush())
-
-    def confirm(self) -> None:
-        if self.follower is not None:
-            self._log(self.follower.confirm())
 
     def _log(self, reports: dict[str, dict[str, Any]]) -> None:
         for name, metadata in reports.items():

@@ -22,12 +22,14 @@ BEHIND = _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_updated()).with
     "a dependency updated after this table")
 # Eager's parts but two: not held back while an `events` run is in progress (a tailing run is, all the time, and
 # reports each pass as a materialization; the projections read a committed version of `events` anyway), and
-# requested only while behind (or missing): once when it falls behind or a dependency updates again, not again
-# until then (a run that failed is tried again at the next update of `events`, not every evaluation).
+# requested only while behind (or missing), once after each update of a dependency: a run that failed is tried
+# again at the next update of `events`, not every evaluation. Both sides of the second "since" are timed too (a
+# request by its evaluation's time), so an update after the request, seen in the next evaluation with it, counts.
 AFTER_EVENTS = (
     _AC.in_latest_time_window()
     & (_AC.missing() | BEHIND)
-    & (_AC.newly_missing() | BEHIND.newly_true() | _AC.any_deps_updated()).since(_AC.newly_requested())
+    & (_AC.newly_missing().since(_AC.newly_requested())
+       | _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_requested()))
     & ~_AC.any_deps_missing()
     & ~_AC.in_progress()
 ).with_label("after events: behind a dependency, also while events runs tail")
