@@ -60,7 +60,7 @@ def build_events_asset(
             # Asked to stop (make dev's Ctrl-C, a deploy, Terminate): the pass in progress commits, and the run ends.
             with stop_requests(context, finish=True) as stop, \
                     extractor.session(slice_range, context.run.run_id) as session:
-                if tail_seconds > 0:
+                if tail_seconds > 0:  # a generator: the projections' last reports come after events' own (0046)
                     yield from _tail(context, extractor, slice_range, session, tail_seconds, keys,
                                      report_seconds=settings.report_seconds, follow_seconds=settings.follow_seconds,
                                      follow=here.pg_dsn if settings.automation else None, domain=domain, stop=stop)
