@@ -97,8 +97,8 @@ class Follower:
         self.failed = False
         self.conn: psycopg.Connection | None = None
         self.pending: dict[str, dict[str, Any]] = {}
-        self.covered: set[str] = set()  # tables the latest follow updated or found up to date, not yet handed over
-        self.up_to_date: dict[str, dict[str, Any]] = {}  # of those, the ones it found with nothing to fold
+        self.updated: set[str] = set()  # tables the latest follow folded events into, not yet handed over
+        self.up_to_date: dict[str, dict[str, Any]] = {}  # tables it found with nothing to fold, not yet handed over
 
     def close(self) -> None:
         if self.conn is not None:
@@ -115,18 +115,17 @@ class Follower:
             conn = self.conn
             done = follow(self.warehouse, conn, self.domain, lambda: self.frontier(conn))
         except Exception:
-            self.failed, self.pending, self.covered, self.up_to_date = True, {}, set(), {}
+            self.failed, self.pending, self.updated, self.up_to_date = True, {}, set(), {}
             raise
         self.up_to_date = {}  # from this follow only: a table skipped since (its turn taken, Spark) is not
-        self.covered = set()
+        self.updated = set()
         for name, result in done.items():
             metadata: dict[str, Any] = result.metadata()
             if result.worked:
                 self._gather(name, metadata)
-                self.covered.add(name)
+                self.updated.add(name)
             elif not (isinstance(result, CrossStreamResult) and result.events_waiting):  # held for the frontier
                 self.up_to_date[name] = metadata
-                self.covered.add(name)
 
     def _gather(self, name: str, metadata: dict[str, Any]) -> None:
         """The newest update's figures; the work (events, keys) and count of all gathered updates."""
@@ -139,8 +138,7 @@ class Follower:
     def flush(self) -> dict[str, dict[str, Any]]:
         """Per table the latest follow covered, its figures to report now (and forget): the gathered ones of a
         table it updated, `up_to_date` for one it found with nothing to fold."""
-        out = {name: m for name, m in self.pending.items() if name in self.covered}
-        out.update({name: {**m, "up_to_date": True} for name, m in self.up_to_date.items() if name not in out})
-        self.pending = {name: m for name, m in self.pending.items() if name not in out}
-        self.covered, self.up_to_date = set(), {}
+        out = {name: self.pending.pop(name, {}) or {**self.up_to_date[name], "up_to_date": True}
+               for name in sorted(self.updated | self.up_to_date.keys())}
+        self.updated, self.up_to_date = set(), {}
         return out
