@@ -18,8 +18,8 @@ _AC = dg.AutomationCondition
 # whichever came first. A tailing run reports each table its follow kept up to date right after each report
 # of `events`, so a follow that failed leaves the table behind that report, and a run comes, even when the
 # last follow that worked was reported in the same evaluation.
-BEHIND = _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_updated()).with_label(
-    "a dependency updated after this table")
+DEP_UPDATED = _AC.any_deps_match(_AC.newly_updated())  # timed, unlike any_deps_updated() (an OR)
+BEHIND = DEP_UPDATED.since(_AC.newly_updated()).with_label("a dependency updated after this table")
 # Eager's parts but two: not held back while an `events` run is in progress (a tailing run is, all the time, and
 # reports each pass as a materialization; the projections read a committed version of `events` anyway), and
 # requested only while behind (or missing), once after each update of a dependency: a run that failed is tried
@@ -29,7 +29,7 @@ AFTER_EVENTS = (
     _AC.in_latest_time_window()
     & (_AC.missing() | BEHIND)
     & (_AC.newly_missing().since(_AC.newly_requested())
-       | _AC.any_deps_match(_AC.newly_updated()).since(_AC.newly_requested()))
+       | DEP_UPDATED.since(_AC.newly_requested()))
     & ~_AC.any_deps_missing()
     & ~_AC.in_progress()
 ).with_label("after events: behind a dependency, also while events runs tail")
