@@ -74,7 +74,8 @@ def test_a_projection_behind_events_is_requested_even_when_it_was_updated_in_the
 
     instance = dg.DagsterInstance.ephemeral()
     state = dg.AssetKey("stream_state")
-    first, second = defs.resolve_assets_def("events").partitions_def.get_partition_keys()[:2]  # type: ignore[union-attr]
+    partitions = defs.resolve_assets_def("events").partitions_def.get_partition_keys()  # type: ignore[union-attr]
+    first, second = partitions[:2]
     cursor = None
 
     def report(key: str, partition: str | None = None) -> None:
@@ -89,7 +90,7 @@ def test_a_projection_behind_events_is_requested_even_when_it_was_updated_in_the
         return result.get_num_requested(state)
 
     assert requested() == 0  # no events yet
-    for partition in defs.resolve_assets_def("events").partitions_def.get_partition_keys():  # type: ignore[union-attr]
+    for partition in partitions:
         report("events", partition)
     assert requested() == 1  # the first build
     assert requested() == 0  # its run in flight: not again
