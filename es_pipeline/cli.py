@@ -143,7 +143,8 @@ def _extract(args: argparse.Namespace, settings: Settings) -> int:
     for res in extract_ranges(settings, args.range, lambda: get_spark(settings),
                               run_id=f"cli-{int(time.time())}", progress=functools.partial(print, flush=True)):
         total += res.rows
-        print(f"{res.range_key}: {res.rows:,} events in {res.batches} batches, horizon {res.horizon}, "
+        jdbc = f" ({res.jdbc_batches} read by Spark's executors over JDBC)" if res.jdbc_batches else ""
+        print(f"{res.range_key}: {res.rows:,} events in {res.batches} batches{jdbc}, horizon {res.horizon}, "
               f"{res.events_behind:,} behind the horizon ({res.total_seconds:.1f} s)", flush=True)
     print(f"extracted {total:,} events into {EVENTS.path(settings.warehouse)}")
     return 0

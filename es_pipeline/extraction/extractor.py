@@ -30,7 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from es_pipeline.errors import ConfigError, FutureTransactionIds, LakeAheadOfOffsets, LakeStoreDiverged
+from es_pipeline.errors import (
+    ConfigError,
+    FutureTransactionIds,
+    LakeAheadOfOffsets,
+    LakeStoreDiverged,
+    WatermarksLeftBehind,
+)
 from es_pipeline.extraction import reader
 from es_pipeline.extraction.offsets import Batch, OffsetSession, pending_batch_ids
 from es_pipeline.extraction.rebase import rebase
@@ -76,7 +82,10 @@ class ExtractResult:
     total_seconds: float = 0.0
     backlog: int = 0
     batch_rows: list[int] = field(default_factory=list)
-    rows_by_slice: dict[int, int] = field(default_factory=dict)  # rows read as Arrow (Spark's reads are not)
+    rows_by_slice: dict[int, int] = field(default_factory=dict)  # rows written from Arrow reads, by slice
+    uncounted_rows: int = 0  # rows Spark's executors read over JDBC: not counted by slice
+    jdbc_batches: int = 0  # batches of this pass read by Spark's executors over JDBC
+    repaired_slices: int = 0  # slices whose watermarks an earlier pass left behind, moved up by this one's check
 
     def metadata(self) -> dict[str, int | float]:
         """Numeric metadata, plain int/float so that the Dagster UI plots it over time."""
@@ -269,7 +278,7 @@ class Extractor:
         # Postgres or the lake gone back in time (a restore, a failover): refuse before writing anything. First by
         # content, whichever app id wrote it; then every app id of the consumer whose runs our locks exclude.
         table = self._delta()  # brought up to date once: one log listing for both checks
-        self._check_lake_below_watermarks(session, slice_range.slices, table)
+        self._check_lake_below_watermarks(session, slice_range, table, result)
         apps = {app_id, *(p.app_id for p in replays),
                 *(a for a in session.lake_commit_apps() if _app_overlaps(a, self.consumer, slice_range))}
         for app in sorted(apps):
@@ -293,15 +302,20 @@ class Extractor:
                 f"rebased at once: every event is read by key below transaction {done.rebased_below}")
         return True
 
-    def _check_lake_below_watermarks(self, session: OffsetSession, slices: Sequence[int], table: DeltaTable) -> None:
-        """`LakeAheadOfOffsets` when the lake holds an event of `slices` at or above its slice's watermark outside
-        a pending batch: a batch whose offsets PostgreSQL lost (a failover, a restore), by whatever app id it was
-        written. Exempt: the restored events a rebase brings early (batch 0 before this release, now the rebase's
-        batch, as are a pending first run's rows) and, until the watermarks pass its mark, the events extracted
-        before it. Only the files whose statistics reach the lowest watermark are read.
+    def _check_lake_below_watermarks(
+        self, session: OffsetSession, slice_range: SliceRange, table: DeltaTable, result: ExtractResult
+    ) -> None:
+        """`LakeAheadOfOffsets` when the lake holds an event of the range at or above its slice's watermark outside
+        a pending batch, in a batch PostgreSQL has no record of: a batch whose offsets PostgreSQL lost (a failover, a
+        restore), by whatever app id it was written. Exempt: the restored events a rebase brings early (batch 0
+        before this release, now the rebase's batch, as are a pending first run's rows) and, until the watermarks
+        pass its mark, the events extracted before it. Only the files whose statistics reach the lowest watermark
+        are read. Such events in batches PostgreSQL recorded as committed are watermarks left behind
+        (`_move_up_left_behind`).
 
         The lake is read before the offsets: a batch in that version is, when they are read, either below its
         watermarks or still pending (our slice locks keep any other run from committing on these slices)."""
+        slices = slice_range.slices
         marks = session.watermarks(slices)
         pending = pending_batch_ids(session.conn, self.consumer)
         floor = max(min(marks.values()), session.rebased_below or 0)
@@ -311,16 +325,55 @@ class Extractor:
         )
         if held.num_rows == 0:
             return
-        by_slice = pa.array([marks.get(s, 0) for s in range(max(slices) + 1)], pa.int64())
-        above = pc.greater_equal(held["tx_id"], pc.take(by_slice, held["slice"]))
         # A pending batch of a first run after a rebase wrote its rows as the rebase's batch (`rows_batch_id`).
         pending = [*pending, *([session.rebase_batch] if session.rebase_batch is not None else [])]
-        known = pc.or_(pc.equal(held["batch_id"], 0), pc.is_in(held["batch_id"], pa.array(sorted(pending), pa.int64())))
-        stray = held.filter(pc.and_(above, pc.invert(pc.fill_null(known, False))))
-        if stray.num_rows:
+        stray = held.filter(_above_watermarks(held, marks, pending))
+        if not stray.num_rows:
+            return
+        # The newest batch PostgreSQL recorded as committed by a run on these slices (batch ids are one sequence).
+        recorded = max((b for a, b in session.recorded_lake_commits().items()
+                        if _app_overlaps(a, self.consumer, slice_range)), default=None)
+        unknown = stray if recorded is None else stray.filter(
+            pc.fill_null(pc.greater(stray["batch_id"], recorded), True))
+        if unknown.num_rows:
             raise LakeAheadOfOffsets(
-                self.events_path, self.consumer, stray.num_rows, sorted(set(stray["slice"].to_pylist())),
-                sorted({int(b) for b in stray["batch_id"].to_pylist() if b is not None}))
+                self.events_path, self.consumer, unknown.num_rows, sorted(set(unknown["slice"].to_pylist())),
+                sorted({int(b) for b in unknown["batch_id"].to_pylist() if b is not None}))
+        self._move_up_left_behind(session, marks, pending, stray, table, result)
+
+    def _move_up_left_behind(
+        self, session: OffsetSession, marks: dict[int, int], pending: list[int], stray: pa.Table, table: DeltaTable,
+        result: ExtractResult,
+    ) -> None:
+        """Watermarks left below rows of batches PostgreSQL recorded as committed: a pass of es_pipeline 0.1.0 that
+        read some batches as Arrow and others by Spark's JDBC moved, for a JDBC batch, only the slices of the pass's
+        earlier Arrow batches (CHANGELOG, "Unreleased"). Where the lake holds each event of the store between a slice's
+        watermark and its highest such row exactly once, the watermark moves up past that row (exact: every
+        transaction below it has ended). Where it holds some twice (a later pass read them again), or not the
+        store's, `WatermarksLeftBehind` says so and what to do."""
+        bounds = {int(s): (marks[int(s)], int(top) + 1) for s, top in zip(
+            *stray.group_by("slice").aggregate([("tx_id", "max")]).select(["slice", "tx_id_max"]).columns,
+            strict=True)}
+        rows = table.to_pyarrow_dataset().to_table(
+            columns=["tenant", "stream_id", "version", "slice", "tx_id", "batch_id"],
+            filter=pc.field("slice").isin(list(bounds)) & (pc.field("tx_id") >= min(lo for lo, _ in bounds.values())))
+        rows = rows.filter(_above_watermarks(rows, marks, pending))
+        lake = pa.table({"tenant": tables.keys_tenant(rows), "stream_id": rows["stream_id"].cast(pa.string()),
+                         "version": rows["version"].cast(pa.int32())})
+        store = reader.keys_between(self.dsn, self.events_source, bounds)
+        twice = lake.group_by(tables.KEY).aggregate([("version", "count")]).filter(
+            pc.greater(pc.field("version_count"), 1)).num_rows
+        not_in_store = lake.join(store, keys=tables.KEY, join_type="left anti").num_rows
+        if twice or not_in_store or store.num_rows != lake.num_rows:
+            raise WatermarksLeftBehind(
+                self.events_path, self.consumer, rows.num_rows, twice, sorted(bounds),
+                sorted({int(b) for b in rows["batch_id"].to_pylist() if b is not None}))
+        session.move_up(bounds)
+        result.repaired_slices += len(bounds)
+        self.progress(
+            f"events: the watermarks of {len(bounds)} slice(s) of consumer {self.consumer!r} were behind "
+            f"{rows.num_rows:,} event(s) the lake holds once (left there by a pass of es_pipeline 0.1.0 that mixed "
+            "Arrow and JDBC batches); moved up past them, nothing read again")
 
     def settle(self, session: OffsetSession, slice_range: SliceRange, run_id: str = "manual") -> ExtractResult:
         """A session's first pass without the extraction: lock, check, replay what a crashed run left pending
@@ -414,9 +467,13 @@ class Extractor:
         assert batch.batch_id is not None
         t1 = time.monotonic()
         waited = [0.0]
+        # The slices this batch read rows of, counted as its own rows pass (None: not counted, every slice moves).
+        # Its own: a count shared by the pass's batches would let a batch move only the slices of earlier ones.
+        read: dict[int, int] | None = {}
         if counted is not None and self._uses_jdbc(counted, session):
             # Spark reads the batch itself (lazily, inside the write): `counted` was counted
-            # exactly over the same deterministic bounds.
+            # exactly over the same deterministic bounds. Its executors count no slice.
+            read = None
             self._step("read", batch)
             written = self._spark_append(self._jdbc_to_spark(batch), batch, expect_rows=counted)
             if written is None:  # a new batch Delta says it has: never skip it and go on
@@ -425,8 +482,11 @@ class Extractor:
                     batch.app_id, self.events_path, tables.transaction_version(self.events_path, batch.app_id), None
                 )
             rows, in_lake = written, written > 0
+            result.uncounted_rows += written
+            result.jdbc_batches += 1
         else:
-            stream = self._rows(batch, counted, waited)
+            assert read is not None
+            stream = _counting(self._rows(batch, counted, waited), read)
             if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
                 stream = tables.without_events_in_lake(stream, self.events_path)  # see extraction/rebase.py
             sort_as = session.rows_batch_id(batch)
@@ -443,9 +503,9 @@ class Extractor:
         result.read_seconds += waited[0]
         result.write_seconds += time.monotonic() - t1 - waited[0]
         self._step("delta_committed", batch)
-        # The slices it brought rows of (counted as the Arrow rows passed; a replay, or Spark's read, counts none:
-        # every slice moves then).
-        moved = None if replay or not result.rows_by_slice else result.rows_by_slice.keys()
+        # The slices it read rows of move (a slice without rows had no committed event in its interval); a replay,
+        # or Spark's read, counted none: every slice moves then.
+        moved = None if replay or read is None else read.keys()
         session.commit(batch, in_lake=in_lake, moved=moved)
         self._step("offsets_committed", batch)
         result.rows += rows
@@ -566,6 +626,15 @@ def _app_overlaps(app_id: str, consumer: str, slice_range: SliceRange) -> bool:
     except ValueError:
         return False
     return other.lo <= slice_range.hi and slice_range.lo <= other.hi
+
+
+def _above_watermarks(rows: pa.Table, marks: dict[int, int], pending: list[int]) -> pa.Array:
+    """Which of the lake's `rows` (slice, tx_id, batch_id) lie at or above their slice's watermark outside a pending
+    batch (batch 0 is the restored events a rebase brought early)."""
+    by_slice = pa.array([marks.get(s, 0) for s in range(max(marks) + 1)], pa.int64())
+    above = pc.greater_equal(rows["tx_id"], pc.take(by_slice, rows["slice"]))
+    known = pc.or_(pc.equal(rows["batch_id"], 0), pc.is_in(rows["batch_id"], pa.array(sorted(pending), pa.int64())))
+    return pc.and_(above, pc.invert(pc.fill_null(known, False)))
 
 
 def _sorting_as(rows: Iterator[pa.RecordBatch], batch_id: int) -> Iterator[pa.RecordBatch]:

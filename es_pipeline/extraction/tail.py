@@ -184,9 +184,9 @@ class Reports:
 
 
 def _rows_per_partition(result: ExtractResult, keys: list[str]) -> dict[str, int]:
-    """The pass's rows by partition key (ranges without rows left out). A pass read by Spark's executors
-    counted no slices: then every partition is reported with the pass's whole count."""
-    if not result.rows_by_slice:
+    """The pass's rows by partition key (ranges without rows left out). A pass with a batch read by Spark's
+    executors did not count every row by slice: then every partition is reported with the pass's whole count."""
+    if result.uncounted_rows or not result.rows_by_slice:
         return {key: result.rows for key in keys} if result.rows else {}
     out = {}
     for key in keys:
