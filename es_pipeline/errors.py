@@ -251,6 +251,25 @@ class LakeAheadOfOffsets(LakeStoreDiverged):
         )
 
 
+class WatermarksLeftBehind(EsPipelineError):
+    """The lake holds events above their slice's watermark in batches PostgreSQL recorded as committed, and not
+    exactly the store's events there: watermarks an older release left behind, and a later pass read again."""
+
+    def __init__(self, path: str, consumer: str, events: int, twice: int, slices: list[int], batches: list[int]) -> None:
+        self.path, self.consumer, self.events, self.twice = path, consumer, events, twice
+        self.slices, self.batches = slices, batches
+        shown = ", ".join(str(s) for s in slices[:8]) + (" …" if len(slices) > 8 else "")
+        held = f"{twice} of them twice" if twice else "not exactly the store's events there"
+        super().__init__(
+            f"the Delta table at {path} holds {events} event(s) of slice(s) {shown} above the watermarks of consumer "
+            f"{consumer!r}, in batch(es) {', '.join(str(b) for b in batches[:5])} that PostgreSQL recorded as "
+            f"committed, {held}: a pass of es_pipeline 0.1.0 that mixed Arrow and JDBC batches left those watermarks "
+            "behind, and a later pass read the events again (PostgreSQL is not behind the lake). Nothing was written. "
+            "Run `es-pipeline lake rebuild events`: it extracts every event of the store once, and each projection "
+            "rebuilds itself. See docs/operations.md, \"Watermarks left behind\"."
+        )
+
+
 class LakeHoldsAnotherSource(EsPipelineError):
     """A consumer would bind to an `events` table that holds another consumer's (or another store's) events."""
 

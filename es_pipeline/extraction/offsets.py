@@ -323,6 +323,26 @@ class OffsetSession:
         return [str(a) for (a,) in self.conn.execute(
             "SELECT app_id FROM es_pipeline.lake_commits WHERE consumer = %s ORDER BY app_id", (self.consumer,))]
 
+    def recorded_lake_commits(self) -> dict[str, int]:
+        """The newest batch recorded as committed to the lake, per Delta app id of this consumer."""
+        return {str(a): int(b) for a, b in self.conn.execute(
+            "SELECT app_id, batch_id FROM es_pipeline.lake_commits WHERE consumer = %s", (self.consumer,))}
+
+    def move_up(self, bounds: dict[int, tuple[int, int]]) -> None:
+        """Move each slice's watermark from `lo` up to `hi` for `bounds[slice] = (lo, hi)`, in one transaction, under
+        our locks (a slice never extracted has no row yet, watermark 0). A watermark never moves down. The caller has
+        shown that the lake holds each event of the store in [lo, hi) once (`Extractor`'s check of the lake)."""
+        with self.conn.transaction():
+            self.conn.execute("SET LOCAL synchronous_commit = on")  # per transaction: also behind a pooler
+            self._verify_locks(list(bounds))
+            self.conn.execute(
+                "INSERT INTO es_pipeline.offsets AS o (consumer, slice, watermark, updated_at, run_id) "
+                "SELECT %s, m.slice, m.hi, now(), %s FROM unnest(%s::smallint[], %s::xid8[]) AS m(slice, hi) "
+                "ON CONFLICT (consumer, slice) DO UPDATE SET watermark = excluded.watermark, "
+                "updated_at = excluded.updated_at, run_id = excluded.run_id WHERE o.watermark < excluded.watermark",
+                (self.consumer, self.run_id, int_array(bounds), int_array(hi for _, hi in bounds.values())),
+            )
+
     def catchup_slices(self, slices: Sequence[int]) -> list[int]:
         """The slices of these whose first run since a rebase is still to come (see extraction/rebase.py)."""
         return [int(s) for (s,) in self.conn.execute(

@@ -229,6 +229,23 @@ def event_keys(dsn: str, source: Source | str) -> pa.Table:
     })
 
 
+def keys_between(dsn: str, source: Source | str, bounds: dict[int, tuple[int, int]]) -> pa.Table:
+    """(tenant, stream_id, version) of the store's events of each slice `s` with `lo <= tx_id < hi`, for
+    `bounds[s] = (lo, hi)`: one index range scan per slice."""
+    if not bounds:
+        return pa.table({f.name: pa.array([], f.type) for f in _KEYS})
+    slices = int_array(bounds)
+    los, his = int_array(lo for lo, _ in bounds.values()), int_array(hi for _, hi in bounds.values())
+    keys = _fetch_arrow(
+        dsn, f"SELECT coalesce(e.tenant, '') AS tenant, e.stream_id, e.version "
+             f"FROM unnest('{slices}'::smallint[], '{los}'::xid8[], '{his}'::xid8[]) AS w(slice, lo, hi) "
+             f"CROSS JOIN LATERAL (SELECT * FROM {as_source(source).relation()} e WHERE e.slice = w.slice "
+             f"AND e.tx_id >= w.lo AND e.tx_id < w.hi OFFSET 0) e")
+    return pa.table([keys[f.name].cast(f.type) for f in _KEYS], schema=_KEYS)
+
+
+_KEYS = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("version", pa.int32())])
+
 EVENTS_ARROW_SCHEMA = READ_SCHEMA  # the lake's `events` as the source reads it (lake/events.py)
 
 
