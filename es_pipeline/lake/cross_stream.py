@@ -122,6 +122,12 @@ class CrossStreamResult:
         """Whether the run folded events (else the table was up to date, or its events wait for the frontier)."""
         return bool(self.events_folded)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the table holds every event of the `events` version it read: not while some wait for the frontier
+        (a later update folds them), however many it folded."""
+        return not self.events_waiting
+
     def metadata(self) -> dict[str, int | bool | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"dagster/row_count": self.rows, "events_folded": self.events_folded, "keys_updated": self.keys_updated,

@@ -123,8 +123,11 @@ class Follower:
             metadata: dict[str, Any] = result.metadata()
             if result.worked:
                 self._gather(name, metadata)
+            if not result.caught_up:  # short of events (a feed it could not read, events held for the frontier):
+                continue              # reported now, it would say it kept up; the automation's run takes it
+            if result.worked:
                 self.updated.add(name)
-            elif not (isinstance(result, CrossStreamResult) and result.events_waiting):  # held for the frontier
+            else:
                 self.up_to_date[name] = metadata
 
     def _gather(self, name: str, metadata: dict[str, Any]) -> None:

@@ -331,3 +331,27 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
     assert not grown.rebuilt and grown.engine == "local" and grown.events == 61
     assert "events_measured.new_field boolean" in grown.new_columns
     assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
+
+
+def test_an_increment_stopped_at_a_feed_it_cannot_read_says_it_did_not_catch_up(
+    dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tailing run's follow (build=False) folds the windows it can read and stops at one it cannot: the result says
+    it is short of `events`, so the run does not report the tables as kept up (lake/follow.py)."""
+    store = EventStore(dsn)
+    run_workload(store, streams=10, events=60, writers=1, rollback_rate=0, max_commit_delay=0, seed=6)
+    extract_all(dsn.extractor, None, warehouse, 1)
+    event_tables.update(warehouse, PLAIN)
+    monkeypatch.setattr(event_tables, "WINDOW", 1)  # a window per commit: the first readable, the second not
+    for seed in (7, 8):
+        run_workload(store, streams=5, events=10, writers=1, rollback_rate=0, max_commit_delay=0, seed=seed)
+        extract_all(dsn.extractor, None, warehouse, 1)
+    events = warehouse / "events"
+    last = DeltaTable(str(events)).version()
+    log = (events / "_delta_log" / f"{last:020d}.json").read_text().splitlines()
+    for action in (json.loads(line) for line in log):
+        if "add" in action:  # the last commit's files gone, as a vacuum leaves a compacted table's
+            (events / action["add"]["path"]).unlink()
+    short = event_tables.increment(warehouse, PLAIN, build=False)
+    assert short is not None and short.events == 10 and not short.caught_up
+    assert event_tables.increment(warehouse, PLAIN, build=False) is None, "nothing more it can read"

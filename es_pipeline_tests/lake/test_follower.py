@@ -17,6 +17,7 @@ from es_pipeline.lake.follow import Follower
 class _Done:
     worked: bool
     events_folded: int = 0
+    caught_up: bool = True
 
     def metadata(self) -> dict[str, Any]:
         return {"events_folded": self.events_folded}
@@ -62,3 +63,18 @@ def test_a_failed_follow_drops_what_it_gathered_and_reports_nothing_more(monkeyp
         follower.update(force=True)
     follower.update(force=True)  # stopped for the run: no follow asked
     assert follower.flush() == {}
+
+
+def test_a_table_the_follow_left_short_of_events_is_not_reported_as_kept_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follow that folded some events but stopped short (a change feed it could not read, events held for the
+    frontier) is not reported: after a report of `events`, it would tell the automation the table kept up."""
+    follower = _follower(monkeypatch, [
+        {"events_typed": _Done(True, 4, caught_up=False), "sku_sales": _Done(True, 2, caught_up=False),
+         "stream_catalog": _Done(True, 6)},
+        {"events_typed": _Done(False, caught_up=False), "sku_sales": _Done(True, 1)},
+    ])
+    follower.update(force=True)
+    assert follower.flush() == {"stream_catalog": {"events_folded": 6, "updates": 1}}
+    follower.update(force=True)
+    # The projection caught up: its figures of both follows; the typed tables, still short, nothing.
+    assert follower.flush() == {"sku_sales": {"events_folded": 3, "updates": 2}}

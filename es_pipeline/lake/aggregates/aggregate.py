@@ -38,6 +38,11 @@ class AggregateResult:
         """Whether the run read events (else the table was up to date)."""
         return bool(self.events_read)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the table holds every event of the `events` version it read (an aggregate's update is whole)."""
+        return True
+
     def metadata(self) -> dict[str, int | bool | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"dagster/row_count": self.rows, "events_read": self.events_read, "keys_updated": self.keys_updated,

@@ -84,6 +84,12 @@ class StateResult:
         """Whether the run folded events (else `stream_state` was up to date)."""
         return bool(self.events_folded)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether every stream whose type has a reducer was folded up to the `events` version read; a type held for
+        its rebuild beside is reported apart (`held_types`, `es-pipeline lake rebuilds`)."""
+        return True
+
     def metadata(self) -> dict[str, int | str]:
         """The run's figures, as its asset's materialization shows them."""
         return {"events_folded": self.events_folded, "streams_updated": self.streams_updated,

@@ -92,6 +92,7 @@ class EventTablesResult:
     overflow: dict[str, int] = field(default_factory=dict)  # table → values kept in `_overflow`
     seconds: float = 0.0
     engine: str = "local"  # where a whole build ran: "spark" or "local" (increments always run in process)
+    caught_up: bool = True  # False: an increment stopped at a change feed it could not read (a build goes on)
 
     @property
     def events(self) -> int:
@@ -218,7 +219,9 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
         if progress is not None and upto < now:
             progress(f"typed event tables: up to events version {upto} of {now}")
     if cursor is None or cursor < now:
-        if not build:
+        if not build:  # the windows it finished, short of `now`: only a whole build goes on from here
+            if total is not None:
+                total.caught_up = False
             return total
         keeper.next_window(now)
         if tables.builds_on_spark(events, spark, engine):
