@@ -109,3 +109,19 @@ def test_a_projection_behind_events_is_requested_even_when_it_was_updated_in_the
     assert requested() == 0
     report("events", second)
     assert requested() == 1  # an events run that does not follow (not tailing)
+
+
+def test_a_domain_named_with_spaces_and_symbols_loads_its_cross_stream_projection() -> None:
+    """The asset's `domain` tag is the name as a Dagster tag value takes it; the name itself is the team's."""
+    from es_pipeline.domain import Domain, Event, State
+    from es_pipeline.location import build_definitions
+
+    team = Domain("my shop (EU) — 2026")
+
+    @team.projection("sales_by_sku", events=["ItemAdded"], key="sku", revision=1)
+    def sales_by_sku(state: State, event: Event) -> State:
+        return {"n": int(state.get("n", 0)) + 1}
+
+    graph = build_definitions(domain=team).resolve_asset_graph()
+    node = graph.get(dg.AssetKey("sales_by_sku"))
+    assert node.tags["domain"] == "my_shop__EU____2026"

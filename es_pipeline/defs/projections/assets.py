@@ -1,5 +1,7 @@
 """Projections of `events` (catalog, daily counts, current state), kept by declarative automation."""
 
+import re
+
 import dagster as dg
 
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
@@ -93,6 +95,12 @@ def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     return stream_state
 
 
+def tag_value(text: str) -> str:
+    """`text` as a Dagster tag value takes it (letters, digits, `_`, `-`, `.`; at most 63): any other character as
+    `_`. A domain's name is the team's own (`Domain("my shop")`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:63] or "_"
+
+
 def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
     """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others; a whole
     build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
@@ -103,7 +111,7 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
         deps=["events"],
         kinds={"python", "delta"},
         owners=["team:data-engineering"],
-        tags={"layer": "projection", "domain": projection.domain or "none"},
+        tags={"layer": "projection", "domain": tag_value(projection.domain or "none")},
         automation_condition=AFTER_EVENTS,
         description=f"Cross-stream projection of domain {projection.domain}: events "
         f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
