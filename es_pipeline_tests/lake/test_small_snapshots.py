@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,24 +15,29 @@ from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain, Event
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.state import snapshots
 from es_pipeline.lake.state.snapshots import app_id, latest, take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
-from es_pipeline.store.event_store import EventStore
+from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn
 from es_pipeline_tests.support.store import stored_snapshots
 
 
-def test_latest_is_the_highest_version_then_revision_per_stream_and_tenant() -> None:
-    rows = pa.table({"stream_id": ["a", "b", "a", "a", "b", "a"], "version": [5, 3, 9, 9, 3, 2],
-                     "revision": [1, 1, 1, 2, 4, 1], "state": ["a5", "b3r1", "a9r1", "a9r2", "b3r4", "t2a2"],
-                     "tenant": ["", "", "", "", "", "t2"]})
-    assert sorted(latest(rows).to_pylist(), key=lambda r: (r["tenant"], r["stream_id"])) == [
+def test_latest_is_the_highest_version_then_the_last_taken_per_stream_and_tenant() -> None:
+    at = [datetime(2026, 11, 28, h, tzinfo=UTC) for h in range(8)]
+    rows = pa.table({"stream_id": ["a", "b", "a", "a", "b", "a", "c", "c"], "version": [5, 3, 9, 9, 3, 2, 4, 4],
+                     "revision": [1, 1, 1, 2, 4, 1, 2, 1], "state": ["a5", "b3r1", "a9r1", "a9r2", "b3r4", "t2a2",
+                                                                    "c4r2", "c4r1 again"],
+                     "tenant": ["", "", "", "", "", "t2", "", ""], "taken_at": at})
+    assert sorted(latest(rows).drop_columns(["taken_at"]).to_pylist(), key=lambda r: (r["tenant"], r["stream_id"])) == [
         {"stream_id": "a", "version": 9, "revision": 2, "state": "a9r2", "tenant": ""},
         {"stream_id": "b", "version": 3, "revision": 4, "state": "b3r4", "tenant": ""},
+        # Revision 2 rolled back to 1: the take after it is the latest, not the higher revision.
+        {"stream_id": "c", "version": 4, "revision": 1, "state": "c4r1 again", "tenant": ""},
         {"stream_id": "a", "version": 2, "revision": 1, "state": "t2a2", "tenant": "t2"},
     ]
 
@@ -86,3 +92,35 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
     # ES_PIPELINE_ENGINE=local keeps a take past the streams bound in process (no Spark session to ask for).
     monkeypatch.setattr(snapshots, "SMALL_SNAPSHOTS", 0)
     assert take_snapshots(None, small, store, threshold=1, engine="local").engine == "local"
+
+
+def test_a_revision_rolled_back_is_snapshotted_once_and_written_back(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
+    """Revision 2 swapped in and snapshotted, then revision 1 again: the store gets revision 1's state back, and later
+    takes append nothing more for a stream whose version has not moved."""
+    writer, store = EventStore(dsn.writer), EventStore(dsn.snapshots)
+    writer.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2, "unit_price": 1.5})], 0)
+
+    def cart_v2(state: dict[str, Any], event: Event) -> dict[str, Any]:
+        return {**SHOP.reducers["cart"].fold(state, event), "v2": True}
+
+    v2 = Domain("shop, carts v2")
+    v2.add(SHOP.reducers["account"])
+    v2.reducer("cart", revision=5)(cart_v2)
+    one, two = SHOP.revisions()["cart"], v2.revisions()["cart"]  # a revision counts the upcasters too
+    assert one != two
+    extract = Extractor(dsn.extractor, None, warehouse)
+    for domain, revision in ((SHOP, one), (v2, two), (SHOP, one)):
+        extract.run(SliceRange(0, 1023))
+        update_stream_state(spark, warehouse, domain=domain)
+        assert take_snapshots(None, warehouse, store, threshold=1).taken == 1, f"revision {revision} taken once"
+        assert stored_snapshots(dsn)["cart-1"][:2] == (1, revision), "the store holds the revision in service"
+    # Another stream moves stream_state on; the cart, unchanged, is not taken again.
+    writer.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "b"})], 0)
+    extract.run(SliceRange(0, 1023))
+    update_stream_state(spark, warehouse, domain=SHOP)
+    assert take_snapshots(None, warehouse, store, threshold=1).taken == 1
+    taken = DeltaTable(tables.table_path(warehouse, "snapshots")).to_pyarrow_table(
+        columns=["stream_id", "version", "revision"]).to_pylist()
+    assert sorted((r["stream_id"], r["version"], r["revision"]) for r in taken) == sorted([
+        ("cart-1", 1, one), ("cart-1", 1, two), ("cart-1", 1, one), ("cart-2", 1, one)])
+    assert stored_snapshots(dsn)["cart-1"][:2] == (1, one)

@@ -16,7 +16,8 @@ streams and snapshots, not `events`' bytes: a take reads `stream_state` and `sna
 them so; docs/decisions/0041).
 
 A stream is due when it has no snapshot and `threshold` events, has `threshold` events more than its
-latest snapshot (the highest version, then revision), or its reducer revision changed.
+latest snapshot, or its reducer revision changed. Its latest snapshot is the one of the highest version taken last:
+after a revision is rolled back, the state of the old revision again, taken once more (not the highest revision).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ DEFAULT_THRESHOLD = 50
 SMALL_SNAPSHOTS = 200_000  # streams in stream_state at most; above, Spark takes the snapshots
 SMALL_SNAPSHOT_ROWS = 2_000_000  # snapshots in the lake at most (they are read whole)
 _COLUMNS = ["stream_id", "stream_type", "version", "state", "revision", "tenant"]  # read from state and snapshots
+_TAKEN = [*_COLUMNS, "taken_at"]  # read from snapshots: which of a version's snapshots is the latest
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int,
     # `tenant erase` deletes a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows.
     with one_at_a_time(store.dsn, "snapshots") as turn:
         if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
-            return 0, _write_back(latest(feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_COLUMNS)), store), -1
+            return 0, _write_back(latest(feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)), store), -1
         state = DeltaTable(state_path)
         if feed.has_deletion_vectors(state) or (bounded and feed.row_count(state) > SMALL_SNAPSHOTS) or \
                 not tables.has_columns(state, KEY):
@@ -107,14 +109,14 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int,
         app = SNAPSHOTS.app_id_over(str(state.metadata().id))
         snap = DeltaTable(snap_path)  # the version this turn reads, from which it commits
         read = snap.transaction_version(app)
-        lake = feed.files(snap_path, snap).to_table(columns=_COLUMNS)
+        lake = feed.files(snap_path, snap).to_table(columns=_TAKEN)
         due = _due(feed.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
         taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=app, version=state_version, table=snap,
                                before_commit=lambda: turn.confirm(snap_path, app, None if read is None else int(read)))
         if taken:  # the lake is the record: what it now holds, these included
-            lake = pa.concat_tables([lake, due.select(_COLUMNS)])
+            lake = pa.concat_tables([lake, due.select(_TAKEN).cast(lake.schema)])
         elif taken is None:  # this state version was taken already (a replay): read what is there
-            lake = feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_COLUMNS)
+            lake = feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)
         return taken or 0, _write_back(latest(lake), store), state_version
 
 
@@ -127,12 +129,15 @@ def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | Non
     snap = DeltaTable(snap_path)
     if feed.has_deletion_vectors(snap) or feed.row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, KEY):
         return None
-    return _missing(latest(feed.files(snap_path, snap).to_table(columns=_COLUMNS)), store)
+    return _missing(latest(feed.files(snap_path, snap).to_table(columns=_TAKEN)), store)
 
 
 def latest(snapshots: pa.Table) -> pa.Table:
-    """Each stream's latest snapshot: the highest version, then revision (Spark's `max(struct(version, revision))`)."""
-    return tables.latest_per_stream(snapshots, [("version", "descending"), ("revision", "descending")])
+    """Each stream's latest snapshot: the highest version, then the one taken last (Spark's
+    `max(struct(version, taken_at, revision))`): a revision rolled back is taken again at the same version, and that
+    take is the state of the revision in service."""
+    return tables.latest_per_stream(
+        snapshots, [("version", "descending"), ("taken_at", "descending"), ("revision", "descending")])
 
 
 def _due(state: pa.Table, last: pa.Table, threshold: int) -> pa.Table:
@@ -188,7 +193,8 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
         return SnapshotResult(0, write_back(spark, warehouse, store), -1, engine="spark")
     state_version = tables.table_version(spark, state_path)
     state = tables.read(spark, state_path, version=state_version)
-    last = tables.read(spark, snap_path).groupBy(*KEY).agg(F.max(F.struct("version", "revision")).alias("last"))
+    last = tables.read(spark, snap_path).groupBy(*KEY).agg(
+        F.max(F.struct("version", "taken_at", "revision")).alias("last"))  # `latest`
     due = (
         state.join(last, KEY, "left")
         .where(
@@ -226,7 +232,7 @@ def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
             [], "stream_id STRING, stream_type STRING, version INT, state STRING, revision INT, tenant STRING")
     latest = (
         tables.read(spark, snap_path).groupBy(*KEY)
-        .agg(F.max(F.struct("version", "revision", "stream_type", "state")).alias("s"))
+        .agg(F.max(F.struct("version", "taken_at", "revision", "stream_type", "state")).alias("s"))  # `latest`
         .select("stream_id", "s.stream_type", "s.version", "s.state", "s.revision", "tenant")
     )
     held = spark.createDataFrame(store.snapshot_keys(),
