@@ -273,3 +273,36 @@ def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, s
         kinds = spark.read.format("delta").option("versionAsOf", version).load(path) \
             .where("stream_type = 'cart'").select("revision").distinct().count()
         assert kinds <= 1, version
+
+
+def test_a_rebuild_resumed_after_events_was_vacuumed_starts_again_at_the_live_version_and_says_so(
+    dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Vacuum removes files, not log entries: the version a shadow started from still loads, its pieces no longer
+    read. The rebuild starts again from the live table's version instead of failing on every retry."""
+    monkeypatch.setattr(rebuild.pieces, "count_for", lambda size: 4)
+    store = EventStore(dsn.writer)
+    run_workload(store, streams=30, events=300, writers=2, rollback_rate=0, max_commit_delay=0, seed=71)
+    extract_all(dsn.extractor, None, warehouse)
+    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    two = bumped(SHOP, 2)
+    shadow = rebuild.Shadow(warehouse, "cart")
+    with one_at_a_time(dsn.extractor, rebuild.TURN):
+        assert not rebuild.build(no_spark, shadow, two, stop_after=1)
+    for seed in (72, 73):
+        run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
+        extract_all(dsn.extractor, None, warehouse)
+        follow(warehouse, dsn.extractor, two)  # the other types kept fresh; the carts held back
+    events = DeltaTable(str(warehouse / "events"))
+    events.optimize.compact()
+    events.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)  # the shadow's version unreadable
+    run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=74)
+    extract_all(dsn.extractor, None, warehouse)
+    follow(warehouse, dsn.extractor, two)  # stream_state folds on, past the vacuum
+    said: list[str] = []
+    with one_at_a_time(dsn.extractor, rebuild.TURN):
+        assert rebuild.build(no_spark, shadow, two, say=said.append)
+    assert any("vacuumed" in line and "started again" in line for line in said), said
+    result = update_stream_state(no_spark, warehouse, domain=two, store_dsn=dsn.extractor)
+    assert result.rebuilt_types == ("cart",) and not result.held_types
+    assert lake_states(warehouse) == store_states(dsn, two)

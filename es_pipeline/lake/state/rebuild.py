@@ -411,11 +411,34 @@ def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown
     if _live_folded(shadow.warehouse, events_id) is None:
         return False
     if plan is None or DeltaTable(shadow.state_path).transaction_version(_FOLDED) is None:
-        if not _pieces(spark, shadow, domain, key, plan, engine, skip_unknown, say, stop_after):
+        try:
+            built = _pieces(spark, shadow, domain, key, plan, engine, skip_unknown, say, stop_after)
+        except Exception as exc:  # noqa: BLE001 - only files gone under a resumed plan start again; the rest raises
+            if plan is None or not _files_gone(exc):
+                raise
+            # Vacuum removes files, not log entries: the version still loads, its pieces no longer read.
+            say(f"rebuild of {shadow.stream_type}: the files of events version {plan['events_version']}, which it "
+                "was built from, were vacuumed: started again at the version stream_state has folded")
+            shadow.drop()
+            try:
+                built = _pieces(spark, shadow, domain, key, None, engine, skip_unknown, say, stop_after)
+            except Exception as again:  # noqa: BLE001 - as above
+                if not _files_gone(again):
+                    raise
+                shadow.drop()  # the live table's version vacuumed too: its own update builds it anew first
+                say(f"rebuild of {shadow.stream_type}: the files of the events version stream_state has folded were "
+                    "vacuumed too: it waits for stream_state's next update")
+                return False
+        if not built:
             return False
     upto = _live_folded(shadow.warehouse, events_id)
     assert upto is not None
     return _catch_up(shadow, domain, upto, skip_unknown)
+
+
+def _files_gone(exc: BaseException) -> bool:
+    """Whether a failed read means files of the version read were removed (a vacuum), on disk or object storage."""
+    return isinstance(exc, FileNotFoundError) or tables.change_feed_gone(exc)
 
 
 def _histories(domain: Domain, stream_type: str) -> whole_fold.Histories:
