@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from es_pipeline.extraction.slices import split
 from es_pipeline.health.store import StoreReading, read_store
 from es_pipeline.lake.read.behind import Behind, Lake
-from es_pipeline.lake.state import rebuild
+from es_pipeline.lake.state import history, rebuild
 from es_pipeline.settings import DEFAULT_LATENCY_BOUND_SECONDS, Settings
 from es_pipeline.store.conninfo import KeptConnection
 
@@ -142,7 +142,7 @@ class Reader:
         self.source = settings.source
         self.ranges = split(settings.slice_ranges)
         self.kept = KeptConnection(settings.pg_dsn, "es_pipeline metrics")
-        self.lake = Lake(settings.warehouse)
+        self.lake = Lake(settings.warehouse, grains=history.grains_of(settings.domain_modules))
         self.latency = Latency()
         self._instance = instance
         self._dagster = dagster

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -20,12 +21,12 @@ from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.state import stream_state
+from es_pipeline.lake.state import history, stream_state
 from es_pipeline.lake.state.fold import REVISION_SLOTS
 from es_pipeline.lake.typed import event_tables
 
 LOOKBACK = 1000  # `events` commits whose times a Lake keeps (read from the log once each)
-NAMES_EVERY = 60.0  # seconds between two listings of the lake's cross-stream tables (a listing opens each)
+NAMES_EVERY = 60.0  # seconds between two listings of the lake's cross-stream and history tables
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,12 @@ class Behind:
 class Lake:
     """The lake's `events` and projections, kept open between readings."""
 
-    def __init__(self, warehouse: Location) -> None:
+    def __init__(self, warehouse: Location, grains: Sequence[str] = ("each", "daily:UTC")) -> None:
         self.warehouse = warehouse
+        self.grains = tuple(grains)  # a history table's grains to look for (`history.grains_of` the domain)
         self._open: dict[str, DeltaTable] = {}
         self._cross: list[str] = []
+        self._history: list[str] = []
         self._cross_listed = -NAMES_EVERY
         self._commits: dict[int, tuple[float, bool]] = {}  # `events` version → (commit time, added events)
 
@@ -86,9 +89,17 @@ class Lake:
         return self._commits
 
     def cross_stream_names(self) -> list[str]:
-        if time.monotonic() - self._cross_listed >= NAMES_EVERY:
-            self._cross, self._cross_listed = cross_stream.table_names(self.warehouse), time.monotonic()
+        self._list()
         return self._cross
+
+    def history_names(self) -> list[str]:
+        self._list()
+        return self._history
+
+    def _list(self) -> None:
+        if time.monotonic() - self._cross_listed >= NAMES_EVERY:
+            self._cross, self._history = cross_stream.table_names(self.warehouse), history.table_names(self.warehouse)
+            self._cross_listed = time.monotonic()
 
     def cursors(self) -> dict[str, tuple[str, str, int] | None]:
         """Where each projection records the `events` version it folded: (the table whose log holds it, the
@@ -106,6 +117,14 @@ class Lake:
             definition = None if t is None else t.metadata().configuration.get(cross_stream.KIND)
             out[name] = None if definition is None else (
                 name, cross_stream.app_ids(name, definition, events_id)[1], 1)
+        for name in self.history_names():
+            # A history table records stream_state's transaction version with its grain's app id: behind while its
+            # type is held for a rebuild, or after a crash between the two commits.
+            t = self.table(name)
+            app = None if t is None else next(
+                (a for a in (history.app_id_of(name, events_id, g) for g in self.grains)
+                 if t.transaction_version(a) is not None), None)
+            out[name] = None if app is None else (name, app, REVISION_SLOTS)
         mapping = self.table(event_tables.NAME)
         conf = {} if mapping is None else mapping.metadata().configuration
         built = conf.get(event_tables.BUILT_FROM) == events_id and conf.get(event_tables.BUILT_FOR) != event_tables.BUILDING
