@@ -109,6 +109,15 @@ def expected_as_of(dsn: StoreDsn, domain: Domain, stream_type: str,
     return out
 
 
+def expected_as_of_daily(dsn: StoreDsn, domain: Domain, stream_type: str,
+                         moment: dt.datetime) -> dict[str, tuple[int, dict[str, Any]]]:
+    """With `history="daily"`, each stream's (version, state) at `moment` as docs/domain.md promises it: the last state
+    of the day `moment` falls in once that day's first change came, else the last state of its day before."""
+    return {stream_id: (last, state)
+            for (stream_id, _), (last, valid_from, valid_to, state) in expected_rows(dsn, domain, stream_type).items()
+            if valid_from <= moment and (valid_to is None or moment < valid_to)}
+
+
 def _as_of_duckdb(warehouse: Path, stream_type: str, moment: dt.datetime) -> dict[str, tuple[int, dict[str, Any]]]:
     rows = query.run(warehouse, f"SELECT stream_id, version, state FROM state_as_of('{stream_type}', "
                                 f"TIMESTAMPTZ '{moment.isoformat()}')").rows
@@ -151,6 +160,9 @@ def _check(dsn: StoreDsn, warehouse: Path, domain: Domain = SHOP) -> None:
     for day in days:  # the state at the end of each day is exact
         end = dt.datetime.combine(day, dt.time.max, UTC)
         assert _as_of_duckdb(warehouse, "account", end) == expected_as_of(dsn, domain, "account", end), day
+        for hour in (0, 6, 12, 18):  # within a day: that day's last state once its first change came (docs/domain.md)
+            within = dt.datetime.combine(day, dt.time(hour), UTC)
+            assert _as_of_duckdb(warehouse, "account", within) == expected_as_of_daily(dsn, domain, "account", within)
 
 
 def test_history_and_state_as_of_equal_a_fold_of_the_store_on_every_path(
