@@ -254,10 +254,15 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
         from es_pipeline.domain import load as load_domain
 
         try:
-            load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+            domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
         except EsPipelineError as exc:
             print(f"domain: {exc}")
             return 1
+        from es_pipeline.lake.state import rebuild
+
+        waiting = rebuild.waiting(settings.warehouse, domain)
+        if waiting:
+            print(f"stream_state: not up to date for {', '.join(waiting)}: {_REBUILD_WAITS}")
     return 0
 
 
@@ -356,7 +361,7 @@ def _doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _materialize(args: argparse.Namespace, settings: Settings) -> int:
-    from es_pipeline.project import dagster_home, materialize, partition_keys
+    from es_pipeline.project import dagster_home, materialize, partition_keys, rebuilds_waiting
 
     if args.list:
         print("\n".join(partition_keys(settings)))
@@ -371,8 +376,16 @@ def _materialize(args: argparse.Namespace, settings: Settings) -> int:
               f"({done.seconds:.1f} s)", flush=True)
 
     materialize(settings, progress=said)
+    waiting = rebuilds_waiting(settings)
+    if waiting:  # ES_PIPELINE_REBUILDS=hold, or a rebuild that could not finish: never "up to date" then
+        print(f"the lake is up to date but for stream_state's {', '.join(waiting)}: {_REBUILD_WAITS}")
+        return 0
     print("the lake is up to date: `es-pipeline sql \"SELECT * FROM stream_state LIMIT 5\"`")
     return 0
+
+
+_REBUILD_WAITS = ("waiting for its rebuild beside stream_state (its old rows, or none, in service); "
+                  "`es-pipeline lake rebuilds --run` builds it now (ES_PIPELINE_REBUILDS=hold keeps it waiting)")
 
 
 def _dagster_yaml(args: argparse.Namespace, settings: Settings) -> int:

@@ -154,13 +154,19 @@ class Materialized:
 
 def materialize(settings: Settings, *, progress: Callable[[Materialized], None] = lambda _: None) -> list[Materialized]:
     """Brings the lake up to date in this process, through Dagster: `events` for every slice range, then every
-    projection (stream_state, the aggregates, the team's typed tables and cross-stream projections). The snapshots
-    stay with their schedule. Each is a run on the project's instance, as if launched from the UI."""
+    projection (stream_state, the aggregates, the team's typed tables and cross-stream projections), then the stream
+    types waiting for their rebuild beside `stream_state` (a new type, a revision, an upcaster), unless
+    ES_PIPELINE_REBUILDS=hold (`rebuilds_waiting` says which wait then). The snapshots stay with their schedule. Each
+    is a run on the project's instance, as if launched from the UI."""
     import dagster as dg
 
+    from es_pipeline.defs.projections.rebuilds import JOB as REBUILDS_JOB
+    from es_pipeline.domain import load as load_domain
+    from es_pipeline.lake.state import rebuild
     from es_pipeline.location import build_definitions
 
-    defs = build_definitions(settings)
+    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    defs = build_definitions(settings, domain)
     instance = dg.DagsterInstance.from_config(str(dagster_home(settings)))
     resources = dict(defs.resources or {})
     assets = [a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition)]
@@ -181,7 +187,23 @@ def materialize(settings: Settings, *, progress: Callable[[Materialized], None] 
         done.append(Materialized(data.asset_key.to_user_string(), None, time.monotonic() - t0,
                                  {k: v.value for k, v in data.metadata.items()}))
         progress(done[-1])
+    waiting = rebuild.waiting(settings.warehouse, domain)
+    if waiting and settings.rebuilds != "hold":
+        t0 = time.monotonic()
+        defs.resolve_job_def(REBUILDS_JOB).execute_in_process(
+            instance=instance, tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+        done.append(Materialized("stream_state rebuilds", None, time.monotonic() - t0, {"types": ", ".join(waiting)}))
+        progress(done[-1])
     return done
+
+
+def rebuilds_waiting(settings: Settings) -> list[str]:
+    """The stream types whose rows in `stream_state` wait for their rebuild beside it (lake/state/rebuild.py): not up
+    to date, whatever the tables' positions say."""
+    from es_pipeline.domain import load as load_domain
+    from es_pipeline.lake.state import rebuild
+
+    return rebuild.waiting(settings.warehouse, load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN")))
 
 
 def _report(result, asset: str, partition: str | None, t0: float) -> Materialized:
