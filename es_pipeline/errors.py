@@ -105,8 +105,18 @@ class ReducerError(EsPipelineError):
         self.stream_id, self.version, self.event_type, self.reason = stream_id, version, event_type, reason
         super().__init__(
             f"reducer failed on stream {stream_id!r} version {version} ({event_type}): {reason}. "
-            "Nothing of this run was committed. Fix the reducer or the event, then re-run."
+            "Nothing of this run was committed; the store keeps its events as they are. Fix the reducer (a new revision "
+            "rebuilds its type) or reshape such payloads with an upcaster (docs/domain.md), then re-run."
         )
+
+
+class RunFailed(EsPipelineError):
+    """A run `es-pipeline materialize` launched failed: its asset and the cause, in one line (the run's log holds the
+    rest, in the Dagster instance)."""
+
+    def __init__(self, asset: str, cause: str) -> None:
+        self.asset, self.cause = asset, cause
+        super().__init__(f"materialize: {asset} failed: {cause}")
 
 
 class ProjectionFoldError(EsPipelineError):

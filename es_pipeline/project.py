@@ -16,16 +16,18 @@ called (pyproject.toml names the door).
 from __future__ import annotations
 
 import os
+import re
 import time
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from es_pipeline.errors import ConfigError
-from es_pipeline.settings import Settings, from_component
+from es_pipeline.settings import COMPONENT_ATTRIBUTES, Settings, attribute_variables, from_component
 
 COMPONENT_TYPES = ("es_pipeline.component.EsPipeline", "es_pipeline.EsPipeline")
 
@@ -120,21 +122,35 @@ def configuration(component: str | None = None, cwd: Path | None = None) -> Conf
         raise ConfigError("--component", "", f"one of {', '.join(names)}: the project has several EsPipeline components")
     path = found[0]
     where = str(path.relative_to(root))
-    return Configuration(from_component(_attributes(path, root), where, root), root, where)
+    return Configuration(from_component(_attributes(path, root, where), where, root), root, where)
 
 
-def _attributes(path: Path, root: Path) -> dict:
+def _attributes(path: Path, root: Path, where: str = "") -> dict:
     doc = next(d for d in _documents(path) if d.get("type") in COMPONENT_TYPES)
+    written = dict(doc.get("attributes") or {})
+    # A misspelled attribute is named in one line before dg's loader reports it in seventy.
+    attribute_variables({k: v for k, v in written.items() if k not in COMPONENT_ATTRIBUTES}, root)
     if "{{" not in path.read_text():
-        return dict(doc.get("attributes") or {})
+        return written
     # Templated: dg's loader resolves it exactly as the code location does.
     import dagster as dg
 
     from es_pipeline.component import EsPipeline
 
-    tree = dg.ComponentTree.for_project(root)
-    loaded = tree.load_component(path.parent.resolve().relative_to(tree.defs_module_path.resolve()), EsPipeline)
+    try:
+        tree = dg.ComponentTree.for_project(root)
+        loaded = tree.load_component(path.parent.resolve().relative_to(tree.defs_module_path.resolve()), EsPipeline)
+    except Exception as exc:  # noqa: BLE001 - dg's error wraps the cause in pages of context: its last line says it
+        raise ConfigError(f"the EsPipeline component in {where or path}", "", _last_line(exc)) from exc
     return {k: v for k, v in loaded.model_dump().items() if v is not None and v != []}
+
+
+def _last_line(exc: BaseException) -> str:
+    """The innermost cause's message, its last non-empty line (dg's errors end with what is wrong)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def dagster_home(settings: Settings) -> Path:
@@ -176,22 +192,24 @@ def materialize(settings: Settings, *, progress: Callable[[Materialized], None] 
     for key in partition_keys(settings):
         t0 = time.monotonic()
         result = dg.materialize([events], partition_key=key, resources=resources, instance=instance,
-                                tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+                                tags=_LAUNCHED, run_config=_QUIET, raise_on_error=False)
+        _succeeded(result)
         done.append(_report(result, "events", key, t0))
         progress(done[-1])
     t0 = time.monotonic()
-    result = dg.materialize(projections, resources=resources, instance=instance,
-                            tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+    result = dg.materialize(projections, resources=resources, instance=instance, tags=_LAUNCHED, run_config=_QUIET,
+                            raise_on_error=False)
     for materialization in result.get_asset_materialization_events():
         data = materialization.step_materialization_data.materialization
         done.append(Materialized(data.asset_key.to_user_string(), None, time.monotonic() - t0,
                                  {k: v.value for k, v in data.metadata.items()}))
         progress(done[-1])
+    _succeeded(result)
     waiting = rebuild.waiting(settings.warehouse, domain)
     if waiting and settings.rebuilds != "hold":
         t0 = time.monotonic()
-        defs.resolve_job_def(REBUILDS_JOB).execute_in_process(
-            instance=instance, tags={"es_pipeline/launched_by": "es-pipeline materialize"})
+        _succeeded(defs.resolve_job_def(REBUILDS_JOB).execute_in_process(
+            instance=instance, tags=_LAUNCHED, run_config=_QUIET, raise_on_error=False))
         done.append(Materialized("stream_state rebuilds", None, time.monotonic() - t0, {"types": ", ".join(waiting)}))
         progress(done[-1])
     return done
@@ -204,6 +222,28 @@ def rebuilds_waiting(settings: Settings) -> list[str]:
     from es_pipeline.lake.state import rebuild
 
     return rebuild.waiting(settings.warehouse, load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN")))
+
+
+_LAUNCHED = {"es_pipeline/launched_by": "es-pipeline materialize"}
+# The runs' own log stays in the instance (the UI shows it); the console gets the progress lines and, where a run
+# fails, one line (`RunFailed`), not Dagster's debug lines and the stack trace three times.
+_QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+def _succeeded(result: Any) -> None:
+    """`RunFailed` with the first failed step's asset and cause, where the run failed."""
+    if result.success:
+        return
+    from es_pipeline.errors import RunFailed
+
+    failures = result.get_step_failure_events()
+    if not failures:
+        raise RunFailed(result.run_id, "the run did not succeed (its log in the Dagster instance says why)")
+    failed = failures[0]
+    error = failed.step_failure_data.error
+    cause = error.message.strip().splitlines()[0] if error is not None else "no error recorded"
+    cause = re.sub(r"^[\w.]+(Error|Failure|Exception): ", "", cause)  # "dagster…Failure: reducer failed …"
+    raise RunFailed(failed.step_key or "a step", cause)
 
 
 def _report(result, asset: str, partition: str | None, t0: float) -> Materialized:

@@ -71,3 +71,22 @@ def test_materialize_builds_a_new_stream_type_and_never_says_up_to_date_while_it
     states = {r["stream_id"]: json.loads(r["state"]) for r in rows if r["stream_id"].startswith("invoice-")}
     assert states == {f"invoice-{n}": {"total": 1.5 * (n + 1)} for n in range(3)}
     assert "not up to date" not in _cli(["status", "--no-dagster"], env).stdout
+
+
+def test_a_reducer_that_fails_during_materialize_is_one_line_naming_the_stream(dsn: StoreDsn, tmp_path: Path) -> None:
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "team_bad.py").write_text(V1.replace('int(state.get("items", 0)) + 1',
+                                                    'int(state.get("items", 0)) + int(event.payload["qty"])'))
+    EventStore(dsn.writer).append("cart-7", "cart", [NewEvent("ItemAdded", {"sku": "a"})], 0)
+    (tmp_path / "dagster").mkdir()  # an instance as the quickstart makes it (else Dagster's first-run notice)
+    (tmp_path / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    env = {"ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(tmp_path / "warehouse"),
+           "DAGSTER_HOME": str(tmp_path / "dagster"), "PYTHONPATH": str(modules), "ES_PIPELINE_SLICE_RANGES": "1",
+           "ES_PIPELINE_DOMAIN": "team_bad", "ES_PIPELINE_ENGINE": "local"}
+    done = subprocess.run([CLI, "materialize"], env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "stream_state failed" in done.stderr and "stream 'cart-7' version 1" in done.stderr, done.stderr
+    assert "DEBUG" not in done.stdout + done.stderr

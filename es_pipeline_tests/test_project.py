@@ -157,3 +157,19 @@ def test_doctor_says_what_is_wrong_one_line_each(dsn, empty_dsn: str, tmp_path: 
     assert found["migrations"].level == FAIL and "es-pipeline db migrate" in found["migrations"].line
     for finding in found.values():
         assert "\n" not in finding.line and "password=" not in finding.line
+
+
+@pytest.mark.parametrize("command", [["config"], ["doctor"], ["materialize"]])
+def test_a_misspelled_attribute_of_a_templated_component_is_one_line_naming_it(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str],
+) -> None:
+    root = _project(tmp_path, ("lake", """\
+        attributes:
+          warehouse: "{{ env.LAKE_FOLDER }}"
+          slice_rnages: 4
+        """))
+    clean_env.setenv("LAKE_FOLDER", str(tmp_path / "lake"))
+    clean_env.chdir(root)
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "attribute `slice_rnages`" in err and "slice_ranges" in err, err
