@@ -90,3 +90,6 @@ def test_a_reducer_that_fails_during_materialize_is_one_line_naming_the_stream(d
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert "stream_state failed" in done.stderr and "stream 'cart-7' version 1" in done.stderr, done.stderr
     assert "DEBUG" not in done.stdout + done.stderr
+    status = subprocess.run([CLI, "status"], env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert "stream_state failing on stream 'cart-7' version 1" in status.stdout, status.stdout + status.stderr

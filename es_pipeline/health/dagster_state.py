@@ -171,7 +171,8 @@ def _failing(instance: dg.DagsterInstance, materialized: dict[str, float], asset
     A step is an asset's where its key is the asset's name (an asset check's step is not: the checks' results
     are `checks`)."""
     out: dict[str, Failing] = {}
-    for job in ("__ASSET_JOB", "snapshots_job"):
+    # The automation's and the UI's runs, `es-pipeline materialize`'s (`dg.materialize`: an ephemeral job), the snapshots'.
+    for job in ("__ASSET_JOB", "__ephemeral_asset_job__", "snapshots_job"):
         for r in instance.get_run_records(filters=dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.FAILURE]),
                                           limit=FAILED_RUNS_READ):
             at = r.end_time or r.update_timestamp.timestamp()

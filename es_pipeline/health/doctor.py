@@ -154,8 +154,9 @@ def check_spark(settings: Settings) -> list[Finding]:
 def check_instance(settings: Settings) -> Finding:
     home = os.environ.get("DAGSTER_HOME")
     if not home:
-        return Finding(WARN, "dagster", "DAGSTER_HOME is unset: `dg dev` keeps runs in a temporary instance; set it "
-                       f"(e.g. {settings.dagster_home}) and put `es-pipeline dagster-yaml` in its dagster.yaml")
+        return Finding(WARN, "dagster", "DAGSTER_HOME is not in the environment: es-pipeline's own commands use "
+                       f"{settings.dagster_home} (as `es-pipeline config` shows), but `dg dev` keeps runs in a "
+                       "temporary instance; export it and put `es-pipeline dagster-yaml` in its dagster.yaml")
     gaps = instance_gaps(home)
     if gaps:
         return Finding(WARN, "dagster", f"{home}/dagster.yaml lacks {' and '.join(gaps)}: `es-pipeline dagster-yaml` "

@@ -165,6 +165,21 @@ def test_load_is_snapshot_plus_later_events(dsn: str) -> None:
     assert store.load("acc-9", fold, revision=2) == ({"balance": 12}, 3)
 
 
+def test_load_with_the_domains_fold_applies_its_upcasters_and_uses_the_lakes_snapshots(dsn: str) -> None:
+    """docs/writing.md: `load` folds events as stored; the domain's `folds[type]` is the reducer behind its upcasters,
+    at the revision `stream_state` and its snapshots record."""
+    from shop.domain import domain as shop
+
+    store = EventStore(dsn)
+    store.append("cart-9", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2, "price": 1.25})], 0)  # old shape
+    cart = shop.folds["cart"]
+    state, version = store.load("cart-9", cart.fold, revision=cart.revision)
+    assert (state["prices"], state["total"], version) == ({"a": 1.25}, 2.5, 1)
+    assert cart.revision == shop.revisions()["cart"] == shop.reducers["cart"].revision + 1  # one upcaster
+    raw, _ = store.load("cart-9", shop.reducers["cart"].fold, revision=1)
+    assert raw["prices"] == {}, "the reducer alone sees the stored payload, without its upcaster"
+
+
 @pytest.mark.parametrize(
     ("statement", "refused"),
     [
