@@ -1,5 +1,6 @@
 """Cross-stream projections (lake/cross_stream.py): every key equal to a fold of the store's events in the lake's
-order, through concurrent writers, a batch left pending by a killed run, out-of-order batch commits and rebuilds."""
+order, through concurrent writers, a batch left pending by a killed run, out-of-order batch commits and rebuilds.
+The order expected is modelled from the batches the test's runs made (`Batches`), never read from the lake."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import ProjectionFoldError
 from es_pipeline.extraction.extractor import Extractor
-from es_pipeline.extraction.offsets import batch_frontier
+from es_pipeline.extraction.offsets import Batch, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import pieces, tables
@@ -35,20 +36,47 @@ def _frontier(dsn: StoreDsn) -> Any:
     return lambda: batch_frontier(dsn.extractor, consumer)
 
 
-def _expected(dsn: StoreDsn, warehouse: Path, domain: Domain = SHOP, name: str = NAME) -> dict[tuple[str, str], Any]:
-    """Each key's state folded independently: the store's events of the projection's types (their content), in
-    the lake's order (each event's batch, read from `events`: the order is the lake's), by the projection's fold."""
+class Batches:
+    """Every batch the test's extraction runs made, as they made them (their slices, lower bounds and upper bound, from
+    the runs' own step hook): the order a cross-stream projection folds in, modelled from what the test ran, never
+    read from the lake. Pass it as an `Extractor`'s `on_step` (`then` another hook)."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, Batch] = {}
+
+    def __call__(self, step: str, batch: Batch | None) -> None:
+        if batch is not None and batch.batch_id is not None:
+            self.made[batch.batch_id] = batch
+
+    def then(self, hook: Any) -> Any:
+        def both(step: str, batch: Batch | None) -> None:
+            self(step, batch)
+            hook(step, batch)
+        return both
+
+    def of(self, slice_: int, tx: int) -> int:
+        """The batch that took the event of slice `slice_` and transaction `tx`: exactly one (exactly once)."""
+        found = [b.batch_id for b in self.made.values() if slice_ in b.slices and b.batch_id is not None
+                 and b.from_watermarks[b.slices.index(slice_)] <= tx < b.upper]
+        assert len(found) == 1, f"an event of slice {slice_}, transaction {tx}, taken by batches {found}"
+        return found[0]
+
+
+@pytest.fixture
+def batches() -> Batches:
+    return Batches()
+
+
+def _expected(dsn: StoreDsn, batches: Batches, domain: Domain = SHOP, name: str = NAME) -> dict[tuple[str, str], Any]:
+    """Each key's state folded independently: the store's events of the projection's types, in the order of the
+    batches that took them (`Batches`), then their position, by the projection's fold."""
     projection = domain.projections[name]
-    lake = DeltaTable(str(warehouse / "events")).to_pyarrow_table(
-        columns=["tenant", "stream_id", "version", "batch_id"]).to_pylist()
-    batch = {(r["tenant"] or "", r["stream_id"], r["version"]): r["batch_id"] or 0 for r in lake}
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
-            "SELECT '', stream_id, version, event_type, payload, global_position FROM es.events "
-            "WHERE event_type = ANY(%s)", (list(projection.event_types),)).fetchall()
-    assert all((t, s, v) in batch for t, s, v, *_ in rows), "an event of the store is missing from the lake"
-    keyed = sorted(((t, str(p[projection.key]), batch[(t, s, v)], gp, s, v, e, p) for t, s, v, e, p, gp in rows
-                    if projection.key in p), key=lambda r: r[:6])
+            "SELECT '', stream_id, version, event_type, payload, global_position, slice, tx_id::text::bigint "
+            "FROM es.events WHERE event_type = ANY(%s)", (list(projection.event_types),)).fetchall()
+    keyed = sorted(((t, str(p[projection.key]), batches.of(sl, tx), gp, s, v, e, p)
+                    for t, s, v, e, p, gp, sl, tx in rows if projection.key in p), key=lambda r: r[:6])
     out: dict[tuple[str, str], Any] = {}
     for tenant, key, _, _, sid, version, event_type, payload in keyed:
         state, n = out.get((tenant, key), ({}, 0))
@@ -60,8 +88,8 @@ def _table(warehouse: Path, name: str = NAME, key: str = "sku") -> dict[tuple[st
     return {(r["tenant"], r[key]): r for r in DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist()}
 
 
-def _assert_equal_to_the_store(dsn: StoreDsn, warehouse: Path) -> int:
-    expected, held = _expected(dsn, warehouse), _table(warehouse)
+def _assert_equal_to_the_store(dsn: StoreDsn, warehouse: Path, batches: Batches) -> int:
+    expected, held = _expected(dsn, batches), _table(warehouse)
     assert set(held) == set(expected), set(held) ^ set(expected)
     for k, (state, n) in expected.items():
         row = held[k]
@@ -73,29 +101,29 @@ def _assert_equal_to_the_store(dsn: StoreDsn, warehouse: Path) -> int:
 
 @pytest.mark.slow
 def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent_writers_and_rebuilds(
-    dsn: StoreDsn, warehouse: Path
+    dsn: StoreDsn, warehouse: Path, batches: Batches
 ) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=60, events=900, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=31)
-    extract_all(dsn.extractor, None, warehouse)
+    extract_all(dsn.extractor, None, warehouse, on_step=batches)
     built = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert built.previous_events_version == -1 and built.keys_updated == len(_table(warehouse))
-    assert _assert_equal_to_the_store(dsn, warehouse) == built.events_folded > 0
+    assert _assert_equal_to_the_store(dsn, warehouse, batches) == built.events_folded > 0
 
     # A run of range 0-511 killed after it took its batch id: the batch stays pending. Range 512-1023 commits a
     # later batch meanwhile; its events wait (a lower batch may still come) rather than fold before it.
     run_workload(store, streams=60, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=32)
     low, high = SliceRange(0, 511), SliceRange(512, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn.extractor, None, warehouse, on_step=crash_at("read")).run(low)
-    assert Extractor(dsn.extractor, None, warehouse).run(high).rows > 0
+        Extractor(dsn.extractor, None, warehouse, on_step=batches.then(crash_at("read"))).run(low)
+    assert Extractor(dsn.extractor, None, warehouse, on_step=batches).run(high).rows > 0
     waiting = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert waiting.events_waiting > 0 and waiting.events_folded == 0 and waiting.keys_refolded == 0
-    assert Extractor(dsn.extractor, None, warehouse).run(low).replayed_batches == 1
+    assert Extractor(dsn.extractor, None, warehouse, on_step=batches).run(low).replayed_batches == 1
     caught_up = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert caught_up.events_waiting == 0 and caught_up.keys_refolded == 0 and caught_up.events_folded > 0
     assert caught_up.previous_events_version >= 0  # an increment, not a rebuild
-    total = _assert_equal_to_the_store(dsn, warehouse)
+    total = _assert_equal_to_the_store(dsn, warehouse, batches)
 
     # Nothing new: nothing folded, nothing committed.
     version = DeltaTable(str(warehouse / NAME)).version()
@@ -113,21 +141,23 @@ def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent
 
 
 @pytest.mark.slow
-def test_without_a_frontier_a_batch_that_lands_late_folds_its_keys_again(dsn: StoreDsn, warehouse: Path) -> None:
+def test_without_a_frontier_a_batch_that_lands_late_folds_its_keys_again(
+    dsn: StoreDsn, warehouse: Path, batches: Batches
+) -> None:
     store = EventStore(dsn)
     run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=41)
-    extract_all(dsn.extractor, None, warehouse)
+    extract_all(dsn.extractor, None, warehouse, on_step=batches)
     cross_stream.update(warehouse, SHOP, NAME)  # no store asked: every batch in the lake is taken as final
     run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0, seed=42)
     low, high = SliceRange(0, 511), SliceRange(512, 1023)
     with pytest.raises(Crash):
-        Extractor(dsn.extractor, None, warehouse, on_step=crash_at("read")).run(low)
-    Extractor(dsn.extractor, None, warehouse).run(high)
+        Extractor(dsn.extractor, None, warehouse, on_step=batches.then(crash_at("read"))).run(low)
+    Extractor(dsn.extractor, None, warehouse, on_step=batches).run(high)
     cross_stream.update(warehouse, SHOP, NAME)  # folds the later batch first
-    Extractor(dsn.extractor, None, warehouse).run(low)  # the lower batch lands after it
+    Extractor(dsn.extractor, None, warehouse, on_step=batches).run(low)  # the lower batch lands after it
     late = cross_stream.update(warehouse, SHOP, NAME)
     assert late.keys_refolded > 0
-    _assert_equal_to_the_store(dsn, warehouse)
+    _assert_equal_to_the_store(dsn, warehouse, batches)
 
 
 def test_upcast_keys_tenants_and_a_failing_fold(dsn: StoreDsn, warehouse: Path) -> None:
@@ -195,14 +225,14 @@ def test_keys_read_by_arrow_equal_keys_read_in_python_and_a_forked_fold_equals_o
     assert cross_stream.update(warehouse, one, "one_key").rows == 1
 
 
-def test_a_build_read_in_pieces_equals_the_store(dsn: StoreDsn, warehouse: Path,
+def test_a_build_read_in_pieces_equals_the_store(dsn: StoreDsn, warehouse: Path, batches: Batches,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Past a piece's bytes (lake/delta/pieces.py) a build reads `events` a few rows at a time, sends each event to
     the piece of its key's hash (on disk), and folds a piece at a time, forked: every key equals a fold of the store,
     and the rows equal the build that read `events` whole."""
     store = EventStore(dsn)
     run_workload(store, streams=40, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=53)
-    extract_all(dsn.extractor, None, warehouse)
+    extract_all(dsn.extractor, None, warehouse, on_step=batches)
     whole = cross_stream.update(warehouse, SHOP, NAME, frontier=_frontier(dsn))
     held_whole = _table(warehouse)
     size = tables.files_bytes(DeltaTable(str(warehouse / "events")))
@@ -222,7 +252,7 @@ def test_a_build_read_in_pieces_equals_the_store(dsn: StoreDsn, warehouse: Path,
     assert built.previous_events_version == -1 and counts == [5], "built again, in five pieces"
     assert (built.events_folded, built.rows, built.events_without_key) == \
         (whole.events_folded, whole.rows, whole.events_without_key)
-    assert _assert_equal_to_the_store(dsn, warehouse) == built.events_folded
+    assert _assert_equal_to_the_store(dsn, warehouse, batches) == built.events_folded
     strip = ("updated_at",)
     assert {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse).items()} == \
         {k: {c: v for c, v in r.items() if c not in strip} for k, r in held_whole.items()}
@@ -284,19 +314,19 @@ def test_a_projection_state_of_datetimes_round_trips_and_one_that_does_not_fit_i
 
 
 def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_from_it(
-    dsn: StoreDsn, spark: Any, warehouse: Path
+    dsn: StoreDsn, spark: Any, warehouse: Path, batches: Batches
 ) -> None:
     """The issue-42 path: the whole build keyed and folded on Spark's executors, committed by delta-rs with the same
     three transaction ids; equal to the in-process build row for row; the next increment (in process) goes on from
     it; a failing fold on Spark is named as in process."""
     store = EventStore(dsn)
     run_workload(store, streams=30, events=500, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=42)
-    extract_all(dsn.extractor, None, warehouse)
+    extract_all(dsn.extractor, None, warehouse, on_step=batches)
     on_spark = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                                    spark=spark, engine="spark")
     assert on_spark.previous_events_version == -1 and on_spark.events_folded > 0 and on_spark.engine == "spark"
     spark_rows = _table(warehouse)
-    _assert_equal_to_the_store(dsn, warehouse)
+    _assert_equal_to_the_store(dsn, warehouse, batches)
     lake_rebuild = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert lake_rebuild.events_folded == 0  # nothing new: Spark's commit carried the three numbers
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
@@ -310,15 +340,15 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
 
     assert same(_table(warehouse)) == same(spark_rows)
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
-    extract_all(dsn.extractor, None, warehouse)
+    extract_all(dsn.extractor, None, warehouse, on_step=batches)
     cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                         spark=spark, engine="spark")  # an increment: in process whatever the engine
-    _assert_equal_to_the_store(dsn, warehouse)
+    _assert_equal_to_the_store(dsn, warehouse, batches)
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
     again = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                                 spark=spark, engine="spark")  # a rebuild over the same version: replaced all the same
     assert again.previous_events_version == -1
-    _assert_equal_to_the_store(dsn, warehouse)
+    _assert_equal_to_the_store(dsn, warehouse, batches)
 
     failing = Domain("failing on spark")
 

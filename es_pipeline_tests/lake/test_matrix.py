@@ -1,8 +1,9 @@
-"""Every projection kind through generated histories of operations: appends, extractions of some ranges (so that
-batches land out of commit order), updates of some projections, a reducer and projection revision or an upcaster
-added (rebuilds) and back, two updates of one table racing, and updates that crash at one of their Delta
-commits, before or after it. Each history ends with every
-table equal to a fold of the **store** computed here.
+"""Every projection kind through generated histories of operations: appends of carts (history of every state) and
+accounts (daily history), extractions of some ranges (so that batches land out of commit order), updates of some
+projections, a reducer and projection revision or an upcaster added (rebuilds) and back, two updates of one table
+racing, a tailing run's follows beside a rebuild's swap, and updates that crash at one of their Delta commits (an
+append, a merge, a table's creation, a restore, a property change), before or after it. Each history ends with
+every table equal to a fold of the **store** computed here.
 
 The order a cross-stream projection folds in (docs/domain.md, "The order of events") is modelled from what the
 test did, never read from the lake: each extraction of a range takes, as one batch, the events of its slices
@@ -45,6 +46,7 @@ from es_pipeline.lake.state import rebuild, stream_state, typed_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.lake.test_history import expected_rows, lake_rows
 from es_pipeline_tests.support.projections import rows_of
 from es_pipeline_tests.support.roles import StoreDsn
 
@@ -72,11 +74,14 @@ def _with_an_upcaster(domain: Domain) -> Domain:
 
 DOMAINS = {"shop": SHOP, "revised": _revised(SHOP), "upcast": _with_an_upcaster(SHOP)}
 
-# One event of a cart: (cart, kind, sku, qty, price).
+# One event of a cart: (cart, kind, sku, qty, price); of an account: (account, kind, amount).
 EVENTS = st.tuples(st.integers(0, 4), st.sampled_from(["ItemAdded", "ItemAdded", "ItemRemoved"]),
                    st.sampled_from(["A", "B", "C"]), st.integers(1, 3), st.sampled_from([1.0, 2.5, 4.0]))
+ACCOUNT_EVENTS = st.tuples(st.integers(0, 2), st.sampled_from(["Deposited", "Deposited", "Withdrawn"]),
+                           st.sampled_from([1.25, 10.0, 40.5]))
 OPERATIONS = st.one_of(
     st.tuples(st.just("append"), st.lists(EVENTS, min_size=1, max_size=6)),
+    st.tuples(st.just("append_accounts"), st.lists(ACCOUNT_EVENTS, min_size=1, max_size=4)),
     st.tuples(st.just("extract"), st.sampled_from([1, 2, 4]), st.integers(1, 15)),  # ranges of split(n), by bits
     st.tuples(st.just("update"), st.sets(st.sampled_from(PROJECTIONS), min_size=1), st.sampled_from(sorted(DOMAINS))),
     st.tuples(st.just("race"), st.sampled_from(PROJECTIONS)),  # two updates of one table at once
@@ -86,6 +91,7 @@ OPERATIONS = st.one_of(
     # another revision, by a later update.
     st.tuples(st.just("rebuild_crash"), st.sampled_from(sorted(DOMAINS)), st.integers(0, 11), st.booleans()),
     st.tuples(st.just("tail"), st.sampled_from(sorted(DOMAINS))),  # a tailing run's increments (a type held back)
+    st.tuples(st.just("tail_beside_swap"), st.sampled_from(sorted(DOMAINS))),  # follows while a rebuild swaps in
 )
 
 
@@ -113,6 +119,10 @@ def _crash_at(k: int, after: bool) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as m:
         m.setattr(deltalake.table.TableMerger, "execute", counted(deltalake.table.TableMerger.execute))
         m.setattr(DeltaTable, "create_write_transaction", counted(DeltaTable.create_write_transaction))
+        m.setattr(DeltaTable, "restore", counted(DeltaTable.restore))
+        m.setattr(DeltaTable, "create", classmethod(counted(DeltaTable.create.__func__)))  # type: ignore[attr-defined]
+        m.setattr(deltalake.table.TableAlterer, "set_table_properties",
+                  counted(deltalake.table.TableAlterer.set_table_properties))
         for module in LAKE_MODULES:
             if hasattr(module, "write_deltalake"):
                 m.setattr(module, "write_deltalake", counted(module.write_deltalake))
@@ -135,6 +145,13 @@ class History:
             payload = {"sku": sku, "qty": qty, "unit_price": price} if kind == "ItemAdded" else {"sku": sku}
             self.versions[stream] = self.store.append(stream, "cart", [NewEvent(kind, payload)],
                                                       self.versions.get(stream, 0))
+
+    def append_accounts(self, events: list[tuple[int, str, float]]) -> None:
+        for account, kind, amount in events:
+            stream = f"account-{account}"
+            opened = [] if stream in self.versions else [NewEvent("Opened", {"owner": f"o{account}", "currency": "EUR"})]
+            written = [*opened, NewEvent(kind, {"amount": amount})]
+            self.versions[stream] = self.store.append(stream, "account", written, self.versions.get(stream, 0))
 
     def extract(self, n: int, which: int) -> None:
         extractor = Extractor(self.dsn.extractor, None, self.warehouse)
@@ -199,6 +216,25 @@ class History:
         dsn = self.dsn.extractor
         follow(self.warehouse, dsn, DOMAINS[domain], frontier=lambda: batch_frontier(dsn, CONSUMER))
 
+    def tail_beside_swap(self, domain: str) -> None:
+        """A tailing run's follows while `stream_state`'s update rebuilds a type beside it and swaps it in."""
+        failed: list[BaseException] = []
+
+        def swapping() -> None:
+            try:
+                self.update({"stream_state"}, DOMAINS[domain])
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=swapping)
+        thread.start()
+        self.tail(domain)  # the run's domain is the update's: one deployment
+        while thread.is_alive():
+            self.tail(domain)
+        thread.join()
+        if failed:
+            raise failed[0]
+
     def run(self, operation: tuple[Any, ...]) -> None:
         kind, *args = operation
         if kind == "update":
@@ -218,8 +254,11 @@ class History:
         states: dict[str, tuple[int, dict[str, Any]]] = {}
         trails: dict[tuple[str, int], list[Any]] = {}  # the cart history: every state, from its running max time
         for stream, version, etype, payload, _, _, at in history:
-            states[stream] = (version, SHOP.reducers["cart"].fold(states.get(stream, (0, {}))[1],
-                                                                  Event(stream, version, etype, payload)))
+            kind = stream.split("-")[0]
+            states[stream] = (version, SHOP.reducers[kind].fold(states.get(stream, (0, {}))[1],
+                                                                Event(stream, version, etype, payload)))
+            if kind != "cart":
+                continue
             before = trails.get((stream, version - 1))
             high = at if before is None or at > before[1] else before[1]
             if before is not None:
@@ -229,7 +268,11 @@ class History:
                 for r in rows_of(self.warehouse, "stream_state")} == states
         assert rebuild.progress(self.warehouse) == [], "every rebuild swapped in, its shadow gone"
         assert {r["stream_id"]: (r["version"], r["total"]) for r in rows_of(self.warehouse, "stream_state_cart")} == \
-            {s: (v, state["total"]) for s, (v, state) in states.items()}
+            {s: (v, state["total"]) for s, (v, state) in states.items() if s.startswith("cart-")}
+        if any(s.startswith("account-") for s in states):  # the daily grain: each day's last state, from the store
+            assert {r["stream_id"]: (r["version"], r["balance"]) for r in rows_of(self.warehouse, "stream_state_account")} \
+                == {s: (v, state["balance"]) for s, (v, state) in states.items() if s.startswith("account-")}
+            assert lake_rows(self.warehouse, "account") == expected_rows(self.dsn, SHOP, "account")
         assert {(r["stream_id"], r["version_from"]): [r["version_to"], r["valid_from"], r["valid_to"],
                                                       json.loads(r["state"])]
                 for r in rows_of(self.warehouse, "stream_state_cart_history")} == trails
@@ -237,7 +280,8 @@ class History:
         daily: dict[tuple[str, str, Any], int] = {}
         for stream, version, etype, _, _, day, _ in history:
             catalog[stream] = (catalog.get(stream, (0, 0))[0] + 1, max(version, catalog.get(stream, (0, 0))[1]))
-            daily[("cart", etype, day)] = daily.get(("cart", etype, day), 0) + 1
+            kind = stream.split("-")[0]
+            daily[(kind, etype, day)] = daily.get((kind, etype, day), 0) + 1
         assert {r["stream_id"]: (r["events"], r["version"])
                 for r in rows_of(self.warehouse, "stream_catalog")} == catalog
         assert {(r["stream_type"], r["event_type"], r["event_date"]): r["events"]
@@ -247,6 +291,8 @@ class History:
         sales: dict[str, tuple[int, dict[str, Any]]] = {}
         for stream, version, etype, payload, _, _, _ in sorted(
                 history, key=lambda h: (self.taken_by[(h[0], h[1])], h[4])):  # (extraction, position)
+            if etype not in SHOP.projections["sku_sales"].event_types:
+                continue
             n, state = sales.get(payload["sku"], (0, {}))
             sales[payload["sku"]] = (n + 1, fold(state, Event(stream, version, etype, payload)))
         assert {r["sku"]: (r["events"], json.loads(r["state"])) for r in rows_of(self.warehouse, "sku_sales")} == sales
