@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import quote
@@ -38,6 +39,23 @@ def project_root(cwd: Path | None = None) -> Path:
 
 
 PROJECT_ROOT = project_root()
+CACHE = PROJECT_ROOT / ".cache"  # what is fetched or built once: jars, the framework clients, server binaries
+
+
+@contextmanager
+def fetching_once(name: str) -> Iterator[None]:
+    """An exclusive lock on `.cache/<name>.lock` for the block: of several processes that find something of the
+    cache missing (`make test`'s tiers side by side, the suite's workers), one fetches or builds it while the others
+    wait, then find it there. The caller checks again inside the block."""
+    import fcntl
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / f"{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 # Who appends extracted batches to the Delta `events` table: delta-rs (Rust, in the run's own
 # process, no JVM) or Spark. Both commit the same Delta `txn` action (docs/architecture.md).

@@ -22,6 +22,35 @@ from es_pipeline.store.migrations import migrate
 from es_pipeline_tests.support.roles import StoreDsn, create_login, login_roles
 from es_pipeline_tests.support.store import make_tenant_store
 
+
+def _worker_cluster() -> None:
+    """Under pytest-xdist (`make pytest` runs two workers), each worker on a PostgreSQL cluster of its own, as each
+    major of `make test-pg-versions` is: the horizon, `pg_snapshot_xmin`, is the cluster's, so a transaction one
+    worker's test holds open would hold the other's extractions back, and drills that end the cluster's backends
+    would end the other's. Set before anything reads the port; the cluster goes when the worker ends."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or "ES_PIPELINE_TEST_PG_ADMIN_DSN" in os.environ:  # one process, or a run given its cluster
+        return
+    import atexit
+    import shutil
+
+    from es_pipeline.dev.stack import free_port
+    from es_pipeline.settings import PROJECT_ROOT
+
+    port, data = free_port(), PROJECT_ROOT / ".pgdata" / f"xdist-{worker}-{os.getpid()}"
+    local_server.start(port, data)
+    os.environ["ES_PIPELINE_TEST_PG_ADMIN_DSN"] = local_pg_dsn(port, "postgres")
+    os.environ["ES_PIPELINE_LOCAL_PG_PORT"] = str(port)
+
+    def gone() -> None:
+        local_server.stop(data)
+        shutil.rmtree(data, ignore_errors=True)
+        (data.parent / f"{data.name}.log").unlink(missing_ok=True)
+
+    atexit.register(gone)
+
+
+_worker_cluster()
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
 TEMPLATE_DB = f"es_test_template_{os.getpid()}"

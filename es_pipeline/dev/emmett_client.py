@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT
+from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, fetching_once
 from es_pipeline.store import conninfo
 
 SCRIPTS = Path(__file__).parent / "emmett"
@@ -26,6 +26,11 @@ def install() -> Path:
     if not SCRIPTS.is_dir():
         raise FileNotFoundError(f"the Emmett client's scripts ({SCRIPTS}) ship with es_pipeline's source repository, "
                                 "not with the wheel: run the Emmett demo from a checkout")
+    with fetching_once("emmett"):
+        return _install()
+
+
+def _install() -> Path:
     HOME.mkdir(parents=True, exist_ok=True)
     stale = any(not (HOME / f).exists() or (HOME / f).read_bytes() != (SCRIPTS / f).read_bytes() for f in FILES)
     for f in FILES:

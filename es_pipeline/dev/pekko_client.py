@@ -17,7 +17,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT
+from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, fetching_once
 from es_pipeline.store import conninfo
 
 SOURCES = Path(__file__).parent / "pekko"
@@ -47,6 +47,11 @@ def _fingerprint() -> str:
 def install() -> str:
     """The application's classpath (its jar, then its dependencies): built with Maven the first time, and
     again only when pom.xml or a source changed."""
+    with fetching_once("pekko"):
+        return _install()
+
+
+def _install() -> str:
     HOME.mkdir(parents=True, exist_ok=True)
     stamp, listing = HOME / "built-from", HOME / "classpath.txt"
     fingerprint = _fingerprint()

@@ -23,7 +23,7 @@ from pathlib import Path
 from es_pipeline.dev.stack import free_port, stop_process, wait_port
 from es_pipeline.errors import LocalServerError
 from es_pipeline.lake.spark.java import java_binary
-from es_pipeline.settings import LOCAL_SECRETS, PROJECT_ROOT
+from es_pipeline.settings import LOCAL_SECRETS, PROJECT_ROOT, fetching_once
 
 VERSION = "4.1.0"
 JAR_SHA1 = "0a0b89e982bc1b1b5757d45b61109e05a840dd87"  # Maven Central's, for this version
@@ -37,6 +37,11 @@ def jar() -> Path:
     """The s3proxy jar, downloaded once (about 55 MB) and verified."""
     if JAR.exists():
         return JAR
+    with fetching_once("s3proxy"):
+        return JAR if JAR.exists() else _download()
+
+
+def _download() -> Path:
     JAR.parent.mkdir(parents=True, exist_ok=True)
     partial = JAR.with_suffix(".part")
     print(f"downloading s3proxy {VERSION} from Maven Central (55 MB, once) into {JAR.parent}", flush=True)
@@ -54,10 +59,12 @@ def jar() -> Path:
 def keys() -> tuple[str, str]:
     """The local server's access key and secret, generated on first use."""
     if not KEYS.exists():
-        KEYS.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(KEYS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"es-pipeline-{secrets.token_hex(4)}\n{secrets.token_hex(24)}\n")
+        with fetching_once("s3proxy-keys"):  # written whole before another process reads it
+            if not KEYS.exists():
+                KEYS.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = os.open(KEYS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"es-pipeline-{secrets.token_hex(4)}\n{secrets.token_hex(24)}\n")
     access, secret = KEYS.read_text().split()
     return access, secret
 

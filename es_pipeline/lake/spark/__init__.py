@@ -16,7 +16,7 @@ from typing import Any
 
 from es_pipeline.errors import SparkSetupError
 from es_pipeline.lake.spark.java import java_binary, trust_options
-from es_pipeline.settings import PROJECT_ROOT, Settings
+from es_pipeline.settings import PROJECT_ROOT, Settings, fetching_once
 
 DELTA_VERSION = "4.4.0"
 JAR_CACHE = PROJECT_ROOT / ".cache"
@@ -131,6 +131,15 @@ def s3a_jars() -> list[Path]:
     target = JAR_CACHE / "jars" / f"s3a-{hadoop}-{sdk}"
     done = target / ".complete"
     if not done.exists():
+        with fetching_once("s3a-jars"):
+            _fetch_s3a(target, done, hadoop, sdk)
+    return sorted(target.glob("*.jar"))
+
+
+def _fetch_s3a(target: Path, done: Path, hadoop: str, sdk: str) -> None:
+    import pyspark
+
+    if not done.exists():
         ivy_jar = next((Path(pyspark.__file__).parent / "jars").glob("ivy-*.jar"))
         java = java_binary()
         if java is None:
@@ -142,7 +151,6 @@ def s3a_jars() -> list[Path]:
         _ivy_retrieve(java, ivy_jar, "software.amazon.awssdk", "s3-transfer-manager", sdk, target, keep=S3A_KEEP,
                       transitive=True)
         done.write_text(f"hadoop-aws {hadoop} sdk {sdk}\n")
-    return sorted(target.glob("*.jar"))
 
 
 def s3a_conf(env: dict[str, str]) -> dict[str, str]:
