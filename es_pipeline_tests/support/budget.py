@@ -1,0 +1,74 @@
+"""`make test`'s tiers against their budgets: each tier's wall time and its slowest tests, printed at the end, so that
+the next drill is added with its cost in view (README, "Two commands").
+
+Each tier's make target runs as `python -m es_pipeline_tests.support.budget run <tier> -- <command…>`: the command's
+wall time is recorded in `.cache/test-times/<tier>.json`, beside the JUnit XML its pytest writes there
+(`--junitxml`, per test case its seconds). `make test` ends with `... budget report`: per tier, its time against its
+budget and its five slowest tests; a tier over its budget is named (the run still passes or fails on its tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+from es_pipeline.settings import CACHE
+
+TIMES = CACHE / "test-times"
+# Seconds on this kind of machine (2 cores), from a fresh-clone `.ci/run`: what README's table says each tier takes,
+# with room for a slower machine of the same kind. The main suite and the side-by-side tier add up to `make test`.
+BUDGETS = {"pytest": 900, "e2e": 660, "pg-versions": 660, "bench-smoke": 300}
+SLOWEST = 5
+
+
+def run(tier: str, command: list[str]) -> int:
+    """Run `command`, recording its wall time for `tier`; its exit status."""
+    TIMES.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    code = subprocess.call(command)
+    (TIMES / f"{tier}.json").write_text(json.dumps({"seconds": round(time.monotonic() - started, 1), "exit": code,
+                                                    "finished": time.time()}))
+    return code
+
+
+def slowest(tier: str, n: int = SLOWEST) -> list[tuple[float, str]]:
+    """The `n` slowest test cases of every JUnit XML of `tier` (`<tier>*.xml`)."""
+    cases = []
+    for path in sorted(TIMES.glob(f"{tier}*.xml")):
+        for case in ET.parse(path).iter("testcase"):
+            cases.append((float(case.get("time") or 0), f"{case.get('classname')}::{case.get('name')}"))
+    return sorted(cases, reverse=True)[:n]
+
+
+def report() -> int:
+    lines, over = ["test tiers (wall time, budget, slowest tests):"], []
+    for tier, budget in BUDGETS.items():
+        recorded = TIMES / f"{tier}.json"
+        if not recorded.exists():
+            continue
+        seconds = json.loads(recorded.read_text())["seconds"]
+        mark = "" if seconds <= budget else "  OVER BUDGET"
+        if mark:
+            over.append(tier)
+        lines.append(f"  {tier:<12} {seconds / 60:5.1f} min of {budget / 60:.0f}{mark}")
+        lines += [f"      {s:7.1f} s  {name}" for s, name in slowest(tier)]
+    if over:
+        lines.append(f"over budget: {', '.join(over)} (README, \"Two commands\"): make the new test cheaper, or "
+                     "move a larger size to `make bench`")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["run"] and len(argv) > 3 and argv[2] == "--":
+        return run(argv[1], argv[3:])
+    if argv == ["report"]:
+        return report()
+    print("usage: python -m es_pipeline_tests.support.budget run <tier> -- <command…> | report", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
