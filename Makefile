@@ -89,7 +89,7 @@ pytest: setup
 	  -m "not e2e" es_pipeline_tests examples/shop/tests
 
 test-e2e: setup
-	@$(BUDGET) run e2e -- $(VENV)/bin/pytest -q --durations=10 --junitxml=$(TIMES)/e2e.xml -m e2e es_pipeline_tests
+	@$(BUDGET) run e2e -- $(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=10 --junitxml=$(TIMES)/e2e.xml -m e2e es_pipeline_tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers).
@@ -125,7 +125,7 @@ bench: setup
 # need a Dagster daemon, a Spark cluster or minutes of wall clock (latency, steady_state, cluster) are not in it.
 bench-smoke: setup
 	$(UV) sync --frozen --extra bench --python 3.11 --inexact
-	@$(BUDGET) run bench-smoke -- $(MAKE) --no-print-directory bench-smoke-run
+	+@$(BUDGET) run bench-smoke -- $(MAKE) --no-print-directory bench-smoke-run
 
 bench-smoke-run:
 	@tmp=$$(mktemp -d); export BENCH_RESULTS=$$tmp/results BENCH_WORK=$$tmp/work BENCH_DB=bench_smoke \

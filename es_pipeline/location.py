@@ -19,6 +19,7 @@ from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, l
 from es_pipeline.defs.projections.assets import build_projection_assets
 from es_pipeline.defs.projections.automation import build_projections_automation_sensor
 from es_pipeline.defs.projections.checks import build_projection_checks
+from es_pipeline.defs.projections.rebuilds import JOB as REBUILDS_JOB  # noqa: F401 - for the command line (project.py)
 from es_pipeline.defs.projections.rebuilds import build_rebuilds_job, build_rebuilds_sensor
 from es_pipeline.defs.resources import build_resources
 from es_pipeline.defs.snapshots.asset import snapshots

@@ -176,10 +176,9 @@ def materialize(settings: Settings, *, progress: Callable[[Materialized], None] 
     is a run on the project's instance, as if launched from the UI."""
     import dagster as dg
 
-    from es_pipeline.defs.projections.rebuilds import JOB as REBUILDS_JOB
     from es_pipeline.domain import load as load_domain
     from es_pipeline.lake.state import rebuild
-    from es_pipeline.location import build_definitions
+    from es_pipeline.location import REBUILDS_JOB, build_definitions
 
     domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     defs = build_definitions(settings, domain)

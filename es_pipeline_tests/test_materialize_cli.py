@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from deltalake import DeltaTable
 
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.roles import StoreDsn
 
 CLI = str(Path(sys.executable).parent / "es-pipeline")
+pytestmark = pytest.mark.slow  # each command a process that loads Dagster: `make test`, not `make check`'s budget
 
 V1 = '''
 from es_pipeline.domain import Domain
