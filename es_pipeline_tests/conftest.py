@@ -209,6 +209,11 @@ LONGEST_FILES_FIRST = (
     "es_pipeline_tests/lake/test_s3_lake.py",
     "es_pipeline_tests/lake/test_matrix.py",
     "es_pipeline_tests/test_materialize_cli.py",
+    # The e2e tier's (`make test-e2e`, two workers too): the health drills alone take about as long as the rest of a
+    # worker's share.
+    "es_pipeline_tests/e2e/test_health_drills.py",
+    "es_pipeline_tests/e2e/test_quickstart.py",
+    "es_pipeline_tests/e2e/test_end_to_end.py",
 )
 
 

@@ -27,7 +27,7 @@ def run(tier: str, command: list[str]) -> int:
     """Run `command`, recording its wall time for `tier`; its exit status."""
     TIMES.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    code = subprocess.call(command)
+    code = subprocess.call(command, close_fds=False)  # a make under it keeps the jobserver (make's `+` recipes)
     (TIMES / f"{tier}.json").write_text(json.dumps({"seconds": round(time.monotonic() - started, 1), "exit": code,
                                                     "finished": time.time()}))
     return code
