@@ -487,12 +487,17 @@ class Extractor:
         else:
             assert read is not None
             stream = _counting(self._rows(batch, counted, waited), read)
-            if session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below:
+            filtered = session.rebased_below is not None and min(batch.from_watermarks) < session.rebased_below
+            if filtered:
                 stream = tables.without_events_in_lake(stream, self.events_path)  # see extraction/rebase.py
             sort_as = session.rows_batch_id(batch)
             if sort_as != batch.batch_id:  # a slice's first run after a rebase: its rows sort as the rebase's
                 stream = _sorting_as(stream, sort_as)
-            written = self._append(_counting(stream, result.rows_by_slice), batch)
+            # The rows written by slice, for the run's report: the rows read, unless a rebase's filter left some out.
+            written = self._append(_counting(stream, result.rows_by_slice) if filtered else stream, batch)
+            if not filtered:
+                for s, n in read.items():
+                    result.rows_by_slice[s] = result.rows_by_slice.get(s, 0) + n
             if written is None and not replay:  # a new batch Delta says it has: never skip it and go on
                 session.forget_pending(batch)
                 raise LakeStoreDiverged(
