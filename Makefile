@@ -75,6 +75,13 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
+# The tests' JVMs (Spark sessions, Connect servers, Dagster runs on Spark) start with the client compiler only and the
+# serial collector: a JVM that lives seconds to minutes spends half of its CPU compiling and collecting otherwise
+# (a session's start and first Delta write: 9 s of CPU instead of 17; decision 0048). `make bench` and the
+# product keep the JVM's defaults.
+TEST_JVM := -XX:TieredStopAtLevel=1 -XX:+UseSerialGC
+pytest pytest-fast test-e2e test-pg-versions bench-smoke bench-smoke-run: export SPARK_SUBMIT_OPTS := $(TEST_JVM)
+
 # Each tier's wall time and JUnit XML go to .cache/test-times/; `make test` ends with each tier against its budget
 # and its slowest tests (es_pipeline_tests/support/budget.py).
 BUDGET := $(PY) -m es_pipeline_tests.support.budget

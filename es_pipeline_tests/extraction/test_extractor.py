@@ -59,7 +59,12 @@ def naive_poll(dsn: StoreDsn, stop: threading.Event, seen: set[tuple[str, int]])
 
 # The race is the horizon's (the read): at scale with delta-rs; with the Spark writer, whose commits are the same
 # idempotent Delta transactions (its crash drills above), at the size that still races several runs against writers.
-@pytest.mark.parametrize(("writer", "events"), [("delta-rs", 4000), pytest.param("spark", 2000, marks=SPARK_WRITER)])
+# `make test-pg-versions` races the other majors at that size too (ES_PIPELINE_TEST_RACE_EVENTS).
+RACE_EVENTS = int(os.environ.get("ES_PIPELINE_TEST_RACE_EVENTS", "4000"))
+
+
+@pytest.mark.parametrize(("writer", "events"), [("delta-rs", RACE_EVENTS),
+                                                 pytest.param("spark", 2000, marks=SPARK_WRITER)])
 def test_seed_004_race_at_scale_is_exactly_once_and_the_naive_offset_loses_events(
     dsn: StoreDsn, spark: Any, warehouse: Path, writer: str, events: int
 ) -> None:

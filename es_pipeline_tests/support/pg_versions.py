@@ -95,10 +95,16 @@ def stop(cluster: Cluster) -> None:
     (cluster.data.parent / f"{cluster.data.name}.log").unlink(missing_ok=True)
 
 
+# The seed race on another major proves its horizon (`pg_snapshot_xmin`) at the size that still races several runs
+# against eight writers; the 15 run races at scale (es_pipeline_tests/extraction/test_extractor.py).
+RACE_EVENTS = "1500"
+
+
 def pytest_env(cluster: Cluster) -> dict[str, str]:
     return {**os.environ, "ES_PIPELINE_PG_BINDIR": str(cluster.bindir),
             "ES_PIPELINE_TEST_PG_ADMIN_DSN": local_pg_dsn(cluster.port, "postgres"),
-            "ES_PIPELINE_LOCAL_PG_PORT": str(cluster.port)}
+            "ES_PIPELINE_LOCAL_PG_PORT": str(cluster.port),
+            "ES_PIPELINE_TEST_RACE_EVENTS": os.environ.get("ES_PIPELINE_TEST_RACE_EVENTS", RACE_EVENTS)}
 
 
 def run_all(majors: list[str], pytest_args: list[str], *, parallel: bool) -> list[str]:
