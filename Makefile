@@ -75,10 +75,11 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy es_pipeline examples/shop/shop
 
-# The tests' JVMs (Spark sessions, Connect servers, Dagster runs on Spark) start with the client compiler only and the
-# serial collector: a JVM that lives seconds to minutes spends half of its CPU compiling and collecting otherwise
-# (a session's start and first Delta write: 9 s of CPU instead of 17; decision 0048). `make bench` and the
-# product keep the JVM's defaults.
+# The JVMs the tests start (Dagster runs and CLI commands on Spark, Connect servers, benchmarks' sessions) run with the
+# client compiler only and the serial collector: a JVM that lives seconds to a minute spends half of its CPU
+# compiling and collecting otherwise (a session's start and first Delta write: 9 s of CPU instead of 17; decision
+# 0048). Each worker's own session, which lives as long as the worker, keeps the defaults (the suite's conftest), as
+# do `make bench` and the product.
 TEST_JVM := -XX:TieredStopAtLevel=1 -XX:+UseSerialGC
 pytest pytest-fast test-e2e test-pg-versions bench-smoke bench-smoke-run: export SPARK_SUBMIT_OPTS := $(TEST_JVM)
 

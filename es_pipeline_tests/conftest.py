@@ -160,7 +160,15 @@ def spark(s3: S3Server):  # type: ignore[no-untyped-def]
     """One Spark session for the whole test session, at local[2], that reaches local lakes and the S3 server's
     (started with S3A, as a session for an s3:// warehouse is)."""
     settings = replace(Settings.from_env(), warehouse=s3.bucket("spark"), spark_master="local[2]")
-    session = get_spark(settings)
+    # This JVM lives as long as the worker: the JIT's every tier and the default collector pay off here. The
+    # Makefile's SPARK_SUBMIT_OPTS (the client compiler alone, the serial collector) is for the short-lived ones:
+    # the runs and servers the tests start (the environment is the launcher's, read as the JVM starts).
+    short_lived = os.environ.pop("SPARK_SUBMIT_OPTS", None)
+    try:
+        session = get_spark(settings)
+    finally:
+        if short_lived is not None:
+            os.environ["SPARK_SUBMIT_OPTS"] = short_lived
     yield session
     session.stop()
 
