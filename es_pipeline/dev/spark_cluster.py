@@ -60,6 +60,11 @@ def standalone(folder: Path, *, cores: int = 2, memory: str = "4g") -> Iterator[
                 "SPARK_PID_DIR": str(folder / "pids"), "SPARK_WORKER_DIR": str(folder / "work"),
                 "SPARK_IDENT_STRING": f"es_pipeline-{os.getpid()}", "PYSPARK_PYTHON": sys.executable,
                 "SPARK_DAEMON_MEMORY": "512m"})
+    if os.environ.get("SPARK_SUBMIT_OPTS"):
+        # The JVM options of the submitting side (the tests' short-lived JVMs: the client compiler, the serial
+        # collector; Makefile) for every JVM of the cluster too: the master, the worker and the executors it starts
+        # (a JVM reads JAVA_TOOL_OPTIONS from its environment; the worker's is its executors').
+        env["JAVA_TOOL_OPTIONS"] = os.environ["SPARK_SUBMIT_OPTS"]
     port, ui_port, worker_ui = free_port(), free_port(), free_port()
     cluster = SparkCluster(f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}")
     _daemon(env, "start", MASTER_CLASS, "1", "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui_port))
