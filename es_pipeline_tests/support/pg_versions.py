@@ -104,7 +104,9 @@ def pytest_env(cluster: Cluster) -> dict[str, str]:
     return {**os.environ, "ES_PIPELINE_PG_BINDIR": str(cluster.bindir),
             "ES_PIPELINE_TEST_PG_ADMIN_DSN": local_pg_dsn(cluster.port, "postgres"),
             "ES_PIPELINE_LOCAL_PG_PORT": str(cluster.port),
-            "ES_PIPELINE_TEST_RACE_EVENTS": os.environ.get("ES_PIPELINE_TEST_RACE_EVENTS", RACE_EVENTS)}
+            "ES_PIPELINE_TEST_RACE_EVENTS": os.environ.get("ES_PIPELINE_TEST_RACE_EVENTS", RACE_EVENTS),
+            # Their Spark session only reads small lakes back: it runs as the short-lived JVMs do (the conftest).
+            "ES_PIPELINE_TEST_LIGHT_SPARK": "1"}
 
 
 def run_all(majors: list[str], pytest_args: list[str], *, parallel: bool) -> list[str]:
