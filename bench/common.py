@@ -41,16 +41,17 @@ log = logging.getLogger("bench")
 # -- sizes ---------------------------------------------------------------------------------------------
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+def _env_int(env: Mapping[str, str], name: str, default: int, *, least: int = EVENTS_PER_STREAM,
+             unit: str = "events") -> int:
     text = env.get(name, "").replace("_", "").strip()
     if not text:
         return default
     try:
         value = int(text)
     except ValueError:
-        raise SystemExit(f"{name}={env[name]!r}: expected a whole number of events") from None
-    if value < EVENTS_PER_STREAM:
-        raise SystemExit(f"{name}={value}: need at least {EVENTS_PER_STREAM} events")
+        raise SystemExit(f"{name}={env[name]!r}: expected a whole number of {unit}") from None
+    if value < least:
+        raise SystemExit(f"{name}={value}: need at least {least} {unit}")
     return value
 
 
@@ -69,14 +70,15 @@ class Sizes:
 
     @classmethod
     def resolve(cls, *, quick: bool, environ: Mapping[str, str] | None = None) -> Sizes:
-        """Defaults, or `--quick` ones; BENCH_EVENTS / BENCH_SMALL / BENCH_LARGE override both."""
+        """Defaults, or `--quick` ones; BENCH_EVENTS / BENCH_SMALL / BENCH_LARGE / BENCH_REPEATS override both."""
         env = os.environ if environ is None else environ
         events = _env_int(env, "BENCH_EVENTS", 200_000 if quick else 5_000_000)
         small = _whole_streams(_env_int(env, "BENCH_SMALL", 100_000 if quick else 1_000_000))
         large = _env_int(env, "BENCH_LARGE", 1_000_000 if quick else 10_000_000)
         if large <= small:
             raise SystemExit(f"BENCH_LARGE ({large}) must be larger than BENCH_SMALL ({small})")
-        return cls(events=events, small=small, large=large)
+        repeats = _env_int(env, "BENCH_REPEATS", 5, least=1, unit="repeats")
+        return cls(events=events, small=small, large=large, repeats=repeats)
 
 
 # -- databases -----------------------------------------------------------------------------------------
