@@ -50,7 +50,7 @@ STEPS = {
     "aggregates increment": ("es_pipeline/lake/aggregates/aggregate.py",),
     "cross-stream increment": ("increment (es_pipeline/lake/cross_stream.py",),
     "typed event tables increment": ("increment (es_pipeline/lake/typed/event_tables.py",),
-    "change feed read (Feed)": ("es_pipeline/lake/delta/feed.py",),
+    "change feed read (Feed)": ("es_pipeline/lake/kernel/feed.py",),
     "reports to Dagster (log_event, materializations)": ("log_event (", "report_runless_asset_event", "store_event ("),
     "Dagster storage writes (event log)": ("dagster_postgres/event_log", "dagster/_core/storage/event_log"),
     "sensor ticks": ("evaluate_tick", "_evaluate_sensor", "sensor_daemon"),

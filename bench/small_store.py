@@ -20,7 +20,7 @@ from typing import Any
 from bench.common import SCHEMA, Timing, load_events, log, wait_until_extractable
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.extraction import offsets
-from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import SPARK_BYTES
 
 NAME = "small_store"
 EVENTS = 3_000
@@ -70,7 +70,7 @@ def run(dsn: str, work: Path) -> dict[str, Any]:
             "Each engine in a fresh Python process of its own, on a lake of its own over the same store (loaded "
             "once): the extraction of every slice range and the three `events` checks table-wide (no duplicates, "
             "contiguous versions, reconcile with the store), then each table's first build (the shop's domain). "
-            f"`auto` is the engine rule's default (size decides: in process within {tables.SPARK_BYTES >> 20} MiB of "
+            f"`auto` is the engine rule's default (size decides: in process within {SPARK_BYTES >> 20} MiB of "
             "`events`' files); "
             "`spark` forces Spark for every step that has a Spark path, the first one starting the local JVM. "
             "The process row is the child's wall time as the parent saw it: its interpreter's start and imports included.",

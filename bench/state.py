@@ -38,6 +38,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import SPARK_BYTES
 from es_pipeline.lake.state.fold import StateResult
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
@@ -213,7 +214,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
                    {"runs_s": [round(x, 2) for x in floor_seconds]})
 
     state_path = lake / "stream_state"
-    log.info("[%s] full fold, the default path (in-process up to %d MiB of events)", REBUILD, tables.SPARK_BYTES >> 20)
+    log.info("[%s] full fold, the default path (in-process up to %d MiB of events)", REBUILD, SPARK_BYTES >> 20)
     seconds, r = _fold(spark, work)
     if r.events_folded != events or r.previous_events_version != -1:
         raise RuntimeError(f"the rebuild folded {r.events_folded:,} of {events:,} events")
@@ -270,7 +271,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
     return {
         "title": "stream_state and a cross-stream projection: full rebuild vs a plain groupBy over the same events",
         "parameters": {"events": events, "streams": streams, "spark_master": spark.sparkContext.master,
-                       "in_process_up_to_mib": tables.SPARK_BYTES >> 20, "cores": os.cpu_count()},
+                       "in_process_up_to_mib": SPARK_BYTES >> 20, "cores": os.cpu_count()},
         "columns": ["measurement", "events", "seconds", "events/s", "ratio to groupBy"],
         "rows": [row(floor), row(fold), row(fold_spark), row(cross), row(cross_spark), row(typed_local),
                  row(typed_spark)],
@@ -296,7 +297,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
             "through its reducer. Default: `events`' files read by pyarrow, split by slice over one forked "
             "process per core, each ordering its share by stream (dictionary codes, not strings) and folding it "
             "stream by stream, the rows written by delta-rs (tables up "
-            f"to {tables.SPARK_BYTES >> 20} MiB of Parquet; larger ones go to Spark). Spark: partitioned by stream, "
+            f"to {SPARK_BYTES >> 20} MiB of Parquet; larger ones go to Spark). Spark: partitioned by stream, "
             "sorted by version, folded by `mapInArrow`, then the MERGE. Same session, same lake; the state "
             "table is removed between the two folds.",
             "Cross-stream: `cross_stream.update` on no table, the store's batch frontier read first: `events`' files "

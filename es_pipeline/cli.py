@@ -208,7 +208,7 @@ def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
     """`lake rebuilds`: the stream types to rebuild and how far each rebuild beside `stream_state` is; `--run`: run
     them now, here (the engine rule, or `--engine`), each swapped in when caught up."""
     from es_pipeline.domain import load as load_domain
-    from es_pipeline.lake.delta.serial import one_at_a_time
+    from es_pipeline.lake.kernel.turn import one_at_a_time
     from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state import rebuild
 

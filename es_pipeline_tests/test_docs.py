@@ -9,7 +9,7 @@ left out: they hold commands and trees, often of a user's project):
   (`.py`, `.md`, `.toml`, `.yaml`, `.yml`, `.json`, `.sh`) or starts with one of its folders and a `/`
   (`lake/`, `docs/`, `.ci/`, …);
 - a word in the prose that contains a `/` and ends in such an extension (lake/typed/shapes.py);
-- a dotted module: `es_pipeline.lake.state.fold`, or relative to es_pipeline/ (`lake.delta.serial.Turn`).
+- a dotted module: `es_pipeline.lake.state.fold`, or relative to es_pipeline/ (`lake.kernel.turn.Turn`).
 
 A path is found when it exists under the repository's root, es_pipeline/, es_pipeline_tests/ or the
 markdown file's own folder; a bare file name (`fold.py`) when a file of that name exists in the repository;
@@ -44,6 +44,8 @@ ALLOWED: dict[str, str] = {
     "path/to/mapping.toml": "docs/sources.md: where a team's own mapping file goes",
     "es_pipeline_rules.yml": "docs/operations.md: the operator's file, written by the command beside it",
     "dg.toml": "dg's own project file (docs/decisions/0044): a dg project may have it instead of pyproject.toml",
+    "lake/delta/feed.py": "decision 0037's layout, as it was: split by decision 0049 (lake/kernel/, lake/delta/current.py)",
+    "lake/delta/serial.py": "decision 0037's layout, as it was: moved by decision 0049 to lake/kernel/turn.py",
 }
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -52,7 +54,7 @@ _CODE = re.compile(r"`([^`]+)`")
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 _PROSE_PATH = re.compile(r"(?<![\w./-])([\w.-]+(?:/[\w.-]+)+)")
 _MODULE = re.compile(r"^es_pipeline(?:\.\w+)+(?::\w+)?$")
-_RELATIVE_MODULE = re.compile(r"^([a-z_]+)(?:\.\w+)+$")  # `lake.delta.serial.Turn`, relative to es_pipeline
+_RELATIVE_MODULE = re.compile(r"^([a-z_]+)(?:\.\w+)+$")  # `lake.kernel.turn.Turn`, relative to es_pipeline
 _PLACEHOLDER = re.compile(r"[<>*?{}$|=…\[\]]|NNNN|\.\.\.")
 
 

@@ -39,7 +39,7 @@ class EventStoreResource(dg.ConfigurableResource):
 
 class WarehouseResource(dg.ConfigurableResource):
     """Where the Delta tables are (`ES_PIPELINE_WAREHOUSE`): a local folder, or an s3:// URI; and which engine works
-    on them (`ES_PIPELINE_ENGINE`: auto, spark or local; `lake.delta.tables.on_spark`); whether a stream type's
+    on them (`ES_PIPELINE_ENGINE`: auto, spark or local; `lake.kernel.engine.on_spark`); whether a stream type's
     rebuild runs beside the live table or waits (`ES_PIPELINE_REBUILDS`: beside or hold; lake/state/rebuild.py)."""
 
     path: str

@@ -39,11 +39,11 @@ from es_pipeline.lake import cross_stream, inventory
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.position import txn_version_after
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.state import history, rebuild
 from es_pipeline.lake.state import stream_state as st
-from es_pipeline.lake.state.fold import txn_version_after
 from es_pipeline.settings import Settings
 from es_pipeline.source.mapping import NO_TENANT
 from es_pipeline.store import tenants

@@ -9,7 +9,7 @@
   under the new `events` (lake/delta/definition.py `over`) and builds itself whole at its next update.
 - a projection (`stream_state` with its typed state and history tables, `stream_catalog`, `event_type_daily`, a cross-stream
   table, the typed event tables through their mapping `event_tables`, `snapshots`): removed in its own turn
-  (lake/delta/serial.py), so that no update of it runs meanwhile; its next update builds it whole from `events` (the
+  (lake/kernel/turn.py), so that no update of it runs meanwhile; its next update builds it whole from `events` (the
   typed state tables follow a new `stream_state` the same way). Nothing is lost: each is a fold of `events`.
   `snapshots` is the record of what was written back: it is taken again from `stream_state` at its next run, and
   the store's snapshots are upserted, not doubled.
@@ -29,8 +29,8 @@ from es_pipeline.extraction.rebase import lake_not_in_store
 from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.source.mapping import Source
 
 EVENTS = "events"

@@ -47,12 +47,14 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import RESERVED_PREFIXES, Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
-from es_pipeline.lake.delta import arrow_append, feed, pieces, tables
+from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
-from es_pipeline.lake.delta.feed import Feed
-from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import feed, position
+from es_pipeline.lake.kernel.engine import builds_on_spark
+from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import forked, state_json
 from es_pipeline.lake.state.fold import with_schema_versions
 from es_pipeline.source import payloads
@@ -144,7 +146,7 @@ def update(
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`. `frontier`: the lowest batch id that may still reach the lake (`extraction.offsets.batch_frontier`);
     None: every batch the lake holds is final. `spark` (a session, or a function that returns one) and `engine`:
-    where a whole build runs (`tables.builds_on_spark`); increments always run here. `NoEventsYet` before `events`
+    where a whole build runs (`builds_on_spark`); increments always run here. `NoEventsYet` before `events`
     exists."""
     tables.require_events(warehouse, name)
     with one_at_a_time(store_dsn, name) as turn:
@@ -180,12 +182,12 @@ def increment(
     if seen is not None and cursor is not None and f_prev and seen <= now:
         f_new = max(f_new, int(f_prev))
         if cursor >= now:  # nothing new, nothing waiting
-            return CrossStreamResult(feed.row_count(target), now, int(seen), 0, 0, 0, 0, 0, int(f_prev))  # type: ignore[arg-type]
+            return CrossStreamResult(current.row_count(target), now, int(seen), 0, 0, 0, 0, 0, int(f_prev))  # type: ignore[arg-type]
         new = events_feed.rows(int(cursor), [*columns, "_commit_version"])
     if new is None:
         if not build:
             return None
-        if tables.builds_on_spark(events_feed.table, spark, engine):
+        if builds_on_spark(events_feed.table, spark, engine):
             return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
                                      events_feed.table, f_new, read=seen)
         return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)
@@ -231,7 +233,7 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
             [("count_all", "sum")]).rename_columns(["tenant", "key", "count_all"])
     expected = pa.table({"tenant": counts["tenant"], projection.key_column: counts["key"].cast(pa.string()),
                          "events": counts["count_all"].cast(pa.int64())})
-    n, examples = rows_off(expected, feed.files(path, target).to_table(columns=list(expected.column_names)),
+    n, examples = rows_off(expected, current.files(path, target).to_table(columns=list(expected.column_names)),
                            ["tenant", projection.key_column])
     return Reconciled(int(seen), n, examples, engine="local")
 
@@ -596,7 +598,7 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
            projection: Projection) -> dict[tuple[str, str], _Row]:
     """The table's rows of the `wanted` keys, as the fold goes on from them."""
     key_column = table.key[1]
-    held = feed.files(path, target).to_table(columns=[
+    held = current.files(path, target).to_table(columns=[
         "tenant", key_column, "state", "events", "last_stream_id", "last_version", "last_batch_id", "last_position",
         "last_event_at"])
     if not held.num_rows:
@@ -607,9 +609,9 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     cols = [held[c].to_pylist() for c in ("tenant", key_column, "state", "events", "last_stream_id", "last_version",
                                           "last_batch_id", "last_position")]
     at = held["last_event_at"].cast(pa.int64()).to_pylist()
-    for tenant, key, state, count, sid, version, batch, position, last_at in zip(*cols, at, strict=True):
+    for tenant, key, state, count, sid, version, batch, last_position, last_at in zip(*cols, at, strict=True):
         if (tenant, key) in wanted:
-            last = None if sid is None else (batch, position, sid, version)
+            last = None if sid is None else (batch, last_position, sid, version)
             out[(tenant, key)] = _Row(codec.loads(state) if state else {}, count, last, last_at)
     return out
 
@@ -631,7 +633,7 @@ def _build(
     path = table.path(warehouse)
     ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
     unbound = _unbound_seen(table.name, table.properties[KIND])
-    feed.fence_older(path, [(f"{unbound}.cursor", feed.FENCE)])  # an older release: its cursor past `events`
+    position.fence_older(path, [(f"{unbound}.cursor", position.FENCE)])  # an older release: its cursor past `events`
     turn.confirm(path, ids[0], read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
@@ -710,7 +712,7 @@ def _increment(
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
         folded.update(_refold(projection, domain, events_path, events, late, left))
     if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
-        return CrossStreamResult(feed.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
+        return CrossStreamResult(current.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
     out = _table_rows(projection, table, folded)
     ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
     turn.confirm(path, ids[0], seen)
@@ -722,7 +724,7 @@ def _increment(
     else:
         target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
     target.update_incremental()
-    return CrossStreamResult(feed.row_count(target), now, seen, keyed.count, out.num_rows, len(late),
+    return CrossStreamResult(current.row_count(target), now, seen, keyed.count, out.num_rows, len(late),
                              left.num_rows, keyed.without_key, f_new)
 
 
@@ -867,7 +869,7 @@ def _build_with_spark(
         without_key = source.count() - folded_events
         path = table.path(warehouse)
         ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
-        feed.fence_older(path, [(f"{_unbound_seen(table.name, table.properties[KIND])}.cursor", feed.FENCE)])
+        position.fence_older(path, [(f"{_unbound_seen(table.name, table.properties[KIND])}.cursor", position.FENCE)])
         turn.confirm(path, ids[0], read)
         if not tables.is_delta_table(path):
             DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")

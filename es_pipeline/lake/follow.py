@@ -17,19 +17,19 @@ import psycopg
 
 from es_pipeline.domain import Domain
 from es_pipeline.lake import cross_stream
-from es_pipeline.lake.aggregates.aggregate import AggregateResult
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.feed import Feed
-from es_pipeline.lake.delta.serial import turn_if_free
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import runner
+from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.turn import turn_if_free
 from es_pipeline.lake.state.fold import StateResult, read_columns
 from es_pipeline.lake.state.stream_state import small_increment, with_typed_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.lake.typed.event_tables import EventTablesResult
 
-Result = AggregateResult | StateResult | CrossStreamResult | EventTablesResult
+Result = runner.Result | StateResult | CrossStreamResult | EventTablesResult
 
 _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
              "overflow_values")  # summed over gathered updates
@@ -58,7 +58,7 @@ def follow(
             done["stream_state"] = with_typed_state(warehouse, domain, state)
     for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
         with turn_if_free(store, projection.name) as turn:
-            result = projection.small_increment(warehouse, turn, events_feed) if turn is not None else None
+            result = runner.increment(projection, warehouse, turn, events_feed) if turn is not None else None
             if result is not None:
                 done[projection.name] = result
     for name, cross in sorted(domain.projections.items()):

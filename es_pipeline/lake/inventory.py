@@ -1,4 +1,4 @@
-"""Every table es_pipeline keeps in a lake, and the turn (lake/delta/serial.py) each is written in: what maintenance
+"""Every table es_pipeline keeps in a lake, and the turn (lake/kernel/turn.py) each is written in: what maintenance
 compacts, the catalog registers and a tenant's erasure deletes from."""
 
 from __future__ import annotations

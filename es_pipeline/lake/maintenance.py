@@ -19,8 +19,8 @@ from deltalake import DeltaTable
 
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel.turn import one_at_a_time
 
 
 def maintain(warehouse: Location, *, retain_hours: int = 168, store_dsn: str | None = None) -> dict[str, dict[str, int]]:

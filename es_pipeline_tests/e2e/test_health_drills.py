@@ -76,7 +76,7 @@ def _tailing_runs(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
 def _in_lake(warehouse: Path, stream_id: str, version: int) -> bool:
     from deltalake import DeltaTable
 
-    from es_pipeline.lake.delta.feed import files
+    from es_pipeline.lake.delta.current import files
 
     path = str(warehouse / "events")
     rows = files(path, DeltaTable(path)).to_table(columns=["stream_id", "version"]).to_pylist()

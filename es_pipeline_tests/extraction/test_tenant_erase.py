@@ -280,7 +280,7 @@ def test_extraction_goes_on_while_the_erasure_waits_for_a_projections_turn(
     """The slice locks are held for the store's drop and the `events` delete and purge, not for the projections'
     turns: while a long update holds `stream_state`'s turn, the other tenants' events are extracted."""
     from es_pipeline.extraction.slices import SliceRange
-    from es_pipeline.lake.delta.serial import one_at_a_time
+    from es_pipeline.lake.kernel.turn import one_at_a_time
 
     _seeded_lake(store, spark, warehouse)
     held, release, events_done = threading.Event(), threading.Event(), threading.Event()

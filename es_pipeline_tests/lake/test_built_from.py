@@ -19,7 +19,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.offsets import OffsetSession
-from es_pipeline.lake.delta.feed import FENCE
+from es_pipeline.lake.kernel.position import FENCE
 from es_pipeline.lake.read.behind import Lake
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import PROJECT_ROOT

@@ -23,8 +23,8 @@ from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.health.exporter import Latency, Reading, lake_metrics
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.read.behind import Lake
 from es_pipeline.lake.state import forked, rebuild
 from es_pipeline.lake.state.fold import StateResult

@@ -13,8 +13,8 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-from es_pipeline.lake.delta import feed
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel import feed
 from es_pipeline.lake.maintenance import compact_with_delta_rs
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction

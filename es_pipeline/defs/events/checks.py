@@ -1,7 +1,7 @@
 """Checks of `events`: no duplicates, contiguous versions, counts reconcile with the store.
 
 In this process (DataFusion over the Delta table, Arrow; in bounded pieces) where the scope's files are within
-the engine rule's bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`tables.on_spark`): a range's
+the engine rule's bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`on_spark`): a range's
 checks start no JVM.
 
 Table-wide on their schedule (`lake_checks_job`, hourly). Run beside the materialization of one
@@ -27,6 +27,7 @@ from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.source.mapping import NO_TENANT, Source, as_source
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
@@ -47,12 +48,12 @@ def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, engi
           version: int | None = None) -> "_Events":
     """`events` (at `version`, default the newest), or the rows of the scope's slices (the files of other ranges
     are skipped by their slice statistics: a batch holds one range's slices), read by the engine the rule gives
-    (`tables.on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
+    (`on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
     path = EVENTS.path(warehouse)
     table = DeltaTable(path) if version is None else DeltaTable(path, version=version)
 
     size = tables.files_bytes(table) if scope is None else tables.files_bytes(table, "slice", scope.lo, scope.hi)
-    if tables.on_spark(engine, lambda: size):
+    if on_spark(engine, lambda: size):
         return _SparkEvents(tables.session_of(spark), path, scope, version)
     return _ArrowEvents(table, scope, pieces.count_for(size))
 

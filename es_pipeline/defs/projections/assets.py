@@ -11,6 +11,7 @@ from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake.aggregates.aggregate import Aggregate
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.cross_stream import update as update_cross_stream
+from es_pipeline.lake.kernel import runner
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed.event_tables import update as update_event_tables
 
@@ -52,8 +53,8 @@ def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinit
     def asset(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
               event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
-            r = aggregate.update(lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn,
-                                 engine=warehouse.engine)
+            r = runner.update(aggregate, lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn,
+                              engine=warehouse.engine)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset

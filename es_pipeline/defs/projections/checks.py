@@ -5,7 +5,7 @@ compares like with like and cannot flap.
 - `stream_state`: every stream folded up to its last event. Blocking, and part of `snapshots_job`
   (defs/snapshots/schedule.py): a failure stops the snapshots' write-back, which would otherwise write a state
   that does not match the events into the store. Read with Arrow (no JVM), `events` in bounded pieces, within
-  the engine rule's bound (`tables.on_spark`), which the snapshots' schedule can afford every ten minutes.
+  the engine rule's bound (`on_spark`), which the snapshots' schedule can afford every ten minutes.
 - `stream_catalog`, `event_type_daily`: every row equal to the aggregate of `events` (lake/aggregates/aggregate.py).
 - each cross-stream projection: each key's event count equal to its events in `events`, less those waiting
   (lake/cross_stream.py `reconcile`).

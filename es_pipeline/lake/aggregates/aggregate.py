@@ -1,5 +1,6 @@
 """`Aggregate`: a table of additive aggregates of `events` (counts add up, first/last times take the min/max),
-kept incrementally by Spark, or for a small increment by pyarrow and delta-rs (no Dagster here).
+kept incrementally by Spark, or for a small increment by pyarrow and delta-rs (no Dagster here). A kind of the
+projection kernel: lake/kernel/runner.py runs its updates.
 
 The built-in ones, `stream_catalog` and `event_type_daily`, are in lake/aggregates/builtin.py.
 """
@@ -12,42 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from es_pipeline.lake.delta import feed, pieces, tables
+from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
-from es_pipeline.lake.delta.feed import Feed
-from es_pipeline.lake.delta.serial import Turn, one_at_a_time
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import position
+from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.turn import Turn
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AggregateResult:
-    rows: int  # rows of the table after the run
-    events_version: int  # the `events` table version now folded in
-    previous_events_version: int  # -1: the table was (re)built from the whole of `events`
-    events_read: int  # events aggregated by this run (the increment, or all on a rebuild)
-    keys_updated: int  # rows inserted or updated by this run
-    engine: str = "local"  # "spark" where Spark ran the update, "local" where this process did (pyarrow, delta-rs)
-
-    @property
-    def worked(self) -> bool:
-        """Whether the run read events (else the table was up to date)."""
-        return bool(self.events_read)
-
-    @property
-    def caught_up(self) -> bool:
-        """Whether the table holds every event of the `events` version it read (an aggregate's update is whole)."""
-        return True
-
-    def metadata(self) -> dict[str, int | bool | str]:
-        """The run's figures, as its asset's materialization shows them."""
-        return {"dagster/row_count": self.rows, "events_read": self.events_read, "keys_updated": self.keys_updated,
-                "events_version": self.events_version, "full_rebuild": self.previous_events_version < 0,
-                "engine": self.engine}
 
 
 @dataclass(frozen=True)
@@ -82,63 +59,20 @@ class Aggregate:
         """The UPDATE SET clause of Spark's MERGE."""
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
 
-    def update(
-        self, spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
-        engine: str = "auto",
-    ) -> AggregateResult:
-        """Fold the `events` commits since the last update in; with `store_dsn`, one update at a time.
+    def continues(self, target: DeltaTable) -> bool:
+        """An increment merges onto a table whose key is this release's (one of a release before tenants lacks
+        `tenant`: built whole)."""
+        return tables.has_columns(target, self.key)
 
-        `spark`: a session, or a function that returns one, called only if Spark is needed: a small
-        increment, and a whole build over `events` within the engine rule's bound, are aggregated and written
-        without a JVM (`small_increment`, `small_build`) unless told not to (`small_increments`, or `engine`
-        "spark"; `engine` as `tables.on_spark` takes it). `NoEventsYet` before `events` exists."""
-        tables.require_events(warehouse, self.name)
-        with one_at_a_time(store_dsn, self.name) as turn:
-            if small_increments and engine != "spark":
-                done = self.small_increment(warehouse, turn) or self.small_build(warehouse, turn, engine)
-                if done is not None:
-                    return done
-            return self._update_with_spark(tables.session_of(spark), warehouse, turn)
+    def fold(self, rows: pa.Table) -> _Merge:
+        """The increment aggregated by pyarrow, to merge by delta-rs (lake/kernel/runner.py `increment`)."""
+        return _Merge(self, self.aggregate_arrow(rows))
 
-    def small_increment(
-        self, warehouse: Location, turn: Turn, events_feed: Feed | None = None
-    ) -> AggregateResult | None:
-        """The increment aggregated by pyarrow and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events);
-        None: Spark's to do (a first build, a larger increment, a change feed vacuumed away). `events_feed`:
-        `events`' change feed shared with other increments (else read here)."""
-        events_path = EVENTS.path(warehouse)
-        path = self.table.path(warehouse)
-        if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
-            return None
-        target = DeltaTable(path)
-        events_feed = events_feed or Feed(events_path, list(self.columns))
-        app_id = self.table.app_id_over(events_feed.table_id)
-        prev = target.transaction_version(app_id)
-        if prev is None or not tables.has_columns(target, self.key):
-            return None  # a first build, one from another `events`, or a table of an older es_pipeline: Spark's
-        now = events_feed.version
-        if prev >= now:
-            return AggregateResult(feed.row_count(target), now, int(prev), 0, 0)
-        rows = events_feed.rows(int(prev), list(self.columns))
-        if rows is None:
-            return None
-        agg = self.aggregate_arrow(rows)
-        turn.confirm(path, app_id, int(prev))
-        if agg.num_rows:
-            target.merge(agg, predicate=" AND ".join(f"t.{k} = u.{k}" for k in self.key), source_alias="u",
-                         target_alias="t", commit_properties=feed.commit_properties(app_id, now)) \
-                .when_matched_update(self.updates).when_not_matched_insert_all().execute()
-        else:  # nothing added (only compaction since): record the version all the same
-            target.create_write_transaction([], mode="append", schema=target.schema(),
-                                            commit_properties=feed.commit_properties(app_id, now))
-        target.update_incremental()
-        return AggregateResult(feed.row_count(target), now, int(prev), rows.num_rows, agg.num_rows)
-
-    def small_build(self, warehouse: Location, turn: Turn, engine: str = "auto") -> AggregateResult | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: str = "auto") -> Result | None:
         """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
         `events` read in bounded pieces (by slice span where a row is a stream's, else a million events at a
-        time), where its files are within the engine rule's bound (`tables.on_spark`); None: Spark's to do, or
-        not a whole build (an increment `small_increment` left to Spark)."""
+        time), where its files are within the engine rule's bound (`on_spark`); None: Spark's to do, or
+        not a whole build (an increment the runner left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
         app_id = self.table.app_id_over(tables.table_id(events_path))
@@ -146,20 +80,20 @@ class Aggregate:
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
         size = tables.files_bytes(events)
-        if tables.on_spark(engine, lambda: size):
+        if on_spark(engine, lambda: size):
             return None
         now = int(events.version())
         read = [0]
         # The table's rows held (a row per key: `events` itself is read in pieces), so that the turn is confirmed
         # right before the write, as every build does, and no read of `events` runs inside delta-rs's write.
         rows = list(self._aggregated(events_path, events, size, read))
-        feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
+        position.fence_older(path, [(self.table.app_id, position.FENCE)])
         turn.confirm(path, app_id, prev)
         self.table.ensure_arrow(warehouse)
         written = sum(t.num_rows for t in rows)
         write_deltalake(path, pa.Table.from_batches([b for t in rows for b in t.to_batches()], schema=self.table.schema),
-                        mode="overwrite", schema_mode="overwrite", commit_properties=feed.commit_properties(app_id, now))
-        return AggregateResult(written, now, -1, read[0], written)
+                        mode="overwrite", schema_mode="overwrite", commit_properties=position.commit_properties(app_id, now))
+        return self._result(now, -1, read[0], written, written)
 
     def _aggregated(self, events_path: str, events: DeltaTable, size: int, read: list[int]) -> Iterator[pa.Table]:
         """The table's rows from `events` (its `size` bytes of files) in bounded pieces, a part at a time (`read[0]`
@@ -198,7 +132,7 @@ class Aggregate:
     def reconcile(self, spark: Any, warehouse: Location, engine: str = "auto") -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
         every row equal. In process (`events` in bounded pieces, as a build reads it) where the engine rule says
-        (`tables.on_spark`), else, or where the table has deletion vectors, Spark (`spark`: a session, or a
+        (`on_spark`), else, or where the table has deletion vectors, Spark (`spark`: a session, or a
         function that returns one)."""
         path, events_path = self.table.path(warehouse), EVENTS.path(warehouse)
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
@@ -210,7 +144,7 @@ class Aggregate:
         events = DeltaTable(events_path, version=int(folded))
         key = list(self.key)
         size = tables.files_bytes(events)
-        if feed.has_deletion_vectors(target) or tables.on_spark(engine, lambda: size):
+        if current.has_deletion_vectors(target) or on_spark(engine, lambda: size):
             session = tables.session_of(spark)
             expected = self.aggregate(tables.with_tenant(tables.read(session, events_path, version=int(folded))))
             actual = tables.read(session, path, version=int(target.version())).select(*expected.columns)
@@ -219,10 +153,10 @@ class Aggregate:
             return Reconciled(int(folded), int(bad.count()), examples, engine="spark")
         parts = list(self._aggregated(events_path, events, size, [0]))
         expected = pa.concat_tables(parts) if parts else self.table.schema.empty_table()
-        n, examples = rows_off(expected, feed.plain(feed.files(path, target).to_table()), key)
+        n, examples = rows_off(expected, current.plain(current.files(path, target).to_table()), key)
         return Reconciled(int(folded), n, examples, engine="local")
 
-    def _update_with_spark(self, spark: Any, warehouse: Location, turn: Turn) -> AggregateResult:
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
         events_path = EVENTS.path(warehouse)
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
@@ -231,14 +165,14 @@ class Aggregate:
         if prev is not None and not tables.has_columns(path, self.key):
             prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
-            return AggregateResult(_count(spark, path), now, prev, 0, 0, engine="spark")
+            return self._result(now, prev, 0, 0, _count(spark, path), engine="spark")
         if prev is not None:
             agg = self.aggregate(tables.with_tenant(tables.rows_added(spark, events_path, prev, now))).cache()
             try:
                 n, read = _figures(agg)
                 turn.confirm(path, app_id, prev)
                 tables.merge_by_key(spark, path, agg, self.key, app_id=app_id, version=now, update_set=self.merge_set)
-                return AggregateResult(_count(spark, path), now, prev, read, n, engine="spark")
+                return self._result(now, prev, read, n, _count(spark, path), engine="spark")
             except tables.spark_errors() as exc:
                 if not tables.change_feed_gone(exc):
                     raise
@@ -249,7 +183,7 @@ class Aggregate:
                 agg.unpersist()
         # First run, a table of another `events` or an older es_pipeline, or a change feed vacuumed away: built whole.
         if prev is None:
-            feed.fence_older(path, [(self.table.app_id, feed.FENCE)])
+            position.fence_older(path, [(self.table.app_id, position.FENCE)])
         agg = self.aggregate(tables.with_tenant(tables.read(spark, events_path, version=now))).cache()
         try:
             n, read = _figures(agg)
@@ -258,7 +192,31 @@ class Aggregate:
              .option("txnAppId", app_id).option("txnVersion", str(now)).save(path))
         finally:
             agg.unpersist()
-        return AggregateResult(_count(spark, path), now, -1, read, n, engine="spark")
+        return self._result(now, -1, read, n, _count(spark, path), engine="spark")
+
+
+    def _result(self, now: int, previous: int, read: int, keys: int, rows: int, engine: Engine = "local") -> Result:
+        return Result(self.name, now, previous, read, engine, rows, {"keys_updated": keys})
+
+
+@dataclass(frozen=True)
+class _Merge:
+    """An increment's rows, one per key, merged into the table: counts add up, first/last times take the min/max."""
+
+    aggregate: Aggregate
+    rows: pa.Table
+
+    @property
+    def figures(self) -> dict[str, int | str | bool]:
+        return {"keys_updated": self.rows.num_rows}
+
+    def commit(self, target: DeltaTable, properties: CommitProperties) -> None:
+        if self.rows.num_rows:
+            target.merge(self.rows, predicate=" AND ".join(f"t.{k} = u.{k}" for k in self.aggregate.key),
+                         source_alias="u", target_alias="t", commit_properties=properties) \
+                .when_matched_update(self.aggregate.updates).when_not_matched_insert_all().execute()
+        else:  # nothing added (only compaction since): record the version all the same
+            target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=properties)
 
 
 def _count(spark: Any, path: str) -> int:

@@ -7,10 +7,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from es_pipeline.lake.aggregates.aggregate import Aggregate, AggregateResult
+from es_pipeline.lake.aggregates.aggregate import Aggregate
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.kernel import runner
+from es_pipeline.lake.kernel.result import Result
 
 
 # Every projection is keyed by tenant first; `tenant` is their last column, where a table of an older
@@ -82,16 +84,16 @@ EVENT_TYPE_DAILY = Aggregate(
 def update_stream_catalog(
     spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
     engine: str = "auto",
-) -> AggregateResult:
+) -> Result:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
-    return STREAM_CATALOG.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
-                                 engine=engine)
+    return runner.update(STREAM_CATALOG, spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
+                         engine=engine)
 
 
 def update_event_type_daily(
     spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
     engine: str = "auto",
-) -> AggregateResult:
+) -> Result:
     """Stream type x event type x day: count (incremental)."""
-    return EVENT_TYPE_DAILY.update(spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
-                                   engine=engine)
+    return runner.update(EVENT_TYPE_DAILY, spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
+                         engine=engine)

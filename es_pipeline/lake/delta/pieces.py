@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from es_pipeline.lake.delta import feed
+from es_pipeline.lake.delta import current
 
 PIECE_BYTES = 64 * 1024 * 1024  # Parquet bytes of `events` a piece holds at most (some 5x that once read)
 BATCH_ROWS = 131_072  # rows a scan yields at a time
@@ -42,22 +42,22 @@ def count_for(parquet_bytes: int) -> int:
 
 def schema(table: DeltaTable, columns: Sequence[str]) -> pa.Schema:
     """The schema of `batches`: the `columns` the table has, in that order (plain strings)."""
-    fields = feed.plain_schema(pa.schema(table.schema().to_arrow()))
+    fields = current.plain_schema(pa.schema(table.schema().to_arrow()))
     return pa.schema([fields.field(c) for c in columns if c in fields.names])
 
 
 def batches(path: str, table: DeltaTable, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
     """The table's rows at the version loaded, the `columns` it has (plain strings), a batch at a time."""
     wanted = schema(table, columns).names
-    if feed.has_deletion_vectors(table):
+    if current.has_deletion_vectors(table):
         from deltalake import QueryBuilder
 
         reader = QueryBuilder().register("t", table).execute("SELECT " + ", ".join(f'"{c}"' for c in wanted) + " FROM t")
         for batch in pa.RecordBatchReader.from_stream(reader):
-            yield batch.cast(feed.plain_schema(batch.schema))
+            yield batch.cast(current.plain_schema(batch.schema))
         return
     # One file and one batch ahead at most: the scan's own buffers stay a few batches, not a few files.
-    yield from feed.files(path, table).to_batches(columns=wanted, batch_size=BATCH_ROWS, fragment_readahead=1,
+    yield from current.files(path, table).to_batches(columns=wanted, batch_size=BATCH_ROWS, fragment_readahead=1,
                                                    batch_readahead=1)
 
 

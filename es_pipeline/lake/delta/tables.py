@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,26 +246,6 @@ CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileN
 def session_of(spark: Any) -> Any:
     """A Spark session from `spark`: the session itself, or a function that returns one (called now)."""
     return spark() if callable(spark) else spark
-
-
-# `events` Parquet files above which `auto` does the work on Spark. In process it is read in bounded pieces
-# (lake/delta/pieces.py): its memory does not grow with the lake, its time does (1 GiB: some 25M events, 30 s of
-# `stream_state`'s fold on two cores); past that a cluster's cores pay for a JVM's start.
-SPARK_BYTES = 1024 * 1024 * 1024
-
-
-def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
-    """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
-    for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (`on_spark`); "local" never."""
-    return spark is not None and on_spark(engine, lambda: files_bytes(events))
-
-
-def on_spark(engine: str, size: Callable[[], int]) -> bool:
-    """The engine rule: `engine` "spark" always, "local" never, "auto" where the work's files (`size()`, asked only
-    then) pass `SPARK_BYTES`."""
-    if engine in ("spark", "local"):
-        return engine == "spark"
-    return size() > SPARK_BYTES
 
 
 def files_bytes(table: DeltaTable, column: str | None = None, lo: int = 0, hi: int = 0) -> int:

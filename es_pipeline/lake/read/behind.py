@@ -21,8 +21,8 @@ from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.position import REVISION_SLOTS
 from es_pipeline.lake.state import history, stream_state
-from es_pipeline.lake.state.fold import REVISION_SLOTS
 from es_pipeline.lake.typed import event_tables
 
 LOOKBACK = 1000  # `events` commits whose times a Lake keeps (read from the log once each)

@@ -100,32 +100,6 @@ class StateResult:
                 **{f"history_rows/{name}": n for name, n in self.history_rows}}
 
 
-# The Delta txn version of a stream_state commit encodes the events table version folded and the
-# sum of the reducer revisions, so that a revision bump with no new events still commits (Delta
-# skips a txn version it has seen) while a replay of the same work does not.
-REVISION_SLOTS = 1000
-
-
-
-def txn_version(events_version: int, registry: dict[str, Reducer]) -> int:
-    return events_version * REVISION_SLOTS + min(REVISION_SLOTS - 1, sum(r.revision for r in registry.values()))
-
-
-def next_txn_version(events_version: int, registry: dict[str, Reducer], read: int | None) -> int:
-    """The txn version of a commit at `events_version` after one of txn version `read`: `txn_version`, unless that
-    is not above `read` at the same events version (a reducer removed: the sum went down, and Delta would skip the
-    commit as done), then one above `read`, within that events version's slots."""
-    version = txn_version(events_version, registry)
-    if read is not None and version <= read and read // REVISION_SLOTS == events_version:
-        version = min(read + 1, events_version * REVISION_SLOTS + REVISION_SLOTS - 1)
-    return version
-
-
-def txn_version_after(read: int, events_version: int) -> int:
-    """The txn version of a commit at `events_version` by the reducers that committed txn version `read`."""
-    return events_version * REVISION_SLOTS + read % REVISION_SLOTS
-
-
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _DAY_MICROS = 86_400_000_000
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded

@@ -37,9 +37,10 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import DomainError, TypedStateMismatch
-from es_pipeline.lake.delta import feed, pieces, tables
+from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.kernel import position
 from es_pipeline.lake.state import state_json, typed_state
 from es_pipeline.lake.state.fold import StreamFold
 
@@ -145,7 +146,7 @@ def _retyped(path: str, held: DeltaTable, reducer: Reducer, table: Table, app: s
 
     try:
         write_deltalake(path, pa.RecordBatchReader.from_batches(table.schema, batches()), mode="overwrite",
-                        schema_mode="overwrite", partition_by=PARTITION, commit_properties=feed.commit_properties(app, read))
+                        schema_mode="overwrite", partition_by=PARTITION, commit_properties=position.commit_properties(app, read))
     except Exception:  # the misfit comes back through Arrow's reader, wrapped or not: anything else re-raises
         if misfit:
             return False
@@ -154,7 +155,7 @@ def _retyped(path: str, held: DeltaTable, reducer: Reducer, table: Table, app: s
 
 
 def _same_columns(held: DeltaTable, table: Table) -> bool:
-    schema = feed.plain_schema(pa.schema(held.schema().to_arrow()))
+    schema = current.plain_schema(pa.schema(held.schema().to_arrow()))
     return [(f.name, f.type) for f in schema] == [(f.name, f.type) for f in table.schema]
 
 
@@ -168,7 +169,7 @@ def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: s
         if stream_type in skip:
             continue
         path = table.path(warehouse)
-        props = feed.commit_properties(app_id(table, events_id, reducer), version)
+        props = position.commit_properties(app_id(table, events_id, reducer), version)
         of_type = out.filter(pc.and_(pc.equal(out["stream_type"], stream_type), pc.is_valid(out["history"])))
         rows, closes = _rows(of_type, reducer, table)
         if whole is None or stream_type in whole or not tables.is_delta_table(path):
@@ -193,7 +194,7 @@ def write_built(warehouse: Location, domain: Domain, built: dict[str, list[pa.Ta
         parts = built.get(stream_type) or []
         rows = pa.concat_tables(parts) if parts else table.schema.empty_table()
         write_deltalake(table.path(warehouse), rows, mode="overwrite", schema_mode="overwrite", partition_by=PARTITION,
-                        commit_properties=feed.commit_properties(app_id(table, events_id, reducer), version),
+                        commit_properties=position.commit_properties(app_id(table, events_id, reducer), version),
                         description=f"es_pipeline: {table.comment}")
         written[table.name] = rows.num_rows
     return written
@@ -331,7 +332,7 @@ def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, ev
             else:
                 target = DeltaTable(path)  # nothing of its type: an empty commit records the version
                 target.create_write_transaction([], mode="append", schema=target.schema(), partition_by=PARTITION,
-                                                commit_properties=feed.commit_properties(app, version))
+                                                commit_properties=position.commit_properties(app, version))
         finally:
             rows.unpersist()
         written[table.name] = n

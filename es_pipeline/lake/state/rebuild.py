@@ -9,7 +9,7 @@ folded them (in service, their lag growing), its new events wait in `events`, an
 
 The new version is built in a shadow (`Shadow`: `<warehouse>/_rebuilds/<table>-<hash>/`, a small lake of its own
 holding a `stream_state` and the history table of that one type), in the rebuild's own turn
-(`TURN`, lake/delta/serial.py), never in `stream_state`'s:
+(`TURN`, lake/kernel/turn.py), never in `stream_state`'s:
 1. *pieces*: every event of the type at one `events` version (the build's, recorded in the shadow's description)
    spread by slice into pieces of whole streams (lake/delta/pieces.py), each folded by this machine's cores
    (lake/state/whole_fold.py), the whole build at a lower priority (`NICE`), or, where the engine rule says, by Spark, and
@@ -50,18 +50,19 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain
-from es_pipeline.lake.delta import feed, pieces, tables
-from es_pipeline.lake.delta.serial import one_at_a_time
+from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import feed, position
+from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.state import forked, history, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     FOLD_OUT,
     READ_COLUMNS,
-    REVISION_SLOTS,
     STATE_SCHEMA,
     arrow_updates,
-    next_txn_version,
     read_columns,
     stale_types,
     with_schema_versions,
@@ -140,7 +141,7 @@ def record(spark: Any, path: str, transactions: list[Transaction]) -> None:
     if not transactions:
         return
     table = DeltaTable(path)
-    if not feed.has_deletion_vectors(table):
+    if not current.has_deletion_vectors(table):
         table.create_write_transaction([], mode="append", schema=table.schema(),
                                        commit_properties=CommitProperties(app_transactions=transactions))
         return
@@ -350,7 +351,7 @@ def _live_kinds(warehouse: Location) -> tuple[DeltaTable, str, int, list[tuple[s
     read = live.transaction_version(app_id(events_id))
     if read is None:
         return None
-    kinds = feed.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
+    kinds = current.files(STREAM_STATE.path(warehouse), live).to_table(columns=["stream_type", "revision"]) \
         .group_by(["stream_type", "revision"]).aggregate([])
     return live, events_id, int(read), list(zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
                                                 strict=True))
@@ -460,10 +461,10 @@ def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str
         plan, events = None, DeltaTable(events_path, version=live)
     size = tables.files_bytes(events)
     count = pieces.count_for(size) if plan is None else len(plan["piece_events"])
-    on_spark = tables.on_spark(engine, lambda: size)
+    spark_builds = on_spark(engine, lambda: size)
     stream_type = shadow.stream_type
     read = [*READ_COLUMNS, "slice", *(["metadata"] if domain.metadata_field else [])]
-    if on_spark:
+    if spark_builds:
         session = tables.session_of(spark)
         rows = _spark_events(session, events_path, int(events.version()), stream_type, domain)
         counts = _spark_piece_counts(rows, count) if plan is None else plan["piece_events"]
@@ -613,7 +614,7 @@ def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> 
         _history_settled(shadow, domain)
         if rows.num_rows:
             new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
-            out, _ = fold_onto(feed.files(shadow.state_path, state).to_table(), new, domain, skip_unknown)
+            out, _ = fold_onto(current.files(shadow.state_path, state).to_table(), new, domain, skip_unknown)
             table = _history_table(domain, shadow.stream_type)
             if table is not None:
                 others = [t for t in history.history_tables(domain) if t != shadow.stream_type]
@@ -649,10 +650,10 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
         return False
     started = time.monotonic()
     held = set(pending_now(warehouse, domain))  # the others still to rebuild keep their tables as they are
-    rows = feed.files(shadow.state_path, DeltaTable(shadow.state_path)).to_table()
+    rows = current.files(shadow.state_path, DeltaTable(shadow.state_path)).to_table()
     rows = rows.set_column(rows.schema.get_field_index("updated_at"), "updated_at",
                            pa.array([datetime.now(UTC)] * rows.num_rows, STATE_SCHEMA.field("updated_at").type))
-    mine = feed.files(state_path, live).to_table(columns=list(KEY) + ["stream_type"])
+    mine = current.files(state_path, live).to_table(columns=list(KEY) + ["stream_type"])
     gone = mine.filter(pc.equal(mine["stream_type"], stream_type)).select(list(KEY)) \
         .join(rows.select(list(KEY)), list(KEY), join_type="left anti")  # rows the shadow lacks: deleted
     version = next_txn_version(read // REVISION_SLOTS, domain.folds, read)
@@ -669,9 +670,9 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
             table.schema, _history_rows(table.path(shadow.lake), shadow_history, table.schema)), mode="overwrite",
             schema_mode="overwrite",
             partition_by=history.PARTITION, description=f"es_pipeline: {table.comment}",
-            commit_properties=feed.commit_properties(history.app_id(table, events_id, reducer), version))
+            commit_properties=position.commit_properties(history.app_id(table, events_id, reducer), version))
     literal = _literal(stream_type)
-    if feed.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
+    if current.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
         _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
         # After the swap (a crash between leaves the type held, swapped again next time).
         record(spark, state_path, [Transaction(swapped_app(events_id, stream_type), version)])

@@ -31,11 +31,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import current, tables
 from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 SNAPSHOTS = Table("snapshots", pa.schema([
@@ -93,30 +93,30 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int,
     snap_path = tables.table_path(warehouse, "snapshots")
     SNAPSHOTS.ensure_arrow(warehouse)
     snap = DeltaTable(snap_path)
-    if feed.has_deletion_vectors(snap) or (bounded and feed.row_count(snap) > SMALL_SNAPSHOT_ROWS) or \
+    if current.has_deletion_vectors(snap) or (bounded and current.row_count(snap) > SMALL_SNAPSHOT_ROWS) or \
             not tables.has_columns(snap, KEY):
         return None  # (a table made before tenants: Spark adds the column)
     # The whole take, the write-back included, in the table's turn, reading `stream_state` once the turn is ours:
     # `tenant erase` deletes a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows.
     with one_at_a_time(store.dsn, "snapshots") as turn:
         if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
-            return 0, _write_back(latest(feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)), store), -1
+            return 0, _write_back(latest(current.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)), store), -1
         state = DeltaTable(state_path)
-        if feed.has_deletion_vectors(state) or (bounded and feed.row_count(state) > SMALL_SNAPSHOTS) or \
+        if current.has_deletion_vectors(state) or (bounded and current.row_count(state) > SMALL_SNAPSHOTS) or \
                 not tables.has_columns(state, KEY):
             return None
         state_version = state.version()
         app = SNAPSHOTS.app_id_over(str(state.metadata().id))
         snap = DeltaTable(snap_path)  # the version this turn reads, from which it commits
         read = snap.transaction_version(app)
-        lake = feed.files(snap_path, snap).to_table(columns=_TAKEN)
-        due = _due(feed.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
+        lake = current.files(snap_path, snap).to_table(columns=_TAKEN)
+        due = _due(current.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
         taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=app, version=state_version, table=snap,
                                before_commit=lambda: turn.confirm(snap_path, app, None if read is None else int(read)))
         if taken:  # the lake is the record: what it now holds, these included
             lake = pa.concat_tables([lake, due.select(_TAKEN).cast(lake.schema)])
         elif taken is None:  # this state version was taken already (a replay): read what is there
-            lake = feed.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)
+            lake = current.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)
         return taken or 0, _write_back(latest(lake), store), state_version
 
 
@@ -127,9 +127,9 @@ def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | Non
     if not tables.is_delta_table(snap_path):
         return pa.table({c: pa.array([], SNAPSHOTS.schema.field(c).type) for c in _COLUMNS})
     snap = DeltaTable(snap_path)
-    if feed.has_deletion_vectors(snap) or feed.row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, KEY):
+    if current.has_deletion_vectors(snap) or current.row_count(snap) > SMALL_SNAPSHOT_ROWS or not tables.has_columns(snap, KEY):
         return None
-    return _missing(latest(feed.files(snap_path, snap).to_table(columns=_TAKEN)), store)
+    return _missing(latest(current.files(snap_path, snap).to_table(columns=_TAKEN)), store)
 
 
 def latest(snapshots: pa.Table) -> pa.Table:

@@ -5,7 +5,7 @@ the last processed table version added (Delta's change data feed, so the cost fo
 the table), onto the previous state of the streams they touch, in version order (lake/state/fold.py: gaps wait,
 `parked`; a type without a reducer keeps versions alone). The `events` version folded is committed
 atomically with the state, as the commit's Delta transaction id (`txnAppId`/`txnVersion`), so a crash
-or a retry never folds an event twice; the commit happens in the table's turn (lake/delta/serial.py).
+or a retry never folds an event twice; the commit happens in the table's turn (lake/kernel/turn.py).
 
 Three paths, one fold, the same txn ids, so each goes on from what another committed:
 - a small increment (up to `feed.SMALL_INCREMENT` new events): folded in this process, merged by delta-rs;
@@ -29,23 +29,23 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake.delta import feed, pieces, tables
-from es_pipeline.lake.delta.feed import Feed
-from es_pipeline.lake.delta.serial import Turn, one_at_a_time
+from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import position
+from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version, txn_version
+from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
-    REVISION_SLOTS,
     STATE_SCHEMA,
     StateResult,
     Written,
     arrow_result,
     arrow_updates,
-    next_txn_version,
     read_columns,
-    txn_version,
     with_schema_versions,
 )
 from es_pipeline.lake.state.state_table import (
@@ -83,7 +83,7 @@ def update_stream_state(
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
     if Spark is needed: a small increment and a first build the engine rule keeps here (`engine`,
-    `tables.on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
+    `on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
     Then, out of the table's turn, every stream type to rebuild is rebuilt beside it and swapped in
     (lake/state/rebuild.py), unless `rebuilds` is "hold". `NoEventsYet` before `events` exists."""
     tables.require_events(warehouse, STREAM_STATE.name)
@@ -146,7 +146,7 @@ def small_increment(
         state = DeltaTable(state_path)
     prev = int(read) // REVISION_SLOTS
     now = events_feed.version
-    if feed.has_deletion_vectors(state):
+    if current.has_deletion_vectors(state):
         return None  # its files alone are not its rows
     if prev >= now:  # nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py)
         return StateResult(now, prev, 0, 0, (), 0, 0)
@@ -155,7 +155,7 @@ def small_increment(
         return None
     new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(read_rows)), domain)
     # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
-    whole = feed.files(state_path, state).to_table()
+    whole = current.files(state_path, state).to_table()
     kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
     # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
     # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
@@ -199,19 +199,19 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
         state = DeltaTable(state_path)
         if state.transaction_version(app) is not None:
             return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
-        if feed.has_deletion_vectors(state):
+        if current.has_deletion_vectors(state):
             return None  # delta-rs does not write such a table: Spark rebuilds it
     folded = whole_fold.fold_table(events_path, domain, skip_unknown, engine)
     if folded is None:
         return None
     out, now, built = folded
     updates = arrow_updates(out)
-    feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
+    position.fence_older(state_path, [(STREAM_STATE.app_id, position.FENCE)])
     STREAM_STATE.ensure_arrow(warehouse, typed_state.state_properties(domain))
     turn.confirm(state_path, app, None)
     version = txn_version(now, domain.folds)
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
-                    commit_properties=feed.commit_properties(app, version))
+                    commit_properties=position.commit_properties(app, version))
     kept = history.write_built(warehouse, domain, built, tables.table_id(events_path), version)
     return replace(arrow_result(out, now, -1), history_rows=tuple(sorted(kept.items())))
 
@@ -290,13 +290,13 @@ def _update_with_spark(
         kept = history.write_spark(spark, warehouse, domain, folded, events_id, version,
                                    whole=() if read is not None else list(domain.folds), skip=held)
         if read is None:
-            feed.fence_older(state_path, [(STREAM_STATE.app_id, feed.FENCE)])
+            position.fence_older(state_path, [(STREAM_STATE.app_id, position.FENCE)])
             (updates.select(*STATE_SCHEMA.names).write.format("delta").mode("overwrite")
              .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
-        elif not stats["streams"] and not feed.has_deletion_vectors(DeltaTable(state_path)):
+        elif not stats["streams"] and not current.has_deletion_vectors(DeltaTable(state_path)):
             # Only events of a type held back: the position recorded alone (as the small path does).
             DeltaTable(state_path).create_write_transaction([], mode="append", schema=DeltaTable(state_path).schema(),
-                                                            commit_properties=feed.commit_properties(app, version))
+                                                            commit_properties=position.commit_properties(app, version))
         else:
             tables.merge_by_key(spark, state_path, updates, KEY, app_id=app, version=version)
         log.info("stream_state on Spark: the rows written in %.1f s (%s)", time.monotonic() - started,
@@ -321,7 +321,7 @@ class VersionsOff:
 def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff | None:
     """The check of `stream_state` without a JVM (the snapshots' write-back waits on it), `events` read in bounded
     pieces (each stream's last version, a million events at a time): None where Spark should do it (the engine
-    rule, `tables.on_spark`, or deletion vectors in `stream_state`, which its files alone do not honour). The
+    rule, `on_spark`, or deletion vectors in `stream_state`, which its files alone do not honour). The
     stream types held back for a rebuild beside the table are left out (behind until their swap)."""
     state_path = tables.table_path(warehouse, "stream_state")
     folded = folded_version(warehouse)
@@ -330,7 +330,7 @@ def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff
     state_version, events_version = folded
     events = DeltaTable(EVENTS.path(warehouse), version=events_version)
     state = DeltaTable(state_path, version=state_version)
-    if feed.has_deletion_vectors(state) or tables.on_spark(engine, lambda: tables.files_bytes(events)):
+    if current.has_deletion_vectors(state) or on_spark(engine, lambda: tables.files_bytes(events)):
         return None
     keys = list(KEY)
     last: pa.Table | None = None
@@ -344,7 +344,7 @@ def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff
             [("max_version", "max")]).rename_columns([*grouped, "max_version"])
     if last is None:
         last = pa.table({**{k: pa.array([], pa.string()) for k in grouped}, "max_version": pa.array([], pa.int32())})
-    rows = feed.files(state_path, state).to_table(columns=[*keys, "stream_type", "version", "parked"])
+    rows = current.files(state_path, state).to_table(columns=[*keys, "stream_type", "version", "parked"])
     rows = tables.tenant_filled(rows) if "tenant" in keys else rows
     # A stream type held back for its rebuild beside (lake/state/rebuild.py) is behind by design until its swap.
     held = rebuild.held_back(state, str(events.metadata().id), {*rows["stream_type"].to_pylist(),

@@ -29,10 +29,11 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import STATE_TABLE_PREFIX, Domain, Reducer
 from es_pipeline.errors import DomainError, TypedStateMismatch
-from es_pipeline.lake.delta import feed, tables
+from es_pipeline.lake.delta import current, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import position
 from es_pipeline.lake.state import state_json
 from es_pipeline.lake.state.fold import Written
 
@@ -117,7 +118,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             _CHECKED.add(checked)
         if read is not None and read >= now:
             continue
-        props = feed.commit_properties(app, now)
+        props = position.commit_properties(app, now)
         if commit is not None and read == commit.before:  # the one commit since: its rows, as written
             of_type = pc.equal(commit.rows["stream_type"], stream_type)
             rows = _typed(commit.rows.filter(of_type).select(_STATE_COLUMNS), reducer, table)
@@ -178,7 +179,7 @@ def _upsert(target: DeltaTable, rows: pa.Table, props: CommitProperties) -> None
 
 def _same_columns(table: DeltaTable, schema: pa.Schema) -> bool:
     held = pa.schema(table.schema().to_arrow())
-    return [(f.name, feed.plain_schema(pa.schema([f])).field(0).type) for f in held] == \
+    return [(f.name, current.plain_schema(pa.schema([f])).field(0).type) for f in held] == \
         [(f.name, f.type) for f in schema]
 
 
@@ -192,7 +193,7 @@ def _changes(state: DeltaTable, after: int, upto: int) -> pa.Table | None:
         reader = pa.RecordBatchReader.from_stream(state.load_cdf(
             starting_version=after + 1, ending_version=upto, columns=[*_STATE_COLUMNS, "_change_type",
                                                                         "_commit_version"]))
-        rows = feed.plain(reader.read_all())
+        rows = current.plain(reader.read_all())
     except Exception as exc:  # noqa: BLE001 - an unreadable feed rebuilds the table; anything else re-raises
         if tables.change_feed_gone(exc) or "change data" in str(exc).lower() or "cdf" in str(exc).lower():
             log.info("stream_state's change feed after %s cannot be read (%s): its typed tables are rebuilt", after, exc)
@@ -208,7 +209,7 @@ def _latest(changes: pa.Table, stream_type: str) -> pa.Table:
 
 
 def _current(path: str, state: DeltaTable, stream_type: str) -> pa.Table:
-    rows = feed.files(path, state).to_table(columns=_STATE_COLUMNS)
+    rows = current.files(path, state).to_table(columns=_STATE_COLUMNS)
     return rows.filter(pc.equal(rows["stream_type"], stream_type))
 
 

@@ -2,7 +2,7 @@
 
 A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
 every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
-(bench/results/state_rebuild.md). Within the engine rule's bound (`tables.on_spark`: 1 GiB of Parquet) it is
+(bench/results/state_rebuild.md). Within the engine rule's bound (`on_spark`: 1 GiB of Parquet) it is
 done here instead:
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records): whole up to
@@ -30,8 +30,9 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from es_pipeline.domain import Domain, Reducer
-from es_pipeline.lake.delta import feed, pieces, tables
+from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.state import forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
@@ -53,13 +54,13 @@ Built = dict[str, list[pa.Table]]  # per stream type, its history rows
 def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
                engine: str = "auto") -> tuple[pa.Table, int, Built] | None:
     """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
-    read, the history tables' rows), or None: Spark's to do (see the module; `engine` as `tables.on_spark` takes
+    read, the history tables' rows), or None: Spark's to do (see the module; `engine` as `on_spark` takes
     it)."""
     events = DeltaTable(events_path)
-    if feed.has_deletion_vectors(events):
+    if current.has_deletion_vectors(events):
         return None  # its files alone are not its rows
     size = tables.files_bytes(events)
-    if tables.on_spark(engine, lambda: size):
+    if on_spark(engine, lambda: size):
         return None
     now = int(events.version())
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]

@@ -45,11 +45,13 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from es_pipeline.domain import EVENT_TABLE_PREFIX, EVENT_TABLES, Domain
-from es_pipeline.lake.delta import arrow_append, feed, pieces, tables
+from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.delta.serial import one_at_a_time
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import feed
+from es_pipeline.lake.kernel.engine import builds_on_spark
+from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.typed import on_spark, shapes
 from es_pipeline.lake.typed.typed_rows import (
     ENVELOPE,
@@ -176,9 +178,9 @@ def _digest(text: str, n: int) -> str:
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
            progress: Callable[[str], None] | None = None, spark: Any = None,
            engine: str = "auto") -> EventTablesResult:
-    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/delta/serial.py); `NoEventsYet`
+    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/kernel/turn.py); `NoEventsYet`
     before `events` exists. `spark` (a session, or a function that returns one) and `engine`: where a whole build
-    runs (`tables.builds_on_spark`); increments always run here."""
+    runs (`builds_on_spark`); increments always run here."""
     tables.require_events(warehouse, NAME)
     with one_at_a_time(store_dsn, NAME):
         result = increment(warehouse, domain, progress=progress, spark=spark, engine=engine)
@@ -224,7 +226,7 @@ def increment(warehouse: Location, domain: Domain, *, build: bool = True,
                 total.caught_up = False
             return total
         keeper.next_window(now)
-        if tables.builds_on_spark(events, spark, engine):
+        if builds_on_spark(events, spark, engine):
             keeper.build_on_spark(tables.session_of(spark), events_path, read, progress or (lambda _: None))
             keeper.result.engine = "spark"
         else:
@@ -276,7 +278,7 @@ class _Keeper:
         if not tables.is_delta_table(self.mapping_path):
             return None
         mapping = _open(self.mapping_path)
-        rows = feed.files(self.mapping_path, mapping).to_table().to_pylist()
+        rows = current.files(self.mapping_path, mapping).to_table().to_pylist()
         self.history = rows
         self.names = {r["event_type"]: r["table_name"] for r in rows}
         found = mapping.transaction_version(self.app)
@@ -365,7 +367,7 @@ class _Keeper:
             path = tables.table_path(self.warehouse, name)
             if tables.is_delta_table(path):
                 held = _open(path)
-                empty = pa.Table.from_batches([], schema=feed.plain_schema(pa.schema(held.schema().to_arrow())))
+                empty = pa.Table.from_batches([], schema=current.plain_schema(pa.schema(held.schema().to_arrow())))
                 write_deltalake(path, empty, mode="overwrite", commit_properties=_props(self.app, self.now))
         self.names = {t: n for t, n in self.names.items() if n in started}
 
@@ -481,10 +483,10 @@ class _Keeper:
             for f in typed.rows.schema:
                 if f.name not in ENVELOPE.names or f.name == shapes.OVERFLOW:
                     self._record(event_type, name, f.name, f.type, "added", typed.first_at.get(f.name))
-        elif changed := to_place_again(typed, lambda: feed.files(path, target).to_table(
+        elif changed := to_place_again(typed, lambda: current.files(path, target).to_table(
                 columns=[shapes.OVERFLOW])[shapes.OVERFLOW]):
             assert target is not None  # earlier rows placed again: a widened column, or an overflow a new one takes
-            old = regrown(feed.files(path, target).to_table(), typed.rows.schema, changed)
+            old = regrown(current.files(path, target).to_table(), typed.rows.schema, changed)
             write_deltalake(path, pa.concat_tables([old, typed.rows]), mode="overwrite", schema_mode="overwrite",
                             commit_properties=props)
             _OPEN.pop(path, None)

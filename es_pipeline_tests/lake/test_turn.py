@@ -12,7 +12,7 @@ from deltalake import write_deltalake
 
 from es_pipeline.errors import UpdateOverlapped
 from es_pipeline.lake.delta.arrow_append import append_batches
-from es_pipeline.lake.delta.serial import one_at_a_time, turn_if_free
+from es_pipeline.lake.kernel.turn import one_at_a_time, turn_if_free
 
 SCHEMA = pa.schema([("k", pa.string()), ("n", pa.int64())])
 

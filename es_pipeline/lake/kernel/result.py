@@ -1,0 +1,50 @@
+"""`Result`: how far one update brought its table, whatever its kind: the `events` version it holds now and the one
+it held before, the events it folded, where the work ran, and, when it is short of the `events` version it read,
+why. The kind's own figures (keys updated, rows per typed table, …) ride along in `figures`.
+
+A tailing run reports a table only when its result `caught_up` (lake/follow.py): a table short of events reported
+as kept up would be stale while reported fresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Engine = Literal["local", "spark"]  # where an update ran: this process (pyarrow, delta-rs), or Spark
+
+
+@dataclass(frozen=True)
+class Result:
+    table: str
+    events_version: int  # the `events` version the table holds now
+    previous_events_version: int  # the one it held before; -1: built whole (a first build, or a rebuild)
+    events_read: int  # events this update folded (the increment's, or all of them on a whole build)
+    engine: Engine = "local"
+    rows: int | None = None  # the table's rows after the update, where the update counted them
+    figures: Mapping[str, int | str | bool] = field(default_factory=dict)  # the kind's own, as its asset shows them
+    short: str | None = None  # why the table is short of `events_version` (None: it holds every event of it)
+
+    @property
+    def worked(self) -> bool:
+        """Whether the update folded events (else the table was up to date)."""
+        return bool(self.events_read)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether the table holds every event of the `events` version the update read."""
+        return self.short is None
+
+    @property
+    def full_rebuild(self) -> bool:
+        return self.previous_events_version < 0
+
+    def metadata(self) -> dict[str, int | str | bool]:
+        """The update's figures, as its asset's materialization shows them."""
+        out: dict[str, int | str | bool] = {} if self.rows is None else {"dagster/row_count": self.rows}
+        out.update({"events_read": self.events_read, **self.figures, "events_version": self.events_version,
+                    "full_rebuild": self.full_rebuild, "engine": self.engine})
+        if self.short is not None:
+            out["short_of_events"] = self.short
+        return out
