@@ -23,6 +23,7 @@ from es_pipeline.cli import main
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.health.exporter import Latency, Reading, lake_metrics
+from es_pipeline.lake.delta import current
 from es_pipeline.lake.follow import follow
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.read.behind import Lake
@@ -255,7 +256,7 @@ def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, s
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=102)
     extract_all(dsn.extractor, None, warehouse)
     update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
-    assert rebuild.feed.has_deletion_vectors(DeltaTable(path))
+    assert current.has_deletion_vectors(DeltaTable(path))
 
     two = bumped(SHOP, 2)
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=103)

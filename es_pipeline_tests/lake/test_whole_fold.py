@@ -15,6 +15,7 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake.delta import pieces, tables
+from es_pipeline.lake.kernel import engine
 from es_pipeline.lake.state import forked, stream_state
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
@@ -80,7 +81,7 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     run_workload(EventStore(dsn), streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=34)
     extract_all(dsn.extractor, spark, warehouse)
-    monkeypatch.setattr(tables, "SPARK_BYTES", 1)
+    monkeypatch.setattr(engine, "SPARK_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
         update_stream_state(no_spark, warehouse, domain=SHOP)
     assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200
