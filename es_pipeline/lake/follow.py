@@ -18,18 +18,16 @@ import psycopg
 from es_pipeline.domain import Domain
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.cross_stream import CrossStreamResult, Frontier
+from es_pipeline.lake.cross_stream import Frontier
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import runner
 from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.projection import Reported
 from es_pipeline.lake.kernel.turn import turn_if_free
-from es_pipeline.lake.state.fold import StateResult, read_columns
+from es_pipeline.lake.state.fold import read_columns
 from es_pipeline.lake.state.stream_state import small_increment, with_typed_state
 from es_pipeline.lake.typed import event_tables
-from es_pipeline.lake.typed.event_tables import EventTablesResult
-
-Result = runner.Result | StateResult | CrossStreamResult | EventTablesResult
 
 _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
              "overflow_values")  # summed over gathered updates
@@ -37,7 +35,7 @@ _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", 
 
 def follow(
     warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
-) -> dict[str, Result]:
+) -> dict[str, Reported]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
     this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
     (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
@@ -51,7 +49,7 @@ def follow(
         frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
     events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
                                      *(cross_stream.columns_of(domain) if domain.projections else ())])
-    done: dict[str, Result] = {}
+    done: dict[str, Reported] = {}
     with turn_if_free(store, "stream_state") as turn:
         state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
         if state is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
@@ -21,6 +21,8 @@ from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position
 from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.position import Position
+from es_pipeline.lake.kernel.projection import Increment
 from es_pipeline.lake.kernel.result import Engine, Result
 from es_pipeline.lake.kernel.turn import Turn
 
@@ -59,14 +61,24 @@ class Aggregate:
         """The UPDATE SET clause of Spark's MERGE."""
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
 
-    def continues(self, target: DeltaTable) -> bool:
+    slots = 1  # the position: the `events` version folded, plain
+
+    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
         """An increment merges onto a table whose key is this release's (one of a release before tenants lacks
         `tenant`: built whole)."""
-        return tables.has_columns(target, self.key)
+        return target if tables.has_columns(target, self.key) else None
 
-    def fold(self, rows: pa.Table) -> _Merge:
+    def up_to_date(self, now: int, position: Position) -> Result:
+        folded = position.events_version
+        assert folded is not None
+        return self._result(now, folded, 0, 0, None)
+
+    def txn(self, increment: Increment) -> int:
+        return increment.now
+
+    def fold(self, rows: pa.Table, increment: Increment) -> _Merge:
         """The increment aggregated by pyarrow, to merge by delta-rs (lake/kernel/runner.py `increment`)."""
-        return _Merge(self, self.aggregate_arrow(rows))
+        return _Merge(self, self.aggregate_arrow(rows), rows.num_rows, increment)
 
     def build_here(self, warehouse: Location, turn: Turn, engine: str = "auto") -> Result | None:
         """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
@@ -195,7 +207,8 @@ class Aggregate:
         return self._result(now, -1, read, n, _count(spark, path), engine="spark")
 
 
-    def _result(self, now: int, previous: int, read: int, keys: int, rows: int, engine: Engine = "local") -> Result:
+    def _result(self, now: int, previous: int, read: int, keys: int, rows: int | None,
+                engine: Engine = "local") -> Result:
         return Result(self.name, now, previous, read, engine, rows, {"keys_updated": keys})
 
 
@@ -205,18 +218,20 @@ class _Merge:
 
     aggregate: Aggregate
     rows: pa.Table
+    events_read: int
+    increment: Increment
 
-    @property
-    def figures(self) -> dict[str, int | str | bool]:
-        return {"keys_updated": self.rows.num_rows}
-
-    def commit(self, target: DeltaTable, properties: CommitProperties) -> None:
+    def commit(self, txn: int) -> Result:
+        target, properties = self.increment.target, self.increment.position.commit(txn)
         if self.rows.num_rows:
             target.merge(self.rows, predicate=" AND ".join(f"t.{k} = u.{k}" for k in self.aggregate.key),
                          source_alias="u", target_alias="t", commit_properties=properties) \
                 .when_matched_update(self.aggregate.updates).when_not_matched_insert_all().execute()
         else:  # nothing added (only compaction since): record the version all the same
             target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=properties)
+        target.update_incremental()
+        return self.aggregate._result(self.increment.now, self.increment.previous, self.events_read,
+                                      self.rows.num_rows, current.row_count(target))
 
 
 def _count(spark: Any, path: str) -> int:

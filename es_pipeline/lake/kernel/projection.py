@@ -1,36 +1,78 @@
 """`Projection`: what a kind of table built from `events` gives the runner (lake/kernel/runner.py), and nothing of the
-bookkeeping: its table and the columns of `events` it reads, how a change-feed increment folds onto its rows, its
-whole build in process and its update on Spark. The runner owns the position, the turn, the engine and the commit.
+bookkeeping: its table, the columns of `events` it reads, how its position encodes a commit, how a change-feed
+increment folds onto its rows, its whole build in process and its update on Spark. The runner owns the position,
+the turn, the engine rule and the order of confirm and commit.
 
-Moved to it so far (decision 0049): the aggregates (lake/aggregates/aggregate.py).
+Moved to it so far (decision 0049): the aggregates (lake/aggregates/aggregate.py) and `stream_state`'s increment
+(lake/state/stream_state.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable
+from deltalake import DeltaTable
 
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
-from es_pipeline.lake.kernel.result import Result
+from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.turn import Turn
 
 
-class Folded(Protocol):
-    """An increment folded, to be committed with the position (`commit`), and its figures."""
+class Reported(Protocol):
+    """How far an update brought its table, as every kind's result says it (lake/kernel/result.py `Result`, and the
+    kinds' own until they move onto it)."""
 
     @property
-    def figures(self) -> Mapping[str, int | str | bool]: ...
+    def events_version(self) -> int | None: ...
 
-    def commit(self, target: DeltaTable, properties: CommitProperties) -> None:
-        """Write the folded rows into `target` in one commit that carries `properties` (the position); with no rows,
-        the position alone (an empty commit)."""
+    @property
+    def worked(self) -> bool: ...
+
+    @property
+    def caught_up(self) -> bool: ...
+
+    def metadata(self) -> dict[str, Any]: ...
 
 
-class Projection(Protocol):
+R = TypeVar("R", bound=Reported, covariant=True)  # a kind's result
+
+
+@dataclass(frozen=True)
+class Increment:
+    """One increment under way: the table (`target`, at `path`) at its `position`, and `events`' change feed."""
+
+    warehouse: Location
+    path: str
+    target: DeltaTable
+    position: Position
+    feed: Feed
+
+    @property
+    def now(self) -> int:
+        """The `events` version the increment brings the table to."""
+        return self.feed.version
+
+    @property
+    def previous(self) -> int:
+        """The `events` version the table held."""
+        folded = self.position.events_version
+        assert folded is not None
+        return folded
+
+
+class Folded(Protocol[R]):
+    """An increment folded, ready to commit."""
+
+    def commit(self, txn: int) -> R:
+        """Write the folded rows in one commit that moves the position to txn version `txn` (with no rows, the position
+        alone: an empty commit); what the update did."""
+
+
+class Projection(Protocol[R]):
     @property
     def table(self) -> Table: ...
 
@@ -38,18 +80,33 @@ class Projection(Protocol):
     def name(self) -> str: ...
 
     @property
-    def columns(self) -> tuple[str, ...]:
+    def columns(self) -> tuple[str, ...] | list[str]:
         """The columns of `events` its fold reads."""
 
-    def continues(self, target: DeltaTable) -> bool:
-        """Whether an increment may fold onto `target` as it is (else it is built whole: a table of an older release)."""
+    @property
+    def slots(self) -> int:
+        """Transaction versions per `events` version (lake/kernel/position.py): 1, or `REVISION_SLOTS`."""
 
-    def fold(self, rows: pa.Table) -> Folded:
-        """The increment `rows` (the change feed's, in `columns`) folded, ready to commit onto the table."""
+    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+        """The table an increment folds onto (brought to this release's columns where that is cheap), or None: it is
+        to be built whole, or its increment is Spark's (a table of an older release, deletion vectors)."""
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+    def up_to_date(self, now: int, position: Position) -> R:
+        """What an update that found nothing new says."""
+
+    def txn(self, increment: Increment) -> int:
+        """The txn version of the commit that brings the table to `increment.now`."""
+
+    def fold(self, rows: pa.Table, increment: Increment) -> Folded[R]:
+        """The increment's `rows` (the change feed's, in `columns`) folded, ready to commit."""
+
+
+class Buildable(Projection[R], Protocol[R]):
+    """A kind whose every update the runner runs (`runner.update`): also its whole build and its Spark update."""
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> R | None:
         """A whole build in this process, where the engine rule says (else None: Spark's), or None when the table
         was built from this `events` already (an increment the runner left to Spark)."""
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> R:
         """The update on Spark: the increment, or the whole build."""

@@ -2,29 +2,30 @@
 
 It checks that `events` exists, takes the table's turn (lake/kernel/turn.py), reads the table's position
 (lake/kernel/position.py) and `events`' change feed (lake/kernel/feed.py), has the kind fold the new rows, confirms
-the turn and commits the rows with the new position (or the position alone), and says how far the table got
-(lake/kernel/result.py). What the change feed cannot give (a first build, an increment past `feed.SMALL_INCREMENT`,
-a feed vacuumed away) goes to the kind's whole build in process, or to Spark, by the engine rule.
+the turn and has the rows committed with the new position (or the position alone), and returns how far the table
+got. What the change feed cannot give (a first build, an increment past `feed.SMALL_INCREMENT`, a feed vacuumed
+away) goes to the kind's whole build in process, or to Spark, by the engine rule.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from deltalake import DeltaTable
 
-from es_pipeline.lake.delta import current, tables
+from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
-from es_pipeline.lake.kernel.projection import Projection
-from es_pipeline.lake.kernel.result import Result
+from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection, Reported
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 
+R = TypeVar("R", bound=Reported)
 
-def update(projection: Projection, spark: Any, warehouse: Location, *, store_dsn: str | None = None,
-           small_increments: bool = True, engine: str = "auto") -> Result:
+
+def update(projection: Buildable[R], spark: Any, warehouse: Location, *, store_dsn: str | None = None,
+           small_increments: bool = True, engine: str = "auto") -> R:
     """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`.
 
     `spark`: a session, or a function that returns one, called only if Spark is needed: a small increment, and a
@@ -39,7 +40,8 @@ def update(projection: Projection, spark: Any, warehouse: Location, *, store_dsn
         return projection.update_on_spark(tables.session_of(spark), warehouse, turn)
 
 
-def increment(projection: Projection, warehouse: Location, turn: Turn, events_feed: Feed | None = None) -> Result | None:
+def increment(projection: Projection[R], warehouse: Location, turn: Turn,
+              events_feed: Feed | None = None) -> R | None:
     """The change feed's new rows folded in this process and committed with the position, in `turn`; None: not an
     increment to do here (a first build, a table of another `events` or an older release, more than
     `feed.SMALL_INCREMENT` new events, a feed vacuumed away). `events_feed`: one shared with other tables' increments
@@ -47,20 +49,22 @@ def increment(projection: Projection, warehouse: Location, turn: Turn, events_fe
     events_path, path = EVENTS.path(warehouse), projection.table.path(warehouse)
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
         return None
-    target = DeltaTable(path)
     events_feed = events_feed or Feed(events_path, list(projection.columns))
-    position = Position.of(target, projection.table.app_id_over(events_feed.table_id))
-    if position.read is None or not projection.continues(target):
+    found = DeltaTable(path)
+    position = Position.of(found, projection.table.app_id_over(events_feed.table_id), slots=projection.slots)
+    if position.read is None:
+        return None  # a first build, or one from another `events`
+    target = projection.ready(path, found)
+    if target is None:
         return None
     now = events_feed.version
     if not position.behind(now):
-        return Result(projection.name, now, position.read, 0, rows=current.row_count(target))
-    rows = events_feed.rows(position.read, list(projection.columns))
+        return projection.up_to_date(now, position)
+    assert position.events_version is not None
+    rows = events_feed.rows(position.events_version, list(projection.columns))
     if rows is None:
         return None
-    folded = projection.fold(rows)
+    step = Increment(warehouse, path, target, position, events_feed)
+    folded = projection.fold(rows, step)
     turn.confirm(path, position.app_id, position.read)
-    folded.commit(target, position.commit(now))
-    target.update_incremental()
-    return Result(projection.name, now, position.read, rows.num_rows, rows=current.row_count(target),
-                  figures=folded.figures)
+    return folded.commit(projection.txn(step))

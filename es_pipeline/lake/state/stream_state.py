@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,12 +30,14 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake.delta import current, pieces, tables
+from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import position
+from es_pipeline.lake.kernel import position, runner
 from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version, txn_version
+from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
+from es_pipeline.lake.kernel.projection import Increment
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
@@ -127,63 +129,97 @@ def _update(
 def small_increment(
     warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, events_feed: Feed | None = None
 ) -> StateResult | None:
-    """The increment folded here and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events); None: Spark's
-    to do (a first build, a reducer added, bumped or removed, a larger increment, a change feed vacuumed away).
-    `events_feed`: `events`' change feed shared with other increments (else read here)."""
-    events_path = EVENTS.path(warehouse)
-    state_path = tables.table_path(warehouse, "stream_state")
-    if not tables.is_delta_table(state_path) or not tables.is_delta_table(events_path):
-        return None
-    state = DeltaTable(state_path)
-    columns = read_columns(domain)
-    events_feed = events_feed or Feed(events_path, columns)
-    app = app_id(events_feed.table_id)
-    read = state.transaction_version(app)
-    if read is None or not tables.has_columns(state, KEY):
-        return None  # a first build, one from another `events`, or a table made before tenants: Spark adds the column
-    if not tables.has_columns(state, HISTORY_COLUMNS):  # a table of a release before state history
-        tables.add_missing_columns(state_path, STATE_SCHEMA)
-        state = DeltaTable(state_path)
-    prev = int(read) // REVISION_SLOTS
-    now = events_feed.version
-    if current.has_deletion_vectors(state):
-        return None  # its files alone are not its rows
-    if prev >= now:  # nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py)
-        return StateResult(now, prev, 0, 0, (), 0, 0)
-    read_rows = events_feed.rows(prev, columns)
-    if read_rows is None:
-        return None
-    new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(read_rows)), domain)
-    # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
-    whole = current.files(state_path, state).to_table()
-    kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
-    # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
-    # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
-    held = rebuild.pending(warehouse, domain, zip(kinds["stream_type"].to_pylist(), kinds["revision"].to_pylist(),
-                                                  strict=True), events_feed.table_id, int(read), state)
-    if held:
-        new, whole = rebuild.without(new, held), rebuild.without(whole, held)
-    out, prior = fold_onto(whole, new, domain, skip_unknown)
-    updates = arrow_updates(out)
-    turn.confirm(state_path, app, int(read))
-    before = int(state.version())
-    version = txn_version(now, domain.folds)
-    # With the position, the types held back from now on: they stay pending until swapped (lake/state/rebuild.py).
-    props = CommitProperties(app_transactions=[Transaction(app, version),
-                                               *rebuild.marks(state, events_feed.table_id, held, int(read))])
-    if updates.num_rows:
-        state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
-                    target_alias="t", commit_properties=props) \
-            .when_matched_update_all().when_not_matched_insert_all().execute()
-    else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
-        state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=props)
-    kept = history.write_arrow(warehouse, domain, out, events_feed.table_id, version, whole=(), skip=held)
-    result = replace(arrow_result(out, now, prev), history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
-    if not typed_state.typed_tables(domain):
-        return result  # no table follows the commit: which streams are new is not needed
-    held = pc.binary_join_element_wise(prior["tenant"], prior["stream_id"], "\x00")
-    inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"), held))
-    return replace(result, written=Written(before, int(state.version()), updates, inserted))
+    """The increment folded here and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events), by the kernel's
+    runner; None: Spark's to do (a first build, a reducer added, bumped or removed, a larger increment, a change feed
+    vacuumed away). `events_feed`: `events`' change feed shared with other increments (else read here)."""
+    return runner.increment(_StreamState(domain, skip_unknown), warehouse, turn, events_feed)
+
+
+@dataclass(frozen=True)
+class _StreamState:
+    """`stream_state` as a kind of the projection kernel (lake/kernel/projection.py): its increment. Its position
+    keeps the reducers' revisions in its slots (lake/kernel/position.py `txn_version`)."""
+
+    domain: Domain
+    skip_unknown: bool
+    table: ClassVar[Table] = STREAM_STATE
+    name: ClassVar[str] = STREAM_STATE.name
+    slots: ClassVar[int] = REVISION_SLOTS
+
+    @property
+    def columns(self) -> list[str]:
+        return read_columns(self.domain)
+
+    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+        if not tables.has_columns(target, KEY):
+            return None  # a table made before tenants: Spark adds the column
+        if not tables.has_columns(target, HISTORY_COLUMNS):  # a table of a release before state history
+            tables.add_missing_columns(path, STATE_SCHEMA)
+            target = DeltaTable(path)
+        return None if current.has_deletion_vectors(target) else target  # its files alone are not its rows
+
+    def up_to_date(self, now: int, position: Position) -> StateResult:
+        # Nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py).
+        folded = position.events_version
+        assert folded is not None
+        return StateResult(now, folded, 0, 0, (), 0, 0)
+
+    def txn(self, increment: Increment) -> int:
+        return txn_version(increment.now, self.domain.folds)
+
+    def fold(self, rows: pa.Table, increment: Increment) -> _StateFold:
+        state, warehouse, read = increment.target, increment.warehouse, increment.position.read
+        assert read is not None
+        new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), self.domain)
+        # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
+        whole = current.files(increment.path, state).to_table()
+        kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
+        # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
+        # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
+        held = rebuild.pending(warehouse, self.domain, zip(kinds["stream_type"].to_pylist(),
+                                                           kinds["revision"].to_pylist(), strict=True),
+                               increment.feed.table_id, read, state)
+        if held:
+            new, whole = rebuild.without(new, held), rebuild.without(whole, held)
+        out, prior = fold_onto(whole, new, self.domain, self.skip_unknown)
+        return _StateFold(self.domain, increment, out, prior, held)
+
+
+@dataclass(frozen=True)
+class _StateFold:
+    """An increment of `stream_state` folded: merged by delta-rs with the position and the types held back, then
+    the history tables (lake/state/history.py)."""
+
+    domain: Domain
+    increment: Increment
+    out: pa.Table
+    prior: pa.Table
+    held: list[str]
+
+    def commit(self, txn: int) -> StateResult:
+        state, step, held = self.increment.target, self.increment, self.held
+        read = step.position.read
+        assert read is not None
+        updates = arrow_updates(self.out)
+        before = int(state.version())
+        # With the position, the types held back from now on: they stay pending until swapped (lake/state/rebuild.py).
+        props = CommitProperties(app_transactions=[Transaction(step.position.app_id, txn),
+                                                   *rebuild.marks(state, step.feed.table_id, held, read)])
+        if updates.num_rows:
+            state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
+                        target_alias="t", commit_properties=props) \
+                .when_matched_update_all().when_not_matched_insert_all().execute()
+        else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
+            state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=props)
+        kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(), skip=held)
+        result = replace(arrow_result(self.out, step.now, step.previous), history_rows=tuple(sorted(kept.items())),
+                         held_types=tuple(held))
+        if not typed_state.typed_tables(self.domain):
+            return result  # no table follows the commit: which streams are new is not needed
+        prior = pc.binary_join_element_wise(self.prior["tenant"], self.prior["stream_id"], "\x00")
+        inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"),
+                                      prior))
+        return replace(result, written=Written(before, int(state.version()), updates, inserted))
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn,
