@@ -254,7 +254,7 @@ def test_what_counts_as_a_path(text: str, words: list[str]) -> None:
 @pytest.mark.parametrize(("word", "found"), [
     ("lake/state/fold.py", True), ("es_pipeline/lake/state/fold.py", True), ("docs/operations.md", True),
     ("lake/small_increments.py", False), ("fold.py", True), ("small_snapshots.py", False), (".ci/run", True),
-    ("es_pipeline.lake.state.fold", True), ("es_pipeline.lake.projections", False),
+    ("es_pipeline.lake.state.fold", True), ("es_pipeline.lake.projection", False),
     ("es_pipeline.domain.Domain", True), ("es_pipeline.domain.NoSuchName", False),
     ("es_pipeline.sinks", True),
     ("extraction/test_tail.py", True), ("store/conninfo.resolved", True), ("store/conninfo.nothing", False),

@@ -3,15 +3,18 @@
 Read it from the ground up (docs/architecture.md, "Layout", has the whole table):
 
 - `delta/`: the Delta primitives: paths, reads and idempotent writes (`tables`), a table's definition
-  (`definition`), `events`' change feed (`feed`), streaming Arrow appends, one update at a time (`serial`),
-  a tenant's erasure from a table (`erase`);
+  (`definition`), a table's current files (`current`), streaming Arrow appends, a tenant's erasure from a table
+  (`erase`);
 - `spark/`: the Spark session with the cached Delta jars, and Java;
 - `events.py`: the `events` table, defined once;
+- `kernel/`: the projection kernel, what every table built from `events` shares: its position, `events`' change
+  feed, one update at a time (`turn`), the engine rule, the one runner of an update (decision 0049);
 - `typed/`: the rule by which a JSON value becomes a typed column (`shapes`), a batch's typed rows, the typed
   event tables;
 - `aggregates/`: additive aggregates of `events` (`stream_catalog`, `event_type_daily`);
 - `state/`: the per-stream fold (`fold`, `state_json`, `whole_fold`), `stream_state`, typed state, snapshots;
 - `cross_stream.py`: the team's cross-stream projections;
+- `projections.py`: every table a domain builds from `events`, as plug-ins, in the order a follow takes them;
 - `follow.py` (a tailing run's increments of every table), `inventory.py` (every table and its turn),
   `maintenance.py` (compaction and vacuum);
 - `read/`: for analysts and monitoring: `es-pipeline sql` (`query`), Spark's catalog, how far behind each is.

@@ -16,18 +16,13 @@ from typing import Any
 import psycopg
 
 from es_pipeline.domain import Domain
-from es_pipeline.lake import cross_stream
-from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
+from es_pipeline.lake import projections
 from es_pipeline.lake.cross_stream import Frontier
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import runner
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.projection import Reported
 from es_pipeline.lake.kernel.turn import turn_if_free
-from es_pipeline.lake.state.fold import read_columns
-from es_pipeline.lake.state.stream_state import small_increment, with_typed_state
-from es_pipeline.lake.typed import event_tables
 
 _GATHERED = ("events_read", "keys_updated", "events_folded", "streams_updated", "keys_refolded", "events_written",
              "overflow_values")  # summed over gathered updates
@@ -37,38 +32,25 @@ def follow(
     warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
 ) -> dict[str, Reported]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
-    this way), from one read of `events`' change feed: the built-in ones, then `domain`'s cross-stream ones
-    (up to `frontier`, lake/cross_stream.py), then the typed event tables (from their own read of the feed). A projection whose turn another update holds, or that needs
-    Spark or a whole build, is left out: its automation's run does it. `store`: the store's DSN, or a
-    `lock_transaction` connection kept for the turns."""
+    this way), from one read of `events`' change feed, in the order of `projections.of(domain)`: `stream_state`,
+    the built-in aggregates, `domain`'s cross-stream projections (up to `frontier`, lake/cross_stream.py), then the
+    typed event tables. A projection whose turn another update holds, or that needs Spark or a whole build, is left
+    out: its automation's run does it. `store`: the store's DSN, or a `lock_transaction` connection kept for the
+    turns."""
     events_path = EVENTS.path(warehouse)
     if not tables.is_delta_table(events_path):
         return {}
     if frontier is not None and domain.projections:  # read before the lake (lake/cross_stream.py)
         read_first = frontier()
         frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
-    events_feed = Feed(events_path, [*read_columns(domain), *STREAM_CATALOG.columns, *EVENT_TYPE_DAILY.columns,
-                                     *(cross_stream.columns_of(domain) if domain.projections else ())])
+    plugins = projections.of(domain)
+    events_feed = Feed(events_path, [c for plugin in plugins for c in plugin.columns])
     done: dict[str, Reported] = {}
-    with turn_if_free(store, "stream_state") as turn:
-        state = small_increment(warehouse, domain, False, turn, events_feed) if turn is not None else None
-        if state is not None:
-            done["stream_state"] = with_typed_state(warehouse, domain, state)
-    for projection in (STREAM_CATALOG, EVENT_TYPE_DAILY):
-        with turn_if_free(store, projection.name) as turn:
-            result = runner.increment(projection, warehouse, turn, events_feed) if turn is not None else None
-            if result is not None:
-                done[projection.name] = result
-    for name, cross in sorted(domain.projections.items()):
-        with turn_if_free(store, name) as turn:
-            crossed = None if turn is None else cross_stream.increment(
-                warehouse, cross, domain, turn, frontier, events_feed, build=False)
-            if crossed is not None:
-                done[name] = crossed
-    with turn_if_free(store, event_tables.NAME) as turn:
-        typed = None if turn is None else event_tables.increment(warehouse, domain, build=False)
-        if typed is not None:
-            done[event_tables.NAME] = typed
+    for plugin in plugins:
+        with turn_if_free(store, plugin.name) as turn:
+            result = None if turn is None else plugin.increment(warehouse, turn, events_feed, frontier)
+        if result is not None:
+            done[plugin.name] = result
     return done
 
 
