@@ -20,7 +20,7 @@ TIMES = CACHE / "test-times"
 # Seconds on this kind of machine (2 cores): what a fresh-clone `.ci/run` measured (README, "Two commands"), with a
 # little room. The main suite, then the side-by-side tier (its longest), add up to `make test`: 25 minutes at most
 # here, so that a machine whose core runs Python 2.4 times slower still lands within CI's 90.
-BUDGETS = {"pytest": 960, "e2e": 540, "pg-versions": 540, "bench-smoke": 540}
+BUDGETS = {"pytest": 960, "e2e": 480, "pg-versions": 480, "bench-smoke": 480}
 SLOWEST = 5
 
 
