@@ -1,6 +1,8 @@
-"""Projections of `events` (catalog, daily counts, current state), kept by declarative automation."""
+"""Projections of `events` (catalog, daily counts, current state, typed event tables, a team's cross-stream ones), kept
+by declarative automation: every asset from one factory, `projection_asset`."""
 
 import re
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -12,6 +14,7 @@ from es_pipeline.lake.aggregates.aggregate import Aggregate
 from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.cross_stream import update as update_cross_stream
 from es_pipeline.lake.kernel import runner
+from es_pipeline.lake.kernel.projection import Reported
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed.event_tables import update as update_event_tables
 
@@ -38,26 +41,38 @@ AFTER_EVENTS = (
 ).with_label("after events: behind a dependency, also while events runs tail")
 
 
-def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinition:
-    """The asset of a built-in aggregate of `events` (lake/aggregates/builtin.py), kept after `events`."""
+Update = Callable[[dg.AssetExecutionContext, SparkResource, WarehouseResource, EventStoreResource], Reported]
+
+
+def projection_asset(name: str, update: Update, *, description: str, kinds: set[str],
+                     tags: dict[str, str] | None = None) -> dg.AssetsDefinition:
+    """The asset of one table built from `events`, whatever its kind: kept after `events` (`AFTER_EVENTS`), its update
+    in a projection run (a stop asked for ends it as succeeded or canceled: defs/stopping.py), the figures of its
+    result (lake/kernel/projection.py `Reported`) as its materialization's metadata."""
 
     @dg.asset(
-        name=aggregate.name,
+        name=name,
         description=description,
         deps=["events"],
-        kinds={"spark", "delta"},
+        kinds=kinds,
         owners=["team:data-engineering"],
-        tags={"layer": "projection"},
+        tags={"layer": "projection", **(tags or {})},
         automation_condition=AFTER_EVENTS,
     )
     def asset(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
               event_store: EventStoreResource) -> dg.MaterializeResult:
         with projection_run(context):
-            r = runner.update(aggregate, lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn,
-                              engine=warehouse.engine)
+            r = update(context, spark, warehouse, event_store)
         return dg.MaterializeResult(metadata=r.metadata())
 
     return asset
+
+
+def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinition:
+    """The asset of a built-in aggregate of `events` (lake/aggregates/builtin.py), run by the kernel's runner."""
+    return projection_asset(aggregate.name, lambda context, spark, warehouse, event_store: runner.update(
+        aggregate, lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn, engine=warehouse.engine),
+        description=description, kinds={"spark", "delta"})
 
 
 stream_catalog = _aggregate_asset(STREAM_CATALOG, (
@@ -70,30 +85,15 @@ event_type_daily = _aggregate_asset(EVENT_TYPE_DAILY, (
 def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
     """`stream_state`, folded by `domain`'s reducers (a stream type without one: its rows have no state)."""
     types = ", ".join(sorted(domain.reducers)) or "none"
-
-    @dg.asset(
-        deps=["events"],
+    return projection_asset("stream_state", lambda context, spark, warehouse, event_store: update_stream_state(
+        lambda: spark.spark_session, warehouse.root, domain=domain, store_dsn=event_store.dsn, engine=warehouse.engine,
+        rebuilds="hold"),  # in their own job (defs/projections/rebuilds.py)
         kinds={"spark", "delta"},
-        owners=["team:data-engineering"],
-        tags={"layer": "projection"},
-        automation_condition=AFTER_EVENTS,
         description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
         "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
         "from their previous state; a reducer revision bump rebuilds that type alone, beside the live table, swapped in "
         "one commit when caught up (the other types stay fresh meanwhile). A stream type without a "
-        f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).",
-    )
-    def stream_state(
-        context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-        event_store: EventStoreResource,
-    ) -> dg.MaterializeResult:
-        with projection_run(context):
-            r = update_stream_state(lambda: spark.spark_session, warehouse.root, domain=domain,
-                                    store_dsn=event_store.dsn, engine=warehouse.engine,
-                                    rebuilds="hold")  # in their own job (defs/projections/rebuilds.py)
-        return dg.MaterializeResult(metadata=r.metadata())
-
-    return stream_state
+        f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).")
 
 
 def tag_value(text: str) -> str:
@@ -107,53 +107,31 @@ def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
     build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
     projection = domain.projections[name]
 
-    @dg.asset(
-        name=name,
-        deps=["events"],
-        kinds={"python", "delta"},
-        owners=["team:data-engineering"],
-        tags={"layer": "projection", "domain": tag_value(projection.domain or "none")},
-        automation_condition=AFTER_EVENTS,
+    def update(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
+               event_store: EventStoreResource) -> Reported:
+        consumer = event_store.events_source().consumer
+        return update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
+                                   frontier=lambda: batch_frontier(event_store.dsn, consumer),
+                                   spark=lambda: spark.spark_session, engine=warehouse.engine)
+
+    return projection_asset(
+        name, update, kinds={"python", "delta"}, tags={"domain": tag_value(projection.domain or "none")},
         description=f"Cross-stream projection of domain {projection.domain}: events "
         f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
-        "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.",
-    )
-    def asset(context: dg.AssetExecutionContext, warehouse: WarehouseResource, spark: SparkResource,
-              event_store: EventStoreResource) -> dg.MaterializeResult:
-        consumer = event_store.events_source().consumer
-        with projection_run(context):
-            r = update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
-                                    frontier=lambda: batch_frontier(event_store.dsn, consumer),
-                                    spark=lambda: spark.spark_session, engine=warehouse.engine)
-        return dg.MaterializeResult(metadata=r.metadata())
-
-    return asset
+        "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.")
 
 
 def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
     """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`; a
     whole build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
-
-    @dg.asset(
-        name="event_tables",
-        deps=["events"],
+    return projection_asset("event_tables", lambda context, spark, warehouse, event_store: update_event_tables(
+        warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info,
+        spark=lambda: spark.spark_session, engine=warehouse.engine),
         kinds={"python", "delta"},
-        owners=["team:data-engineering"],
-        tags={"layer": "projection"},
-        automation_condition=AFTER_EVENTS,
         description="A typed table per event type, `events_<type>`: the envelope and one column per payload "
         "field, inferred from the payloads and widened as they change; a value that fits no column is kept in "
         "`_overflow`. The table `event_tables` says which table holds which type and each column's history. "
-        "Incremental from `events`' change feed, exactly once (docs/analysts.md).",
-    )
-    def event_tables(context: dg.AssetExecutionContext, warehouse: WarehouseResource, spark: SparkResource,
-                     event_store: EventStoreResource) -> dg.MaterializeResult:
-        with projection_run(context):
-            r = update_event_tables(warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info,
-                                    spark=lambda: spark.spark_session, engine=warehouse.engine)
-        return dg.MaterializeResult(metadata=r.metadata())
-
-    return event_tables
+        "Incremental from `events`' change feed, exactly once (docs/analysts.md).")
 
 
 def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
