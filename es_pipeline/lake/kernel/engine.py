@@ -8,14 +8,11 @@ whatever the setting, up to `feed.SMALL_INCREMENT` events.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from deltalake import DeltaTable
 
 from es_pipeline.lake.delta.tables import files_bytes
-
-Choice = Literal["auto", "local", "spark"]  # the setting (ES_PIPELINE_ENGINE)
-
 
 # `events` Parquet files above which `auto` does the work on Spark. In process it is read in bounded pieces
 # (lake/delta/pieces.py): its memory does not grow with the lake, its time does (1 GiB: some 25M events, 30 s of
