@@ -112,6 +112,7 @@ def test_a_repeated_update_counts_nothing_twice(dsn: StoreDsn, spark: Any, wareh
     assert update_event_type_daily(spark, warehouse).events_read == 100
     again = update_event_type_daily(spark, warehouse)
     assert again.events_read == 0 and again.figures.get("keys_updated", 0) == 0
+    assert again.rows == len(lake_daily(spark, warehouse)), "an update with nothing new still reports the table's rows"
     assert update_stream_catalog(spark, warehouse).events_read == 100
     assert sum(lake_daily(spark, warehouse).values()) == 300
     assert sum(v[4] for v in lake_catalog(spark, warehouse).values()) == 300

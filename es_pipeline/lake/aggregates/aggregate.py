@@ -21,7 +21,6 @@ from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position
 from es_pipeline.lake.kernel.engine import on_spark
-from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment
 from es_pipeline.lake.kernel.result import Engine, Result
 from es_pipeline.lake.kernel.turn import Turn
@@ -68,10 +67,8 @@ class Aggregate:
         `tenant`: built whole)."""
         return target if tables.has_columns(target, self.key) else None
 
-    def up_to_date(self, now: int, position: Position) -> Result:
-        folded = position.events_version
-        assert folded is not None
-        return self._result(now, folded, 0, 0, None)
+    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> Result:
+        return self._result(now, previous, 0, 0, current.row_count(target))
 
     def txn(self, increment: Increment) -> int:
         return increment.now
@@ -206,8 +203,7 @@ class Aggregate:
             agg.unpersist()
         return self._result(now, -1, read, n, _count(spark, path), engine="spark")
 
-
-    def _result(self, now: int, previous: int, read: int, keys: int, rows: int | None,
+    def _result(self, now: int, previous: int, read: int, keys: int, rows: int,
                 engine: Engine = "local") -> Result:
         return Result(self.name, now, previous, read, engine, rows, {"keys_updated": keys})
 

@@ -91,8 +91,8 @@ class Projection(Protocol[R]):
         """The table an increment folds onto (brought to this release's columns where that is cheap), or None: it is
         to be built whole, or its increment is Spark's (a table of an older release, deletion vectors)."""
 
-    def up_to_date(self, now: int, position: Position) -> R:
-        """What an update that found nothing new says."""
+    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> R:
+        """What an update that found nothing new says (`target` at `events` version `previous`, and `now` read)."""
 
     def txn(self, increment: Increment) -> int:
         """The txn version of the commit that brings the table to `increment.now`."""

@@ -57,11 +57,11 @@ def increment(projection: Projection[R], warehouse: Location, turn: Turn,
     target = projection.ready(path, found)
     if target is None:
         return None
-    now = events_feed.version
+    now, previous = events_feed.version, position.events_version
+    assert previous is not None
     if not position.behind(now):
-        return projection.up_to_date(now, position)
-    assert position.events_version is not None
-    rows = events_feed.rows(position.events_version, list(projection.columns))
+        return projection.up_to_date(target, now, previous)
+    rows = events_feed.rows(previous, list(projection.columns))
     if rows is None:
         return None
     step = Increment(warehouse, path, target, position, events_feed)

@@ -36,7 +36,7 @@ from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position, runner
 from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
+from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
@@ -158,11 +158,9 @@ class _StreamState:
             target = DeltaTable(path)
         return None if current.has_deletion_vectors(target) else target  # its files alone are not its rows
 
-    def up_to_date(self, now: int, position: Position) -> StateResult:
+    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> StateResult:
         # Nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py).
-        folded = position.events_version
-        assert folded is not None
-        return StateResult(now, folded, 0, 0, (), 0, 0)
+        return StateResult(now, previous, 0, 0, (), 0, 0)
 
     def txn(self, increment: Increment) -> int:
         return txn_version(increment.now, self.domain.folds)
