@@ -21,6 +21,7 @@ from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position
 from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment
 from es_pipeline.lake.kernel.result import Engine, Result
 from es_pipeline.lake.kernel.turn import Turn
@@ -84,8 +85,8 @@ class Aggregate:
         not a whole build (an increment the runner left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
-        app_id = self.table.app_id_over(tables.table_id(events_path))
-        prev = tables.transaction_version(path, app_id) if tables.is_delta_table(path) else None
+        at = Position.of(path, self.table.app_id_over(tables.table_id(events_path)))
+        prev = at.read
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
         size = tables.files_bytes(events)
@@ -97,11 +98,11 @@ class Aggregate:
         # right before the write, as every build does, and no read of `events` runs inside delta-rs's write.
         rows = list(self._aggregated(events_path, events, size, read))
         position.fence_older(path, [(self.table.app_id, position.FENCE)])
-        turn.confirm(path, app_id, prev)
+        turn.confirm(path, at.app_id, prev)
         self.table.ensure_arrow(warehouse)
         written = sum(t.num_rows for t in rows)
         write_deltalake(path, pa.Table.from_batches([b for t in rows for b in t.to_batches()], schema=self.table.schema),
-                        mode="overwrite", schema_mode="overwrite", commit_properties=position.commit_properties(app_id, now))
+                        mode="overwrite", schema_mode="overwrite", commit_properties=at.commit(now))
         return self._result(now, -1, read[0], written, written)
 
     def _aggregated(self, events_path: str, events: DeltaTable, size: int, read: list[int]) -> Iterator[pa.Table]:
@@ -147,7 +148,7 @@ class Aggregate:
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return Reconciled(None, note=f"{self.name} not built yet")
         target = DeltaTable(path)
-        folded = target.transaction_version(self.table.app_id_over(tables.table_id(events_path)))
+        folded = Position.of(target, self.table.app_id_over(tables.table_id(events_path))).events_version
         if folded is None:
             return Reconciled(None, note=f"{self.name} not built from this `events` yet: its next update builds it")
         events = DeltaTable(events_path, version=int(folded))
@@ -169,8 +170,8 @@ class Aggregate:
         events_path = EVENTS.path(warehouse)
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
-        app_id = self.table.app_id_over(tables.table_id(events_path))
-        prev = tables.transaction_version(path, app_id)  # None: a first build, or the table is of another `events`
+        at = Position.of(path, self.table.app_id_over(tables.table_id(events_path)))
+        app_id, prev = at.app_id, at.read  # None: a first build, or the table is of another `events`
         if prev is not None and not tables.has_columns(path, self.key):
             prev = None  # a table of a release before tenants (its key lacks `tenant`): built whole, below
         if prev is not None and prev >= now:
