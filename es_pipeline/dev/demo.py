@@ -104,7 +104,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     for table, update in (("stream_catalog", update_stream_catalog), ("event_type_daily", update_event_type_daily)):
         t0 = time.monotonic()
         counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, engine=settings.engine)
-        print(f"   {table}: {counted.events_read:,} events counted into {counted.rows:,} rows, built by "
+        print(f"   {table}: {counted.events_folded:,} events counted into {counted.rows:,} rows, built by "
               f"{_by(counted.engine)} ({time.monotonic() - t0:.1f} s)")
     t0 = time.monotonic()
     typed = event_tables.update(settings.warehouse, domain, store_dsn=settings.pg_dsn, spark=spark,

@@ -43,7 +43,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import RESERVED_PREFIXES, Domain, Event, Projection
 from es_pipeline.errors import ProjectionFoldError
@@ -51,10 +51,13 @@ from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import feed, position
+from es_pipeline.lake.kernel import feed, position, runner
 from es_pipeline.lake.kernel.engine import builds_on_spark
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
+from es_pipeline.lake.kernel.position import Position
+from es_pipeline.lake.kernel.projection import Increment, Kind
+from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state import forked, state_json
 from es_pipeline.lake.state.fold import with_schema_versions
 from es_pipeline.source import payloads
@@ -95,7 +98,8 @@ def table_of(projection: Projection, domain: Domain) -> Table:
     return Table(projection.name, schema, key=("tenant", projection.key_column),
                  comment=f"cross-stream projection {projection.name} ({projection.domain}): "
                          f"{', '.join(projection.event_types)} by {projection.key_column}",
-                 properties={KIND: definition_of(projection, domain)})
+                 properties={KIND: definition_of(projection, domain)},
+                 app=_unbound_seen(projection.name, definition_of(projection, domain)))
 
 
 def table_names(warehouse: Location) -> list[str]:
@@ -106,94 +110,93 @@ def table_names(warehouse: Location) -> list[str]:
     return [n for n in names if KIND in DeltaTable(tables.table_path(warehouse, n)).metadata().configuration]
 
 
-@dataclass(frozen=True)
-class CrossStreamResult:
-    rows: int  # rows of the table after the run
-    events_version: int  # the `events` version read
-    previous_events_version: int  # -1: built whole
-    events_folded: int
-    keys_updated: int
-    keys_refolded: int  # keys folded again from `events` (an event that sorts before their last one)
-    events_waiting: int  # events of batches at or above the frontier: folded by a later update
-    events_without_key: int  # events of the projection's types whose key is missing (skipped)
-    frontier: int
-    engine: str = "local"  # what folded it: "local" (this process) or "spark" (a whole build on Spark)
-
-    @property
-    def worked(self) -> bool:
-        """Whether the run folded events (else the table was up to date, or its events wait for the frontier)."""
-        return bool(self.events_folded)
-
-    @property
-    def caught_up(self) -> bool:
-        """Whether the table holds every event of the `events` version it read: not while some wait for the frontier
-        (a later update folds them), however many it folded."""
-        return not self.events_waiting
-
-    def metadata(self) -> dict[str, int | bool | str]:
-        """The run's figures, as its asset's materialization shows them."""
-        return {"dagster/row_count": self.rows, "events_folded": self.events_folded, "keys_updated": self.keys_updated,
-                "keys_refolded": self.keys_refolded, "events_waiting": self.events_waiting,
-                "events_without_key": self.events_without_key, "events_version": self.events_version,
-                "batch_frontier": self.frontier, "full_rebuild": self.previous_events_version < 0,
-                "engine": self.engine}
+def result(name: str, rows: int, now: int, previous: int, folded: int, *, keys: int, refolded: int = 0,
+           waiting: int = 0, without_key: int = 0, frontier: int, engine: Engine = "local") -> Result:
+    """What an update of projection `name` did, as the kernel's `Result`: short of `events` while events wait for the
+    frontier (a later update folds them), however many it folded."""
+    return Result(name, now, previous, folded, engine, rows, {
+        "keys_updated": keys, "keys_refolded": refolded, "events_waiting": waiting, "events_without_key": without_key,
+        "batch_frontier": frontier},
+        short=f"{waiting:,} events wait for the batch frontier {frontier}" if waiting else None)
 
 
 def update(
     warehouse: Location, domain: Domain, name: str, *, store_dsn: str | None = None,
     frontier: Frontier | None = None, spark: Any = None, engine: str = "auto",
-) -> CrossStreamResult:
+) -> Result:
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
-    `store_dsn`. `frontier`: the lowest batch id that may still reach the lake (`extraction.offsets.batch_frontier`);
-    None: every batch the lake holds is final. `spark` (a session, or a function that returns one) and `engine`:
-    where a whole build runs (`builds_on_spark`); increments always run here. `NoEventsYet` before `events`
-    exists."""
-    tables.require_events(warehouse, name)
-    with one_at_a_time(store_dsn, name) as turn:
-        result = increment(warehouse, domain.projections[name], domain, turn, frontier, spark=spark, engine=engine)
-        assert result is not None
-        return result
+    `store_dsn`, by the kernel's runner. `frontier`: the lowest batch id that may still reach the lake
+    (`extraction.offsets.batch_frontier`); None: every batch the lake holds is final. `spark` (a session, or a
+    function that returns one) and `engine`: where a whole build runs (`builds_on_spark`); increments always run
+    here. `NoEventsYet` before `events` exists."""
+    kind = CrossStream(domain.projections[name], domain, frontier, spark, engine)
+    # The kind applies the engine rule to its whole build itself: the runner tries the increment here first.
+    return runner.update(kind, spark, warehouse, store_dsn=store_dsn, engine="local")
 
 
-def increment(
-    warehouse: Location, projection: Projection, domain: Domain, turn: Turn, frontier: Frontier | None,
-    events_feed: Feed | None = None, *, build: bool = True, spark: Any = None, engine: str = "auto",
-) -> CrossStreamResult | None:
-    """One update in the table's `turn`; None: no `events` table yet, or a whole build that `build` forbids.
-    `events_feed`: `events`' change feed shared with other increments (a tailing run's). `spark`, `engine`: see
-    `update`."""
-    events_path = EVENTS.path(warehouse)
-    if not tables.is_delta_table(events_path):
-        return None
-    table = table_of(projection, domain)
-    definition = table.properties[KIND]
-    path = table.path(warehouse)
-    # The frontier first, then the lake: a batch below it is in every version of `events` read after.
-    f_new = NO_FRONTIER if frontier is None else frontier()
-    target = DeltaTable(path) if tables.is_delta_table(path) else None
-    seen = cursor = f_prev = None
-    columns = columns_of(domain)
-    events_feed = events_feed or Feed(events_path, columns)
-    if target is not None and tables.has_columns(target, table.schema.names):
-        seen, cursor, f_prev = (target.transaction_version(a)
-                                for a in app_ids(projection.name, definition, events_feed.table_id))
-    now = events_feed.version
-    new = None
-    if seen is not None and cursor is not None and f_prev and seen <= now:
-        f_new = max(f_new, int(f_prev))
-        if cursor >= now:  # nothing new, nothing waiting
-            return CrossStreamResult(current.row_count(target), now, int(seen), 0, 0, 0, 0, 0, int(f_prev))  # type: ignore[arg-type]
-        new = events_feed.rows(int(cursor), [*columns, "_commit_version"])
-    if new is None:
-        if not build:
+class CrossStream(Kind):
+    """A cross-stream projection as a kind of the projection kernel (lake/kernel/projection.py): its position keeps
+    a cursor and a frontier besides the `events` version read (module docstring). `frontier` is read once per
+    update, in its turn, before the lake (`start`)."""
+
+    keeps_cursor = True
+
+    def __init__(self, projection: Projection, domain: Domain, frontier: Frontier | None = None, spark: Any = None,
+                 engine: str = "auto") -> None:
+        self.projection, self.domain, self.spark, self.engine = projection, domain, spark, engine
+        self.frontier_of, self.frontier = frontier, NO_FRONTIER
+        self.table = table_of(projection, domain)
+        self.name = projection.name
+        self.columns = [*columns_of(domain), "_commit_version"]
+
+    def start(self) -> None:
+        # The frontier first, then the lake: a batch below it is in every version of `events` read after.
+        self.frontier = NO_FRONTIER if self.frontier_of is None else self.frontier_of()
+
+    def takes_increment(self, position: Position, now: int) -> bool:
+        # Frontier 0: marked for a whole build (a tenant's erasure); a position past `events`: another `events`.
+        return bool(position.cursor is not None and position.frontier and position.read is not None
+                    and position.read <= now)
+
+    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+        return target if tables.has_columns(target, self.table.schema.names) else None
+
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
+        assert position.read is not None and position.frontier is not None
+        return result(self.name, current.row_count(target), now, position.read, 0, keys=0,
+                      frontier=position.frontier)
+
+    def txn(self, increment: Increment) -> int:
+        return increment.now
+
+    def fold(self, rows: pa.Table, increment: Increment) -> _Folded:
+        return _increment(self, rows, increment)
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+        events_path = EVENTS.path(warehouse)
+        events = DeltaTable(events_path)
+        if builds_on_spark(events, self.spark, self.engine):
             return None
-        if builds_on_spark(events_feed.table, spark, engine):
-            return _build_with_spark(tables.session_of(spark), warehouse, projection, domain, table, turn, events_path,
-                                     events_feed.table, f_new, read=seen)
-        return _build(warehouse, projection, domain, table, turn, events_path, events_feed.table, f_new, read=seen)
-    assert target is not None
-    return _increment(warehouse, projection, domain, table, turn, target, new, events_path, events_feed.table,
-                      int(seen), int(cursor), int(f_prev), f_new, now)  # type: ignore[arg-type]
+        read = self._read(warehouse, events)
+        return _build(warehouse, self.projection, self.domain, self.table, turn, events_path, events,
+                      self._frontier(warehouse, events), read=read)
+
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+        done = runner.increment(self, warehouse, turn)  # an increment runs here, whatever the engine
+        if done is not None:
+            return done
+        events_path = EVENTS.path(warehouse)
+        events = DeltaTable(events_path)
+        return _build_with_spark(spark, warehouse, self.projection, self.domain, self.table, turn, events_path, events,
+                                 self._frontier(warehouse, events), read=self._read(warehouse, events))
+
+    def _read(self, warehouse: Location, events: DeltaTable) -> int | None:
+        return Position.of(self.table.path(warehouse), self.table.app_id_over(str(events.metadata().id))).read
+
+    def _frontier(self, warehouse: Location, events: DeltaTable) -> int:
+        """The frontier a whole build records: the one read (never below the one recorded: it only moves up)."""
+        at = Position.of(self.table.path(warehouse), self.table.app_id_over(str(events.metadata().id)), cursor=True)
+        return max(self.frontier, at.frontier or 0)
 
 
 def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
@@ -247,6 +250,12 @@ def _event_keys(rows: pa.Table) -> pa.Array:
                                        rows["version"].cast(pa.string()), "\x00")
 
 
+def increment(warehouse: Location, projection: Projection, domain: Domain, turn: Turn, frontier: Frontier | None,
+              events_feed: Feed | None = None) -> Result | None:
+    """The increment in the table's `turn` (a follow's), or None: a whole build, the automation's run's to do."""
+    return runner.increment(CrossStream(projection, domain, frontier), warehouse, turn, events_feed)
+
+
 def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:
     """After a tenant's erasure: the projection's next update folds every key from `events` (of Delta id
     `events_id`) again (frontier 0), so that none of the erased events waiting in `events`' change feed comes back.
@@ -254,8 +263,7 @@ def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:
     target = DeltaTable(tables.table_path(warehouse, name))
     definition = target.metadata().configuration.get(KIND)
     if definition is not None and events_id:
-        target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=CommitProperties(
-            app_transactions=[Transaction(app_ids(name, definition, events_id)[2], 0)]))
+        position.record(target, position.commit_properties(app_ids(name, definition, events_id)[2], 0))
 
 
 def app_ids(name: str, definition: str, events_id: str) -> tuple[str, str, str]:
@@ -269,11 +277,6 @@ def app_ids(name: str, definition: str, events_id: str) -> tuple[str, str, str]:
 def _unbound_seen(name: str, definition: str) -> str:
     """The app id an older es_pipeline kept `seen` under, before ids named their `events` (fenced at a build)."""
     return f"es_pipeline.{name}.{hashlib.sha256(definition.encode()).hexdigest()[:12]}"
-
-
-def _commit(ids: tuple[str, str, str], seen: int, cursor: int, frontier: int) -> CommitProperties:
-    return CommitProperties(app_transactions=[Transaction(a, v) for a, v in zip(ids, (seen, cursor, frontier),
-                                                                                 strict=True)])
 
 
 # -- reading and ordering events -----------------------------------------------------------------------
@@ -619,7 +622,7 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
 def _build(
     warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn, events_path: str,
     events: DeltaTable, frontier: int, read: int | None,
-) -> CrossStreamResult:
+) -> Result:
     """Every key folded from `events` (at its version), the table overwritten: a first build, or a rebuild."""
     version = int(events.version())
     count = pieces.count_for(tables.files_bytes(events))
@@ -631,18 +634,18 @@ def _build(
     else:
         out, folded, without_key = _build_in_pieces(projection, domain, table, events_path, events, count)
     path = table.path(warehouse)
-    ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
-    unbound = _unbound_seen(table.name, table.properties[KIND])
-    position.fence_older(path, [(f"{unbound}.cursor", position.FENCE)])  # an older release: its cursor past `events`
-    turn.confirm(path, ids[0], read)
+    at = Position(table.app_id_over(str(events.metadata().id)), read).moved(version, cursor=version, frontier=frontier)
+    position.fence_older(path, [(f"{table.app_id}.cursor", position.FENCE)])  # an older release: its cursor past `events`
+    turn.confirm(path, at.app_id, read)
     if not tables.is_delta_table(path):
         DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
     target = DeltaTable(path)
     if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
-                    commit_properties=_commit(ids, version, version, frontier))
-    return CrossStreamResult(out.num_rows, version, -1, folded, out.num_rows, 0, 0, without_key, frontier)
+                    commit_properties=at.commit())
+    return result(table.name, out.num_rows, version, -1, folded, keys=out.num_rows, without_key=without_key,
+                  frontier=frontier)
 
 
 def _build_in_pieces(projection: Projection, domain: Domain, table: Table, events_path: str, events: DeltaTable,
@@ -686,11 +689,12 @@ def _piece_of_key(count: int) -> Callable[[pa.RecordBatch], pa.Array]:
     return piece_of
 
 
-def _increment(
-    warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn, target: DeltaTable,
-    new: pa.Table, events_path: str, events: DeltaTable, seen: int, cursor: int, f_prev: int, f_new: int, now: int,
-) -> CrossStreamResult:
+def _increment(kind: CrossStream, new: pa.Table, increment: Increment) -> _Folded:
     """The rows of the commits after the cursor that are due now folded onto their keys' rows (module docstring)."""
+    projection, domain, table, at = kind.projection, kind.domain, kind.table, increment.position
+    assert at.read is not None and at.cursor is not None and at.frontier is not None
+    seen, f_prev = at.read, at.frontier
+    f_new = max(kind.frontier, f_prev)  # the frontier only moves up
     new = _of_types(new, projection, domain)
     batch = pc.fill_null(new["batch_id"].cast(pa.int64()), 0) if new.num_rows else pa.array([], pa.int64())
     commit = new["_commit_version"] if new.num_rows else pa.array([], pa.int64())
@@ -700,32 +704,54 @@ def _increment(
     waiting = pc.greater_equal(batch, f_new)
     due = new.filter(pc.invert(pc.or_(done, waiting)))
     left = new.filter(waiting)
-    new_cursor = now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
+    new_cursor = increment.now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
-    path = table.path(warehouse)
     first = keyed.firsts()
-    prior = _prior(target, path, table, set(first), projection) if first else {}
+    prior = _prior(increment.target, increment.path, table, set(first), projection) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
     late = {k for k, order in first.items() if k in prior and prior[k].last is not None and order <= prior[k].last}  # type: ignore[operator]
     folded = _fold(projection, domain, keyed if not late else keyed.only(late, keep=False), prior)
     if late:
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
-        folded.update(_refold(projection, domain, events_path, events, late, left))
-    if not folded and new_cursor == cursor and f_new == f_prev:  # only waiting rows: nothing to record
-        return CrossStreamResult(current.row_count(target), now, seen, 0, 0, 0, left.num_rows, keyed.without_key, f_new)
-    out = _table_rows(projection, table, folded)
-    ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
-    turn.confirm(path, ids[0], seen)
-    props = _commit(ids, now, new_cursor, f_new)
-    if out.num_rows:
-        target.merge(out, predicate=f"t.tenant = u.tenant AND t.{table.key[1]} = u.{table.key[1]}", source_alias="u",
-                     target_alias="t", commit_properties=props).when_matched_update_all() \
-            .when_not_matched_insert_all().execute()
-    else:
-        target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
-    target.update_incremental()
-    return CrossStreamResult(current.row_count(target), now, seen, keyed.count, out.num_rows, len(late),
-                             left.num_rows, keyed.without_key, f_new)
+        folded.update(_refold(projection, domain, EVENTS.path(increment.warehouse), increment.feed.table, late, left))
+    return _Folded(kind, increment, _table_rows(projection, table, folded), keyed.count, len(late), left.num_rows,
+                   keyed.without_key, new_cursor, f_new)
+
+
+@dataclass(frozen=True)
+class _Folded:
+    """An increment of a cross-stream projection folded: its keys' rows merged with the position moved (the events
+    still waiting stay after the new cursor)."""
+
+    kind: CrossStream
+    increment: Increment
+    out: pa.Table
+    events: int
+    refolded: int
+    waiting: int
+    without_key: int
+    cursor: int
+    frontier: int
+
+    def commit(self, txn: int) -> Result:
+        step, table, target = self.increment, self.kind.table, self.increment.target
+        at = step.position
+        assert at.read is not None and at.cursor is not None
+        done = lambda: result(table.name, current.row_count(target), step.now, step.previous, self.events,  # noqa: E731
+                              keys=self.out.num_rows, refolded=self.refolded, waiting=self.waiting,
+                              without_key=self.without_key, frontier=self.frontier)
+        if not self.out.num_rows and self.cursor == at.cursor and self.frontier == at.frontier:
+            return done()  # only waiting rows: nothing to record
+        properties = at.moved(txn, cursor=self.cursor, frontier=self.frontier).commit()
+        if self.out.num_rows:
+            key = table.key[1]
+            target.merge(self.out, predicate=f"t.tenant = u.tenant AND t.{key} = u.{key}", source_alias="u",
+                         target_alias="t", commit_properties=properties).when_matched_update_all() \
+                .when_not_matched_insert_all().execute()
+        else:
+            position.record(target, properties)
+        target.update_incremental()
+        return done()
 
 
 def _refold(
@@ -839,7 +865,7 @@ def _spark_fold(projection: Projection, domain: Domain,
 def _build_with_spark(
     spark: Any, warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn,
     events_path: str, events: DeltaTable, frontier: int, read: int | None,
-) -> CrossStreamResult:
+) -> Result:
     """`_build` on Spark: the events of the projection's types keyed and folded on the executors (`mapInArrow`,
     partitioned by tenant and key, sorted in the lake's order), the rows written as Parquet by Spark and committed
     by delta-rs over the table, with the same three transaction ids, in the table's turn (the lake's commit rule,
@@ -868,9 +894,9 @@ def _build_with_spark(
         rows, folded_events = int(stats["rows"] or 0), int(stats["events"] or 0)
         without_key = source.count() - folded_events
         path = table.path(warehouse)
-        ids = app_ids(table.name, table.properties[KIND], str(events.metadata().id))
-        position.fence_older(path, [(f"{_unbound_seen(table.name, table.properties[KIND])}.cursor", position.FENCE)])
-        turn.confirm(path, ids[0], read)
+        at = Position(table.app_id_over(str(events.metadata().id)), read)
+        position.fence_older(path, [(f"{table.app_id}.cursor", position.FENCE)])
+        turn.confirm(path, at.app_id, read)
         if not tables.is_delta_table(path):
             DeltaTable.create(path, table.schema, mode="ignore", description=f"es_pipeline: {table.comment}")
         target = DeltaTable(path)
@@ -880,9 +906,11 @@ def _build_with_spark(
         spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")  # as delta-rs writes them
         (folded.where(F.col("error").isNull()).drop("error").write.mode("error").option("compression", "snappy")
          .parquet(f"{path}/{folder}"))
+        ids = at.moved(version, cursor=version, frontier=frontier).ids
         arrow_append.commit_parquet_folder(path, table.schema, folder, app_id=ids[0], version=version,
                                            expect_rows=rows, overwrite=True,
                                            also=[(ids[1], version), (ids[2], frontier)])
     finally:
         folded.unpersist()
-    return CrossStreamResult(rows, version, -1, folded_events, rows, 0, 0, without_key, frontier, engine="spark")
+    return result(table.name, rows, version, -1, folded_events, keys=rows, without_key=without_key, frontier=frontier,
+                  engine="spark")

@@ -62,4 +62,4 @@ def _aggregate(aggregate: Aggregate) -> Plugin:
 def _cross_stream(domain: Domain, name: str) -> Plugin:
     projection = domain.projections[name]
     return Plugin(name, tuple(cross_stream.columns_of(domain)), lambda warehouse, turn, events_feed, frontier:
-                  cross_stream.increment(warehouse, projection, domain, turn, frontier, events_feed, build=False))
+                  cross_stream.increment(warehouse, projection, domain, turn, frontier, events_feed))

@@ -202,7 +202,7 @@ def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
     run_workload(store, streams=40, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=6)
     extractor.run(SliceRange(0, 1023))
     waiting = cross_stream.update(warehouse, SHOP, "sku_sales", frontier=lambda: last_batch + 1)
-    assert waiting.events_waiting > 0
+    assert waiting.figures["events_waiting"] > 0
     run_workload(store, streams=40, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
     extractor.run(SliceRange(0, 1023))  # extracted, folded by none of them yet: not a failure
 

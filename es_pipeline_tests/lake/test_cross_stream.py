@@ -107,7 +107,7 @@ def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent
     run_workload(store, streams=60, events=900, writers=4, rollback_rate=0.1, max_commit_delay=0.01, seed=31)
     extract_all(dsn.extractor, None, warehouse, on_step=batches)
     built = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
-    assert built.previous_events_version == -1 and built.keys_updated == len(_table(warehouse))
+    assert built.previous_events_version == -1 and built.figures["keys_updated"] == len(_table(warehouse))
     assert _assert_equal_to_the_store(dsn, warehouse, batches) == built.events_folded > 0
 
     # A run of range 0-511 killed after it took its batch id: the batch stays pending. Range 512-1023 commits a
@@ -118,10 +118,10 @@ def test_a_projection_equals_a_fold_of_the_store_through_a_killed_run_concurrent
         Extractor(dsn.extractor, None, warehouse, on_step=batches.then(crash_at("read"))).run(low)
     assert Extractor(dsn.extractor, None, warehouse, on_step=batches).run(high).rows > 0
     waiting = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
-    assert waiting.events_waiting > 0 and waiting.events_folded == 0 and waiting.keys_refolded == 0
+    assert waiting.figures["events_waiting"] > 0 and waiting.events_folded == 0 and waiting.figures["keys_refolded"] == 0
     assert Extractor(dsn.extractor, None, warehouse, on_step=batches).run(low).replayed_batches == 1
     caught_up = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn))
-    assert caught_up.events_waiting == 0 and caught_up.keys_refolded == 0 and caught_up.events_folded > 0
+    assert caught_up.figures["events_waiting"] == 0 and caught_up.figures["keys_refolded"] == 0 and caught_up.events_folded > 0
     assert caught_up.previous_events_version >= 0  # an increment, not a rebuild
     total = _assert_equal_to_the_store(dsn, warehouse, batches)
 
@@ -156,7 +156,7 @@ def test_without_a_frontier_a_batch_that_lands_late_folds_its_keys_again(
     cross_stream.update(warehouse, SHOP, NAME)  # folds the later batch first
     Extractor(dsn.extractor, None, warehouse, on_step=batches).run(low)  # the lower batch lands after it
     late = cross_stream.update(warehouse, SHOP, NAME)
-    assert late.keys_refolded > 0
+    assert late.figures["keys_refolded"] > 0
     _assert_equal_to_the_store(dsn, warehouse, batches)
 
 
@@ -180,7 +180,7 @@ def test_upcast_keys_tenants_and_a_failing_fold(dsn: StoreDsn, warehouse: Path) 
     store.append("t-2", "transfer", [NewEvent("Moved.v2", {"account": "a", "amount": 1}), NewEvent("Moved.v2", {"note": "no key"})], 0)
     extract_all(dsn.extractor, None, warehouse)
     r = cross_stream.update(warehouse, d, "balances", store_dsn=dsn.extractor, frontier=_frontier(dsn))
-    assert r.events_without_key == 1
+    assert r.figures["events_without_key"] == 1
     held = _table(warehouse, "balances", "account")
     assert {k: json.loads(v["state"]) for k, v in held.items()} == {("", "a"): {"balance": 6}, ("", "b"): {"balance": 7}}
     store.append("t-3", "transfer", [NewEvent("Moved.v2", {"account": "a", "amount": 666})], 0)
@@ -250,8 +250,8 @@ def test_a_build_read_in_pieces_equals_the_store(dsn: StoreDsn, warehouse: Path,
     cross_stream.mark_for_rebuild(warehouse, NAME, tables.table_id(str(warehouse / "events")))
     built = cross_stream.update(warehouse, SHOP, NAME, frontier=_frontier(dsn))
     assert built.previous_events_version == -1 and counts == [5], "built again, in five pieces"
-    assert (built.events_folded, built.rows, built.events_without_key) == \
-        (whole.events_folded, whole.rows, whole.events_without_key)
+    assert (built.events_folded, built.rows, built.figures["events_without_key"]) == \
+        (whole.events_folded, whole.rows, whole.figures["events_without_key"])
     assert _assert_equal_to_the_store(dsn, warehouse, batches) == built.events_folded
     strip = ("updated_at",)
     assert {k: {c: v for c, v in r.items() if c not in strip} for k, r in _table(warehouse).items()} == \
@@ -332,8 +332,8 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
     in_process = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
                                      spark=spark, engine="local")
-    assert (in_process.events_folded, in_process.rows, in_process.events_without_key, in_process.engine) == (
-        on_spark.events_folded, on_spark.rows, on_spark.events_without_key, "local")
+    assert (in_process.events_folded, in_process.rows, in_process.figures["events_without_key"], in_process.engine) == (
+        on_spark.events_folded, on_spark.rows, on_spark.figures["events_without_key"], "local")
 
     def same(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
         return {k: {c: v for c, v in r.items() if c != "updated_at"} for k, r in rows.items()}

@@ -69,7 +69,7 @@ def test_the_engine_rule(choice: str, size: int, spark: bool) -> None:
 def test_a_result_short_of_events_is_not_caught_up_and_says_why() -> None:
     done = Result("stream_catalog", 9, 4, 120, rows=30, figures={"keys_updated": 12})
     assert done.worked and done.caught_up and not done.full_rebuild
-    assert done.metadata() == {"dagster/row_count": 30, "events_read": 120, "keys_updated": 12, "events_version": 9,
+    assert done.metadata() == {"dagster/row_count": 30, "events_folded": 120, "keys_updated": 12, "events_version": 9,
                                "full_rebuild": False, "engine": "local"}
     short = Result("sku_sales", 9, -1, 5, engine="spark", short="events wait for the batch frontier")
     assert not short.caught_up and short.full_rebuild

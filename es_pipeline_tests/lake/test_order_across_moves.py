@@ -23,6 +23,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.extraction.slices import split
 from es_pipeline.lake import cross_stream
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
@@ -43,7 +44,7 @@ def _add(dsn: str, cart: str, price: float, qty: int = 1) -> None:
     store.append(cart, "cart", [NewEvent("ItemAdded", {"sku": "X", "qty": qty, "unit_price": price})], 0)
 
 
-def _update(warehouse: Path, extractor_dsn: str) -> cross_stream.CrossStreamResult:
+def _update(warehouse: Path, extractor_dsn: str) -> Result:
     return cross_stream.update(
         warehouse,
         SHOP,

@@ -72,7 +72,7 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     monkeypatch.setattr(pieces, "CHUNK_ROWS", 30)
     monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 4 + 1)
     first = update_stream_catalog(spark, warehouse)
-    assert first.previous_events_version == -1 and first.events_read == 100
+    assert first.previous_events_version == -1 and first.events_folded == 100
     assert first.engine == "local", "a small lake's first build starts no JVM (the engine rule)"
     assert update_event_type_daily(spark, warehouse).engine == "local"
     by_arrow = lake_catalog(spark, warehouse), lake_daily(spark, warehouse)
@@ -97,7 +97,7 @@ def test_incremental_catalog_and_daily_counts_equal_the_source_with_concurrent_w
     daily = update_event_type_daily(spark, warehouse)
     assert increments >= 2
     assert catalog.previous_events_version >= 0 and daily.previous_events_version >= 0, "merged, not rebuilt"
-    assert catalog.events_read < 2100, "only the increment was read"
+    assert catalog.events_folded < 2100, "only the increment was read"
     same_instants(lake_catalog(spark, warehouse), source_catalog(dsn))
     assert lake_daily(spark, warehouse) == source_daily(dsn)
 
@@ -109,11 +109,11 @@ def test_a_repeated_update_counts_nothing_twice(dsn: StoreDsn, spark: Any, wareh
     update_event_type_daily(spark, warehouse)
     run_workload(EventStore(dsn), streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=23)
     extract_all(dsn.extractor, spark, warehouse)
-    assert update_event_type_daily(spark, warehouse).events_read == 100
+    assert update_event_type_daily(spark, warehouse).events_folded == 100
     again = update_event_type_daily(spark, warehouse)
-    assert again.events_read == 0 and again.figures.get("keys_updated", 0) == 0
+    assert again.events_folded == 0 and again.figures.get("keys_updated", 0) == 0
     assert again.rows == len(lake_daily(spark, warehouse)), "an update with nothing new still reports the table's rows"
-    assert update_stream_catalog(spark, warehouse).events_read == 100
+    assert update_stream_catalog(spark, warehouse).events_folded == 100
     assert sum(lake_daily(spark, warehouse).values()) == 300
     assert sum(v[4] for v in lake_catalog(spark, warehouse).values()) == 300
 

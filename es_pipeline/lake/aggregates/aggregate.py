@@ -22,7 +22,7 @@ from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position
 from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.position import Position
-from es_pipeline.lake.kernel.projection import Increment
+from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.result import Engine, Result
 from es_pipeline.lake.kernel.turn import Turn
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Aggregate:
+class Aggregate(Kind):
     """An additive aggregate of `events`, kept incrementally: `table`, and how its rows are computed and merged.
 
     Each run aggregates only the rows that the `events` commits since the last run added (Delta's
@@ -61,15 +61,14 @@ class Aggregate:
         """The UPDATE SET clause of Spark's MERGE."""
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
 
-    slots = 1  # the position: the `events` version folded, plain
-
     def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
         """An increment merges onto a table whose key is this release's (one of a release before tenants lacks
         `tenant`: built whole)."""
         return target if tables.has_columns(target, self.key) else None
 
-    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> Result:
-        return self._result(now, previous, 0, 0, current.row_count(target))
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
+        assert position.events_version is not None
+        return self._result(now, position.events_version, 0, 0, current.row_count(target))
 
     def txn(self, increment: Increment) -> int:
         return increment.now
@@ -215,7 +214,7 @@ class _Merge:
 
     aggregate: Aggregate
     rows: pa.Table
-    events_read: int
+    events_folded: int
     increment: Increment
 
     def commit(self, txn: int) -> Result:
@@ -225,9 +224,9 @@ class _Merge:
                          source_alias="u", target_alias="t", commit_properties=properties) \
                 .when_matched_update(self.aggregate.updates).when_not_matched_insert_all().execute()
         else:  # nothing added (only compaction since): record the version all the same
-            target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=properties)
+            position.record(target, properties)
         target.update_incremental()
-        return self.aggregate._result(self.increment.now, self.increment.previous, self.events_read,
+        return self.aggregate._result(self.increment.now, self.increment.previous, self.events_folded,
                                       self.rows.num_rows, current.row_count(target))
 
 

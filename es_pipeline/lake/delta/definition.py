@@ -33,10 +33,11 @@ class Table:
     key: tuple[str, ...]  # one row per key
     comment: str = ""
     properties: dict[str, str] = field(default_factory=dict)
+    app: str = ""  # the app id its position is kept under, where not `es_pipeline.<name>`
 
     @property
     def app_id(self) -> str:
-        return f"es_pipeline.{self.name}"
+        return self.app or f"es_pipeline.{self.name}"
 
     def app_id_over(self, events_id: str) -> str:
         """The app id of this table's updates from the `events` table whose Delta id is `events_id`."""

@@ -44,7 +44,8 @@ class Feed:
     its own version, in its own columns. The table's log is loaded once."""
 
     def __init__(self, events_path: str, columns: list[str]) -> None:
-        self.table, self.columns = DeltaTable(events_path), list(dict.fromkeys(columns))
+        self.table = DeltaTable(events_path)
+        self.columns = [c for c in dict.fromkeys(columns) if c != "_commit_version"]  # read with every row anyway
         self.version = self.table.version()
         self.table_id = str(self.table.metadata().id)  # which `events` (lake/delta/definition.py `over`)
         self._after: int | None = None

@@ -13,7 +13,7 @@ Only here are positions read, encoded and turned into commit properties.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,37 +56,83 @@ def txn_version_after(read: int, events_version: int) -> int:
 @dataclass(frozen=True)
 class Position:
     """What a table has folded: the txn version `read` its commits recorded under `app_id` (None: nothing of this
-    `events`), in `slots` per `events` version (1: a plain version; `REVISION_SLOTS`: with its code's revision)."""
+    `events`), in `slots` per `events` version (1: a plain version; `REVISION_SLOTS`: with its code's revision).
+
+    A kind that folds only part of what it read (a cross-stream projection holds back the batches at or above its
+    frontier: lake/cross_stream.py) also keeps, under `<app_id>.cursor`, the `events` version every row up to which
+    is folded, and under `<app_id>.frontier` the batch id below which the rows after the cursor are."""
 
     app_id: str
     read: int | None
     slots: int = 1
+    cursor: int | None = None
+    frontier: int | None = None
 
     @classmethod
-    def of(cls, table: DeltaTable | str, app_id: str, *, slots: int = 1) -> Position:
-        """The position of `table` (a DeltaTable, or a path: no table there is no position)."""
+    def of(cls, table: DeltaTable | str, app_id: str, *, slots: int = 1, cursor: bool = False) -> Position:
+        """The position of `table` (a DeltaTable, or a path: no table there is no position); `cursor`: with its
+        cursor and frontier."""
         if isinstance(table, str):
-            return cls(app_id, tables.transaction_version(table, app_id), slots)
-        read = table.transaction_version(app_id)
-        return cls(app_id, None if read is None else int(read), slots)
+            if not tables.is_delta_table(table):
+                return cls(app_id, None, slots)
+            table = DeltaTable(table)
+        ids = (app_id, f"{app_id}.cursor", f"{app_id}.frontier") if cursor else (app_id,)
+        read, held, frontier = (*(table.transaction_version(a) for a in ids), None, None)[:3]
+        as_int = lambda v: None if v is None else int(v)  # noqa: E731
+        return cls(app_id, as_int(read), slots, as_int(held), as_int(frontier))
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """The app ids this position is kept under."""
+        return (self.app_id,) if self.cursor is None else (self.app_id, f"{self.app_id}.cursor",
+                                                            f"{self.app_id}.frontier")
 
     @property
     def events_version(self) -> int | None:
-        """The `events` version folded (None: none)."""
+        """The `events` version read up to (None: none)."""
         return None if self.read is None else self.read // self.slots
+
+    @property
+    def folded(self) -> int | None:
+        """The `events` version every row up to which is folded: the cursor where the kind keeps one."""
+        return self.cursor if self.cursor is not None else self.events_version
 
     def behind(self, events_version: int) -> bool:
         """Whether `events` at `events_version` holds commits this position has not folded (or it has none)."""
-        folded = self.events_version
+        folded = self.folded
         return folded is None or folded < events_version
 
-    def commit(self, txn: int) -> CommitProperties:
-        """The commit properties of a commit that moves this position to txn version `txn`."""
-        return commit_properties(self.app_id, txn)
+    def moved(self, read: int, *, cursor: int | None = None, frontier: int | None = None) -> Position:
+        """This position after a commit that reads up to txn version `read` (with its new `cursor` and `frontier`,
+        where it keeps them)."""
+        return Position(self.app_id, read, self.slots, cursor, frontier)
+
+    def commit(self, txn: int | None = None) -> CommitProperties:
+        """The commit properties of a commit that records this position (or, given `txn`, moves its one app id
+        there)."""
+        if txn is not None:
+            return commit_properties(self.app_id, txn)
+        assert self.read is not None
+        if self.cursor is None:
+            return commit_properties(self.app_id, self.read)
+        assert self.frontier is not None
+        return marks(zip(self.ids, (self.read, self.cursor, self.frontier), strict=True))
 
 
 def commit_properties(app_id: str, version: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(app_id, version)])
+
+
+def marks(pairs: Iterable[tuple[str, int]]) -> CommitProperties:
+    """The commit properties that record each (app id, txn version) of `pairs` in one commit."""
+    return CommitProperties(app_transactions=[Transaction(a, int(v)) for a, v in pairs])
+
+
+def record(table: DeltaTable, properties: CommitProperties, *, partition_by: list[str] | None = None) -> None:
+    """A commit of no rows that records `properties` alone: a position moved past events that changed no row, a
+    mark. The one place that writes such a commit."""
+    table.create_write_transaction([], mode="append", schema=table.schema(), partition_by=partition_by,
+                                   commit_properties=properties)
 
 
 FENCE = 2**62  # a position past any `events` version

@@ -10,7 +10,7 @@ Moved to it so far (decision 0049): the aggregates (lake/aggregates/aggregate.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -72,6 +72,21 @@ class Folded(Protocol[R]):
         alone: an empty commit); what the update did."""
 
 
+class Kind:
+    """What most kinds share (a kind inherits it and overrides where it differs): a plain position, nothing to read
+    before the lake, and an increment whenever the table has a position of this `events`."""
+
+    slots: ClassVar[int] = 1
+    keeps_cursor: ClassVar[bool] = False
+
+    def start(self) -> None:
+        """Read what must be read before the lake, in the table's turn (a cross-stream projection's batch frontier)."""
+
+    def takes_increment(self, position: Position, now: int) -> bool:
+        """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""
+        return True
+
+
 class Projection(Protocol[R]):
     @property
     def table(self) -> Table: ...
@@ -87,12 +102,22 @@ class Projection(Protocol[R]):
     def slots(self) -> int:
         """Transaction versions per `events` version (lake/kernel/position.py): 1, or `REVISION_SLOTS`."""
 
+    @property
+    def keeps_cursor(self) -> bool:
+        """Whether its position also keeps a cursor and a frontier (lake/kernel/position.py `Position`)."""
+
+    def start(self) -> None:
+        """Read what must be read before the lake, in the table's turn."""
+
+    def takes_increment(self, position: Position, now: int) -> bool:
+        """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""
+
     def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
         """The table an increment folds onto (brought to this release's columns where that is cheap), or None: it is
         to be built whole, or its increment is Spark's (a table of an older release, deletion vectors)."""
 
-    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> R:
-        """What an update that found nothing new says (`target` at `events` version `previous`, and `now` read)."""
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> R:
+        """What an update that found nothing new says (`target` at `position`, `events` read at version `now`)."""
 
     def txn(self, increment: Increment) -> int:
         """The txn version of the commit that brings the table to `increment.now`."""

@@ -20,7 +20,7 @@ class Result:
     table: str
     events_version: int  # the `events` version the table holds now
     previous_events_version: int  # the one it held before; -1: built whole (a first build, or a rebuild)
-    events_read: int  # events this update folded (the increment's, or all of them on a whole build)
+    events_folded: int  # events this update folded (the increment's, or all of them on a whole build)
     engine: Engine = "local"
     rows: int | None = None  # the table's rows after the update, where the update counted them
     figures: Mapping[str, int | str | bool] = field(default_factory=dict)  # the kind's own, as its asset shows them
@@ -29,7 +29,7 @@ class Result:
     @property
     def worked(self) -> bool:
         """Whether the update folded events (else the table was up to date)."""
-        return bool(self.events_read)
+        return bool(self.events_folded)
 
     @property
     def caught_up(self) -> bool:
@@ -43,7 +43,7 @@ class Result:
     def metadata(self) -> dict[str, int | str | bool]:
         """The update's figures, as its asset's materialization shows them."""
         out: dict[str, int | str | bool] = {} if self.rows is None else {"dagster/row_count": self.rows}
-        out.update({"events_read": self.events_read, **self.figures, "events_version": self.events_version,
+        out.update({"events_folded": self.events_folded, **self.figures, "events_version": self.events_version,
                     "full_rebuild": self.full_rebuild, "engine": self.engine})
         if self.short is not None:
             out["short_of_events"] = self.short

@@ -46,22 +46,24 @@ def increment(projection: Projection[R], warehouse: Location, turn: Turn,
     increment to do here (a first build, a table of another `events` or an older release, more than
     `feed.SMALL_INCREMENT` new events, a feed vacuumed away). `events_feed`: one shared with other tables' increments
     (a tailing run's), else read here."""
+    projection.start()  # before the lake is read (also for the whole build that follows a None)
     events_path, path = EVENTS.path(warehouse), projection.table.path(warehouse)
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
         return None
     events_feed = events_feed or Feed(events_path, list(projection.columns))
     found = DeltaTable(path)
-    position = Position.of(found, projection.table.app_id_over(events_feed.table_id), slots=projection.slots)
-    if position.read is None:
-        return None  # a first build, or one from another `events`
+    now = events_feed.version
+    position = Position.of(found, projection.table.app_id_over(events_feed.table_id), slots=projection.slots,
+                           cursor=projection.keeps_cursor)
+    if position.read is None or not projection.takes_increment(position, now):
+        return None  # a first build, one from another `events`, or one the kind asks for
     target = projection.ready(path, found)
     if target is None:
         return None
-    now, previous = events_feed.version, position.events_version
-    assert previous is not None
     if not position.behind(now):
-        return projection.up_to_date(target, now, previous)
-    rows = events_feed.rows(previous, list(projection.columns))
+        return projection.up_to_date(target, position, now)
+    assert position.folded is not None
+    rows = events_feed.rows(position.folded, list(projection.columns))
     if rows is None:
         return None
     step = Increment(warehouse, path, target, position, events_feed)

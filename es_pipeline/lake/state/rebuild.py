@@ -47,7 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.lake.delta import current, pieces, tables
@@ -128,27 +128,26 @@ def held_back(live: DeltaTable, events_id: str, types: Iterable[str]) -> list[st
     return out
 
 
-def marks(live: DeltaTable, events_id: str, held: Collection[str], read: int) -> list[Transaction]:
-    """The transactions the next commit of `live` (from txn version `read`) adds for the types it holds back that are
-    not marked yet."""
+def marks(live: DeltaTable, events_id: str, held: Collection[str], read: int) -> list[tuple[str, int]]:
+    """The (app id, txn version) marks the next commit of `live` (from txn version `read`) adds for the types it
+    holds back that are not marked yet."""
     marked = set(held_back(live, events_id, held))
-    return [Transaction(held_app(events_id, t), read + 1) for t in sorted(held) if t not in marked]
+    return [(held_app(events_id, t), read + 1) for t in sorted(held) if t not in marked]
 
 
-def record(spark: Any, path: str, transactions: list[Transaction]) -> None:
-    """`transactions` recorded in one commit of no rows (by Spark, one commit each, where delta-rs does not write the
-    table: deletion vectors)."""
-    if not transactions:
+def record(spark: Any, path: str, pairs: list[tuple[str, int]]) -> None:
+    """The (app id, txn version) `pairs` recorded in one commit of no rows (by Spark, one commit each, where delta-rs
+    does not write the table: deletion vectors)."""
+    if not pairs:
         return
     table = DeltaTable(path)
     if not current.has_deletion_vectors(table):
-        table.create_write_transaction([], mode="append", schema=table.schema(),
-                                       commit_properties=CommitProperties(app_transactions=transactions))
+        position.record(table, position.marks(pairs))
         return
     session = tables.session_of(spark)
     empty = session.createDataFrame([], tables.read(session, path).schema)
-    for t in transactions:
-        empty.write.format("delta").mode("append").option("txnAppId", t.app_id).option("txnVersion", str(t.version)) \
+    for app, version in pairs:
+        empty.write.format("delta").mode("append").option("txnAppId", app).option("txnVersion", str(version)) \
             .save(path)
 
 
@@ -501,9 +500,9 @@ def _start(shadow: Shadow, domain: Domain, key: str, events_version: int, counts
     if table is not None:
         write_deltalake(table.path(shadow.lake), table.schema.empty_table(), mode="overwrite",
                         partition_by=history.PARTITION)
-        recorded = [Transaction(_HISTORY, 0)]
+        recorded = [(_HISTORY, 0)]
     write_deltalake(shadow.state_path, STATE_SCHEMA.empty_table(), mode="overwrite", description=json.dumps(plan),
-                    commit_properties=CommitProperties(app_transactions=[Transaction(_PIECES, 0), *recorded]))
+                    commit_properties=position.marks([(_PIECES, 0), *recorded]))
     return plan
 
 
@@ -544,16 +543,15 @@ def _append_pieces(shadow: Shadow, domain: Domain, plan: dict[str, Any], skip_un
             parts = built.get(shadow.stream_type) or []
             rows = pa.concat_tables(parts) if parts else table.schema.empty_table()
             write_deltalake(table.path(shadow.lake), rows, mode="append", partition_by=history.PARTITION)
-            recorded = [Transaction(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
-        last = [Transaction(_FOLDED, int(plan["events_version"]))] if i == len(counts) - 1 else []
+            recorded = [(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
+        last = [(_FOLDED, int(plan["events_version"]))] if i == len(counts) - 1 else []
         write_deltalake(shadow.state_path, arrow_updates(out).cast(STATE_SCHEMA), mode="append",
-                        commit_properties=CommitProperties(app_transactions=[Transaction(_PIECES, i + 1), *recorded,
-                                                                             *last]))
+                        commit_properties=position.marks([(_PIECES, i + 1), *recorded, *last]))
         say(f"rebuild of {shadow.stream_type}: piece {i + 1} of {len(counts)} folded ({sum(counts[:i + 1]):,} of "
             f"{sum(counts):,} events, {time.monotonic() - started:.1f} s)")
     if not counts:  # nothing of the type in `events`: the shadow is whole, and empty
-        write_deltalake(shadow.state_path, STATE_SCHEMA.empty_table(), mode="append", commit_properties=
-                        CommitProperties(app_transactions=[Transaction(_FOLDED, int(plan["events_version"]))]))
+        write_deltalake(shadow.state_path, STATE_SCHEMA.empty_table(), mode="append",
+                        commit_properties=position.commit_properties(_FOLDED, int(plan["events_version"])))
     return True
 
 
@@ -619,14 +617,13 @@ def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> 
             if table is not None:
                 others = [t for t in history.history_tables(domain) if t != shadow.stream_type]
                 history.write_arrow(shadow.lake, domain, out, events_id, end, whole=(), skip=others)
-                recorded = [Transaction(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
+                recorded = [(_HISTORY, int(DeltaTable(table.path(shadow.lake)).version()))]
             state.merge(arrow_updates(out).cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY),
-                        source_alias="u", target_alias="t", commit_properties=CommitProperties(
-                            app_transactions=[Transaction(_FOLDED, end), *recorded])) \
+                        source_alias="u", target_alias="t",
+                        commit_properties=position.marks([(_FOLDED, end), *recorded])) \
                 .when_matched_update_all().when_not_matched_insert_all().execute()
         else:
-            state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=
-                                           CommitProperties(app_transactions=[Transaction(_FOLDED, end)]))
+            position.record(state, position.commit_properties(_FOLDED, end))
         state = DeltaTable(shadow.state_path)
         at = end
     return True
@@ -675,11 +672,11 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
     if current.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
         _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
         # After the swap (a crash between leaves the type held, swapped again next time).
-        record(spark, state_path, [Transaction(swapped_app(events_id, stream_type), version)])
+        record(spark, state_path, [(swapped_app(events_id, stream_type), version)])
     else:
         live.merge(rows.cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
-                   target_alias="t", commit_properties=CommitProperties(app_transactions=[
-                       Transaction(app, version), Transaction(swapped_app(events_id, stream_type), version)])) \
+                   target_alias="t", commit_properties=position.marks([
+                       (app, version), (swapped_app(events_id, stream_type), version)])) \
             .when_matched_update_all().when_not_matched_insert_all() \
             .when_not_matched_by_source_delete(predicate=f"t.stream_type = {literal}").execute()
     empty = FOLD_OUT.empty_table()

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from es_pipeline.domain import Domain
 from es_pipeline.errors import ReducerError
@@ -36,8 +36,8 @@ from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position, runner
 from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version, txn_version
-from es_pipeline.lake.kernel.projection import Increment
+from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
+from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
@@ -136,7 +136,7 @@ def small_increment(
 
 
 @dataclass(frozen=True)
-class _StreamState:
+class _StreamState(Kind):
     """`stream_state` as a kind of the projection kernel (lake/kernel/projection.py): its increment. Its position
     keeps the reducers' revisions in its slots (lake/kernel/position.py `txn_version`)."""
 
@@ -158,9 +158,10 @@ class _StreamState:
             target = DeltaTable(path)
         return None if current.has_deletion_vectors(target) else target  # its files alone are not its rows
 
-    def up_to_date(self, target: DeltaTable, now: int, previous: int) -> StateResult:
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> StateResult:
         # Nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py).
-        return StateResult(now, previous, 0, 0, (), 0, 0)
+        assert position.events_version is not None
+        return StateResult(now, position.events_version, 0, 0, (), 0, 0)
 
     def txn(self, increment: Increment) -> int:
         return txn_version(increment.now, self.domain.folds)
@@ -201,14 +202,13 @@ class _StateFold:
         updates = arrow_updates(self.out)
         before = int(state.version())
         # With the position, the types held back from now on: they stay pending until swapped (lake/state/rebuild.py).
-        props = CommitProperties(app_transactions=[Transaction(step.position.app_id, txn),
-                                                   *rebuild.marks(state, step.feed.table_id, held, read)])
+        props = position.marks([(step.position.app_id, txn), *rebuild.marks(state, step.feed.table_id, held, read)])
         if updates.num_rows:
             state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
                         target_alias="t", commit_properties=props) \
                 .when_matched_update_all().when_not_matched_insert_all().execute()
         else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
-            state.create_write_transaction([], mode="append", schema=state.schema(), commit_properties=props)
+            position.record(state, props)
         kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(), skip=held)
         result = replace(arrow_result(self.out, step.now, step.previous), history_rows=tuple(sorted(kept.items())),
                          held_types=tuple(held))
@@ -329,8 +329,7 @@ def _update_with_spark(
              .option("txnAppId", app).option("txnVersion", str(version)).save(state_path))
         elif not stats["streams"] and not current.has_deletion_vectors(DeltaTable(state_path)):
             # Only events of a type held back: the position recorded alone (as the small path does).
-            DeltaTable(state_path).create_write_transaction([], mode="append", schema=DeltaTable(state_path).schema(),
-                                                            commit_properties=position.commit_properties(app, version))
+            position.record(DeltaTable(state_path), position.commit_properties(app, version))
         else:
             tables.merge_by_key(spark, state_path, updates, KEY, app_id=app, version=version)
         log.info("stream_state on Spark: the rows written in %.1f s (%s)", time.monotonic() - started,
