@@ -109,8 +109,8 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     t0 = time.monotonic()
     typed = event_tables.update(settings.warehouse, domain, store_dsn=settings.pg_dsn, spark=spark,
                                 engine=settings.engine)
-    print(f"   typed event tables: {typed.events:,} events into {len(typed.rows)} tables, built by {_by(typed.engine)} "
-          f"({time.monotonic() - t0:.1f} s)")
+    print(f"   typed event tables: {typed.events_folded:,} events into {typed.figures['tables_written']} tables, "
+          f"built by {_by(typed.engine)} ({time.monotonic() - t0:.1f} s)")
     for name in sorted(domain.projections):  # the team's cross-stream projections
         t0 = time.monotonic()
         crossed = cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, spark=spark,

@@ -158,7 +158,7 @@ class CrossStream(Kind):
         return bool(position.cursor is not None and position.frontier and position.read is not None
                     and position.read <= now)
 
-    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+    def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         return target if tables.has_columns(target, self.table.schema.names) else None
 
     def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:

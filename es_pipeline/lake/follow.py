@@ -24,7 +24,7 @@ from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.projection import Reported
 from es_pipeline.lake.kernel.turn import turn_if_free
 
-_GATHERED = ("events_folded", "keys_updated", "streams_updated", "keys_refolded", "events_written",
+_GATHERED = ("events_folded", "keys_updated", "streams_updated", "keys_refolded",
              "overflow_values")  # summed over gathered updates
 
 

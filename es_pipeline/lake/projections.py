@@ -42,7 +42,7 @@ def of(domain: Domain) -> list[Plugin]:
     plugins = [_stream_state(domain), _aggregate(STREAM_CATALOG), _aggregate(EVENT_TYPE_DAILY)]
     plugins += [_cross_stream(domain, name) for name in sorted(domain.projections)]
     plugins.append(Plugin(event_tables.NAME, (), lambda warehouse, turn, feed, frontier: event_tables.increment(
-        warehouse, domain, build=False)))  # from its own reads of the feed, a window at a time
+        warehouse, domain, turn, feed)))  # from its own reads of the feed, a window at a time
     return plugins
 
 

@@ -71,7 +71,7 @@ def test_a_store_of_hundreds_of_changing_types_lands_in_typed_tables_exactly_onc
                 for w in writers:
                     w.join()
     assert metadata[0]["full_rebuild"].value is True and metadata[-1]["full_rebuild"].value is False
-    assert sum(m["events_written"].value for m in metadata) == TYPES + 3 * 3 * 150
+    assert sum(m["events_folded"].value for m in metadata) == TYPES + 3 * 3 * 150
     assert any("n: bigint → double" in m["widened_columns"].value for m in metadata)
     assert sum(m["overflow_values"].value for m in metadata) > 0
     assert assert_typed_tables_equal_the_store(dsn, warehouse) == TYPES + 3 * 3 * 150

@@ -90,7 +90,7 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
     _append(store, "probe-0", ("Measured", {"detail": {"a": 1}, "big": 2**60 + 1}))
     extract_all(dsn.extractor, None, warehouse)
     built = event_tables.update(warehouse, domain)
-    assert built.rebuilt and built.events == 601 and "events_item_added" in built.new_tables
+    assert built.full_rebuild and built.events_folded == 601 and "events_item_added" in built.figures["new_tables"]
     assert_typed_tables_equal_the_store(dsn, warehouse, domain)
 
     # Payloads change shape: a new field, an int widened to double, a number where a string was, a
@@ -109,17 +109,17 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
     run_workload(store, streams=10, events=150, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=8)
     extract_all(dsn.extractor, None, warehouse)
     grown = event_tables.update(warehouse, domain)
-    assert not grown.rebuilt and grown.events == 159
-    assert "events_item_added.qty: bigint → double" in grown.widened
-    assert "events_item_added.gift boolean" in grown.new_columns
-    assert grown.overflow["events_deposited"] >= 3 and grown.overflow["events_opened"] >= 2
+    assert not grown.full_rebuild and grown.events_folded == 159
+    assert "events_item_added.qty: bigint → double" in grown.figures["widened_columns"]
+    assert "events_item_added.gift boolean" in grown.figures["new_columns"]
+    assert grown.figures["overflow/events_deposited"] >= 3 and grown.figures["overflow/events_opened"] >= 2
     assert_typed_tables_equal_the_store(dsn, warehouse, domain)
     history = DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()
     qty = [(r["data_type"], r["change"]) for r in history if r["table_name"] == "events_item_added"
            and r["column_name"] == "qty"]
     assert qty == [("bigint", "added"), ("double", "widened from bigint")]
     assert ("weird.type", "events_weird_type") in {(r["event_type"], r["table_name"]) for r in history}
-    assert "events_measured.big: bigint → double" in grown.widened
+    assert "events_measured.big: bigint → double" in grown.figures["widened_columns"]
     _assert_duckdb_reads_every_typed_table(warehouse)
 
     # A run killed after some tables took their rows and before the cursor: the replay adds nothing twice.
@@ -139,10 +139,10 @@ def test_typed_tables_hold_every_event_once_through_writers_new_shapes_and_a_kil
         event_tables.update(warehouse, domain)
     monkeypatch.setattr(event_tables, "write_deltalake", real_write)
     replayed = event_tables.update(warehouse, domain)
-    assert not replayed.rebuilt and 0 < replayed.events < 200  # the tables written before the kill are skipped
+    assert not replayed.full_rebuild and 0 < replayed.events_folded < 200  # the tables written before the kill are skipped
     assert replayed.events_version == DeltaTable(str(warehouse / "events")).version()
     assert_typed_tables_equal_the_store(dsn, warehouse, domain)
-    assert event_tables.update(warehouse, domain).events == 0
+    assert event_tables.update(warehouse, domain).events_folded == 0
 
 
 def test_a_lost_change_feed_rebuilds_and_a_new_definition_too(dsn: StoreDsn, warehouse: Path) -> None:
@@ -162,16 +162,16 @@ def test_a_lost_change_feed_rebuilds_and_a_new_definition_too(dsn: StoreDsn, war
     events.optimize.compact()  # rewrites the files, then the old ones go: the feed of the last commits is lost
     events.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
     rebuilt = event_tables.update(warehouse, PLAIN)
-    assert rebuilt.rebuilt and rebuilt.events == 251
+    assert rebuilt.full_rebuild and rebuilt.events_folded == 251
     assert_typed_tables_equal_the_store(dsn, warehouse)
     # The shop's upcaster: the cart tables hold the upcast payloads, built anew; then on, and back to the first
     # definition: built anew again, never appended to tables another definition built (no event twice).
-    assert event_tables.update(warehouse, SHOP).rebuilt
+    assert event_tables.update(warehouse, SHOP).full_rebuild
     assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
     run_workload(store, streams=5, events=50, writers=1, rollback_rate=0, max_commit_delay=0, seed=5)
     extract_all(dsn.extractor, None, warehouse)
-    assert not event_tables.update(warehouse, SHOP).rebuilt
-    assert event_tables.update(warehouse, PLAIN).rebuilt
+    assert not event_tables.update(warehouse, SHOP).full_rebuild
+    assert event_tables.update(warehouse, PLAIN).full_rebuild
     assert assert_typed_tables_equal_the_store(dsn, warehouse) == 301
     assert DeltaTable(str(foreign)).to_pyarrow_table().num_rows == 3
 
@@ -183,17 +183,17 @@ def test_three_hundred_types_stay_cheap_and_a_tick_touches_only_its_types(dsn: S
         _append(store, f"s-{i}", (f"Type{i}Happened", {"n": i, "label": f"t{i}"}))
     extract_all(dsn.extractor, None, warehouse)
     built = event_tables.update(warehouse, PLAIN)
-    assert len(built.new_tables) == 300 and len(tables.table_names(warehouse, event_tables.PREFIX)) == 300
+    assert len(built.figures["new_tables"].split(", ")) == 300 and len(tables.table_names(warehouse, event_tables.PREFIX)) == 300
     versions = {n: DeltaTable(tables.table_path(warehouse, n)).version()
                 for n in tables.table_names(warehouse, event_tables.PREFIX)}
     for i in range(5):
         _append(store, f"s-{i}", (f"Type{i}Happened", {"n": -i, "extra": True}))
     extract_all(dsn.extractor, None, warehouse)
     tick = event_tables.update(warehouse, PLAIN)
-    assert sorted(tick.rows) == sorted(event_tables.table_name(f"Type{i}Happened") for i in range(5))
+    assert sorted(tick.figures["tables"].split(", ")) == sorted(event_tables.table_name(f"Type{i}Happened") for i in range(5))
     for name, version in versions.items():
         moved = DeltaTable(tables.table_path(warehouse, name)).version() != version
-        assert moved == (name in tick.rows), name
+        assert moved == (name in tick.figures["tables"].split(", ")), name
     assert_typed_tables_equal_the_store(dsn, warehouse)
 
 
@@ -205,12 +205,12 @@ def test_a_declared_payload_schema_wins_over_inference(dsn: StoreDsn, warehouse:
     _append(store, "m-1", ("Measured", {"at": "2026-11-26T10:00:00Z", "reading": 1, "unit": "C"}))
     extract_all(dsn.extractor, None, warehouse)
     first = event_tables.update(warehouse, declared)
-    assert first.overflow == {}
+    assert first.figures["overflow_values"] == 0
     _append(store, "m-2", ("Measured", {"at": "not a time", "reading": "high", "unit": 5, "extra": True}),
             ("Measured", {"at": "2026-11-26T11:30:00+01:00", "reading": 2.5}))
     extract_all(dsn.extractor, None, warehouse)
     second = event_tables.update(warehouse, declared)
-    assert second.widened == [] and second.new_columns == ["events_measured.extra boolean"]
+    assert second.figures["widened_columns"] == "-" and second.figures["new_columns"] == "events_measured.extra boolean"
     table = DeltaTable(str(warehouse / "events_measured"))
     assert [(f.name, f.type) for f in pa.schema(table.schema().to_arrow()) if f.name in ("at", "reading", "unit")] == \
         [("at", pa.timestamp("us", tz="UTC")), ("reading", pa.float64()), ("unit", pa.string())]
@@ -267,7 +267,7 @@ def test_declared_and_widened_values_are_the_same_built_by_increments_or_at_once
     events = DeltaTable(str(warehouse / "events"))
     events.optimize.compact()  # the change feed lost: the next update builds every typed table at once
     events.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
-    assert event_tables.update(warehouse, declared).rebuilt
+    assert event_tables.update(warehouse, declared).full_rebuild
     assert rows() == by_increments
     assert_typed_tables_equal_the_store(dsn, warehouse)
 
@@ -301,22 +301,23 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
                      "VALUES ('odd-2', 'probe', 1, 'Deposited', '[1, 2]'::jsonb)")
     extract_all(dsn.extractor, None, warehouse)
     built = event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor, spark=spark, engine="spark")
-    assert built.rebuilt and built.engine == "spark" and built.metadata()["engine"] == "spark"
+    assert built.full_rebuild and built.engine == "spark" and built.metadata()["engine"] == "spark"
     total = assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
-    assert built.events == total and "events_item_added" in built.new_tables
+    assert built.events_folded == total and "events_item_added" in built.figures["new_tables"]
     on_spark = _typed_tables(warehouse)
     spark_mapping = {(r["event_type"], r["table_name"], r["column_name"], r["data_type"]) for r in
                      DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()}
-    for name in built.rows:  # the executors' files, committed by delta-rs
+    for name in built.figures["tables"].split(", "):  # the executors' files, committed by delta-rs
         uris = DeltaTable(str(warehouse / name)).file_uris()
         assert uris and all("/spark-build-" in u for u in uris), (name, uris[:2])
-    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").events == 0  # the cursor: committed
+    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").events_folded == 0  # the cursor: committed
 
     DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)  # built again, in process
     local = event_tables.update(warehouse, SHOP, spark=spark, engine="local")
-    assert local.rebuilt and local.engine == "local" and local.rows == built.rows
-    assert local.overflow == built.overflow
+    assert local.full_rebuild and local.engine == "local" and local.events_folded == built.events_folded
+    assert local.figures["tables"] == built.figures["tables"]
+    assert local.figures["overflow_values"] == built.figures["overflow_values"]
     assert _typed_tables(warehouse) == on_spark
     assert {(r["event_type"], r["table_name"], r["column_name"], r["data_type"]) for r in
             DeltaTable(str(warehouse / event_tables.NAME)).to_pyarrow_table().to_pylist()} == spark_mapping
@@ -328,15 +329,15 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
     run_workload(store, streams=5, events=60, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
     extract_all(dsn.extractor, None, warehouse)
     grown = event_tables.update(warehouse, SHOP, spark=spark, engine="spark")
-    assert not grown.rebuilt and grown.engine == "local" and grown.events == 61
-    assert "events_measured.new_field boolean" in grown.new_columns
+    assert not grown.full_rebuild and grown.engine == "local" and grown.events_folded == 61
+    assert "events_measured.new_field boolean" in grown.figures["new_columns"]
     assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
 
 
 def test_an_increment_stopped_at_a_feed_it_cannot_read_says_it_did_not_catch_up(
     dsn: StoreDsn, warehouse: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A tailing run's follow (build=False) folds the windows it can read and stops at one it cannot: the result says
+    """A tailing run's follow (`increment`) folds the windows it can read and stops at one it cannot: the result says
     it is short of `events`, so the run does not report the tables as kept up (lake/follow.py)."""
     store = EventStore(dsn)
     run_workload(store, streams=10, events=60, writers=1, rollback_rate=0, max_commit_delay=0, seed=6)
@@ -352,6 +353,6 @@ def test_an_increment_stopped_at_a_feed_it_cannot_read_says_it_did_not_catch_up(
     for action in (json.loads(line) for line in log):
         if "add" in action:  # the last commit's files gone, as a vacuum leaves a compacted table's
             (events / action["add"]["path"]).unlink()
-    short = event_tables.increment(warehouse, PLAIN, build=False)
-    assert short is not None and short.events == 10 and not short.caught_up
-    assert event_tables.increment(warehouse, PLAIN, build=False) is None, "nothing more it can read"
+    short = event_tables.increment(warehouse, PLAIN)
+    assert short is not None and short.events_folded == 10 and not short.caught_up
+    assert event_tables.increment(warehouse, PLAIN) is None, "nothing more it can read"

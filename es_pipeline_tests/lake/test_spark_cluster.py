@@ -143,7 +143,7 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     DeltaTable(tables.table_path(warehouse, event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)
     again = event_tables.update(warehouse, SHOP, engine="local")
-    assert again.rebuilt and again.engine == "local" and again.events == 6600 + 2 * TYPES
+    assert again.full_rebuild and again.engine == "local" and again.events_folded == 6600 + 2 * TYPES
     assert {name: _rows(DeltaTable(tables.table_path(warehouse, name))) for name in names} == by_spark
 
 

@@ -61,7 +61,7 @@ class Aggregate(Kind):
         """The UPDATE SET clause of Spark's MERGE."""
         return ", ".join(f"t.{column} = {expression}" for column, expression in self.updates.items())
 
-    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+    def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         """An increment merges onto a table whose key is this release's (one of a release before tenants lacks
         `tenant`: built whole)."""
         return target if tables.has_columns(target, self.key) else None

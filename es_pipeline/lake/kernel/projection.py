@@ -9,7 +9,7 @@ Moved to it so far (decision 0049): the aggregates (lake/aggregates/aggregate.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import pyarrow as pa
@@ -38,7 +38,8 @@ class Reported(Protocol):
     def metadata(self) -> dict[str, Any]: ...
 
 
-R = TypeVar("R", bound=Reported, covariant=True)  # a kind's result
+R = TypeVar("R", bound=Reported)
+R_co = TypeVar("R_co", bound=Reported, covariant=True)  # a kind's result
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ class Increment:
     target: DeltaTable
     position: Position
     feed: Feed
+    upto: int | None = None  # the last `events` version of this window (None: the feed's)
 
     @property
     def now(self) -> int:
         """The `events` version the increment brings the table to."""
-        return self.feed.version
+        return self.feed.version if self.upto is None else self.upto
 
     @property
     def previous(self) -> int:
@@ -64,10 +66,10 @@ class Increment:
         return folded
 
 
-class Folded(Protocol[R]):
+class Folded(Protocol[R_co]):
     """An increment folded, ready to commit."""
 
-    def commit(self, txn: int) -> R:
+    def commit(self, txn: int) -> R_co:
         """Write the folded rows in one commit that moves the position to txn version `txn` (with no rows, the position
         alone: an empty commit); what the update did."""
 
@@ -78,6 +80,17 @@ class Kind:
 
     slots: ClassVar[int] = 1
     keeps_cursor: ClassVar[bool] = False
+    window: ClassVar[int | None] = None
+
+    table: Table
+
+    def app_id(self, events_id: str) -> str:
+        """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
+        return self.table.app_id_over(events_id)
+
+    def short(self, result: Any, why: str) -> Any:
+        """`result`, short of `events` for the reason `why` (a kind of windows stopped at a window it could not read)."""
+        return replace(result, short=why)
 
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn (a cross-stream projection's batch frontier)."""
@@ -106,13 +119,23 @@ class Projection(Protocol[R]):
     def keeps_cursor(self) -> bool:
         """Whether its position also keeps a cursor and a frontier (lake/kernel/position.py `Position`)."""
 
+    @property
+    def window(self) -> int | None:
+        """`events` commits folded and committed at a time (None: the whole increment at once)."""
+
+    def app_id(self, events_id: str) -> str:
+        """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
+
+    def short(self, result: R, why: str) -> R:
+        """`result` (of the windows done), short of `events` for the reason `why`."""
+
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn."""
 
     def takes_increment(self, position: Position, now: int) -> bool:
         """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""
 
-    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+    def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         """The table an increment folds onto (brought to this release's columns where that is cheap), or None: it is
         to be built whole, or its increment is Spark's (a table of an older release, deletion vectors)."""
 

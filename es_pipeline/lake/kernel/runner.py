@@ -9,6 +9,7 @@ away) goes to the kind's whole build in process, or to Spark, by the engine rule
 
 from __future__ import annotations
 
+import logging
 from typing import Any, TypeVar
 
 from deltalake import DeltaTable
@@ -16,10 +17,12 @@ from deltalake import DeltaTable
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.feed import Feed, new_rows
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection, Reported
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Reported)
 
@@ -34,7 +37,10 @@ def update(projection: Buildable[R], spark: Any, warehouse: Location, *, store_d
     tables.require_events(warehouse, projection.name)
     with one_at_a_time(store_dsn, projection.name) as turn:
         if small_increments and engine != "spark":
-            done = increment(projection, warehouse, turn) or projection.build_here(warehouse, turn, engine)
+            done, stopped = _increment(projection, warehouse, turn)
+            if done is not None and not stopped:
+                return done
+            done = projection.build_here(warehouse, turn, engine)
             if done is not None:
                 return done
         return projection.update_on_spark(tables.session_of(spark), warehouse, turn)
@@ -44,29 +50,54 @@ def increment(projection: Projection[R], warehouse: Location, turn: Turn,
               events_feed: Feed | None = None) -> R | None:
     """The change feed's new rows folded in this process and committed with the position, in `turn`; None: not an
     increment to do here (a first build, a table of another `events` or an older release, more than
-    `feed.SMALL_INCREMENT` new events, a feed vacuumed away). `events_feed`: one shared with other tables' increments
-    (a tailing run's), else read here."""
+    `feed.SMALL_INCREMENT` new events, a feed vacuumed away). A kind that folds a window of commits at a time
+    (`Projection.window`) may stop at a window whose feed is gone: its result then says it is short of `events`.
+    `events_feed`: one shared with other tables' increments (a tailing run's), else read here."""
+    return _increment(projection, warehouse, turn, events_feed)[0]
+
+
+def _increment(projection: Projection[R], warehouse: Location, turn: Turn,
+               events_feed: Feed | None = None) -> tuple[R | None, bool]:
+    """`increment`, and whether it stopped short at a window whose feed is gone (a whole build goes on from there)."""
     projection.start()  # before the lake is read (also for the whole build that follows a None)
     events_path, path = EVENTS.path(warehouse), projection.table.path(warehouse)
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
-        return None
+        return None, False
     events_feed = events_feed or Feed(events_path, list(projection.columns))
     found = DeltaTable(path)
     now = events_feed.version
-    position = Position.of(found, projection.table.app_id_over(events_feed.table_id), slots=projection.slots,
+    position = Position.of(found, projection.app_id(events_feed.table_id), slots=projection.slots,
                            cursor=projection.keeps_cursor)
     if position.read is None or not projection.takes_increment(position, now):
-        return None  # a first build, one from another `events`, or one the kind asks for
-    target = projection.ready(path, found)
+        return None, False  # a first build, one from another `events`, or one the kind asks for
+    target = projection.ready(path, found, events_feed.table_id)
     if target is None:
-        return None
+        return None, False
     if not position.behind(now):
-        return projection.up_to_date(target, position, now)
-    assert position.folded is not None
-    rows = events_feed.rows(position.folded, list(projection.columns))
-    if rows is None:
-        return None
-    step = Increment(warehouse, path, target, position, events_feed)
-    folded = projection.fold(rows, step)
-    turn.confirm(path, position.app_id, position.read)
-    return folded.commit(projection.txn(step))
+        return projection.up_to_date(target, position, now), False
+    done: R | None = None
+    while position.behind(now):
+        after = position.folded
+        assert after is not None
+        if projection.window is None:  # the whole increment at once, from the feed shared by a follow
+            upto, rows = now, events_feed.rows(after, list(projection.columns))
+        else:  # a window of commits at a time, each committed: memory for one window, however far behind
+            upto = min(now, after + projection.window)
+            rows = new_rows(events_feed.table, after, upto, list(dict.fromkeys([*projection.columns, "_commit_version"])),
+                            whole=True)
+        if rows is None:
+            if done is None:
+                return None, False
+            log.info("%s: events' change feed after version %s cannot be read: short of version %s", projection.name,
+                     after, now)
+            return projection.short(done, f"events' change feed after version {after} cannot be read (vacuumed): "
+                                          "a whole build goes on from there"), True
+        step = Increment(warehouse, path, target, position, events_feed, upto)
+        folded = projection.fold(rows, step)
+        turn.confirm(path, position.app_id, position.read)
+        txn = projection.txn(step)
+        done = folded.commit(txn)
+        if projection.window is None:
+            break
+        position = position.moved(txn)
+    return done, False

@@ -142,7 +142,7 @@ class _StreamState(Kind):
 
     domain: Domain
     skip_unknown: bool
-    table: ClassVar[Table] = STREAM_STATE
+    table: Table = STREAM_STATE
     name: ClassVar[str] = STREAM_STATE.name
     slots: ClassVar[int] = REVISION_SLOTS
 
@@ -150,7 +150,7 @@ class _StreamState(Kind):
     def columns(self) -> list[str]:
         return read_columns(self.domain)
 
-    def ready(self, path: str, target: DeltaTable) -> DeltaTable | None:
+    def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         if not tables.has_columns(target, KEY):
             return None  # a table made before tenants: Spark adds the column
         if not tables.has_columns(target, HISTORY_COLUMNS):  # a table of a release before state history

@@ -33,7 +33,6 @@ import hashlib
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,16 +41,20 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from es_pipeline.domain import EVENT_TABLE_PREFIX, EVENT_TABLES, Domain
 from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import feed
+from es_pipeline.lake.kernel import position, runner
 from es_pipeline.lake.kernel.engine import builds_on_spark
-from es_pipeline.lake.kernel.turn import one_at_a_time
+from es_pipeline.lake.kernel.feed import Feed
+from es_pipeline.lake.kernel.position import Position
+from es_pipeline.lake.kernel.projection import Increment, Kind
+from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.typed import on_spark, shapes
 from es_pipeline.lake.typed.typed_rows import (
     ENVELOPE,
@@ -82,38 +85,18 @@ MAPPING = Table(NAME, pa.schema([
 
 
 @dataclass
-class EventTablesResult:
-    """What an update did: the `events` version it brought every typed table to, and per table what it wrote."""
+class _Written:
+    """What an update wrote: the `events` version it brought every typed table to, and per table what it wrote."""
 
-    events_version: int | None
+    events_version: int
     rebuilt: bool = False
     rows: dict[str, int] = field(default_factory=dict)  # table → rows written
     new_tables: list[str] = field(default_factory=list)
     new_columns: list[str] = field(default_factory=list)  # "table.column type"
     widened: list[str] = field(default_factory=list)  # "table.column: old → new"
     overflow: dict[str, int] = field(default_factory=dict)  # table → values kept in `_overflow`
-    seconds: float = 0.0
-    engine: str = "local"  # where a whole build ran: "spark" or "local" (increments always run in process)
-    caught_up: bool = True  # False: an increment stopped at a change feed it could not read (a build goes on)
 
-    @property
-    def events(self) -> int:
-        return sum(self.rows.values())
-
-    @property
-    def worked(self) -> bool:
-        """Whether the update wrote events (else every typed table was up to date)."""
-        return bool(self.events)
-
-    def metadata(self) -> dict[str, int | bool | str]:
-        """The update's figures, as its asset's materialization shows them."""
-        return {"events_version": self.events_version if self.events_version is not None else -1,
-                "full_rebuild": self.rebuilt, "events_written": self.events, "tables_written": len(self.rows),
-                "new_tables": ", ".join(self.new_tables) or "-", "new_columns": ", ".join(self.new_columns) or "-",
-                "widened_columns": ", ".join(self.widened) or "-", "overflow_values": sum(self.overflow.values()), "engine": self.engine,
-                **{f"overflow/{name}": n for name, n in sorted(self.overflow.items())}}
-
-    def add(self, later: EventTablesResult) -> EventTablesResult:
+    def add(self, later: _Written) -> _Written:
         """This update's figures followed by `later`'s (an update made of several windows)."""
         rows = dict(self.rows)
         for name, n in later.rows.items():
@@ -121,10 +104,19 @@ class EventTablesResult:
         overflow = dict(self.overflow)
         for name, n in later.overflow.items():
             overflow[name] = overflow.get(name, 0) + n
-        return EventTablesResult(later.events_version, self.rebuilt or later.rebuilt, rows,
-                                 [*self.new_tables, *later.new_tables], [*self.new_columns, *later.new_columns],
-                                 [*self.widened, *later.widened], overflow,
-                                 engine="spark" if "spark" in (self.engine, later.engine) else "local")
+        return _Written(later.events_version, self.rebuilt or later.rebuilt, rows,
+                        [*self.new_tables, *later.new_tables], [*self.new_columns, *later.new_columns],
+                        [*self.widened, *later.widened], overflow)
+
+    def result(self, previous: int, engine: Engine = "local") -> Result:
+        """As the kernel's `Result` (its figures as the asset shows them)."""
+        return Result(NAME, self.events_version, -1 if self.rebuilt else previous, sum(self.rows.values()), engine,
+                      figures={"tables_written": len(self.rows), "tables": ", ".join(sorted(self.rows)) or "-",
+                               "new_tables": ", ".join(self.new_tables) or "-",
+                               "new_columns": ", ".join(self.new_columns) or "-",
+                               "widened_columns": ", ".join(self.widened) or "-",
+                               "overflow_values": sum(self.overflow.values()),
+                               **{f"overflow/{name}": n for name, n in sorted(self.overflow.items())}})
 
 
 def table_name(event_type: str) -> str:
@@ -176,66 +168,115 @@ def _digest(text: str, n: int) -> str:
 
 
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
-           progress: Callable[[str], None] | None = None, spark: Any = None,
-           engine: str = "auto") -> EventTablesResult:
-    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/kernel/turn.py); `NoEventsYet`
-    before `events` exists. `spark` (a session, or a function that returns one) and `engine`: where a whole build
-    runs (`builds_on_spark`); increments always run here."""
-    tables.require_events(warehouse, NAME)
-    with one_at_a_time(store_dsn, NAME):
-        result = increment(warehouse, domain, progress=progress, spark=spark, engine=engine)
-    assert result is not None
-    return result
+           progress: Callable[[str], None] | None = None, spark: Any = None, engine: str = "auto") -> Result:
+    """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/kernel/turn.py), by the
+    kernel's runner; `NoEventsYet` before `events` exists. `spark` (a session, or a function that returns one) and
+    `engine`: where a whole build runs (`builds_on_spark`); increments always run here."""
+    kind = EventTables(warehouse, domain, progress=progress, spark=spark, engine=engine)
+    # The kind applies the engine rule to its whole build itself: the runner tries the increment here first.
+    return runner.update(kind, spark, warehouse, store_dsn=store_dsn, engine="local")
 
 
-def increment(warehouse: Location, domain: Domain, *, build: bool = True,
-              progress: Callable[[str], None] | None = None, spark: Any = None,
-              engine: str = "auto") -> EventTablesResult | None:
-    """`update`'s work, the caller holding the turn; without `build`, None where the tables would be built anew
-    (a tailing run leaves that to the asset's own run)."""
-    started = time.monotonic()
-    events_path = EVENTS.path(warehouse)
-    if not tables.is_delta_table(events_path):
-        return EventTablesResult(None)
-    events = DeltaTable(events_path)
-    now = int(events.version())
-    events_id = str(events.metadata().id)  # of the table loaded above: the version and the id of one table
-    keeper = _Keeper(warehouse, domain, build_key(events_id, definition_of(domain)), now, events_id)
-    cursor = keeper.cursor()
-    if cursor is not None and cursor >= now:
-        return EventTablesResult(now, seconds=time.monotonic() - started)
-    read = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
-    total: EventTablesResult | None = None
-    while cursor is not None and cursor < now:  # the feed a window of commits at a time, each window committed
-        upto = min(now, cursor + WINDOW)
-        changes = feed.new_rows(events, cursor, upto, [*read, "_commit_version"], whole=True)
-        if changes is None:
-            log.info("events' change feed after version %s cannot be read: the typed event tables are built anew",
-                     cursor)
-            break
-        keeper.next_window(upto)  # the mapping as this process committed it: not read again
-        keeper.increment(changes, cursor)
-        keeper.commit_mapping()
-        total = keeper.result if total is None else total.add(keeper.result)
-        cursor = upto
-        if progress is not None and upto < now:
-            progress(f"typed event tables: up to events version {upto} of {now}")
-    if cursor is None or cursor < now:
-        if not build:  # the windows it finished, short of `now`: only a whole build goes on from here
-            if total is not None:
-                total.caught_up = False
-            return total
-        keeper.next_window(now)
-        if builds_on_spark(events, spark, engine):
-            keeper.build_on_spark(tables.session_of(spark), events_path, read, progress or (lambda _: None))
-            keeper.result.engine = "spark"
-        else:
-            keeper.build(_current_rows(events_path, events, read), progress or (lambda _: None))
+def increment(warehouse: Location, domain: Domain, turn: Turn | None = None,
+              events_feed: Feed | None = None) -> Result | None:
+    """The increment alone (a tailing run's, in its `turn`), or None where the tables would be built anew (left to
+    the asset's own run). A window whose change feed cannot be read stops it: its result says it is short."""
+    if turn is None:
+        with one_at_a_time(None, NAME) as own:
+            return runner.increment(EventTables(warehouse, domain), warehouse, own, events_feed)
+    return runner.increment(EventTables(warehouse, domain), warehouse, turn, events_feed)
+
+
+class EventTables(Kind):
+    """The typed event tables as one kind of the projection kernel (lake/kernel/projection.py): the position is the
+    mapping's transaction id (the cursor), valid for the build key its properties record; an increment folds a
+    window of `WINDOW` commits at a time, each committed (every table's rows, then the mapping)."""
+
+    table = MAPPING
+    name = NAME
+
+    def __init__(self, warehouse: Location, domain: Domain, *, progress: Callable[[str], None] | None = None,
+                 spark: Any = None, engine: str = "auto") -> None:
+        self.warehouse, self.domain, self.spark, self.engine = warehouse, domain, spark, engine
+        self.progress = progress or (lambda _: None)
+        self.columns = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
+        self.keeper: _Keeper | None = None
+        self.total: _Written | None = None
+        self.previous = -1
+
+    @property
+    def window(self) -> int:  # type: ignore[override]
+        return WINDOW  # read at each update (a test sets a smaller one)
+
+    def app_id(self, events_id: str) -> str:
+        return APP_ID  # not bound to `events`: the build key in the mapping's properties is
+
+    def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
+        keeper = _Keeper(self.warehouse, self.domain, build_key(events_id, definition_of(self.domain)), -1, events_id)
+        if keeper.cursor() is None:
+            return None  # built for another `events` or definition, or a build cut short: built anew
+        self.keeper = keeper
+        return _open(path)
+
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
+        assert position.events_version is not None
+        return _Written(now).result(position.events_version)
+
+    def txn(self, increment: Increment) -> int:
+        return increment.now
+
+    def fold(self, rows: pa.Table, increment: Increment) -> _Window:
+        assert self.keeper is not None and increment.position.folded is not None
+        if self.total is None:
+            self.previous = increment.previous
+        self.keeper.next_window(increment.now)  # the mapping as this process committed it: not read again
+        self.keeper.increment(rows, increment.position.folded)
+        return _Window(self, increment)
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+        events_path = EVENTS.path(warehouse)
+        events = DeltaTable(events_path)
+        if builds_on_spark(events, self.spark, self.engine):
+            return None
+        keeper = self._for_build(events)
+        keeper.build(_current_rows(events_path, events, self.columns), self.progress)
         keeper.commit_mapping(built=True)
-        total = keeper.result if total is None else total.add(keeper.result)
-    assert total is not None
-    total.seconds = time.monotonic() - started
-    return total
+        return keeper.result.result(-1)
+
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+        done = runner.increment(self, warehouse, turn)  # an increment runs here, whatever the engine
+        if done is not None and done.caught_up:
+            return done
+        events_path = EVENTS.path(warehouse)
+        keeper = self._for_build(DeltaTable(events_path))
+        keeper.build_on_spark(spark, events_path, self.columns, self.progress)
+        keeper.commit_mapping(built=True)
+        return keeper.result.result(-1, engine="spark")
+
+    def _for_build(self, events: DeltaTable) -> _Keeper:
+        """A keeper for a whole build of `events` as loaded (the names the mapping kept, read)."""
+        now, events_id = int(events.version()), str(events.metadata().id)
+        keeper = _Keeper(self.warehouse, self.domain, build_key(events_id, definition_of(self.domain)), now, events_id)
+        keeper.cursor()
+        keeper.next_window(now)
+        return keeper
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A window of the increment written to its tables: the mapping's rows and the cursor committed last."""
+
+    kind: EventTables
+    increment: Increment
+
+    def commit(self, txn: int) -> Result:
+        kind = self.kind
+        assert kind.keeper is not None and txn == kind.keeper.now
+        kind.keeper.commit_mapping()
+        kind.total = kind.keeper.result if kind.total is None else kind.total.add(kind.keeper.result)
+        if txn < self.increment.feed.version:
+            kind.progress(f"typed event tables: up to events version {txn} of {self.increment.feed.version}")
+        return kind.total.result(kind.previous)
 
 
 def _current_rows(path: str, events: DeltaTable, read: list[str]) -> Iterator[pa.Table]:
@@ -260,7 +301,7 @@ class _Keeper:
         self.warehouse, self.domain, self.key, self.now, self.events_id = warehouse, domain, key, now, events_id
         self.app = APP_ID
         self.mapping_path = MAPPING.path(warehouse)
-        self.result = EventTablesResult(now)
+        self.result = _Written(now)
         self.names: dict[str, str] = {}  # event type → table name
         self.history: list[dict[str, Any]] = []  # the mapping's rows
         self.changed = False  # the mapping is rewritten
@@ -268,7 +309,7 @@ class _Keeper:
 
     def next_window(self, upto: int) -> None:
         """Go on to the `events` commits up to `upto`, with the names and history held (as committed so far)."""
-        self.now, self.result, self.changed = upto, EventTablesResult(upto), False
+        self.now, self.result, self.changed = upto, _Written(upto), False
 
     # -- the mapping --------------------------------------------------------------------------------------------
 
@@ -288,7 +329,7 @@ class _Keeper:
 
     def commit_mapping(self, *, built: bool = False) -> None:
         """The mapping's rows (where they changed) and the cursor, last; after a build, what it was built for."""
-        props = _props(self.app, self.now)
+        props = position.commit_properties(self.app, self.now)
         if self.changed or not tables.is_delta_table(self.mapping_path):
             rows = pa.Table.from_pylist(self.history, schema=MAPPING.schema)
             write_deltalake(self.mapping_path, rows, mode="overwrite", schema_mode="overwrite", commit_properties=props)
@@ -297,8 +338,7 @@ class _Keeper:
                 _open(self.mapping_path).alter.set_table_properties({BUILT_FOR: self.key, BUILT_FROM: self.events_id},
                                                                     raise_if_not_exists=False)
         else:
-            mapping = _open(self.mapping_path)
-            mapping.create_write_transaction([], mode="append", schema=mapping.schema(), commit_properties=props)
+            position.record(_open(self.mapping_path), props)
         mapping = _open(self.mapping_path)
         if mapping.metadata().configuration.get(BUILT_FROM) != self.events_id:  # a mapping built by an older release
             mapping.alter.set_table_properties({BUILT_FROM: self.events_id}, raise_if_not_exists=False)
@@ -341,9 +381,7 @@ class _Keeper:
             seen += chunk.num_rows
             progress(f"typed event tables: {seen:,} events read, {len(started)} tables")
         for name in started - sealed:  # none in the last step: the id in a commit of its own
-            target = _open(tables.table_path(self.warehouse, name))
-            target.create_write_transaction([], mode="append", schema=target.schema(),
-                                            commit_properties=_props(self.app, self.now))
+            position.record(_open(tables.table_path(self.warehouse, name)), _props(self.app, self.now))
         self._end_build(owned, started)
 
     def _start_build(self) -> set[str]:
@@ -538,7 +576,6 @@ def _open(path: str) -> DeltaTable:
     return table
 
 
-def _props(app: str, version: int) -> CommitProperties:
-    return CommitProperties(app_transactions=[Transaction(app, version)])
+_props = position.commit_properties
 
 
