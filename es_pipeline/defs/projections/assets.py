@@ -1,5 +1,6 @@
 """Projections of `events` (catalog, daily counts, current state, typed event tables, a team's cross-stream ones), kept
-by declarative automation: every asset from one factory, `projection_asset`."""
+by declarative automation: every asset from one factory, `projection_asset`, over the domain's plug-ins
+(lake/projections.py `of`)."""
 
 import re
 from collections.abc import Callable
@@ -10,13 +11,9 @@ from es_pipeline.defs.resources import EventStoreResource, SparkResource, Wareho
 from es_pipeline.defs.stopping import projection_run
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
-from es_pipeline.lake.aggregates.aggregate import Aggregate
-from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
-from es_pipeline.lake.cross_stream import update as update_cross_stream
-from es_pipeline.lake.kernel import runner
+from es_pipeline.lake import projections
 from es_pipeline.lake.kernel.projection import Reported
-from es_pipeline.lake.state.stream_state import update_stream_state
-from es_pipeline.lake.typed.event_tables import update as update_event_tables
+from es_pipeline.lake.projections import Plugin
 
 _AC = dg.AutomationCondition
 # A dependency materialized after this table last was (docs/decisions/0046). Within one evaluation (the
@@ -68,75 +65,49 @@ def projection_asset(name: str, update: Update, *, description: str, kinds: set[
     return asset
 
 
-def _aggregate_asset(aggregate: Aggregate, description: str) -> dg.AssetsDefinition:
-    """The asset of a built-in aggregate of `events` (lake/aggregates/builtin.py), run by the kernel's runner."""
-    return projection_asset(aggregate.name, lambda context, spark, warehouse, event_store: runner.update(
-        aggregate, lambda: spark.spark_session, warehouse.root, store_dsn=event_store.dsn, engine=warehouse.engine),
-        description=description, kinds={"spark", "delta"})
-
-
-stream_catalog = _aggregate_asset(STREAM_CATALOG, (
-    "One row per stream: type, first and last event time, event count, version. Kept incrementally: each run "
-    "merges in only the events that `events` commits added since the last run."))
-event_type_daily = _aggregate_asset(EVENT_TYPE_DAILY, (
-    "Stream type x event type x day: number of events. Kept incrementally, like stream_catalog."))
-
-
-def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
-    """`stream_state`, folded by `domain`'s reducers (a stream type without one: its rows have no state)."""
-    types = ", ".join(sorted(domain.reducers)) or "none"
-    return projection_asset("stream_state", lambda context, spark, warehouse, event_store: update_stream_state(
-        lambda: spark.spark_session, warehouse.root, domain=domain, store_dsn=event_store.dsn, engine=warehouse.engine,
-        rebuilds="hold"),  # in their own job (defs/projections/rebuilds.py)
-        kinds={"spark", "delta"},
-        description="One row per stream: its current state, folded by the stream type's reducer from `events`, "
-        "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
-        "from their previous state; a reducer revision bump rebuilds that type alone, beside the live table, swapped in "
-        "one commit when caught up (the other types stay fresh meanwhile). A stream type without a "
-        f"reducer has rows without state. Domain: {domain.name} (reducers: {types}).")
-
-
 def tag_value(text: str) -> str:
     """`text` as a Dagster tag value takes it (letters, digits, `_`, `-`, `.`; at most 63): any other character as
     `_`. A domain's name is the team's own (`Domain("my shop")`)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:63] or "_"
 
 
-def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
-    """The team's cross-stream projection `name` (lake/cross_stream.py), kept after `events` like the others; a whole
-    build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
-    projection = domain.projections[name]
+def plugin_asset(plugin: Plugin) -> dg.AssetsDefinition:
+    """The asset of one plug-in of lake/projections.py: its whole update, given the run's resources."""
 
     def update(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
                event_store: EventStoreResource) -> Reported:
-        consumer = event_store.events_source().consumer
-        return update_cross_stream(warehouse.root, domain, name, store_dsn=event_store.dsn,
-                                   frontier=lambda: batch_frontier(event_store.dsn, consumer),
-                                   spark=lambda: spark.spark_session, engine=warehouse.engine)
+        consumer = event_store.events_source().consumer if plugin.reads_frontier else None
+        return plugin.update(projections.Run(
+            warehouse.root, lambda: spark.spark_session, event_store.dsn, warehouse.engine,
+            frontier=None if consumer is None else lambda: batch_frontier(event_store.dsn, consumer),
+            progress=context.log.info))
 
-    return projection_asset(
-        name, update, kinds={"python", "delta"}, tags={"domain": tag_value(projection.domain or "none")},
-        description=f"Cross-stream projection of domain {projection.domain}: events "
-        f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the lake's "
-        "order (batch, position). Incremental: a batch is folded once no lower one can still reach the lake.")
-
-
-def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
-    """The typed event tables (lake/typed/event_tables.py): one per event type, and their mapping `event_tables`; a
-    whole build on Spark where the warehouse's engine says (ES_PIPELINE_ENGINE)."""
-    return projection_asset("event_tables", lambda context, spark, warehouse, event_store: update_event_tables(
-        warehouse.root, domain, store_dsn=event_store.dsn, progress=context.log.info,
-        spark=lambda: spark.spark_session, engine=warehouse.engine),
-        kinds={"python", "delta"},
-        description="A typed table per event type, `events_<type>`: the envelope and one column per payload "
-        "field, inferred from the payloads and widened as they change; a value that fits no column is kept in "
-        "`_overflow`. The table `event_tables` says which table holds which type and each column's history. "
-        "Incremental from `events`' change feed, exactly once (docs/analysts.md).")
+    return projection_asset(plugin.name, update, description=plugin.description, kinds=set(plugin.kinds),
+                            tags={k: tag_value(v) for k, v in plugin.tags})
 
 
 def build_projection_assets(domain: Domain) -> list[dg.AssetsDefinition]:
-    return [stream_catalog, event_type_daily, build_stream_state_asset(domain), build_event_tables_asset(domain),
-            *(build_cross_stream_asset(domain, name) for name in sorted(domain.projections))]
+    """The asset of every table `domain` builds from `events` (lake/projections.py), from one factory."""
+    return [plugin_asset(plugin) for plugin in projections.of(domain)]
+
+
+def _plugin(domain: Domain, name: str) -> Plugin:
+    return next(p for p in projections.of(domain) if p.name == name)
+
+
+def build_stream_state_asset(domain: Domain) -> dg.AssetsDefinition:
+    """`stream_state`'s asset alone (tests and a team's own definitions)."""
+    return plugin_asset(_plugin(domain, "stream_state"))
+
+
+def build_cross_stream_asset(domain: Domain, name: str) -> dg.AssetsDefinition:
+    """Cross-stream projection `name`'s asset alone."""
+    return plugin_asset(_plugin(domain, name))
+
+
+def build_event_tables_asset(domain: Domain) -> dg.AssetsDefinition:
+    """The typed event tables' asset alone."""
+    return plugin_asset(_plugin(domain, "event_tables"))
 
 
 # The built-in projections (a domain's are beside).
