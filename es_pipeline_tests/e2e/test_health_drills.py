@@ -34,11 +34,12 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from es_pipeline.defs.projections.assets import stream_catalog
+from es_pipeline.defs.projections.assets import build_projection_assets
 from es_pipeline.defs.projections.checks import stream_catalog_matches_events
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.dev.stack import dagster_stack, free_port, wait_port
 from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import NO_DOMAIN
 from es_pipeline.health.prometheus import Prometheus, prometheus
 from es_pipeline.instance.launcher import PID_TAG
 from es_pipeline.settings import PROJECT_ROOT
@@ -192,7 +193,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 wait_for(lambda: _count_one_more(stack.warehouse / "stream_catalog", "drill-1"), 60,
                          "stream_catalog's row of drill-1 changed by hand", doing=doing)
                 checked = dg.materialize(
-                    [stream_catalog, stream_catalog_matches_events], instance=instance,
+                    [_asset("stream_catalog"), stream_catalog_matches_events], instance=instance,
                     selection=dg.AssetSelection.checks(stream_catalog_matches_events),
                     resources={"warehouse": WarehouseResource(path=str(stack.warehouse)),
                                "spark": SparkResource(spark_config={}), "event_store": EventStoreResource(dsn=dsn.extractor)})
@@ -235,3 +236,7 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
             stop.set()
             exporter.terminate()
             exporter.wait(30)
+
+
+def _asset(name: str) -> dg.AssetsDefinition:
+    return next(a for a in build_projection_assets(NO_DOMAIN) if a.key.to_user_string() == name)
