@@ -41,8 +41,8 @@ from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.dev.spark_cluster import connect_server, standalone
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.spark import get_spark
-from es_pipeline.lake.state.fold import StateResult
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 
@@ -57,7 +57,7 @@ def _backfill(extractor: Extractor, run_id: str) -> tuple[float, ExtractResult]:
     return time.perf_counter() - t0, result
 
 
-def _rebuild(spark: Any, lake: str) -> tuple[float, StateResult]:
+def _rebuild(spark: Any, lake: str) -> tuple[float, Result]:
     t0 = time.perf_counter()
     result = update_stream_state(spark, lake, domain=SHOP)
     return time.perf_counter() - t0, result
@@ -166,8 +166,8 @@ def run(events: int) -> dict[str, Any]:
     }
 
 
-def state_streams(result: StateResult) -> int:
-    return int(result.streams_updated)
+def state_streams(result: Result) -> int:
+    return int(result.figures["streams_updated"])
 
 
 def main(argv: list[str] | None = None) -> int:

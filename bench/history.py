@@ -93,7 +93,7 @@ def _series(dsn: str, lake: Path, sizes: Sizes, domain: Domain, label: str, firs
         seconds, r = _timed(lake, domain)
         if r.events_folded != count or r.engine != "local":
             raise RuntimeError(f"{label} #{i}: folded {r.events_folded:,} events on {r.engine}")
-        out.append(Timing(f"{label} #{i + 1}", r.events_folded, seconds, {"history_rows": dict(r.history_rows)}))
+        out.append(Timing(f"{label} #{i + 1}", r.events_folded, seconds, {"history_rows": r.per("history_rows")}))
         log.info("[%s]   %s increment %d: %.2f s", NAME, label, i + 1, seconds)
     return out
 
@@ -111,9 +111,9 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     build_daily, daily = _timed(lake, DAILY)  # the grain of the shop's accounts (the bulk load's: one day)
     shutil.rmtree(lake / "stream_state")
     build_with, again = _timed(lake, WITH)
-    if first.engine != "local" or again.engine != "local" or not dict(again.history_rows):
+    if first.engine != "local" or again.engine != "local" or not again.per("history_rows"):
         raise RuntimeError(f"the first builds ran on {first.engine} and {again.engine}: not the default path")
-    history_rows = dict(again.history_rows)["stream_state_account_history"]
+    history_rows = again.per("history_rows")["stream_state_account_history"]
     log.info("[%s] first build: %.1f s without history, %.1f s with (%s history rows)", NAME, build_without,
              build_with, f"{history_rows:,}")
 
@@ -143,7 +143,7 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
                  row("increment, with history (1,000 rows closed, 1,000 added)", med_with, med_without)],
         "figures": {"first_build_seconds_without": round(build_without, 3),
                     "first_build_seconds_daily": round(build_daily, 3),
-                    "daily_history_rows": dict(daily.history_rows).get("stream_state_account_history", 0),
+                    "daily_history_rows": daily.per("history_rows").get("stream_state_account_history", 0),
                     "first_build_seconds_with": round(build_with, 3),
                     "increment_median_seconds_without": round(med_without, 3),
                     "increment_median_seconds_with": round(med_with, 3),

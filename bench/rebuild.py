@@ -135,7 +135,7 @@ class Loop:
                 done = follow(self.lake, self.dsn, self.domain).get("stream_state")
                 self.extract_s.append(t1 - t0)
                 self.follow_s.append(time.perf_counter() - t1)
-                self.held_passes += bool(getattr(done, "held_types", ()))
+                self.held_passes += bool(done is not None and done.listed("rebuilding_types"))
                 now = time.time()
                 rows = DeltaTable(state).to_pyarrow_table(columns=["stream_id"], filters=[("stream_type", "=", "cart")])
                 for stream_id in rows["stream_id"].to_pylist():

@@ -39,7 +39,7 @@ from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.kernel.engine import SPARK_BYTES
-from es_pipeline.lake.state.fold import StateResult
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
 
@@ -83,7 +83,7 @@ def _moved(state: State, event: Event) -> State:
     return {"in": state.get("in", 0.0), "out": state.get("out", 0.0) + amount, "last": event.stream_id}
 
 
-def _fold(spark: Any, work: Path, *, small: bool = True, domain: Domain = SHOP) -> tuple[float, StateResult]:
+def _fold(spark: Any, work: Path, *, small: bool = True, domain: Domain = SHOP) -> tuple[float, Result]:
     t0 = time.perf_counter()
     result = update_stream_state(spark, work / "lake", domain=domain, small_increments=small)
     return time.perf_counter() - t0, result
@@ -102,7 +102,7 @@ def _series(
         seconds, r = _fold(spark, work, small=small, domain=domain)
         if r.events_folded != sizes.increment:
             raise RuntimeError(f"{phase} #{i}: folded {r.events_folded:,} events, expected {sizes.increment:,}")
-        timings.append(Timing(f"{phase} #{i + 1}", r.events_folded, seconds, {"streams_updated": r.streams_updated}))
+        timings.append(Timing(f"{phase} #{i + 1}", r.events_folded, seconds, {"streams_updated": r.figures["streams_updated"]}))
         log.info("[%s]   %s increment %d: %.2f s", INCREMENTAL, phase, i + 1, seconds)
     return timings
 
@@ -219,15 +219,15 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
     if r.events_folded != events or r.previous_events_version != -1:
         raise RuntimeError(f"the rebuild folded {r.events_folded:,} of {events:,} events")
     fold = Timing("stream_state first build, default: in-process, one forked fold per core (lake/state/whole_fold.py)",
-                  events, seconds, {"streams": r.streams_updated})
+                  events, seconds, {"streams": r.figures["streams_updated"]})
     default_rows = tables.read(spark, str(state_path)).count()
     shutil.rmtree(state_path)
     log.info("[%s] full fold on Spark", REBUILD)
     seconds, r = _fold(spark, work, small=False)
-    if r.events_folded != events or r.previous_events_version != -1 or default_rows != r.streams_updated:
+    if r.events_folded != events or r.previous_events_version != -1 or default_rows != r.figures["streams_updated"]:
         raise RuntimeError(f"the Spark rebuild folded {r.events_folded:,} of {events:,} events")
     fold_spark = Timing("stream_state first build on Spark (shuffle by stream, sort, `mapInArrow` fold, MERGE)",
-                        events, seconds, {"streams": r.streams_updated})
+                        events, seconds, {"streams": r.figures["streams_updated"]})
 
     log.info("[%s] cross-stream projection, first build", REBUILD)
     consumer = Extractor(dsn, None, lake, schema=SCHEMA).consumer

@@ -99,8 +99,8 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
     domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn,
                                 engine=settings.engine)
-    print(f"   stream_state: folded {state.events_folded:,} events into {state.streams_updated:,} stream states, "
-          f"built by {_by(state.engine)} ({time.monotonic() - t0:.1f} s)")
+    print(f"   stream_state: folded {state.events_folded:,} events into {state.figures['streams_updated']:,} stream "
+          f"states, built by {_by(state.engine)} ({time.monotonic() - t0:.1f} s)")
     for table, update in (("stream_catalog", update_stream_catalog), ("event_type_daily", update_event_type_daily)):
         t0 = time.monotonic()
         counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, engine=settings.engine)

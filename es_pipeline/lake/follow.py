@@ -21,7 +21,7 @@ from es_pipeline.lake.cross_stream import Frontier
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.projection import Reported
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import turn_if_free
 
 _GATHERED = ("events_folded", "keys_updated", "streams_updated", "keys_refolded",
@@ -30,7 +30,7 @@ _GATHERED = ("events_folded", "keys_updated", "streams_updated", "keys_refolded"
 
 def follow(
     warehouse: tables.Location, store: str | psycopg.Connection, domain: Domain, frontier: Frontier | None = None,
-) -> dict[str, Reported]:
+) -> dict[str, Result]:
     """Every projection's small increment now, each in its turn (a tailing `events` run keeps them fresh
     this way), from one read of `events`' change feed, in the order of `projections.of(domain)`: `stream_state`,
     the built-in aggregates, `domain`'s cross-stream projections (up to `frontier`, lake/cross_stream.py), then the
@@ -45,7 +45,7 @@ def follow(
         frontier = lambda: read_first  # noqa: E731 - the one value read, for every projection of this follow
     plugins = projections.of(domain)
     events_feed = Feed(events_path, [c for plugin in plugins for c in plugin.columns])
-    done: dict[str, Reported] = {}
+    done: dict[str, Result] = {}
     for plugin in plugins:
         with turn_if_free(store, plugin.name) as turn:
             result = None if turn is None else plugin.increment(warehouse, turn, events_feed, frontier)

@@ -22,13 +22,13 @@ from es_pipeline.lake.cross_stream import Frontier
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.kernel import runner
 from es_pipeline.lake.kernel.feed import Feed
-from es_pipeline.lake.kernel.projection import Reported
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state.fold import read_columns
-from es_pipeline.lake.state.stream_state import small_increment, update_stream_state, with_typed_state
+from es_pipeline.lake.state.stream_state import small_increment, update_stream_state
 from es_pipeline.lake.typed import event_tables
 
-Increments = Callable[[Location, Turn, Feed, "Frontier | None"], "Reported | None"]
+Increments = Callable[[Location, Turn, Feed, "Frontier | None"], "Result | None"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Plugin:
     name: str  # the table, and the turn its updates take
     columns: tuple[str, ...]  # the columns of `events` its increment reads from the shared feed
     increment: Increments  # its increment in its turn; None: not one to do in a follow (a whole build, Spark)
-    update: Callable[[Run], Reported]  # its whole update: an increment, a whole build, on Spark where the rule says
+    update: Callable[[Run], Result]  # its whole update: an increment, a whole build, on Spark where the rule says
     description: str  # what its asset says of it
     kinds: frozenset[str] = frozenset({"python", "delta"})  # what builds it, as its asset shows
     tags: tuple[tuple[str, str], ...] = ()  # its asset's tags beside the projections' own
@@ -69,9 +69,8 @@ _DAILY = "Stream type x event type x day: number of events. Kept incrementally, 
 
 
 def _stream_state(domain: Domain) -> Plugin:
-    def increment(warehouse: Location, turn: Turn, events_feed: Feed, frontier: Frontier | None) -> Reported | None:
-        state = small_increment(warehouse, domain, False, turn, events_feed)
-        return None if state is None else with_typed_state(warehouse, domain, state)
+    def increment(warehouse: Location, turn: Turn, events_feed: Feed, frontier: Frontier | None) -> Result | None:
+        return small_increment(warehouse, domain, False, turn, events_feed)
 
     types = ", ".join(sorted(domain.reducers)) or "none"
     return Plugin("stream_state", tuple(read_columns(domain)), increment, lambda run: update_stream_state(

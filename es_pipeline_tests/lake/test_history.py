@@ -173,21 +173,21 @@ def test_history_and_state_as_of_equal_a_fold_of_the_store_on_every_path(
     _past_accounts(dsn, 0)
     extract_all(dsn.extractor, None, warehouse)
     built = update_stream_state(no_spark, warehouse, domain=SHOP)  # the first build, without a JVM
-    assert dict(built.history_rows)["stream_state_cart_history"] > 30
+    assert built.per("history_rows")["stream_state_cart_history"] > 30
     _check(dsn, warehouse)
 
     run_workload(store, streams=30, events=120, writers=3, rollback_rate=0.15, max_commit_delay=0.01, seed=46)
     _past_accounts(dsn, 1)
     extract_all(dsn.extractor, None, warehouse)
     small = update_stream_state(no_spark, warehouse, domain=SHOP)  # a small increment: delta-rs's MERGE
-    assert small.engine == "local" and small.history_rows
+    assert small.engine == "local" and small.per("history_rows")
     _check(dsn, warehouse)
 
     run_workload(store, streams=30, events=120, writers=3, rollback_rate=0.15, max_commit_delay=0.01, seed=47)
     _past_accounts(dsn, 2)
     extract_all(dsn.extractor, None, warehouse)
     on_spark = update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # Spark's MERGE
-    assert on_spark.engine == "spark" and not on_spark.rebuilt_types
+    assert on_spark.engine == "spark" and not on_spark.listed("rebuilt_types")
     _check(dsn, warehouse)
 
     # docs/analysts.md's month-end balances, as written there (a LATERAL call per month end).
@@ -235,7 +235,7 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
     run_workload(store, streams=20, events=60, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=52)
     extract_all(dsn.extractor, None, warehouse)
     on = update_stream_state(spark, warehouse, domain=SHOP)  # turned on: those types rebuilt, their history whole
-    assert set(on.rebuilt_types) == {"account", "cart"}
+    assert set(on.listed("rebuilt_types")) == {"account", "cart"}
     _check(dsn, warehouse)
 
     # A crash between stream_state's commit and the history's: the table is behind, and is built whole next time.
@@ -249,7 +249,7 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
         with pytest.raises(RuntimeError, match="died"):
             update_stream_state(no_spark, warehouse, domain=SHOP)
     again = update_stream_state(spark, warehouse, domain=SHOP)
-    assert set(again.rebuilt_types) == {"account", "cart"}
+    assert set(again.listed("rebuilt_types")) == {"account", "cart"}
     _check(dsn, warehouse)
     current = DeltaTable(str(warehouse / "stream_state_cart_history")).to_pyarrow_table(
         filters=[("is_current", "=", True)])

@@ -75,3 +75,22 @@ def test_a_result_short_of_events_is_not_caught_up_and_says_why() -> None:
     assert not short.caught_up and short.full_rebuild
     assert short.metadata()["short_of_events"] == "events wait for the batch frontier"
     assert not Result("x", 9, 9, 0).worked
+
+
+def test_a_results_figures_per_table_and_listed_read_back_as_written() -> None:
+    state = Result("stream_state", 9, 4, 7, figures={"history_rows/cart_history": 3, "history_rows/account_history": 2,
+                                                      "rebuilding_types": "cart, invoice", "rebuilt_types": "-"})
+    assert state.per("history_rows") == {"cart_history": 3, "account_history": 2} and state.per("typed_rows") == {}
+    assert state.listed("rebuilding_types") == ("cart", "invoice") and state.listed("rebuilt_types") == ()
+    swapped = state.with_figures(rebuilt_types="cart", rebuilding_types="invoice")
+    assert swapped.listed("rebuilt_types") == ("cart",) and swapped.listed("rebuilding_types") == ("invoice",)
+    assert state.listed("rebuilt_types") == (), "the result it came from is left as it was"
+
+
+def test_a_cross_stream_position_keeps_its_three_ids_and_moves_as_one() -> None:
+    at = Position("es_pipeline.sku.abc@e1", 7, cursor=5, frontier=12)
+    assert at.ids == ("es_pipeline.sku.abc@e1", "es_pipeline.sku.abc@e1.cursor", "es_pipeline.sku.abc@e1.frontier")
+    assert at.folded == 5 and at.behind(6) and not at.behind(5)
+    moved = at.moved(9, cursor=9, frontier=14)
+    assert [(t.app_id, t.version) for t in moved.commit().app_transactions] == list(zip(at.ids, (9, 9, 14), strict=True))
+    assert not moved.behind(9)

@@ -25,10 +25,10 @@ from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.health.exporter import Latency, Reading, lake_metrics
 from es_pipeline.lake.delta import current
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.read.behind import Lake
 from es_pipeline.lake.state import forked, rebuild
-from es_pipeline.lake.state.fold import StateResult
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction
 from es_pipeline.store.event_store import EventStore
@@ -104,7 +104,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     before = lake_states(warehouse)
     done = follow(warehouse, dsn.extractor, two)
     state = done["stream_state"]
-    assert isinstance(state, StateResult) and state.held_types == ("cart",) and state.events_folded > 0
+    assert isinstance(state, Result) and state.listed("rebuilding_types") == ("cart",) and state.events_folded > 0
     now = lake_states(warehouse)
     assert of_type(now, "cart-") == of_type(before, "cart-")  # the old version, in service
     assert of_type(now, "cart-", keep=False) == of_type(store_states(dsn, two), "cart-", keep=False)
@@ -142,7 +142,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     extract_all(dsn.extractor, None, warehouse)
     assert follow(warehouse, dsn.extractor, three)["stream_state"].held_types == ("cart",)  # type: ignore[union-attr]
     result = update_stream_state(no_spark, warehouse, domain=three, store_dsn=dsn.extractor)
-    assert result.rebuilt_types == ("cart",) and not result.held_types
+    assert result.listed("rebuilt_types") == ("cart",) and not result.listed("rebuilding_types")
     assert lake_states(warehouse) == store_states(dsn, three)
     assert lake_rows(warehouse, "cart") == expected_rows(dsn, three, "cart")
     assert lake_rows(warehouse, "account") == expected_rows(dsn, three, "account")
@@ -154,7 +154,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     run_workload(store, streams=40, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=64)
     extract_all(dsn.extractor, None, warehouse)
     later = follow(warehouse, dsn.extractor, three)["stream_state"]
-    assert isinstance(later, StateResult) and not later.held_types
+    assert isinstance(later, Result) and not later.listed("rebuilding_types")
     assert lake_states(warehouse) == store_states(dsn, three)
     assert lake_rows(warehouse, "cart") == expected_rows(dsn, three, "cart")
 
@@ -175,7 +175,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
     two = bumped(SHOP, 2)
 
     stop = threading.Event()
-    seen: list[StateResult] = []
+    seen: list[Result] = []
     errors: list[BaseException] = []
 
     def writers() -> None:
@@ -191,7 +191,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
                 while not stop.is_set():
                     extract_all(dsn.extractor, None, warehouse)
                     done = follow(warehouse, conn, two).get("stream_state")
-                    if isinstance(done, StateResult):
+                    if isinstance(done, Result):
                         seen.append(done)
                     conn.rollback()
                     time.sleep(0.2)
@@ -210,7 +210,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
         threads[1].join()
     assert not errors, errors
     assert swapped == ["cart"]
-    held = [r for r in seen if r.held_types == ("cart",)]
+    held = [r for r in seen if r.listed("rebuilding_types") == ("cart",)]
     assert any(r.events_folded for r in held), "the other types were folded while the carts were rebuilt"
     extract_all(dsn.extractor, None, warehouse)
     update_stream_state(no_spark, warehouse, domain=two, store_dsn=dsn.extractor)
@@ -233,16 +233,16 @@ def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_hel
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=82)
     extract_all(dsn.extractor, None, warehouse)
     held = follow(warehouse, dsn.extractor, bumped(SHOP, 2))["stream_state"]
-    assert isinstance(held, StateResult) and held.held_types == ("cart",)
+    assert isinstance(held, Result) and held.listed("rebuilding_types") == ("cart",)
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=83)
     extract_all(dsn.extractor, None, warehouse)
     again = follow(warehouse, dsn.extractor, SHOP)["stream_state"]  # rolled back: still held, until rebuilt
-    assert isinstance(again, StateResult) and again.held_types == ("cart",)
+    assert isinstance(again, Result) and again.listed("rebuilding_types") == ("cart",)
     done = update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
-    assert done.rebuilt_types == ("cart",)
+    assert done.listed("rebuilt_types") == ("cart",)
     assert lake_states(warehouse) == store_states(dsn, SHOP)
     later = follow(warehouse, dsn.extractor, SHOP)["stream_state"]
-    assert isinstance(later, StateResult) and not later.held_types
+    assert isinstance(later, Result) and not later.listed("rebuilding_types")
 
 
 def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
@@ -262,11 +262,11 @@ def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, s
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=103)
     extract_all(dsn.extractor, None, warehouse)
     held = update_stream_state(spark, warehouse, domain=two, rebuilds="hold")
-    assert held.engine == "spark" and held.held_types == ("cart",)
+    assert held.engine == "spark" and held.listed("rebuilding_types") == ("cart",)
     events_id = DeltaTable(str(warehouse / "events")).metadata().id
     assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == ["cart"]
     done = update_stream_state(spark, warehouse, domain=two)
-    assert done.rebuilt_types == ("cart",)
+    assert done.listed("rebuilt_types") == ("cart",)
     assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == []
     rows = spark.read.format("delta").load(path).collect()  # (deletion vectors: read by Spark)
     assert {r["stream_id"]: (r["version"], json.loads(r["state"]), r["revision"]) for r in rows} == \
@@ -306,7 +306,7 @@ def test_a_rebuild_resumed_after_events_was_vacuumed_starts_again_at_the_live_ve
         assert rebuild.build(no_spark, shadow, two, say=said.append)
     assert any("vacuumed" in line and "started again" in line for line in said), said
     result = update_stream_state(no_spark, warehouse, domain=two, store_dsn=dsn.extractor)
-    assert result.rebuilt_types == ("cart",) and not result.held_types
+    assert result.listed("rebuilt_types") == ("cart",) and not result.listed("rebuilding_types")
     assert lake_states(warehouse) == store_states(dsn, two)
 
 

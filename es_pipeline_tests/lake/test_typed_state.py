@@ -67,19 +67,19 @@ def test_typed_tables_equal_a_fold_of_the_store_through_first_build_small_increm
     run_workload(store, streams=40, events=400, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=21)
     extract_all(dsn.extractor, None, warehouse)
     built = update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert sum(n for _, n in built.typed_rows) == 40 and len(built.typed_rows) == 2
+    assert sum(built.per("typed_rows").values()) == 40 and len(built.per("typed_rows")) == 2
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
     run_workload(store, streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=22)
     extract_all(dsn.extractor, None, warehouse)
     small = update_stream_state(no_spark, warehouse, domain=SHOP)  # the small increment: only the streams it touched
-    assert 0 < sum(n for _, n in small.typed_rows) <= small.streams_updated
+    assert 0 < sum(small.per("typed_rows").values()) <= small.figures["streams_updated"]
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
     run_workload(store, streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=23)
     extract_all(dsn.extractor, None, warehouse)
     update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # Spark's MERGE feeds them alike
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
     again = update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert again.typed_rows == () and again.events_folded == 0
+    assert again.per("typed_rows") == {} and again.events_folded == 0
     # Typed columns read as such by Spark: no JSON to parse.
     open_carts = spark.read.format("delta").load(str(warehouse / "stream_state_cart")).where("status = 'open'").count()
     assert open_carts == sum(1 for s, (_, st) in full_replay(dsn).items() if _types(dsn)[s] == "cart" and st["status"] == "open")
@@ -112,7 +112,7 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
         v2.add_upcaster(upcaster)
     v2.reducer("account", revision=2, state=_AccountV2)(account_v2)
     result = update_stream_state(spark, warehouse, domain=v2)  # a revision rebuild is Spark's
-    assert result.rebuilt_types == ("account",)
+    assert result.listed("rebuilt_types") == ("account",)
     account = _typed(warehouse, "stream_state_account")["account-1"]
     assert (account["owner"], account["balance"], account["opened"], account["revision"]) == ("o", 5.0, True, 2)
     assert "currency" not in account
@@ -176,7 +176,7 @@ def test_a_lake_folded_before_its_states_were_declared_gets_its_typed_tables_who
     update_stream_state(no_spark, warehouse, domain=untyped)
     assert not (warehouse / "stream_state_cart").exists()
     upgraded = update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert upgraded.events_folded == 0 and sum(n for _, n in upgraded.typed_rows) == 20
+    assert upgraded.events_folded == 0 and sum(upgraded.per("typed_rows").values()) == 20
     _assert_typed_equal_replay(dsn, warehouse)
     run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=32)
     extract_all(dsn.extractor, None, warehouse)
@@ -201,14 +201,14 @@ def test_a_typed_table_its_type_did_not_move_is_left_alone_then_catches_up_from_
         store.append("account-1", "account", [NewEvent("Deposited", {"amount": n + 1})], n + 1)
         extract_all(dsn.extractor, None, warehouse)
         moved = update_stream_state(no_spark, warehouse, domain=SHOP)
-        assert dict(moved.typed_rows) == {"stream_state_account": 1}
+        assert moved.per("typed_rows") == {"stream_state_account": 1}
     assert DeltaTable(str(warehouse / "stream_state_cart")).version() == cart_version  # left alone
     _assert_typed_equal_replay(dsn, warehouse)
     store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "b", "qty": 2, "unit_price": 1.0})], 1)
     store.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "c", "qty": 1, "unit_price": 5.0})], 0)
     extract_all(dsn.extractor, None, warehouse)
     caught_up = update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert dict(caught_up.typed_rows) == {"stream_state_cart": 2}
+    assert caught_up.per("typed_rows") == {"stream_state_cart": 2}
     _assert_typed_equal_replay(dsn, warehouse)
 
 

@@ -52,14 +52,14 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     shutil.copytree(warehouse / "events", pieces_lake / "events")
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
     built = update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert (built.previous_events_version, built.events_folded, built.streams_updated) == (-1, 4000, len(expected))
+    assert (built.previous_events_version, built.events_folded, built.figures["streams_updated"]) == (-1, 4000, len(expected))
     by_spark = update_stream_state(spark, spark_lake, domain=SHOP, small_increments=False)
-    assert (by_spark.events_folded, by_spark.streams_updated) == (4000, len(expected))
+    assert (by_spark.events_folded, by_spark.figures["streams_updated"]) == (4000, len(expected))
     assert _rows(warehouse / "stream_state") == _rows(spark_lake / "stream_state")
     # In pieces (lake/delta/pieces.py): some 7 pieces by slice span, read back from disk, a piece per worker.
     monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 7 + 1)
     in_pieces = update_stream_state(no_spark, pieces_lake, domain=SHOP)
-    assert (in_pieces.events_folded, in_pieces.streams_updated) == (4000, len(expected))
+    assert (in_pieces.events_folded, in_pieces.figures["streams_updated"]) == (4000, len(expected))
     assert _rows(pieces_lake / "stream_state") == _rows(warehouse / "stream_state")
     app = stream_state.app_id(tables.table_id(str(warehouse / "events")))  # the copy of `events` is the same table
     assert tables.transaction_version(str(warehouse / "stream_state"), app) == \

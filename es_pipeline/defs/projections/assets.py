@@ -12,7 +12,7 @@ from es_pipeline.defs.stopping import projection_run
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake import projections
-from es_pipeline.lake.kernel.projection import Reported
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.projections import Plugin
 
 _AC = dg.AutomationCondition
@@ -38,14 +38,14 @@ AFTER_EVENTS = (
 ).with_label("after events: behind a dependency, also while events runs tail")
 
 
-Update = Callable[[dg.AssetExecutionContext, SparkResource, WarehouseResource, EventStoreResource], Reported]
+Update = Callable[[dg.AssetExecutionContext, SparkResource, WarehouseResource, EventStoreResource], Result]
 
 
 def projection_asset(name: str, update: Update, *, description: str, kinds: set[str],
                      tags: dict[str, str] | None = None) -> dg.AssetsDefinition:
     """The asset of one table built from `events`, whatever its kind: kept after `events` (`AFTER_EVENTS`), its update
     in a projection run (a stop asked for ends it as succeeded or canceled: defs/stopping.py), the figures of its
-    result (lake/kernel/projection.py `Reported`) as its materialization's metadata."""
+    result (lake/kernel/result.py `Result`) as its materialization's metadata."""
 
     @dg.asset(
         name=name,
@@ -75,7 +75,7 @@ def plugin_asset(plugin: Plugin) -> dg.AssetsDefinition:
     """The asset of one plug-in of lake/projections.py: its whole update, given the run's resources."""
 
     def update(context: dg.AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-               event_store: EventStoreResource) -> Reported:
+               event_store: EventStoreResource) -> Result:
         consumer = event_store.events_source().consumer if plugin.reads_frontier else None
         return plugin.update(projections.Run(
             warehouse.root, lambda: spark.spark_session, event_store.dsn, warehouse.engine,

@@ -3,14 +3,15 @@ bookkeeping: its table, the columns of `events` it reads, how its position encod
 increment folds onto its rows, its whole build in process and its update on Spark. The runner owns the position,
 the turn, the engine rule and the order of confirm and commit.
 
-Moved to it so far (decision 0049): the aggregates (lake/aggregates/aggregate.py) and `stream_state`'s increment
-(lake/state/stream_state.py).
+Its kinds (decision 0049): the aggregates (lake/aggregates/aggregate.py), `stream_state`'s increment
+(lake/state/stream_state.py), cross-stream projections (lake/cross_stream.py) and the typed event tables
+(lake/typed/event_tables.py). Every kind says what its update did with the one `Result` (lake/kernel/result.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -19,27 +20,8 @@ from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn
-
-
-class Reported(Protocol):
-    """How far an update brought its table, as every kind's result says it (lake/kernel/result.py `Result`, and the
-    kinds' own until they move onto it)."""
-
-    @property
-    def events_version(self) -> int | None: ...
-
-    @property
-    def worked(self) -> bool: ...
-
-    @property
-    def caught_up(self) -> bool: ...
-
-    def metadata(self) -> dict[str, Any]: ...
-
-
-R = TypeVar("R", bound=Reported)
-R_co = TypeVar("R_co", bound=Reported, covariant=True)  # a kind's result
 
 
 @dataclass(frozen=True)
@@ -66,10 +48,10 @@ class Increment:
         return folded
 
 
-class Folded(Protocol[R_co]):
+class Folded(Protocol):
     """An increment folded, ready to commit."""
 
-    def commit(self, txn: int) -> R_co:
+    def commit(self, txn: int) -> Result:
         """Write the folded rows in one commit that moves the position to txn version `txn` (with no rows, the position
         alone: an empty commit); what the update did."""
 
@@ -88,7 +70,7 @@ class Kind:
         """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
         return self.table.app_id_over(events_id)
 
-    def short(self, result: Any, why: str) -> Any:
+    def short(self, result: Result, why: str) -> Result:
         """`result`, short of `events` for the reason `why` (a kind of windows stopped at a window it could not read)."""
         return replace(result, short=why)
 
@@ -100,7 +82,7 @@ class Kind:
         return True
 
 
-class Projection(Protocol[R]):
+class Projection(Protocol):
     @property
     def table(self) -> Table: ...
 
@@ -126,7 +108,7 @@ class Projection(Protocol[R]):
     def app_id(self, events_id: str) -> str:
         """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
 
-    def short(self, result: R, why: str) -> R:
+    def short(self, result: Result, why: str) -> Result:
         """`result` (of the windows done), short of `events` for the reason `why`."""
 
     def start(self) -> None:
@@ -139,22 +121,22 @@ class Projection(Protocol[R]):
         """The table an increment folds onto (brought to this release's columns where that is cheap), or None: it is
         to be built whole, or its increment is Spark's (a table of an older release, deletion vectors)."""
 
-    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> R:
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
         """What an update that found nothing new says (`target` at `position`, `events` read at version `now`)."""
 
     def txn(self, increment: Increment) -> int:
         """The txn version of the commit that brings the table to `increment.now`."""
 
-    def fold(self, rows: pa.Table, increment: Increment) -> Folded[R]:
+    def fold(self, rows: pa.Table, increment: Increment) -> Folded:
         """The increment's `rows` (the change feed's, in `columns`) folded, ready to commit."""
 
 
-class Buildable(Projection[R], Protocol[R]):
+class Buildable(Projection, Protocol):
     """A kind whose every update the runner runs (`runner.update`): also its whole build and its Spark update."""
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> R | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
         """A whole build in this process, where the engine rule says (else None: Spark's), or None when the table
         was built from this `events` already (an increment the runner left to Spark)."""
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> R:
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
         """The update on Spark: the increment, or the whole build."""

@@ -9,7 +9,7 @@ as kept up would be stale while reported fresh.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Engine = Literal["local", "spark"]  # where an update ran: this process (pyarrow, delta-rs), or Spark
@@ -39,6 +39,20 @@ class Result:
     @property
     def full_rebuild(self) -> bool:
         return self.previous_events_version < 0
+
+    def per(self, figure: str) -> dict[str, int]:
+        """A figure the kind gives per table (`<figure>/<table>`: rows written, values overflowed), by table."""
+        prefix = f"{figure}/"
+        return {k[len(prefix):]: int(v) for k, v in self.figures.items() if k.startswith(prefix)}
+
+    def listed(self, figure: str) -> tuple[str, ...]:
+        """A figure that lists names (", "-joined; "-": none), as a tuple."""
+        text = str(self.figures.get(figure, "-"))
+        return () if text == "-" else tuple(text.split(", "))
+
+    def with_figures(self, **figures: int | str | bool) -> Result:
+        """This result with `figures` set beside (or over) its own."""
+        return replace(self, figures={**self.figures, **figures})
 
     def metadata(self) -> dict[str, int | str | bool]:
         """The update's figures, as its asset's materialization shows them."""

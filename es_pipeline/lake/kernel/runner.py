@@ -10,7 +10,7 @@ away) goes to the kind's whole build in process, or to Spark, by the engine rule
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import Any
 
 from deltalake import DeltaTable
 
@@ -19,16 +19,16 @@ from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.feed import Feed, new_rows
 from es_pipeline.lake.kernel.position import Position
-from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection, Reported
+from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", bound=Reported)
 
 
-def update(projection: Buildable[R], spark: Any, warehouse: Location, *, store_dsn: str | None = None,
-           small_increments: bool = True, engine: str = "auto") -> R:
+def update(projection: Buildable, spark: Any, warehouse: Location, *, store_dsn: str | None = None,
+           small_increments: bool = True, engine: str = "auto") -> Result:
     """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`.
 
     `spark`: a session, or a function that returns one, called only if Spark is needed: a small increment, and a
@@ -46,8 +46,8 @@ def update(projection: Buildable[R], spark: Any, warehouse: Location, *, store_d
         return projection.update_on_spark(tables.session_of(spark), warehouse, turn)
 
 
-def increment(projection: Projection[R], warehouse: Location, turn: Turn,
-              events_feed: Feed | None = None) -> R | None:
+def increment(projection: Projection, warehouse: Location, turn: Turn,
+              events_feed: Feed | None = None) -> Result | None:
     """The change feed's new rows folded in this process and committed with the position, in `turn`; None: not an
     increment to do here (a first build, a table of another `events` or an older release, more than
     `feed.SMALL_INCREMENT` new events, a feed vacuumed away). A kind that folds a window of commits at a time
@@ -56,8 +56,8 @@ def increment(projection: Projection[R], warehouse: Location, turn: Turn,
     return _increment(projection, warehouse, turn, events_feed)[0]
 
 
-def _increment(projection: Projection[R], warehouse: Location, turn: Turn,
-               events_feed: Feed | None = None) -> tuple[R | None, bool]:
+def _increment(projection: Projection, warehouse: Location, turn: Turn,
+               events_feed: Feed | None = None) -> tuple[Result | None, bool]:
     """`increment`, and whether it stopped short at a window whose feed is gone (a whole build goes on from there)."""
     projection.start()  # before the lake is read (also for the whole build that follows a None)
     events_path, path = EVENTS.path(warehouse), projection.table.path(warehouse)
@@ -75,7 +75,7 @@ def _increment(projection: Projection[R], warehouse: Location, turn: Turn,
         return None, False
     if not position.behind(now):
         return projection.up_to_date(target, position, now), False
-    done: R | None = None
+    done: Result | None = None
     while position.behind(now):
         after = position.folded
         assert after is not None

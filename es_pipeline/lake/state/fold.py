@@ -21,8 +21,8 @@ The fold's output (`FOLD_OUT`) is `stream_state`'s row without `updated_at`, plu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from typing import Any
@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 
 from es_pipeline.domain import UTC_MICROS, Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
+from es_pipeline.lake.kernel.result import Engine, Result
 from es_pipeline.lake.state import state_json
 
 FOLD_OUT = pa.schema([
@@ -63,41 +64,17 @@ class Written:
     inserted: pa.Array  # per row of `rows`: a stream `stream_state` had no row of before
 
 
-@dataclass(frozen=True)
-class StateResult:
-    events_version: int
-    previous_events_version: int
-    events_folded: int
-    streams_updated: int
-    rebuilt_types: tuple[str, ...]
-    parked_streams: int
-    skipped_unknown: int
-    without_reducer: int = 0  # streams of this run's rows whose type has no reducer (their row has no state)
-    typed_rows: tuple[tuple[str, int], ...] = ()  # rows written per typed state table (lake/state/typed_state.py)
-    history_rows: tuple[tuple[str, int], ...] = ()  # rows written per history table (lake/state/history.py)
-    written: Written | None = field(default=None, repr=False, compare=False)  # the commit, where this process made it
-    engine: str = "local"  # "spark" where Spark folded the update, "local" where this process did
-    held_types: tuple[str, ...] = ()  # stream types left as they were, to rebuild beside (lake/state/rebuild.py)
-
-    @property
-    def worked(self) -> bool:
-        """Whether the run folded events (else `stream_state` was up to date)."""
-        return bool(self.events_folded)
-
-    @property
-    def caught_up(self) -> bool:
-        """Whether every stream whose type has a reducer was folded up to the `events` version read; a type held for
-        its rebuild beside is reported apart (`held_types`, `es-pipeline lake rebuilds`)."""
-        return True
-
-    def metadata(self) -> dict[str, int | str]:
-        """The run's figures, as its asset's materialization shows them."""
-        return {"events_folded": self.events_folded, "streams_updated": self.streams_updated,
-                "events_table_version": self.events_version, "parked_streams": self.parked_streams,
-                "skipped_unknown_events": self.skipped_unknown, "rebuilt_types": ", ".join(self.rebuilt_types) or "-",
-                "rebuilding_types": ", ".join(self.held_types) or "-", "streams_without_reducer": self.without_reducer, "engine": self.engine,
-                **{f"typed_rows/{name}": n for name, n in self.typed_rows},
-                **{f"history_rows/{name}": n for name, n in self.history_rows}}
+def state_result(events_version: int, previous: int, folded: int, streams: int, parked: int, skipped: int,
+                 without_reducer: int = 0, *, engine: Engine = "local", history_rows: Mapping[str, int] | None = None,
+                 held_types: Iterable[str] = ()) -> Result:
+    """What an update of `stream_state` did, as the kernel's `Result`: its figures as its asset shows them (streams
+    updated, parked, events skipped, streams whose type has no reducer, the stream types held for their rebuild
+    beside, rows per history table; `typed_rows/<table>` and `rebuilt_types` are added where they follow)."""
+    return Result("stream_state", events_version, previous, folded, engine, None, {
+        "streams_updated": streams, "parked_streams": parked, "skipped_unknown_events": skipped,
+        "streams_without_reducer": without_reducer, "rebuilt_types": "-",
+        "rebuilding_types": ", ".join(held_types) or "-",
+        **{f"history_rows/{name}": n for name, n in sorted((history_rows or {}).items())}})
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -403,12 +380,14 @@ def arrow_updates(out: pa.Table) -> pa.Table:
         .select(STATE_SCHEMA.names)
 
 
-def arrow_result(out: pa.Table, events_version: int, previous: int) -> StateResult:
+def arrow_result(out: pa.Table, events_version: int, previous: int, *, history_rows: Mapping[str, int] | None = None,
+                 held_types: Iterable[str] = ()) -> Result:
     """The figures of a fold done in this process."""
     parked = int(pc.sum(pc.is_valid(out["parked"])).as_py() or 0)
     without = int(pc.sum(pc.equal(out["revision"], 0)).as_py() or 0)
-    return StateResult(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, (), parked,
-                       int(pc.sum(out["skipped"]).as_py() or 0), without)
+    return state_result(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, parked,
+                        int(pc.sum(out["skipped"]).as_py() or 0), without, history_rows=history_rows,
+                        held_types=held_types)
 
 
 def stale_types(kinds: Any, domain: Domain) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -38,16 +38,17 @@ from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment, Kind
+from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
     STATE_SCHEMA,
-    StateResult,
     Written,
     arrow_result,
     arrow_updates,
     read_columns,
+    state_result,
     with_schema_versions,
 )
 from es_pipeline.lake.state.state_table import (
@@ -81,7 +82,7 @@ def folded_version(warehouse: Location) -> tuple[int, int] | None:
 def update_stream_state(
     spark: Any, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
     small_increments: bool = True, engine: str = "auto", rebuilds: str = "beside",
-) -> StateResult:
+) -> Result:
     """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
     with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
     if Spark is needed: a small increment and a first build the engine rule keeps here (`engine`,
@@ -90,49 +91,54 @@ def update_stream_state(
     (lake/state/rebuild.py), unless `rebuilds` is "hold". `NoEventsYet` before `events` exists."""
     tables.require_events(warehouse, STREAM_STATE.name)
     with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-        result = with_typed_state(warehouse, domain, _update(spark, warehouse, domain, skip_unknown, turn,
-                                                              small_increments and engine != "spark", engine))
+        result = _update(spark, warehouse, domain, skip_unknown, turn, small_increments and engine != "spark", engine)
     swapped = rebuild.run_pending(spark, warehouse, domain, store_dsn, engine=engine, skip_unknown=skip_unknown,
                                   hold=rebuilds == "hold")
     if not swapped:
         return result
-    return replace(result, rebuilt_types=tuple(swapped), held_types=tuple(t for t in result.held_types
-                                                                           if t not in swapped))
+    return result.with_figures(rebuilt_types=", ".join(swapped), rebuilding_types=", ".join(
+        t for t in result.listed("rebuilding_types") if t not in swapped) or "-")
 
 
-def with_typed_state(warehouse: Location, domain: Domain, result: StateResult) -> StateResult:
-    """`result`, once the typed state tables of `domain` follow it (lake/state/typed_state.py); in the table's turn."""
-    written = typed_state.update(warehouse, domain, result.written)
-    return replace(result, typed_rows=tuple(sorted(written.items()))) if written else result
+def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None) -> Result:
+    """`result`, once the typed state tables of `domain` follow `stream_state` (lake/state/typed_state.py: from
+    `written`, the commit this process just made, where it made one); in the table's turn. Also after an update
+    that found nothing new: a table a crash left behind `stream_state` catches up."""
+    rows = typed_state.update(warehouse, domain, written)
+    return result.with_figures(**{f"typed_rows/{name}": n for name, n in sorted(rows.items())}) if rows else result
 
 
 def _update(
     spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, small_increments: bool,
     engine: str = "auto",
-) -> StateResult:
+) -> Result:
     if small_increments:
-        done = small_increment(warehouse, domain, skip_unknown, turn) or _first_build(
-            warehouse, domain, skip_unknown, turn, engine)
+        done = small_increment(warehouse, domain, skip_unknown, turn)
         if done is not None:
             return done
+        done = _first_build(warehouse, domain, skip_unknown, turn, engine)
+        if done is not None:
+            return with_typed_state(warehouse, domain, done)
     spark = tables.session_of(spark)
     try:
-        return _update_with_spark(spark, warehouse, domain, skip_unknown, turn)
+        return with_typed_state(warehouse, domain, _update_with_spark(spark, warehouse, domain, skip_unknown, turn))
     except tables.spark_errors() as exc:
         if not tables.change_feed_gone(exc):
             raise
         # The files of the commits since the last update were vacuumed (it lagged past the retention):
         # fold every event instead; the fold skips versions a stream's state already has.
-        return _update_with_spark(spark, warehouse, domain, skip_unknown, turn, whole=True)
+        return with_typed_state(warehouse, domain, _update_with_spark(spark, warehouse, domain, skip_unknown, turn,
+                                                                      whole=True))
 
 
 def small_increment(
     warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, events_feed: Feed | None = None
-) -> StateResult | None:
+) -> Result | None:
     """The increment folded here and merged by delta-rs (up to `feed.SMALL_INCREMENT` new events), by the kernel's
-    runner; None: Spark's to do (a first build, a reducer added, bumped or removed, a larger increment, a change feed
-    vacuumed away). `events_feed`: `events`' change feed shared with other increments (else read here)."""
-    return runner.increment(_StreamState(domain, skip_unknown), warehouse, turn, events_feed)
+    runner, the typed state tables following; None: Spark's to do (a first build, a reducer added, bumped or removed,
+    a larger increment, a change feed vacuumed away). `events_feed`: `events`' change feed shared with other
+    increments (else read here)."""
+    return runner.increment(_StreamState(warehouse, domain, skip_unknown), warehouse, turn, events_feed)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,7 @@ class _StreamState(Kind):
     """`stream_state` as a kind of the projection kernel (lake/kernel/projection.py): its increment. Its position
     keeps the reducers' revisions in its slots (lake/kernel/position.py `txn_version`)."""
 
+    warehouse: Location
     domain: Domain
     skip_unknown: bool
     table: Table = STREAM_STATE
@@ -158,10 +165,10 @@ class _StreamState(Kind):
             target = DeltaTable(path)
         return None if current.has_deletion_vectors(target) else target  # its files alone are not its rows
 
-    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> StateResult:
+    def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
         # Nothing new (a stream type to rebuild is the rebuild's to do: lake/state/rebuild.py).
         assert position.events_version is not None
-        return StateResult(now, position.events_version, 0, 0, (), 0, 0)
+        return with_typed_state(self.warehouse, self.domain, state_result(now, position.events_version, 0, 0, 0, 0))
 
     def txn(self, increment: Increment) -> int:
         return txn_version(increment.now, self.domain.folds)
@@ -195,7 +202,7 @@ class _StateFold:
     prior: pa.Table
     held: list[str]
 
-    def commit(self, txn: int) -> StateResult:
+    def commit(self, txn: int) -> Result:
         state, step, held = self.increment.target, self.increment, self.held
         read = step.position.read
         assert read is not None
@@ -210,18 +217,18 @@ class _StateFold:
         else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
             position.record(state, props)
         kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(), skip=held)
-        result = replace(arrow_result(self.out, step.now, step.previous), history_rows=tuple(sorted(kept.items())),
-                         held_types=tuple(held))
+        result = arrow_result(self.out, step.now, step.previous, history_rows=kept, held_types=held)
         if not typed_state.typed_tables(self.domain):
             return result  # no table follows the commit: which streams are new is not needed
         prior = pc.binary_join_element_wise(self.prior["tenant"], self.prior["stream_id"], "\x00")
         inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"),
                                       prior))
-        return replace(result, written=Written(before, int(state.version()), updates, inserted))
+        return with_typed_state(step.warehouse, self.domain, result,
+                                Written(before, int(state.version()), updates, inserted))
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn,
-                 engine: str = "auto") -> StateResult | None:
+                 engine: str = "auto") -> Result | None:
     """The first build from this `events` (a rebuild where the table was folded from another) folded by this
     machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
     events_path = EVENTS.path(warehouse)
@@ -247,12 +254,12 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
     write_deltalake(state_path, updates.cast(STATE_SCHEMA), mode="overwrite",
                     commit_properties=position.commit_properties(app, version))
     kept = history.write_built(warehouse, domain, built, tables.table_id(events_path), version)
-    return replace(arrow_result(out, now, -1), history_rows=tuple(sorted(kept.items())))
+    return arrow_result(out, now, -1, history_rows=kept)
 
 
 def _update_with_spark(
     spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, *, whole: bool = False
-) -> StateResult:
+) -> Result:
     from pyspark.sql import functions as F
 
     events_path = EVENTS.path(warehouse)
@@ -280,7 +287,7 @@ def _update_with_spark(
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
-        return StateResult(now, prev, 0, 0, (), 0, 0, engine="spark")
+        return state_result(now, prev, 0, 0, 0, 0, engine="spark")
     prior = state
     if held:
         new, prior = new.where(~F.col("stream_type").isin(held)), state.where(~F.col("stream_type").isin(held))
@@ -336,9 +343,9 @@ def _update_with_spark(
                  "a new table" if read is None else "MERGE")
     finally:
         folded.unpersist()
-    return StateResult(now, prev, int(n_events), int(stats["streams"] or 0), (),
-                       int(stats["parked"] or 0), int(stats["skipped"] or 0), int(stats["without_reducer"] or 0),
-                       engine="spark", history_rows=tuple(sorted(kept.items())), held_types=tuple(held))
+    return state_result(now, prev, int(n_events), int(stats["streams"] or 0), int(stats["parked"] or 0),
+                        int(stats["skipped"] or 0), int(stats["without_reducer"] or 0), engine="spark",
+                        history_rows=kept, held_types=held)
 
 
 @dataclass(frozen=True)
