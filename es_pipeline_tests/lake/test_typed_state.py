@@ -275,7 +275,7 @@ def test_a_typed_state_round_trips_dates_times_nested_and_optional_values(dsn: S
     # Built at once on Spark (a new revision): the same table as the increments made.
     again = Domain("tickets, again")
     again.reducer("ticket", revision=2, state=_Ticket)(_ticket)
-    assert update_stream_state(spark, warehouse, domain=again).rebuilt_types == ("ticket",)
+    assert update_stream_state(spark, warehouse, domain=again).listed("rebuilt_types") == ("ticket",)
     assert {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in
             _typed(warehouse, "stream_state_ticket").items()} == \
         {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in one.items()}
