@@ -178,9 +178,7 @@ def write_arrow(warehouse: Location, domain: Domain, out: pa.Table, events_id: s
         elif rows.num_rows:
             _merge(DeltaTable(path), rows, closes, props)
         else:
-            target = DeltaTable(path)
-            target.create_write_transaction([], mode="append", schema=target.schema(), partition_by=PARTITION,
-                                            commit_properties=props)
+            position.record(DeltaTable(path), props, partition_by=PARTITION)
         written[table.name] = rows.num_rows
     return written
 
@@ -330,9 +328,8 @@ def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, ev
                     F.timestamp_micros(F.col("h.r")[0]["a"]).alias("valid_to"))
                 _merge_spark(spark, path, rows, closes, app, version)
             else:
-                target = DeltaTable(path)  # nothing of its type: an empty commit records the version
-                target.create_write_transaction([], mode="append", schema=target.schema(), partition_by=PARTITION,
-                                                commit_properties=position.commit_properties(app, version))
+                # Nothing of its type: an empty commit records the version.
+                position.record(DeltaTable(path), position.commit_properties(app, version), partition_by=PARTITION)
         finally:
             rows.unpersist()
         written[table.name] = n

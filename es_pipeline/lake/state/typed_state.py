@@ -128,7 +128,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             elif rows.num_rows:
                 _upsert(target, rows, props)
             else:
-                target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
+                position.record(target, props)
             written[table.name] = rows.num_rows
             continue
         if read is not None and read not in feeds:
@@ -152,7 +152,7 @@ def update(warehouse: Location, domain: Domain, commit: Written | None = None) -
             elif rows.num_rows:
                 _upsert(target, rows, props)
             else:
-                target.create_write_transaction([], mode="append", schema=target.schema(), commit_properties=props)
+                position.record(target, props)
         written[table.name] = rows.num_rows
     return written
 
