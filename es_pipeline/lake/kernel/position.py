@@ -151,7 +151,6 @@ def fence_older(path: str, positions: Sequence[tuple[str, int]]) -> None:
     if not todo:
         return
     try:
-        table.create_write_transaction([], mode="append", schema=table.schema(), commit_properties=CommitProperties(
-            app_transactions=[Transaction(a, v) for a, v in todo]))
+        record(table, marks(todo))
     except Exception as exc:  # noqa: BLE001 - a table delta-rs will not write (its features): the build goes on
         log.warning("%s: could not fence the positions of an older es_pipeline (%s)", path, exc)
