@@ -52,7 +52,7 @@ from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import feed, position, runner
-from es_pipeline.lake.kernel.engine import builds_on_spark
+from es_pipeline.lake.kernel.engine import on_spark
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment, Kind
@@ -127,11 +127,10 @@ def update(
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`, by the kernel's runner. `frontier`: the lowest batch id that may still reach the lake
     (`extraction.offsets.batch_frontier`); None: every batch the lake holds is final. `spark` (a session, or a
-    function that returns one) and `engine`: where a whole build runs (`builds_on_spark`); increments always run
-    here. `NoEventsYet` before `events` exists."""
-    kind = CrossStream(domain.projections[name], domain, frontier, spark, engine)
-    # The kind applies the engine rule to its whole build itself: the runner tries the increment here first.
-    return runner.update(kind, spark, warehouse, store_dsn=store_dsn, engine="local")
+    function that returns one) and `engine`: where a whole build runs (the engine rule, applied by the kernel's
+    runner); increments always run here. `NoEventsYet` before `events` exists."""
+    return runner.update(CrossStream(domain.projections[name], domain, frontier), spark, warehouse, store_dsn=store_dsn,
+                         engine=engine)
 
 
 class CrossStream(Kind):
@@ -140,10 +139,10 @@ class CrossStream(Kind):
     update, in its turn, before the lake (`start`)."""
 
     keeps_cursor = True
+    increments_in_process = True
 
-    def __init__(self, projection: Projection, domain: Domain, frontier: Frontier | None = None, spark: Any = None,
-                 engine: str = "auto") -> None:
-        self.projection, self.domain, self.spark, self.engine = projection, domain, spark, engine
+    def __init__(self, projection: Projection, domain: Domain, frontier: Frontier | None = None) -> None:
+        self.projection, self.domain = projection, domain
         self.frontier_of, self.frontier = frontier, NO_FRONTIER
         self.table = table_of(projection, domain)
         self.name = projection.name
@@ -175,28 +174,24 @@ class CrossStream(Kind):
     def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if builds_on_spark(events, self.spark, self.engine):
+        if on_spark(engine, lambda: tables.files_bytes(events)):
             return None
-        read = self._read(warehouse, events)
-        return _build(warehouse, self.projection, self.domain, self.table, turn, events_path, events,
-                      self._frontier(warehouse, events), read=read)
+        read, frontier = self._held(warehouse, events)
+        return _build(warehouse, self.projection, self.domain, self.table, turn, events_path, events, frontier,
+                      read=read)
 
     def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
-        done = runner.increment(self, warehouse, turn)  # an increment runs here, whatever the engine
-        if done is not None:
-            return done
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
+        read, frontier = self._held(warehouse, events)
         return _build_with_spark(spark, warehouse, self.projection, self.domain, self.table, turn, events_path, events,
-                                 self._frontier(warehouse, events), read=self._read(warehouse, events))
+                                 frontier, read=read)
 
-    def _read(self, warehouse: Location, events: DeltaTable) -> int | None:
-        return Position.of(self.table.path(warehouse), self.table.app_id_over(str(events.metadata().id))).read
-
-    def _frontier(self, warehouse: Location, events: DeltaTable) -> int:
-        """The frontier a whole build records: the one read (never below the one recorded: it only moves up)."""
+    def _held(self, warehouse: Location, events: DeltaTable) -> tuple[int | None, int]:
+        """What a whole build of `events` goes on from: the `events` version the table read (its turn confirms it),
+        and the frontier to record, the one read (never below the one recorded: it only moves up)."""
         at = Position.of(self.table.path(warehouse), self.table.app_id_over(str(events.metadata().id)), cursor=True)
-        return max(self.frontier, at.frontier or 0)
+        return at.read, max(self.frontier, at.frontier or 0)
 
 
 def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:

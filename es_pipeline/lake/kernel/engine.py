@@ -8,22 +8,11 @@ whatever the setting, up to `feed.SMALL_INCREMENT` events.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from deltalake import DeltaTable
-
-from es_pipeline.lake.delta.tables import files_bytes
 
 # `events` Parquet files above which `auto` does the work on Spark. In process it is read in bounded pieces
 # (lake/delta/pieces.py): its memory does not grow with the lake, its time does (1 GiB: some 25M events, 30 s of
 # `stream_state`'s fold on two cores); past that a cluster's cores pay for a JVM's start.
 SPARK_BYTES = 1024 * 1024 * 1024
-
-
-def builds_on_spark(events: DeltaTable, spark: Any, engine: str) -> bool:
-    """Whether a whole build (cross-stream projections, typed event tables) runs on Spark: with a session to ask
-    for, `engine` "spark", or "auto" and `events`' files past `SPARK_BYTES` (`on_spark`); "local" never."""
-    return spark is not None and on_spark(engine, lambda: files_bytes(events))
 
 
 def on_spark(engine: str, size: Callable[[], int]) -> bool:

@@ -10,7 +10,7 @@ Its kinds (decision 0049): the aggregates (lake/aggregates/aggregate.py), `strea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
@@ -63,16 +63,13 @@ class Kind:
     slots: ClassVar[int] = 1
     keeps_cursor: ClassVar[bool] = False
     window: ClassVar[int | None] = None
+    increments_in_process: ClassVar[bool] = False
 
     table: Table
 
     def app_id(self, events_id: str) -> str:
         """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
         return self.table.app_id_over(events_id)
-
-    def short(self, result: Result, why: str) -> Result:
-        """`result`, short of `events` for the reason `why` (a kind of windows stopped at a window it could not read)."""
-        return replace(result, short=why)
 
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn (a cross-stream projection's batch frontier)."""
@@ -108,8 +105,10 @@ class Projection(Protocol):
     def app_id(self, events_id: str) -> str:
         """The app id its position is kept under, over the `events` table of Delta id `events_id`."""
 
-    def short(self, result: Result, why: str) -> Result:
-        """`result` (of the windows done), short of `events` for the reason `why`."""
+    @property
+    def increments_in_process(self) -> bool:
+        """Whether its increment runs in this process whatever the engine (the engine then decides its whole build
+        alone): True for the kinds whose increment Spark has no path for."""
 
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn."""

@@ -10,6 +10,7 @@ away) goes to the kind's whole build in process, or to Spark, by the engine rule
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from deltalake import DeltaTable
@@ -26,21 +27,24 @@ from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 log = logging.getLogger(__name__)
 
 
-
 def update(projection: Buildable, spark: Any, warehouse: Location, *, store_dsn: str | None = None,
            small_increments: bool = True, engine: str = "auto") -> Result:
     """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`.
 
     `spark`: a session, or a function that returns one, called only if Spark is needed: a small increment, and a
     whole build within the engine rule's bound, run in this process unless told not to (`small_increments`, or
-    `engine` "spark"). `NoEventsYet` before `events` exists."""
+    `engine` "spark"); a kind whose increment always runs here (`Projection.increments_in_process`) is told so by
+    the engine only for its whole build. Without `spark`, everything runs here. `NoEventsYet` before `events`
+    exists."""
     tables.require_events(warehouse, projection.name)
+    here = small_increments and engine != "spark"
     with one_at_a_time(store_dsn, projection.name) as turn:
-        if small_increments and engine != "spark":
+        if here or projection.increments_in_process:
             done, stopped = _increment(projection, warehouse, turn)
             if done is not None and not stopped:
                 return done
-            done = projection.build_here(warehouse, turn, engine)
+        if here or spark is None:
+            done = projection.build_here(warehouse, turn, engine if spark is not None else "local")
             if done is not None:
                 return done
         return projection.update_on_spark(tables.session_of(spark), warehouse, turn)
@@ -90,8 +94,8 @@ def _increment(projection: Projection, warehouse: Location, turn: Turn,
                 return None, False
             log.info("%s: events' change feed after version %s cannot be read: short of version %s", projection.name,
                      after, now)
-            return projection.short(done, f"events' change feed after version {after} cannot be read (vacuumed): "
-                                          "a whole build goes on from there"), True
+            return replace(done, short=f"events' change feed after version {after} cannot be read (vacuumed): "
+                                       "a whole build goes on from there"), True
         step = Increment(warehouse, path, target, position, events_feed, upto)
         folded = projection.fold(rows, step)
         turn.confirm(path, position.app_id, position.read)

@@ -48,8 +48,8 @@ from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import engine as engine_rule
 from es_pipeline.lake.kernel import position, runner
-from es_pipeline.lake.kernel.engine import builds_on_spark
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment, Kind
@@ -171,10 +171,10 @@ def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
            progress: Callable[[str], None] | None = None, spark: Any = None, engine: str = "auto") -> Result:
     """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/kernel/turn.py), by the
     kernel's runner; `NoEventsYet` before `events` exists. `spark` (a session, or a function that returns one) and
-    `engine`: where a whole build runs (`builds_on_spark`); increments always run here."""
-    kind = EventTables(warehouse, domain, progress=progress, spark=spark, engine=engine)
-    # The kind applies the engine rule to its whole build itself: the runner tries the increment here first.
-    return runner.update(kind, spark, warehouse, store_dsn=store_dsn, engine="local")
+    `engine`: where a whole build runs (the engine rule, applied by the kernel's runner); increments always run
+    here."""
+    return runner.update(EventTables(warehouse, domain, progress=progress), spark, warehouse, store_dsn=store_dsn,
+                         engine=engine)
 
 
 def increment(warehouse: Location, domain: Domain, turn: Turn | None = None,
@@ -194,10 +194,10 @@ class EventTables(Kind):
 
     table = MAPPING
     name = NAME
+    increments_in_process = True
 
-    def __init__(self, warehouse: Location, domain: Domain, *, progress: Callable[[str], None] | None = None,
-                 spark: Any = None, engine: str = "auto") -> None:
-        self.warehouse, self.domain, self.spark, self.engine = warehouse, domain, spark, engine
+    def __init__(self, warehouse: Location, domain: Domain, *, progress: Callable[[str], None] | None = None) -> None:
+        self.warehouse, self.domain = warehouse, domain
         self.progress = progress or (lambda _: None)
         self.columns = [*_READ, *(["metadata"] if domain.metadata_field is not None else [])]
         self.keeper: _Keeper | None = None
@@ -229,14 +229,12 @@ class EventTables(Kind):
         assert self.keeper is not None and increment.position.folded is not None
         if self.total is None:
             self.previous = increment.previous
-        self.keeper.next_window(increment.now)  # the mapping as this process committed it: not read again
-        self.keeper.increment(rows, increment.position.folded)
-        return _Window(self, increment)
+        return _Window(self, increment, rows)
 
     def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if builds_on_spark(events, self.spark, self.engine):
+        if engine_rule.on_spark(engine, lambda: tables.files_bytes(events)):
             return None
         keeper = self._for_build(events)
         keeper.build(_current_rows(events_path, events, self.columns), self.progress)
@@ -244,9 +242,6 @@ class EventTables(Kind):
         return keeper.result.result(-1)
 
     def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
-        done = runner.increment(self, warehouse, turn)  # an increment runs here, whatever the engine
-        if done is not None and done.caught_up:
-            return done
         events_path = EVENTS.path(warehouse)
         keeper = self._for_build(DeltaTable(events_path))
         keeper.build_on_spark(spark, events_path, self.columns, self.progress)
@@ -264,14 +259,19 @@ class EventTables(Kind):
 
 @dataclass(frozen=True)
 class _Window:
-    """A window of the increment written to its tables: the mapping's rows and the cursor committed last."""
+    """A window of the increment, written in the table's turn once confirmed: each type's rows to its table (with
+    the table's own transaction id: a replay skips what a run cut short wrote), then the mapping's rows and the
+    cursor, last."""
 
     kind: EventTables
     increment: Increment
+    rows: pa.Table
 
     def commit(self, txn: int) -> Result:
-        kind = self.kind
-        assert kind.keeper is not None and txn == kind.keeper.now
+        kind, cursor = self.kind, self.increment.position.folded
+        assert kind.keeper is not None and cursor is not None and txn == self.increment.now
+        kind.keeper.next_window(txn)  # the mapping as this process committed it: not read again
+        kind.keeper.increment(self.rows, cursor)
         kind.keeper.commit_mapping()
         kind.total = kind.keeper.result if kind.total is None else kind.total.add(kind.keeper.result)
         if txn < self.increment.feed.version:
@@ -374,14 +374,14 @@ class _Keeper:
             for event_type, rows in by_type(chunk, self.domain):
                 name = self._name_for(event_type)
                 self._write(event_type, name, rows, fresh=name not in started,
-                            props=_props(self.app, self.now) if last else None)
+                            props=position.commit_properties(self.app, self.now) if last else None)
                 started.add(name)
                 if last:
                     sealed.add(name)
             seen += chunk.num_rows
             progress(f"typed event tables: {seen:,} events read, {len(started)} tables")
         for name in started - sealed:  # none in the last step: the id in a commit of its own
-            position.record(_open(tables.table_path(self.warehouse, name)), _props(self.app, self.now))
+            position.record(_open(tables.table_path(self.warehouse, name)), position.commit_properties(self.app, self.now))
         self._end_build(owned, started)
 
     def _start_build(self) -> set[str]:
@@ -406,7 +406,7 @@ class _Keeper:
             if tables.is_delta_table(path):
                 held = _open(path)
                 empty = pa.Table.from_batches([], schema=current.plain_schema(pa.schema(held.schema().to_arrow())))
-                write_deltalake(path, empty, mode="overwrite", commit_properties=_props(self.app, self.now))
+                write_deltalake(path, empty, mode="overwrite", commit_properties=position.commit_properties(self.app, self.now))
         self.names = {t: n for t, n in self.names.items() if n in started}
 
     def build_on_spark(self, spark: Any, events_path: str, read: list[str], progress: Callable[[str], None]) -> None:
@@ -469,12 +469,12 @@ class _Keeper:
             if done is not None and int(done) >= self.now:
                 return  # a run cut short after this table's commit wrote these rows
             if known and done is None:  # the table lost: its type's rows from `events` anew
-                self._write(event_type, name, self._rows_of(event_type), fresh=True, props=_props(self.app, self.now))
+                self._write(event_type, name, self._rows_of(event_type), fresh=True, props=position.commit_properties(self.app, self.now))
                 return
             if done is not None and int(done) > cursor:
                 rows = rows.filter(pc.greater(rows["_commit_version"], int(done)))
             fresh = not known and done is None
-            self._write(event_type, name, rows, fresh=fresh, props=_props(self.app, self.now),
+            self._write(event_type, name, rows, fresh=fresh, props=position.commit_properties(self.app, self.now),
                         target=None if fresh else target)
 
         if len(groups) < 2:
@@ -574,8 +574,3 @@ def _open(path: str) -> DeltaTable:
         _OPEN.pop(path, None)
     table = _OPEN[path] = DeltaTable(path)
     return table
-
-
-_props = position.commit_properties
-
-
