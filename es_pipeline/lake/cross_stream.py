@@ -165,9 +165,6 @@ class CrossStream(Kind):
         return result(self.name, current.row_count(target), now, position.read, 0, keys=0,
                       frontier=position.frontier)
 
-    def txn(self, increment: Increment) -> int:
-        return increment.now
-
     def fold(self, rows: pa.Table, increment: Increment) -> _Folded:
         return _increment(self, rows, increment)
 

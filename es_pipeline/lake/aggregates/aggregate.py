@@ -70,9 +70,6 @@ class Aggregate(Kind):
         assert position.events_version is not None
         return self._result(now, position.events_version, 0, 0, current.row_count(target))
 
-    def txn(self, increment: Increment) -> int:
-        return increment.now
-
     def fold(self, rows: pa.Table, increment: Increment) -> _Merge:
         """The increment aggregated by pyarrow, to merge by delta-rs (lake/kernel/runner.py `increment`)."""
         return _Merge(self, self.aggregate_arrow(rows), rows.num_rows, increment)

@@ -78,6 +78,10 @@ class Kind:
         """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""
         return True
 
+    def txn(self, increment: Increment) -> int:
+        """The txn version of the commit that brings the table to `increment.now`: that `events` version, plain."""
+        return increment.now
+
 
 class Projection(Protocol):
     @property

@@ -222,9 +222,6 @@ class EventTables(Kind):
         assert position.events_version is not None
         return _Written(now).result(position.events_version)
 
-    def txn(self, increment: Increment) -> int:
-        return increment.now
-
     def fold(self, rows: pa.Table, increment: Increment) -> _Window:
         assert self.keeper is not None and increment.position.folded is not None
         if self.total is None:
