@@ -39,7 +39,7 @@ from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.result import Result
-from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
+from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
@@ -89,9 +89,8 @@ def update_stream_state(
     `on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
     Then, out of the table's turn, every stream type to rebuild is rebuilt beside it and swapped in
     (lake/state/rebuild.py), unless `rebuilds` is "hold". `NoEventsYet` before `events` exists."""
-    tables.require_events(warehouse, STREAM_STATE.name)
-    with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-        result = _update(spark, warehouse, domain, skip_unknown, turn, small_increments and engine != "spark", engine)
+    result = runner.update(_StreamState(warehouse, domain, skip_unknown), spark, warehouse, store_dsn=store_dsn,
+                           small_increments=small_increments, engine=engine)
     swapped = rebuild.run_pending(spark, warehouse, domain, store_dsn, engine=engine, skip_unknown=skip_unknown,
                                   hold=rebuilds == "hold")
     if not swapped:
@@ -108,29 +107,6 @@ def with_typed_state(warehouse: Location, domain: Domain, result: Result, writte
     return result.with_figures(**{f"typed_rows/{name}": n for name, n in sorted(rows.items())}) if rows else result
 
 
-def _update(
-    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, small_increments: bool,
-    engine: str = "auto",
-) -> Result:
-    if small_increments:
-        done = small_increment(warehouse, domain, skip_unknown, turn)
-        if done is not None:
-            return done
-        done = _first_build(warehouse, domain, skip_unknown, turn, engine)
-        if done is not None:
-            return with_typed_state(warehouse, domain, done)
-    spark = tables.session_of(spark)
-    try:
-        return with_typed_state(warehouse, domain, _update_with_spark(spark, warehouse, domain, skip_unknown, turn))
-    except tables.spark_errors() as exc:
-        if not tables.change_feed_gone(exc):
-            raise
-        # The files of the commits since the last update were vacuumed (it lagged past the retention):
-        # fold every event instead; the fold skips versions a stream's state already has.
-        return with_typed_state(warehouse, domain, _update_with_spark(spark, warehouse, domain, skip_unknown, turn,
-                                                                      whole=True))
-
-
 def small_increment(
     warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, events_feed: Feed | None = None
 ) -> Result | None:
@@ -143,8 +119,9 @@ def small_increment(
 
 @dataclass(frozen=True)
 class _StreamState(Kind):
-    """`stream_state` as a kind of the projection kernel (lake/kernel/projection.py): its increment. Its position
-    keeps the reducers' revisions in its slots (lake/kernel/position.py `txn_version`)."""
+    """`stream_state` as a kind of the projection kernel (lake/kernel/projection.py): its increment, its first build
+    in process (`_first_build`) and its update on Spark (`_update_with_spark`). Its position keeps the reducers'
+    revisions in its slots (lake/kernel/position.py `txn_version`)."""
 
     warehouse: Location
     domain: Domain
@@ -189,6 +166,21 @@ class _StreamState(Kind):
             new, whole = rebuild.without(new, held), rebuild.without(whole, held)
         out, prior = fold_onto(whole, new, self.domain, self.skip_unknown)
         return _StateFold(self.domain, increment, out, prior, held)
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+        done = _first_build(warehouse, self.domain, self.skip_unknown, turn, engine)
+        return None if done is None else with_typed_state(warehouse, self.domain, done)
+
+    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+        try:
+            done = _update_with_spark(spark, warehouse, self.domain, self.skip_unknown, turn)
+        except tables.spark_errors() as exc:
+            if not tables.change_feed_gone(exc):
+                raise
+            # The files of the commits since the last update were vacuumed (it lagged past the retention):
+            # fold every event instead; the fold skips versions a stream's state already has.
+            done = _update_with_spark(spark, warehouse, self.domain, self.skip_unknown, turn, whole=True)
+        return with_typed_state(warehouse, self.domain, done)
 
 
 @dataclass(frozen=True)
