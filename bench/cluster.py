@@ -41,6 +41,7 @@ from es_pipeline.dev.connect_token import TOKEN_ENV
 from es_pipeline.dev.s3proxy import s3proxy
 from es_pipeline.dev.spark_cluster import connect_server, standalone
 from es_pipeline.extraction.extractor import Extractor, ExtractResult
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -59,7 +60,7 @@ def _backfill(extractor: Extractor, run_id: str) -> tuple[float, ExtractResult]:
 
 def _rebuild(spark: Any, lake: str) -> tuple[float, Result]:
     t0 = time.perf_counter()
-    result = update_stream_state(spark, lake, domain=SHOP)
+    result = update_stream_state(Engine(spark=spark), lake, domain=SHOP)
     return time.perf_counter() - t0, result
 
 

@@ -39,6 +39,7 @@ from bench.common import (
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.stream_state import update_stream_state
 
 NAME = "state_history"
@@ -77,7 +78,7 @@ def _deposits(dsn: str, round_no: int, count: int, streams: int) -> None:
 
 def _timed(lake: Path, domain: Domain) -> tuple[float, Any]:
     t0 = time.perf_counter()
-    result = update_stream_state(None, lake, domain=domain)  # the default path needs no Spark here
+    result = update_stream_state(Engine(), lake, domain=domain)  # the default path needs no Spark here
     return time.perf_counter() - t0, result
 
 

@@ -44,6 +44,7 @@ from bench.results import Goal, n, ratio, secs
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked, rebuild
 from es_pipeline.lake.state.stream_state import update_stream_state
 
@@ -88,7 +89,7 @@ def _rebuild_process(dsn: str, lake: str, bump: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s rebuild %(message)s",
                         datefmt="%H:%M:%S")
     started = time.perf_counter()
-    swapped = rebuild.run_pending(None, lake, _domain(bump), dsn, engine="local")
+    swapped = rebuild.run_pending(Engine("local"), lake, _domain(bump), dsn)
     log.info("[%s] rebuild process: %s swapped in %.1f s", NAME, swapped, time.perf_counter() - started)
     if swapped != ["account"]:
         raise SystemExit(f"the rebuild swapped {swapped}, not the accounts")
@@ -178,7 +179,7 @@ def run(dsn: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     lake = work / "lake"
     events = Extractor(dsn, None, lake, schema=SCHEMA, progress=log.info).run(ALL_SLICES, run_id="bench-load").rows
     t0 = time.perf_counter()
-    update_stream_state(None, lake, domain=BASE, store_dsn=dsn)
+    update_stream_state(Engine(), lake, domain=BASE, store_dsn=dsn)
     first_build = time.perf_counter() - t0
     log.info("[%s] first build: %.1f s", NAME, first_build)
 

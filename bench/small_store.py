@@ -20,7 +20,7 @@ from typing import Any
 from bench.common import SCHEMA, Timing, load_events, log, wait_until_extractable
 from bench.results import Goal, n, ratio, secs
 from es_pipeline.extraction import offsets
-from es_pipeline.lake.kernel.engine import SPARK_BYTES
+from es_pipeline.lake.kernel.engine import SPARK_BYTES, Engine
 
 NAME = "small_store"
 EVENTS = 3_000
@@ -116,11 +116,11 @@ def _child(lake: Path, engine: str) -> None:
     took[STEPS[0]] = time.perf_counter() - t0
     small = engine != "spark"
     builds = (
-        (STEPS[1], lambda: update_stream_state(spark, lake, domain=shop, small_increments=small)),
-        (STEPS[2], lambda: update_stream_catalog(spark, lake, small_increments=small)),
-        (STEPS[3], lambda: update_event_type_daily(spark, lake, small_increments=small)),
-        (STEPS[4], lambda: event_tables.update(lake, shop, spark=spark, engine=engine)),
-        (STEPS[5], lambda: cross_stream.update(lake, shop, "sku_sales", spark=spark, engine=engine)),
+        (STEPS[1], lambda: update_stream_state(Engine(spark=spark, small_increments=small), lake, domain=shop)),
+        (STEPS[2], lambda: update_stream_catalog(Engine(spark=spark, small_increments=small), lake)),
+        (STEPS[3], lambda: update_event_type_daily(Engine(spark=spark, small_increments=small), lake)),
+        (STEPS[4], lambda: event_tables.update(lake, shop, engine=Engine(engine, spark))),
+        (STEPS[5], lambda: cross_stream.update(lake, shop, "sku_sales", engine=Engine(engine, spark))),
     )
     for step, build in builds:
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
-from es_pipeline.lake.kernel.engine import SPARK_BYTES
+from es_pipeline.lake.kernel.engine import SPARK_BYTES, Engine
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
@@ -85,7 +85,7 @@ def _moved(state: State, event: Event) -> State:
 
 def _fold(spark: Any, work: Path, *, small: bool = True, domain: Domain = SHOP) -> tuple[float, Result]:
     t0 = time.perf_counter()
-    result = update_stream_state(spark, work / "lake", domain=domain, small_increments=small)
+    result = update_stream_state(Engine(spark=spark, small_increments=small), work / "lake", domain=domain)
     return time.perf_counter() - t0, result
 
 
@@ -242,7 +242,7 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
     shutil.rmtree(lake / "moved_by_amount")
     log.info("[%s] cross-stream projection, first build on Spark", REBUILD)
     t0 = time.perf_counter()
-    crossed = cross_stream.update(lake, MOVED, "moved_by_amount", store_dsn=dsn, spark=spark, engine="spark",
+    crossed = cross_stream.update(lake, MOVED, "moved_by_amount", store_dsn=dsn, engine=Engine("spark", spark),
                                   frontier=lambda: batch_frontier(dsn, consumer))
     cross_spark = Timing("cross-stream projection first build on Spark (keyed by `mapInArrow`, shuffled by key, sorted, "
                          "folded by `mapInArrow`, Parquet by Spark, committed by delta-rs)", events,
@@ -252,13 +252,13 @@ def run_rebuild(dsn: str, spark: Any, work: Path, sizes: Sizes) -> dict[str, Any
 
     log.info("[%s] typed event tables, first build in process, then on Spark", REBUILD)
     t0 = time.perf_counter()
-    typed = event_tables.update(lake, MOVED, engine="local")
+    typed = event_tables.update(lake, MOVED, engine=Engine("local"))
     typed_local = Timing("typed event tables first build, in process (a table per type, every payload parsed)",
                          events, time.perf_counter() - t0, {"tables": typed.figures["tables_written"]})
     for name in event_tables.table_names(lake):
         shutil.rmtree(lake / name)
     t0 = time.perf_counter()
-    typed = event_tables.update(lake, MOVED, spark=spark, engine="spark")
+    typed = event_tables.update(lake, MOVED, engine=Engine("spark", spark))
     typed_spark = Timing("typed event tables first build on Spark (two `mapInArrow` jobs: columns found, rows placed "
                          "and written by the executors; committed by delta-rs)", events, time.perf_counter() - t0,
                          {"tables": typed.figures["tables_written"]})

@@ -30,6 +30,7 @@ from bench.common import (
     wait_until_extractable,
 )
 from bench.results import Goal, mib, ratio, secs
+from es_pipeline.lake.kernel.engine import Engine
 
 NAME = "table_memory"
 TITLE = "peak memory of each table's first build, N vs 2N events"
@@ -184,15 +185,15 @@ def _child(lake: Path, step: str) -> None:
 
     def moved() -> Any:
         consumer = Extractor(dsn, None, lake, schema=SCHEMA).consumer
-        return cross_stream.update(lake, MOVED, "moved_by_amount", store_dsn=dsn, spark=spark, engine="auto",
+        return cross_stream.update(lake, MOVED, "moved_by_amount", store_dsn=dsn, engine=Engine("auto", spark),
                                    frontier=lambda: batch_frontier(dsn, consumer))
 
     builds: dict[str, Callable[[], Any]] = {
         STEPS[0]: run_checks,
-        STEPS[1]: lambda: update_stream_state(spark, lake, domain=shop),
-        STEPS[2]: lambda: update_stream_catalog(spark, lake),
-        STEPS[3]: lambda: update_event_type_daily(spark, lake),
-        STEPS[4]: lambda: event_tables.update(lake, shop, spark=spark, engine="auto"),
+        STEPS[1]: lambda: update_stream_state(Engine(spark=spark), lake, domain=shop),
+        STEPS[2]: lambda: update_stream_catalog(Engine(spark=spark), lake),
+        STEPS[3]: lambda: update_event_type_daily(Engine(spark=spark), lake),
+        STEPS[4]: lambda: event_tables.update(lake, shop, engine=Engine("auto", spark)),
         STEPS[5]: moved,
     }
     idle, idle_pss = status_kib(os.getpid(), "VmRSS"), pss_kib(os.getpid())

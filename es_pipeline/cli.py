@@ -208,14 +208,15 @@ def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
     """`lake rebuilds`: the stream types to rebuild and how far each rebuild beside `stream_state` is; `--run`: run
     them now, here (the engine rule, or `--engine`), each swapped in when caught up."""
     from es_pipeline.domain import load as load_domain
+    from es_pipeline.lake.kernel.engine import Engine
     from es_pipeline.lake.kernel.turn import one_at_a_time
     from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state import rebuild
 
     domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     if args.run:
-        swapped = rebuild.run_pending(lambda: get_spark(settings), settings.warehouse, domain, settings.pg_dsn,
-                                      engine=args.engine or settings.engine, say=print)
+        engine = Engine(args.engine or settings.engine, lambda: get_spark(settings))
+        swapped = rebuild.run_pending(engine, settings.warehouse, domain, settings.pg_dsn, say=print)
         print(f"swapped into stream_state: {', '.join(swapped) or 'none'}")
     with one_at_a_time(settings.pg_dsn, "stream_state"):
         waiting = rebuild.pending_now(settings.warehouse, domain)

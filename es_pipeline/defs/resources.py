@@ -8,6 +8,7 @@ from typing import Any
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.spark import prepare_local_start, spark_conf
 from es_pipeline.settings import Settings, warehouse_location
 from es_pipeline.source import mapping
@@ -59,6 +60,12 @@ class SparkResource(LazyPySparkResource):
         if "spark.remote" not in self.spark_config:
             prepare_local_start()
         return super().spark_session
+
+
+def engine_of(warehouse: WarehouseResource, spark: SparkResource) -> Engine:
+    """Where a table's work runs: the warehouse's engine setting, with the Spark session made only where the rule
+    says Spark (lake/kernel/engine.py)."""
+    return Engine(warehouse.engine, lambda: spark.spark_session)
 
 
 def build_resources(settings: Settings) -> dict[str, Any]:

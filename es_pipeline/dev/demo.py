@@ -12,6 +12,7 @@ from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -97,24 +98,22 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
 
     t0 = time.monotonic()
     domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
-    state = update_stream_state(spark, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn,
-                                engine=settings.engine)
+    engine = Engine(settings.engine, spark)
+    state = update_stream_state(engine, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
     print(f"   stream_state: folded {state.events_folded:,} events into {state.figures['streams_updated']:,} stream "
           f"states, built by {_by(state.engine)} ({time.monotonic() - t0:.1f} s)")
     for table, update in (("stream_catalog", update_stream_catalog), ("event_type_daily", update_event_type_daily)):
         t0 = time.monotonic()
-        counted = update(spark, settings.warehouse, store_dsn=settings.pg_dsn, engine=settings.engine)
+        counted = update(engine, settings.warehouse, store_dsn=settings.pg_dsn)
         print(f"   {table}: {counted.events_folded:,} events counted into {counted.rows:,} rows, built by "
               f"{_by(counted.engine)} ({time.monotonic() - t0:.1f} s)")
     t0 = time.monotonic()
-    typed = event_tables.update(settings.warehouse, domain, store_dsn=settings.pg_dsn, spark=spark,
-                                engine=settings.engine)
+    typed = event_tables.update(settings.warehouse, domain, store_dsn=settings.pg_dsn, engine=engine)
     print(f"   typed event tables: {typed.events_folded:,} events into {typed.figures['tables_written']} tables, "
           f"built by {_by(typed.engine)} ({time.monotonic() - t0:.1f} s)")
     for name in sorted(domain.projections):  # the team's cross-stream projections
         t0 = time.monotonic()
-        crossed = cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, spark=spark,
-                                      engine=settings.engine)
+        crossed = cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, engine=engine)
         print(f"   {name}: {crossed.events_folded:,} events folded into {crossed.rows:,} keys, built by "
               f"{_by(crossed.engine)} ({time.monotonic() - t0:.1f} s)")
 

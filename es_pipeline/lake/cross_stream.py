@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
 import pyarrow as pa
@@ -52,15 +52,18 @@ from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import feed, position, runner
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import HERE, Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment, Kind
-from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.result import Ran, Result
 from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state import forked, state_json
 from es_pipeline.lake.state.fold import with_schema_versions
 from es_pipeline.source import payloads
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ def table_names(warehouse: Location) -> list[str]:
 
 
 def result(name: str, rows: int, now: int, previous: int, folded: int, *, keys: int, refolded: int = 0,
-           waiting: int = 0, without_key: int = 0, frontier: int, engine: Engine = "local") -> Result:
+           waiting: int = 0, without_key: int = 0, frontier: int, engine: Ran = "local") -> Result:
     """What an update of projection `name` did, as the kernel's `Result`: short of `events` while events wait for the
     frontier (a later update folds them), however many it folded."""
     return Result(name, now, previous, folded, engine, rows, {
@@ -122,15 +125,15 @@ def result(name: str, rows: int, now: int, previous: int, folded: int, *, keys: 
 
 def update(
     warehouse: Location, domain: Domain, name: str, *, store_dsn: str | None = None,
-    frontier: Frontier | None = None, spark: Any = None, engine: str = "auto",
+    frontier: Frontier | None = None, engine: Engine = HERE,
 ) -> Result:
     """Bring projection `name` of `domain` up to `events` now (module docstring), one update at a time with
     `store_dsn`, by the kernel's runner. `frontier`: the lowest batch id that may still reach the lake
-    (`extraction.offsets.batch_frontier`); None: every batch the lake holds is final. `spark` (a session, or a
-    function that returns one) and `engine`: where a whole build runs (the engine rule, applied by the kernel's
-    runner); increments always run here. `NoEventsYet` before `events` exists."""
-    return runner.update(CrossStream(domain.projections[name], domain, frontier), spark, warehouse, store_dsn=store_dsn,
-                         engine=engine)
+    (`extraction.offsets.batch_frontier`); None: every batch the lake holds is final. `engine`: where a whole build
+    runs (the engine rule, applied by the kernel's runner); increments always run here. `NoEventsYet` before
+    `events` exists."""
+    return runner.update(CrossStream(domain.projections[name], domain, frontier), engine, warehouse,
+                         store_dsn=store_dsn)
 
 
 class CrossStream(Kind):
@@ -168,16 +171,16 @@ class CrossStream(Kind):
     def fold(self, rows: pa.Table, increment: Increment) -> _Folded:
         return _increment(self, rows, increment)
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if on_spark(engine, lambda: tables.files_bytes(events)):
+        if engine.on_spark(lambda: tables.files_bytes(events)):
             return None
         read, frontier = self._held(warehouse, events)
         return _build(warehouse, self.projection, self.domain, self.table, turn, events_path, events, frontier,
                       read=read)
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
         read, frontier = self._held(warehouse, events)
@@ -855,7 +858,7 @@ def _spark_fold(projection: Projection, domain: Domain,
 
 
 def _build_with_spark(
-    spark: Any, warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn,
+    spark: SparkSession, warehouse: Location, projection: Projection, domain: Domain, table: Table, turn: Turn,
     events_path: str, events: DeltaTable, frontier: int, read: int | None,
 ) -> Result:
     """`_build` on Spark: the events of the projection's types keyed and folded on the executors (`mapInArrow`,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from es_pipeline.domain import Domain
 from es_pipeline.lake import cross_stream
@@ -21,6 +20,7 @@ from es_pipeline.lake.aggregates.builtin import EVENT_TYPE_DAILY, STREAM_CATALOG
 from es_pipeline.lake.cross_stream import Frontier
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.kernel import runner
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn
@@ -36,9 +36,8 @@ class Run:
     """What a table's whole update is given by the run that asks for it (its asset's)."""
 
     warehouse: Location
-    spark: Any  # a session, or a function that returns one (called only where Spark is needed)
+    engine: Engine  # where its work runs (ES_PIPELINE_ENGINE, and the Spark session where the rule says Spark)
     store_dsn: str | None  # the store, for the table's turn
-    engine: str  # ES_PIPELINE_ENGINE: "auto", "local" or "spark"
     frontier: Frontier | None = None  # the store's batch frontier (cross-stream projections)
     progress: Callable[[str], None] | None = None  # where a long update says how far it got
 
@@ -74,7 +73,7 @@ def _stream_state(domain: Domain) -> Plugin:
 
     types = ", ".join(sorted(domain.reducers)) or "none"
     return Plugin("stream_state", tuple(read_columns(domain)), increment, lambda run: update_stream_state(
-        run.spark, run.warehouse, domain=domain, store_dsn=run.store_dsn, engine=run.engine,
+        run.engine, run.warehouse, domain=domain, store_dsn=run.store_dsn,
         rebuilds="hold"),  # in their own job (defs/projections/rebuilds.py)
         "One row per stream: its current state, folded by the stream type's reducer from `events`, "
         "version, last event time, reducer revision. Incremental: only streams with new events are folded, "
@@ -86,7 +85,7 @@ def _stream_state(domain: Domain) -> Plugin:
 def _aggregate(aggregate: Aggregate, description: str) -> Plugin:
     return Plugin(aggregate.name, aggregate.columns, lambda warehouse, turn, events_feed, frontier: runner.increment(
         aggregate, warehouse, turn, events_feed), lambda run: runner.update(
-        aggregate, run.spark, run.warehouse, store_dsn=run.store_dsn, engine=run.engine),
+        aggregate, run.engine, run.warehouse, store_dsn=run.store_dsn),
         description, frozenset({"spark", "delta"}))
 
 
@@ -95,7 +94,7 @@ def _cross_stream(domain: Domain, name: str) -> Plugin:
     return Plugin(name, tuple(cross_stream.columns_of(domain)), lambda warehouse, turn, events_feed, frontier:
                   cross_stream.increment(warehouse, projection, domain, turn, frontier, events_feed),
                   lambda run: cross_stream.update(run.warehouse, domain, name, store_dsn=run.store_dsn,
-                                                  frontier=run.frontier, spark=run.spark, engine=run.engine),
+                                                  frontier=run.frontier, engine=run.engine),
                   f"Cross-stream projection of domain {projection.domain}: events "
                   f"{', '.join(projection.event_types)} from every stream, folded per {projection.key_column} in the "
                   "lake's order (batch, position). Incremental: a batch is folded once no lower one can still reach "
@@ -106,7 +105,7 @@ def _event_tables(domain: Domain) -> Plugin:
     return Plugin(event_tables.NAME, (), lambda warehouse, turn, feed, frontier: event_tables.increment(
         warehouse, domain, turn, feed),  # from its own reads of the feed, a window at a time
         lambda run: event_tables.update(run.warehouse, domain, store_dsn=run.store_dsn, progress=run.progress,
-                                        spark=run.spark, engine=run.engine),
+                                        engine=run.engine),
         "A typed table per event type, `events_<type>`: the envelope and one column per payload "
         "field, inferred from the payloads and widened as they change; a value that fits no column is kept in "
         "`_overflow`. The table `event_tables` says which table holds which type and each column's history. "

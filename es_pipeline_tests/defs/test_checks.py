@@ -22,6 +22,7 @@ from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import pieces, tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.spark import spark_conf
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
@@ -58,7 +59,7 @@ def test_checks_pass_on_a_good_lake_and_fail_on_broken_ones(
     spans of slices (lake/delta/pieces.py, as a lake past a piece's bytes is), `spark` on Spark."""
     run_workload(EventStore(dsn.writer), streams=40, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     Extractor(settings.pg_dsn, spark, warehouse).run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     if engine == "pieces":
         monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 5 + 1)
         engine = "auto"
@@ -140,7 +141,7 @@ def test_reconcile_holds_while_runs_commit_between_its_reads(
         run_workload(store, streams=30, events=50, writers=1, rollback_rate=0, max_commit_delay=0)
         moved.append(extractor.run(SliceRange(0, 1023)).rows)
 
-    result = events_checks.reconcile(spark, warehouse, settings.pg_dsn, "es", None, between=runs_commit)
+    result = events_checks.reconcile(Engine(spark=spark), warehouse, settings.pg_dsn, "es", None, between=runs_commit)
     assert result.metadata["engine"].value == "local"
     assert moved == [50, 50] and result.passed, result.metadata
     assert result.metadata["lake_events"].value == 200, "counted below the watermarks of its first look"
@@ -149,7 +150,7 @@ def test_reconcile_holds_while_runs_commit_between_its_reads(
     stray = tables.read(spark, events).orderBy("tx_id", ascending=False).limit(1).selectExpr(
         *[c if c != "tx_id" else "tx_id + 1000000 AS tx_id" for c in tables.read(spark, events).columns])
     stray.write.format("delta").mode("append").save(events)
-    broken = events_checks.reconcile(spark, warehouse, settings.pg_dsn, "es", None)
+    broken = events_checks.reconcile(Engine(spark=spark), warehouse, settings.pg_dsn, "es", None)
     assert not broken.passed and broken.metadata["above_watermark"].value == 1
 
 
@@ -162,7 +163,7 @@ def test_stream_state_is_checked_against_the_events_it_has_folded(
     run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     extractor = Extractor(settings.pg_dsn, spark, warehouse)
     extractor.run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     run_workload(store, streams=20, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     assert extractor.run(SliceRange(0, 1023)).rows == 100
     r = _resources(settings)
@@ -194,8 +195,8 @@ def test_projection_checks_compare_like_with_like_and_fail_on_a_wrong_row(
     run_workload(store, streams=40, events=400, writers=2, rollback_rate=0, max_commit_delay=0, seed=5)
     extractor = Extractor(settings.pg_dsn, None, warehouse)
     extractor.run(SliceRange(0, 1023))
-    update_stream_catalog(spark, warehouse)
-    update_event_type_daily(spark, warehouse)
+    update_stream_catalog(Engine(spark=spark), warehouse)
+    update_event_type_daily(Engine(spark=spark), warehouse)
     # A frontier below the last batch: its rows wait in `events`, and the check leaves them out as the fold did.
     last_batch = int(tables.read(spark, str(warehouse / "events")).agg({"batch_id": "max"}).first()[0])
     cross_stream.update(warehouse, SHOP, "sku_sales", frontier=lambda: last_batch + 1)

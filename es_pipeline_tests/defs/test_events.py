@@ -20,6 +20,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.location import build_definitions
 from es_pipeline.settings import Settings
@@ -164,9 +165,9 @@ def test_a_tailing_run_keeps_the_projections_fresh_without_spark(
     store = EventStore(dsn.writer)
     run_workload(store, streams=20, events=60, writers=1, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP)
-    update_stream_catalog(spark, warehouse)
-    update_event_type_daily(spark, warehouse)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
+    update_stream_catalog(Engine(spark=spark), warehouse)
+    update_event_type_daily(Engine(spark=spark), warehouse)
     events = build_events_asset(slice_ranges_partitions(2), replace(settings, slice_ranges=2, automation=True), SHOP)
     later = threading.Timer(2.0, lambda: run_workload(store, streams=20, events=40, writers=1, rollback_rate=0,
                                                       max_commit_delay=0))

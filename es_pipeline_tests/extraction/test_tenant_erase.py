@@ -27,6 +27,7 @@ from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
@@ -94,10 +95,10 @@ def _extract_until(stop: threading.Event, extractor: Extractor, errors: list[Bas
 
 
 def _project(spark: Any, warehouse: Path, store: StoreDsn) -> None:
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
-    update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    update_event_type_daily(spark, warehouse, store_dsn=store.extractor)
-    take_snapshots(spark, warehouse, EventStore(store.snapshots, "es"), threshold=1)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=store.extractor)
+    update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    update_event_type_daily(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    take_snapshots(Engine(spark=spark), warehouse, EventStore(store.snapshots, "es"), threshold=1)
 
 
 def _seeded_lake(store: StoreDsn, spark: Any, warehouse: Path) -> None:
@@ -204,8 +205,8 @@ def test_an_up_to_date_projection_goes_on_from_the_erasure_and_a_shared_table_is
     done = erase_tenant(_settings(store, warehouse), GONE, progress=lambda _: None)
     assert done.rebuilt == [] and done.lake_rows["stream_catalog"] == 3 and done.store_events == 3
     # The next updates are increments after the erasure's version, not rebuilds.
-    catalog = update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    state = update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
+    catalog = update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    state = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=store.extractor)
     assert catalog.previous_events_version >= 0 and state.previous_events_version >= 0
     _assert_lake_equals_store(spark, warehouse, store)
 
@@ -231,7 +232,7 @@ def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, spark:
     assert "tenant 'initech': 2 events in the lake, none in es-tenants (es.events), and no erasure recorded" in report
     assert "tenant 'acme'" not in report
     # And the events check fails, naming it.
-    check = reconcile(spark, warehouse, store.extractor, SOURCE, None)
+    check = reconcile(Engine(spark=spark), warehouse, store.extractor, SOURCE, None)
     assert not check.passed
     assert check.metadata["tenants_lost"].value == "initech (2 events; dropped outside `tenant erase`)"
 
@@ -268,8 +269,8 @@ def test_an_erasure_killed_halfway_is_finished_by_running_it_again(
     with psycopg.connect(store) as conn:
         assert conn.execute("SELECT partition IS NOT NULL, store_events, finished_at IS NOT NULL "
                             "FROM es_pipeline.tenant_erasures").fetchone() == (True, 3, True)
-    update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
+    update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=store.extractor)
     _assert_lake_equals_store(spark, warehouse, store)
 
 

@@ -24,6 +24,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.health import watch
 from es_pipeline.health.exporter import ALERTS, Reader, registry_for
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -211,8 +212,8 @@ def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
 
     run_workload(EventStore(dsn.writer), streams=10, events=300, writers=1, rollback_rate=0, max_commit_delay=0)
     Extractor(dsn.extractor, None, warehouse).run(ALL)
-    update_stream_state(None, warehouse, domain=shop)  # small: no JVM
-    taken = take_snapshots(None, warehouse, EventStore.for_source(dsn.snapshots, settings.source), threshold=5)
+    update_stream_state(Engine(), warehouse, domain=shop)  # small: no JVM
+    taken = take_snapshots(Engine(), warehouse, EventStore.for_source(dsn.snapshots, settings.source), threshold=5)
     assert taken.written_back > 3
     assert Reader(replace(settings, slice_ranges=2), dagster=False).reading(0).snapshot_backlog == 0
     with psycopg.connect(dsn) as conn:

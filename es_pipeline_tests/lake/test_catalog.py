@@ -13,6 +13,7 @@ from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.read.catalog import register_tables
 from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -29,10 +30,10 @@ def test_every_table_is_queryable_by_name_with_time_travel_and_readable_by_delta
     ex.run(SliceRange(0, 1023))
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0)
     ex.run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse, domain=SHOP)
-    update_stream_catalog(spark, warehouse)
-    update_event_type_daily(spark, warehouse)
-    take_snapshots(spark, warehouse, store, threshold=5)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
+    update_stream_catalog(Engine(spark=spark), warehouse)
+    update_event_type_daily(Engine(spark=spark), warehouse)
+    take_snapshots(Engine(spark=spark), warehouse, store, threshold=5)
 
     names = register_tables(spark, warehouse)
     assert sorted(names) == sorted([*tables.TABLES, "stream_state_account", "stream_state_cart",  # typed: the shop's

@@ -22,6 +22,7 @@ from es_pipeline.extraction.offsets import Batch, batch_frontier
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import pieces, tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.source import mapping
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.hooks import Crash, crash_at
@@ -323,7 +324,7 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     run_workload(store, streams=30, events=500, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=42)
     extract_all(dsn.extractor, None, warehouse, on_step=batches)
     on_spark = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
-                                   spark=spark, engine="spark")
+                                   engine=Engine("spark", spark))
     assert on_spark.previous_events_version == -1 and on_spark.events_folded > 0 and on_spark.engine == "spark"
     spark_rows = _table(warehouse)
     _assert_equal_to_the_store(dsn, warehouse, batches)
@@ -331,7 +332,7 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     assert lake_rebuild.events_folded == 0  # nothing new: Spark's commit carried the three numbers
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
     in_process = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
-                                     spark=spark, engine="local")
+                                     engine=Engine("local", spark))
     assert (in_process.events_folded, in_process.rows, in_process.figures["events_without_key"], in_process.engine) == (
         on_spark.events_folded, on_spark.rows, on_spark.figures["events_without_key"], "local")
 
@@ -342,11 +343,11 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
     run_workload(store, streams=10, events=100, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
     extract_all(dsn.extractor, None, warehouse, on_step=batches)
     cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
-                        spark=spark, engine="spark")  # an increment: in process whatever the engine
+                        engine=Engine("spark", spark))  # an increment: in process whatever the engine
     _assert_equal_to_the_store(dsn, warehouse, batches)
     cross_stream.mark_for_rebuild(warehouse, NAME, str(DeltaTable(str(warehouse / "events")).metadata().id))
     again = cross_stream.update(warehouse, SHOP, NAME, store_dsn=dsn.extractor, frontier=_frontier(dsn),
-                                spark=spark, engine="spark")  # a rebuild over the same version: replaced all the same
+                                engine=Engine("spark", spark))  # a rebuild over the same version: replaced all the same
     assert again.previous_events_version == -1
     _assert_equal_to_the_store(dsn, warehouse, batches)
 
@@ -358,4 +359,4 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
 
     with pytest.raises(ProjectionFoldError, match="'cursed' failed at key '.*' on stream '.*' version [0-9]+ "
                                                   r"\(ItemAdded\): ValueError: cursed"):
-        cross_stream.update(warehouse, failing, "cursed", spark=spark, engine="spark")
+        cross_stream.update(warehouse, failing, "cursed", engine=Engine("spark", spark))

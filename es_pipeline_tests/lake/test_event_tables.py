@@ -18,6 +18,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.read import query
 from es_pipeline.lake.typed import event_tables, typed_rows
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -300,7 +301,7 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
         conn.execute("INSERT INTO es.events (stream_id, stream_type, version, event_type, payload) "
                      "VALUES ('odd-2', 'probe', 1, 'Deposited', '[1, 2]'::jsonb)")
     extract_all(dsn.extractor, None, warehouse)
-    built = event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor, spark=spark, engine="spark")
+    built = event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor, engine=Engine("spark", spark))
     assert built.full_rebuild and built.engine == "spark" and built.metadata()["engine"] == "spark"
     total = assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)
     assert built.events_folded == total and "events_item_added" in built.figures["new_tables"]
@@ -310,11 +311,11 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
     for name in built.figures["tables"].split(", "):  # the executors' files, committed by delta-rs
         uris = DeltaTable(str(warehouse / name)).file_uris()
         assert uris and all("/spark-build-" in u for u in uris), (name, uris[:2])
-    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").events_folded == 0  # the cursor: committed
+    assert event_tables.update(warehouse, SHOP, engine=Engine("spark", spark)).events_folded == 0  # the cursor: committed
 
     DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)  # built again, in process
-    local = event_tables.update(warehouse, SHOP, spark=spark, engine="local")
+    local = event_tables.update(warehouse, SHOP, engine=Engine("local", spark))
     assert local.full_rebuild and local.engine == "local" and local.events_folded == built.events_folded
     assert local.figures["tables"] == built.figures["tables"]
     assert local.figures["overflow_values"] == built.figures["overflow_values"]
@@ -324,11 +325,11 @@ def test_a_build_on_spark_equals_the_build_in_process_and_increments_go_on_from_
 
     DeltaTable(str(warehouse / event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)  # on Spark again, over tables that exist
-    assert event_tables.update(warehouse, SHOP, spark=spark, engine="spark").engine == "spark"
+    assert event_tables.update(warehouse, SHOP, engine=Engine("spark", spark)).engine == "spark"
     _append(store, "odd-1", ("Measured", {"big": "now a string", "new_field": True}))
     run_workload(store, streams=5, events=60, writers=1, rollback_rate=0, max_commit_delay=0, seed=43)
     extract_all(dsn.extractor, None, warehouse)
-    grown = event_tables.update(warehouse, SHOP, spark=spark, engine="spark")
+    grown = event_tables.update(warehouse, SHOP, engine=Engine("spark", spark))
     assert not grown.full_rebuild and grown.engine == "local" and grown.events_folded == 61
     assert "events_measured.new_field boolean" in grown.figures["new_columns"]
     assert_typed_tables_equal_the_store(dsn, warehouse, SHOP)

@@ -23,6 +23,7 @@ from shop.domain import domain as SHOP
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.read import query
 from es_pipeline.lake.read.as_of import as_of_spark
 from es_pipeline.lake.read.catalog import register_tables
@@ -172,21 +173,21 @@ def test_history_and_state_as_of_equal_a_fold_of_the_store_on_every_path(
     run_workload(store, streams=30, events=240, writers=3, rollback_rate=0.15, max_commit_delay=0.01, seed=45)
     _past_accounts(dsn, 0)
     extract_all(dsn.extractor, None, warehouse)
-    built = update_stream_state(no_spark, warehouse, domain=SHOP)  # the first build, without a JVM
+    built = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)  # the first build, without a JVM
     assert built.per("history_rows")["stream_state_cart_history"] > 30
     _check(dsn, warehouse)
 
     run_workload(store, streams=30, events=120, writers=3, rollback_rate=0.15, max_commit_delay=0.01, seed=46)
     _past_accounts(dsn, 1)
     extract_all(dsn.extractor, None, warehouse)
-    small = update_stream_state(no_spark, warehouse, domain=SHOP)  # a small increment: delta-rs's MERGE
+    small = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)  # a small increment: delta-rs's MERGE
     assert small.engine == "local" and small.per("history_rows")
     _check(dsn, warehouse)
 
     run_workload(store, streams=30, events=120, writers=3, rollback_rate=0.15, max_commit_delay=0.01, seed=47)
     _past_accounts(dsn, 2)
     extract_all(dsn.extractor, None, warehouse)
-    on_spark = update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # Spark's MERGE
+    on_spark = update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)  # Spark's MERGE
     assert on_spark.engine == "spark" and not on_spark.listed("rebuilt_types")
     _check(dsn, warehouse)
 
@@ -229,12 +230,12 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
     run_workload(store, streams=20, events=120, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=51)
     _past_accounts(dsn, 0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=without)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=without)
     assert not (warehouse / "stream_state_cart_history").exists()
 
     run_workload(store, streams=20, events=60, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=52)
     extract_all(dsn.extractor, None, warehouse)
-    on = update_stream_state(spark, warehouse, domain=SHOP)  # turned on: those types rebuilt, their history whole
+    on = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)  # turned on: those types rebuilt, their history whole
     assert set(on.listed("rebuilt_types")) == {"account", "cart"}
     _check(dsn, warehouse)
 
@@ -247,8 +248,8 @@ def test_history_turned_on_later_or_left_behind_by_a_crash_is_built_whole(
             raise RuntimeError("the process died here")
         m.setattr(history, "write_arrow", crash)
         with pytest.raises(RuntimeError, match="died"):
-            update_stream_state(no_spark, warehouse, domain=SHOP)
-    again = update_stream_state(spark, warehouse, domain=SHOP)
+            update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
+    again = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     assert set(again.listed("rebuilt_types")) == {"account", "cart"}
     _check(dsn, warehouse)
     current = DeltaTable(str(warehouse / "stream_state_cart_history")).to_pyarrow_table(
@@ -279,10 +280,10 @@ def test_a_declared_field_added_retypes_the_history_in_place_and_the_next_increm
     run_workload(store, streams=20, events=120, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=61)
     _past_accounts(dsn, 0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     _past_accounts(dsn, 1)  # the same accounts go on: their current rows are closed or (same day) replaced
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=more)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=more)
     table = DeltaTable(str(warehouse / "stream_state_account_history")).to_pyarrow_table()
     assert "note" in table.column_names and table["note"].null_count == table.num_rows
     _check(dsn, warehouse, more)

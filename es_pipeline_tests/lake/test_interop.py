@@ -24,6 +24,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.lake import cross_stream, inventory
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.maintenance import maintain
 from es_pipeline.lake.read import query
 from es_pipeline.lake.state import history, stream_state
@@ -93,10 +94,10 @@ def assert_every_engine_agrees(spark: Any, warehouse: Any, *, expect: set[str]) 
 def _project(spark: Any, warehouse: Any, store: StoreDsn) -> None:
     """Every table es_pipeline keeps: the built-in projections (by Spark), snapshots, the shop's cross-stream
     projection and the typed event tables (by delta-rs)."""
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=store.extractor)
-    update_stream_catalog(spark, warehouse, store_dsn=store.extractor)
-    update_event_type_daily(spark, warehouse, store_dsn=store.extractor)
-    take_snapshots(spark, warehouse, EventStore(store.snapshots, "es"), threshold=3)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=store.extractor)
+    update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    update_event_type_daily(Engine(spark=spark), warehouse, store_dsn=store.extractor)
+    take_snapshots(Engine(spark=spark), warehouse, EventStore(store.snapshots, "es"), threshold=3)
     cross_stream.update(warehouse, SHOP, "sku_sales", store_dsn=store.extractor,
                         frontier=lambda: batch_frontier(store.extractor, SOURCE.consumer))
     event_tables.update(warehouse, SHOP, store_dsn=store.extractor)
@@ -152,7 +153,7 @@ def test_every_engine_reads_a_lake_on_s3_alike(dsn: StoreDsn, spark: Any, s3: S3
     warehouse = s3.bucket("interop")
     run_workload(EventStore(dsn), streams=20, events=300, writers=2, rollback_rate=0.1, max_commit_delay=0.005, seed=2)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor)
     figures = assert_every_engine_agrees(spark, warehouse, expect={"events", "stream_state", "event_tables",
                                                                     "events_item_added"})

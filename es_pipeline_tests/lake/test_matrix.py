@@ -41,6 +41,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import history as state_history
 from es_pipeline.lake.state import rebuild, stream_state, typed_state
 from es_pipeline.lake.typed import event_tables
@@ -175,11 +176,11 @@ class History:
         w, dsn = self.warehouse, self.dsn.extractor
         for name in sorted(names):
             if name == "stream_state":
-                stream_state.update_stream_state(self.spark, w, domain=domain, store_dsn=dsn)
+                stream_state.update_stream_state(Engine(spark=self.spark), w, domain=domain, store_dsn=dsn)
             elif name == "stream_catalog":
-                update_stream_catalog(self.spark, w, store_dsn=dsn)
+                update_stream_catalog(Engine(spark=self.spark), w, store_dsn=dsn)
             elif name == "event_type_daily":
-                update_event_type_daily(self.spark, w, store_dsn=dsn)
+                update_event_type_daily(Engine(spark=self.spark), w, store_dsn=dsn)
             elif name == "sku_sales":
                 cross_stream.update(w, domain, name, store_dsn=dsn, frontier=lambda: batch_frontier(dsn, CONSUMER))
             else:
@@ -319,8 +320,8 @@ def test_every_projection_through_any_history_equals_a_fold_of_the_store(
 
 
 def test_an_update_before_events_exists_says_to_extract_first(warehouse: Path) -> None:
-    for update in (lambda: stream_state.update_stream_state(None, warehouse, domain=SHOP),
-                   lambda: update_stream_catalog(None, warehouse), lambda: update_event_type_daily(None, warehouse),
+    for update in (lambda: stream_state.update_stream_state(Engine(), warehouse, domain=SHOP),
+                   lambda: update_stream_catalog(Engine(), warehouse), lambda: update_event_type_daily(Engine(), warehouse),
                    lambda: cross_stream.update(warehouse, SHOP, "sku_sales"), lambda: event_tables.update(warehouse, SHOP)):
         with pytest.raises(NoEventsYet, match="no `events` table at .* yet: extract first"):
             update()

@@ -25,6 +25,7 @@ from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.health.exporter import Latency, Reading, lake_metrics
 from es_pipeline.lake.delta import current
 from es_pipeline.lake.follow import follow
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.read.behind import Lake
@@ -94,7 +95,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     store = EventStore(dsn.writer)
     run_workload(store, streams=40, events=400, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=61)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     first = DeltaTable(str(warehouse / "stream_state")).version()
     two = bumped(SHOP, 2)
 
@@ -112,7 +113,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     # Built beside, killed after one piece of four: the live table untouched, health says how far it is.
     shadow = rebuild.Shadow(warehouse, "cart")
     with one_at_a_time(dsn.extractor, rebuild.TURN):
-        assert not rebuild.build(no_spark, shadow, two, stop_after=1)
+        assert not rebuild.build(Engine(spark=no_spark), shadow, two, stop_after=1)
     (found,) = rebuild.progress(warehouse)
     assert (found.stream_type, found.phase, found.pieces_done, found.pieces) == ("cart", "pieces", 1, 4)
     assert 0 < found.events_folded < found.events_total and found.expected_end is not None
@@ -124,7 +125,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     # A second revision during the first: the shadow built as revision 2 is dropped, and revision 3 starts anew.
     three = bumped(SHOP, 3)
     with one_at_a_time(dsn.extractor, rebuild.TURN):
-        assert not rebuild.build(no_spark, shadow, three, stop_after=2)
+        assert not rebuild.build(Engine(spark=no_spark), shadow, three, stop_after=2)
     (found,) = rebuild.progress(warehouse)
     assert found.pieces_done == 2 and json.loads(DeltaTable(shadow.state_path).metadata().description)["key"] \
         == rebuild.key_of(three, "cart", DeltaTable(str(warehouse / "events")).metadata().id)
@@ -141,7 +142,7 @@ def test_a_revision_is_built_beside_resumes_after_a_crash_starts_again_on_a_seco
     run_workload(store, streams=40, events=200, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=63)
     extract_all(dsn.extractor, None, warehouse)
     assert follow(warehouse, dsn.extractor, three)["stream_state"].listed("rebuilding_types") == ("cart",)
-    result = update_stream_state(no_spark, warehouse, domain=three, store_dsn=dsn.extractor)
+    result = update_stream_state(Engine(spark=no_spark), warehouse, domain=three, store_dsn=dsn.extractor)
     assert result.listed("rebuilt_types") == ("cart",) and not result.listed("rebuilding_types")
     assert lake_states(warehouse) == store_states(dsn, three)
     assert lake_rows(warehouse, "cart") == expected_rows(dsn, three, "cart")
@@ -170,7 +171,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
     store = EventStore(dsn.writer)
     run_workload(store, streams=40, events=300, writers=3, rollback_rate=0.1, max_commit_delay=0.01, seed=71)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     first = DeltaTable(str(warehouse / "stream_state")).version()
     two = bumped(SHOP, 2)
 
@@ -203,7 +204,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
         t.start()
     try:
         time.sleep(2)
-        swapped = rebuild.run_pending(spark, warehouse, two, dsn.extractor, engine="spark")
+        swapped = rebuild.run_pending(Engine("spark", spark), warehouse, two, dsn.extractor)
     finally:
         threads[0].join()
         stop.set()
@@ -213,7 +214,7 @@ def test_a_revision_under_concurrent_writers_and_a_tailing_run_keeps_the_other_t
     held = [r for r in seen if r.listed("rebuilding_types") == ("cart",)]
     assert any(r.events_folded for r in held), "the other types were folded while the carts were rebuilt"
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=two, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=two, store_dsn=dsn.extractor)
     assert lake_states(warehouse) == store_states(dsn, two)
     assert lake_rows(warehouse, "cart") == expected_rows(dsn, two, "cart")
     carts_never_mixed(warehouse, first)
@@ -229,7 +230,7 @@ def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_hel
     store = EventStore(dsn.writer)
     run_workload(store, streams=30, events=200, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=81)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=82)
     extract_all(dsn.extractor, None, warehouse)
     held = follow(warehouse, dsn.extractor, bumped(SHOP, 2))["stream_state"]
@@ -238,7 +239,7 @@ def test_a_revision_rolled_back_before_its_rebuild_still_folds_the_events_it_hel
     extract_all(dsn.extractor, None, warehouse)
     again = follow(warehouse, dsn.extractor, SHOP)["stream_state"]  # rolled back: still held, until rebuilt
     assert isinstance(again, Result) and again.listed("rebuilding_types") == ("cart",)
-    done = update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    done = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     assert done.listed("rebuilt_types") == ("cart",)
     assert lake_states(warehouse) == store_states(dsn, SHOP)
     later = follow(warehouse, dsn.extractor, SHOP)["stream_state"]
@@ -250,22 +251,22 @@ def test_a_table_with_deletion_vectors_holds_and_swaps_by_spark(dsn: StoreDsn, s
     store = EventStore(dsn.writer)
     run_workload(store, streams=30, events=200, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=101)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)
     path = str(warehouse / "stream_state")
     spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = true)")
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=102)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)
     assert current.has_deletion_vectors(DeltaTable(path))
 
     two = bumped(SHOP, 2)
     run_workload(store, streams=30, events=100, writers=2, rollback_rate=0.1, max_commit_delay=0.01, seed=103)
     extract_all(dsn.extractor, None, warehouse)
-    held = update_stream_state(spark, warehouse, domain=two, rebuilds="hold")
+    held = update_stream_state(Engine(spark=spark), warehouse, domain=two, rebuilds="hold")
     assert held.engine == "spark" and held.listed("rebuilding_types") == ("cart",)
     events_id = DeltaTable(str(warehouse / "events")).metadata().id
     assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == ["cart"]
-    done = update_stream_state(spark, warehouse, domain=two)
+    done = update_stream_state(Engine(spark=spark), warehouse, domain=two)
     assert done.listed("rebuilt_types") == ("cart",)
     assert rebuild.held_back(DeltaTable(path), events_id, ["cart", "account"]) == []
     rows = spark.read.format("delta").load(path).collect()  # (deletion vectors: read by Spark)
@@ -286,11 +287,11 @@ def test_a_rebuild_resumed_after_events_was_vacuumed_starts_again_at_the_live_ve
     store = EventStore(dsn.writer)
     run_workload(store, streams=30, events=300, writers=2, rollback_rate=0, max_commit_delay=0, seed=71)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     two = bumped(SHOP, 2)
     shadow = rebuild.Shadow(warehouse, "cart")
     with one_at_a_time(dsn.extractor, rebuild.TURN):
-        assert not rebuild.build(no_spark, shadow, two, stop_after=1)
+        assert not rebuild.build(Engine(spark=no_spark), shadow, two, stop_after=1)
     for seed in (72, 73):
         run_workload(store, streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
         extract_all(dsn.extractor, None, warehouse)
@@ -303,9 +304,9 @@ def test_a_rebuild_resumed_after_events_was_vacuumed_starts_again_at_the_live_ve
     follow(warehouse, dsn.extractor, two)  # stream_state folds on, past the vacuum
     said: list[str] = []
     with one_at_a_time(dsn.extractor, rebuild.TURN):
-        assert rebuild.build(no_spark, shadow, two, say=said.append)
+        assert rebuild.build(Engine(spark=no_spark), shadow, two, say=said.append)
     assert any("vacuumed" in line and "started again" in line for line in said), said
-    result = update_stream_state(no_spark, warehouse, domain=two, store_dsn=dsn.extractor)
+    result = update_stream_state(Engine(spark=no_spark), warehouse, domain=two, store_dsn=dsn.extractor)
     assert result.listed("rebuilt_types") == ("cart",) and not result.listed("rebuilding_types")
     assert lake_states(warehouse) == store_states(dsn, two)
 
@@ -316,7 +317,7 @@ def test_a_history_table_held_back_with_its_type_shows_its_distance(dsn: StoreDs
     store = EventStore(dsn.writer)
     run_workload(store, streams=20, events=150, writers=2, rollback_rate=0, max_commit_delay=0, seed=81)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     lake = Lake(warehouse)
     folded = lake.folded()
     assert folded["stream_state_cart_history"] == folded["stream_state_account_history"] == lake.events_version()

@@ -33,6 +33,7 @@ from es_pipeline.extraction.slices import split
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.arrow_append import append_batches
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.maintenance import maintain
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
@@ -240,9 +241,9 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     run_workload(EventStore(dsn.writer), streams=50, events=800, writers=2, rollback_rate=0.1, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
     assert assert_exactly_once(spark, warehouse, dsn) == 800
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
-    update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor)
-    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=dsn.extractor)
+    update_event_type_daily(Engine(spark=spark), warehouse, store_dsn=dsn.extractor)
     streams = {s for s, _ in source_events(dsn)}
     assert tables.read(spark, tables.table_path(warehouse, "stream_state")).count() == len(streams)
     daily = tables.read(spark, tables.table_path(warehouse, "event_type_daily")).groupBy().sum("events").first()
@@ -259,8 +260,8 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     # The projections go on from their compaction by delta-rs: Spark's next increments read and merge into them.
     run_workload(EventStore(dsn.writer), streams=50, events=200, writers=2, rollback_rate=0.0, max_commit_delay=0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor, small_increments=False)
-    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_event_type_daily(Engine(spark=spark), warehouse, store_dsn=dsn.extractor)
     daily = tables.read(spark, tables.table_path(warehouse, "event_type_daily")).groupBy().sum("events").first()
     assert daily is not None and daily[0] == 1000
     state = tables.read(spark, tables.table_path(warehouse, "stream_state"))

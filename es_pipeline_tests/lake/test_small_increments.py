@@ -15,6 +15,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.follow import follow
 from es_pipeline.lake.kernel import feed
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.maintenance import compact_with_delta_rs
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.conninfo import lock_transaction
@@ -39,10 +40,11 @@ def _newest_commit_engine(path: Path) -> str:
     return "delta-rs" if "delta-rs" in str(newest.get("clientVersion", "")) else str(newest.get("engineInfo"))
 
 
-def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn, **kw: Any) -> list[Any]:
-    return [update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor, **kw),
-            update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor, **kw),
-            update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor, **kw)]
+def _update_all(spark: Any, warehouse: Path, dsn: StoreDsn, small_increments: bool = True) -> list[Any]:
+    engine = Engine(spark=spark, small_increments=small_increments)
+    return [update_stream_state(engine, warehouse, domain=SHOP, store_dsn=dsn.extractor),
+            update_stream_catalog(engine, warehouse, store_dsn=dsn.extractor),
+            update_event_type_daily(engine, warehouse, store_dsn=dsn.extractor)]
 
 
 def test_small_increments_need_no_spark_are_committed_by_delta_rs_and_equal_the_source(
@@ -114,7 +116,7 @@ def test_follow_on_a_kept_connection_reads_the_feed_once_for_tables_at_different
             run_workload(store, streams=20, events=60, writers=2, rollback_rate=0, max_commit_delay=0, seed=seed)
             extract_all(dsn.extractor, None, warehouse)
             if behind:  # stream_state alone moves on: the others now stand a version behind it
-                update_stream_state(no_spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+                update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
                 run_workload(store, streams=20, events=30, writers=1, rollback_rate=0, max_commit_delay=0, seed=8)
                 extract_all(dsn.extractor, None, warehouse)
             reads.clear()

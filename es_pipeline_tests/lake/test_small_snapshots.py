@@ -19,6 +19,7 @@ from es_pipeline.domain import Domain, Event
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import snapshots
 from es_pipeline.lake.state.snapshots import app_id, latest, take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -60,12 +61,12 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         run_workload(EventStore(dsn.writer), streams=40, events=400, writers=2, rollback_rate=0, max_commit_delay=0,
                      seed=round_)
         Extractor(dsn.extractor, spark, small).run(SliceRange(0, 1023))
-        update_stream_state(spark, small, domain=SHOP)
+        update_stream_state(Engine(spark=spark), small, domain=SHOP)
         # The same stream_state, log and all, beside it (one store feeds one lake: its offsets say which).
         shutil.rmtree(big / "stream_state", ignore_errors=True)
         shutil.copytree(small / "stream_state", big / "stream_state")
-        on_small = take_snapshots(None, small, store, threshold=4)  # no Spark session: it must not need one
-        on_spark = take_snapshots(spark, big, store, threshold=4, engine="spark")  # ES_PIPELINE_ENGINE=spark
+        on_small = take_snapshots(Engine(), small, store, threshold=4)  # no Spark session: it must not need one
+        on_spark = take_snapshots(Engine("spark", spark), big, store, threshold=4)  # ES_PIPELINE_ENGINE=spark
         assert (on_small.engine, on_spark.engine) == ("local", "spark")
         assert on_small.taken == on_spark.taken > 0
         assert _taken(small) == _taken(big)
@@ -76,8 +77,8 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
 
     # A replay of the same stream_state version appends nothing, on either path, over the other's commit.
     version = DeltaTable(tables.table_path(small, "snapshots")).version()
-    assert take_snapshots(None, small, store, threshold=1).taken == 0
-    take_snapshots(spark, small, store, threshold=1, small=False)
+    assert take_snapshots(Engine(), small, store, threshold=1).taken == 0
+    take_snapshots(Engine(spark=spark, small_increments=False), small, store, threshold=1)
     assert DeltaTable(tables.table_path(small, "snapshots")).version() == version
     assert DeltaTable(tables.table_path(small, "snapshots")).transaction_version(
         app_id(tables.table_path(small, "stream_state"))) == on_small.state_version
@@ -86,12 +87,12 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("DELETE FROM es.snapshots WHERE stream_id IN "
                             "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount == 3
-    assert take_snapshots(None, small, store, threshold=4).written_back == 3
+    assert take_snapshots(Engine(), small, store, threshold=4).written_back == 3
     assert stored_snapshots(dsn) == lake
 
     # ES_PIPELINE_ENGINE=local keeps a take past the streams bound in process (no Spark session to ask for).
     monkeypatch.setattr(snapshots, "SMALL_SNAPSHOTS", 0)
-    assert take_snapshots(None, small, store, threshold=1, engine="local").engine == "local"
+    assert take_snapshots(Engine("local"), small, store, threshold=1).engine == "local"
 
 
 def test_a_revision_rolled_back_is_snapshotted_once_and_written_back(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
@@ -111,14 +112,14 @@ def test_a_revision_rolled_back_is_snapshotted_once_and_written_back(dsn: StoreD
     extract = Extractor(dsn.extractor, None, warehouse)
     for domain, revision in ((SHOP, one), (v2, two), (SHOP, one)):
         extract.run(SliceRange(0, 1023))
-        update_stream_state(spark, warehouse, domain=domain)
-        assert take_snapshots(None, warehouse, store, threshold=1).taken == 1, f"revision {revision} taken once"
+        update_stream_state(Engine(spark=spark), warehouse, domain=domain)
+        assert take_snapshots(Engine(), warehouse, store, threshold=1).taken == 1, f"revision {revision} taken once"
         assert stored_snapshots(dsn)["cart-1"][:2] == (1, revision), "the store holds the revision in service"
     # Another stream moves stream_state on; the cart, unchanged, is not taken again.
     writer.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "b"})], 0)
     extract.run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse, domain=SHOP)
-    assert take_snapshots(None, warehouse, store, threshold=1).taken == 1
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
+    assert take_snapshots(Engine(), warehouse, store, threshold=1).taken == 1
     taken = DeltaTable(tables.table_path(warehouse, "snapshots")).to_pyarrow_table(
         columns=["stream_id", "version", "revision"]).to_pylist()
     assert sorted((r["stream_id"], r["version"], r["revision"]) for r in taken) == sorted([

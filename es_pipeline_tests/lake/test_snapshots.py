@@ -16,6 +16,7 @@ from es_pipeline.dev.workload import DemoStream, next_events
 from es_pipeline.domain import Event
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, RecordedEvent
@@ -48,8 +49,8 @@ def test_load_from_snapshot_plus_later_events_equals_full_replay(
         k = max(1, int(len(events) * split_at))
         s.version = store.append(s.stream_id, s.stream_type, events[:k], 0)
     Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
-    update_stream_state(spark, warehouse, domain=SHOP)
-    take_snapshots(spark, warehouse, store, threshold=threshold)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
+    take_snapshots(Engine(spark=spark), warehouse, store, threshold=threshold)
     for s, events in zip(streams, plans, strict=True):  # the rest arrives after the snapshot
         rest = events[s.version:]
         if rest:

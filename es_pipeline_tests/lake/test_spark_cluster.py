@@ -25,6 +25,7 @@ from es_pipeline.dev.spark_cluster import SparkCluster, connect_server, standalo
 from es_pipeline.dev.workload import bulk_load, run_workload
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import extract_all, source_events
@@ -130,7 +131,7 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     built = _as_built(sku_sales)
     by_spark = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"} for r in built.to_pyarrow_table().to_pylist()}
     cross_stream.mark_for_rebuild(warehouse, "sku_sales", str(table.metadata().id))
-    assert cross_stream.update(warehouse, SHOP, "sku_sales", engine="local").engine == "local"
+    assert cross_stream.update(warehouse, SHOP, "sku_sales", engine=Engine("local")).engine == "local"
     in_process = {r["sku"]: {c: v for c, v in r.items() if c != "updated_at"}
                   for r in DeltaTable(sku_sales).to_pyarrow_table().to_pylist()}
     assert by_spark and in_process == by_spark
@@ -142,7 +143,7 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     by_spark = {name: _rows(_as_built(tables.table_path(warehouse, name))) for name in names}
     DeltaTable(tables.table_path(warehouse, event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)
-    again = event_tables.update(warehouse, SHOP, engine="local")
+    again = event_tables.update(warehouse, SHOP, engine=Engine("local"))
     assert again.full_rebuild and again.engine == "local" and again.events_folded == 6600 + 2 * TYPES
     assert {name: _rows(DeltaTable(tables.table_path(warehouse, name))) for name in names} == by_spark
 

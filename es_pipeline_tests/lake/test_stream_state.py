@@ -16,6 +16,7 @@ from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -47,10 +48,9 @@ def first_build(request: pytest.FixtureRequest, spark: Any, monkeypatch: pytest.
     """`update_stream_state` with its first build on Spark, or in-process (lake/state/whole_fold.py: forked even for a
     few events, and with no Spark session to fall back on)."""
     if request.param == "spark":
-        return lambda warehouse, **kw: update_stream_state(spark, warehouse, **{"domain": SHOP, **kw},
-                                                           small_increments=False)
+        return lambda warehouse, **kw: update_stream_state(Engine(spark=spark, small_increments=False), warehouse, **{"domain": SHOP, **kw})
     monkeypatch.setattr(forked, "ONE_PROCESS_ROWS", 0)
-    return lambda warehouse, **kw: update_stream_state(no_spark, warehouse, **{"domain": SHOP, **kw})
+    return lambda warehouse, **kw: update_stream_state(Engine(spark=no_spark), warehouse, **{"domain": SHOP, **kw})
 
 
 def test_incremental_state_equals_full_replay_after_many_increments_with_concurrent_writers(
@@ -58,7 +58,7 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
 ) -> None:
     run_workload(EventStore(dsn), streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=10)
     extract_all(dsn.extractor, spark, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP)  # warm: the Python workers and the table exist
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)  # warm: the Python workers and the table exist
     # 20 s of writers at 60 events/s (their rate, not the size, sets the time): several increments under them.
     writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
         streams=200, events=1200, writers=8, rollback_rate=0.1, max_commit_delay=0.1, seed=11, rate=60.0))
@@ -66,11 +66,11 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
     increments = 0
     while writers.is_alive():
         extract_all(dsn.extractor, spark, warehouse)
-        update_stream_state(spark, warehouse, domain=SHOP)
+        update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
         increments += 1
     writers.join()
     extract_all(dsn.extractor, spark, warehouse)
-    last = update_stream_state(spark, warehouse, domain=SHOP)
+    last = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     assert increments >= 2 and last.previous_events_version > 0, "the state was built incrementally"
     expected = full_replay(dsn)
     got = lake_state(spark, warehouse)
@@ -83,8 +83,8 @@ def test_incremental_state_equals_full_replay_after_many_increments_with_concurr
 def test_a_retried_update_folds_nothing_twice(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
     run_workload(EventStore(dsn), streams=50, events=300, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, spark, warehouse)
-    first = update_stream_state(spark, warehouse, domain=SHOP)
-    again = update_stream_state(spark, warehouse, domain=SHOP)
+    first = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
+    again = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     assert first.events_folded == 300 and again.events_folded == 0
     assert {k: v[0] for k, v in lake_state(spark, warehouse).items()} == {k: v[0] for k, v in full_replay(dsn).items()}
 
@@ -94,7 +94,7 @@ def test_a_revision_bump_rebuilds_that_stream_type_alone(
 ) -> None:
     run_workload(EventStore(dsn), streams=60, events=400, writers=2, rollback_rate=0, max_commit_delay=0)
     extract_all(dsn.extractor, spark, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     before = {r["stream_id"]: r["updated_at"] for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
 
     def cart_v2(state: dict[str, Any], event: Event) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def test_a_revision_bump_rebuilds_that_stream_type_alone(
     v2.add(SHOP.reducers["account"])
     for upcaster in SHOP.upcasters.values():  # the shop's, kept: cart's revision is then 3 (2 + its one upcaster)
         v2.add_upcaster(upcaster)
-    result = update_stream_state(spark, warehouse, domain=v2)
+    result = update_stream_state(Engine(spark=spark), warehouse, domain=v2)
     assert result.listed("rebuilt_types") == ("cart",)
     rows = {r["stream_id"]: r for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
     carts = [r for r in rows.values() if r["stream_type"] == "cart"]
@@ -161,7 +161,7 @@ def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, war
     assert first.figures["parked_streams"] == 1
     assert lake_state(spark, warehouse)["acc-g"][0] == 1
     put(2, "Deposited", {"amount": 10})
-    second = update_stream_state(spark, warehouse, domain=SHOP)
+    second = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     assert second.figures["parked_streams"] == 0
     version, state, _ = lake_state(spark, warehouse)["acc-g"]
     assert version == 3 and state["balance"] == 8.0
@@ -187,15 +187,15 @@ def test_two_tenants_with_one_stream_id_keep_their_own_state_and_counts(spark: A
     put("a", 1, "Opened", {"owner": "a", "currency": "EUR"})
     put("b", 1, "Opened", {"owner": "b", "currency": "USD"})
     put(None, 1, "Opened", {"owner": "none", "currency": "CHF"})
-    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # the first build is Spark's
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)  # the first build is Spark's
     for update in (update_stream_catalog, update_event_type_daily):
-        update(spark, warehouse, small_increments=False)
+        update(Engine(spark=spark, small_increments=False), warehouse)
     put("a", 2, "Deposited", {"amount": 10})
     put("b", 2, "Deposited", {"amount": 5})
     put("b", 3, "Deposited", {"amount": 1})
-    assert update_stream_state(spark, warehouse, domain=SHOP, small_increments=small).events_folded == 3
-    update_stream_catalog(spark, warehouse, small_increments=small)
-    update_event_type_daily(spark, warehouse, small_increments=small)
+    assert update_stream_state(Engine(spark=spark, small_increments=small), warehouse, domain=SHOP).events_folded == 3
+    update_stream_catalog(Engine(spark=spark, small_increments=small), warehouse)
+    update_event_type_daily(Engine(spark=spark, small_increments=small), warehouse)
 
     state = {r["tenant"]: (r["version"], json.loads(r["state"])) for r in tables.read(spark, str(warehouse / "stream_state")).collect()}
     assert {t: (v, s["owner"], s["balance"]) for t, (v, s) in state.items()} == {
@@ -214,14 +214,14 @@ def test_a_stream_state_made_before_tenants_takes_the_column_and_keeps_its_rows(
     tables.ensure_table(spark, path, EVENTS.ddl, properties=EVENTS.properties)
     spark.createDataFrame([(1, 1, "acc-o", "account", 1, 1, "Opened", json.dumps({"owner": "o", "currency": "EUR"}),
                             "{}", None, None, 1, None, None)], EVENTS.ddl).write.format("delta").mode("append").save(path)
-    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)
     state_path = str(warehouse / "stream_state")
     old = tables.read(spark, state_path).drop("tenant")  # what a release before tenants left
     old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(state_path)
     assert not tables.has_columns(state_path, ["tenant"])
     spark.createDataFrame([(2, 2, "acc-o", "account", 2, 1, "Deposited", json.dumps({"amount": 3}), "{}", None, None, 2,
                             "json", "")], EVENTS.ddl).write.format("delta").mode("append").save(path)
-    update_stream_state(spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
     rows = tables.read(spark, state_path).collect()
     assert [(r["tenant"], r["stream_id"], r["version"], json.loads(r["state"])["balance"]) for r in rows] == [
         ("", "acc-o", 2, 3.0)]
@@ -260,18 +260,18 @@ def test_a_stream_type_without_a_reducer_has_rows_without_state_until_a_reducer_
     assert inv["last_event_at"] is not None and rows()["cart-1"]["revision"] == SHOP.revisions()["cart"]
     store.append("inv-2", "invoice", [NewEvent("Paid", {})], 1)
     extract_all(dsn.extractor, spark, warehouse)
-    increment = update_stream_state(spark, warehouse, domain=SHOP)  # the small increment
+    increment = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)  # the small increment
     assert (increment.events_folded, increment.figures["streams_without_reducer"]) == (1, 1)
     assert (rows()["inv-2"]["version"], rows()["inv-2"]["state"]) == (2, None)
     cart_at = rows()["cart-1"]["updated_at"]
 
-    added = update_stream_state(spark, warehouse, domain=_invoice_domain())  # a reducer for invoices: that type, from v1
+    added = update_stream_state(Engine(spark=spark), warehouse, domain=_invoice_domain())  # a reducer for invoices: that type, from v1
     assert added.listed("rebuilt_types") == ("invoice",) and added.figures["streams_without_reducer"] == 0
     after = rows()
     assert {s: (after[s]["revision"], json.loads(after[s]["state"])) for s in ("inv-1", "inv-2")} == {
         "inv-1": (1, {"amount": 10, "paid": True}), "inv-2": (1, {"amount": 5, "paid": True})}
     assert after["cart-1"]["updated_at"] == cart_at
-    removed = update_stream_state(spark, warehouse, domain=SHOP)  # the reducer gone again: its streams back to rows without state
+    removed = update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)  # the reducer gone again: its streams back to rows without state
     assert removed.listed("rebuilt_types") == ("invoice",)
     assert {(r["stream_id"], r["state"], r["revision"]) for r in rows().values() if r["stream_type"] == "invoice"} == {
         ("inv-1", None, 0), ("inv-2", None, 0)}

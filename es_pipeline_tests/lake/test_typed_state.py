@@ -17,6 +17,7 @@ from shop.domain import domain as SHOP
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import typed_state
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
@@ -66,19 +67,19 @@ def test_typed_tables_equal_a_fold_of_the_store_through_first_build_small_increm
     store = EventStore(dsn)
     run_workload(store, streams=40, events=400, writers=2, rollback_rate=0.1, max_commit_delay=0, seed=21)
     extract_all(dsn.extractor, None, warehouse)
-    built = update_stream_state(no_spark, warehouse, domain=SHOP)
+    built = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     assert sum(built.per("typed_rows").values()) == 40 and len(built.per("typed_rows")) == 2
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
     run_workload(store, streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=22)
     extract_all(dsn.extractor, None, warehouse)
-    small = update_stream_state(no_spark, warehouse, domain=SHOP)  # the small increment: only the streams it touched
+    small = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)  # the small increment: only the streams it touched
     assert 0 < sum(small.per("typed_rows").values()) <= small.figures["streams_updated"]
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
     run_workload(store, streams=40, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=23)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, small_increments=False)  # Spark's MERGE feeds them alike
+    update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP)  # Spark's MERGE feeds them alike
     assert _assert_typed_equal_replay(dsn, warehouse) >= 40
-    again = update_stream_state(no_spark, warehouse, domain=SHOP)
+    again = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     assert again.per("typed_rows") == {} and again.events_folded == 0
     # Typed columns read as such by Spark: no JSON to parse.
     open_carts = spark.read.format("delta").load(str(warehouse / "stream_state_cart")).where("status = 'open'").count()
@@ -100,7 +101,7 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
                                           NewEvent("Deposited", {"amount": 5})], 0)
     store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "a", "unit_price": 2.0})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     cart_rows = _typed(warehouse, "stream_state_cart")
 
     def account_v2(state: dict[str, Any], event: Event) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
     for upcaster in SHOP.upcasters.values():  # the carts' upcaster kept: carts are not rebuilt
         v2.add_upcaster(upcaster)
     v2.reducer("account", revision=2, state=_AccountV2)(account_v2)
-    result = update_stream_state(spark, warehouse, domain=v2)  # a revision rebuild is Spark's
+    result = update_stream_state(Engine(spark=spark), warehouse, domain=v2)  # a revision rebuild is Spark's
     assert result.listed("rebuilt_types") == ("account",)
     account = _typed(warehouse, "stream_state_account")["account-1"]
     assert (account["owner"], account["balance"], account["opened"], account["revision"]) == ("o", 5.0, True, 2)
@@ -129,9 +130,9 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
     state_version = DeltaTable(str(warehouse / "stream_state")).version()
     with pytest.raises(ReducerError, match=r"stream 'account-1' version 2 \(Deposited\): its state's field 'balance' "
                                            r"holds a str \(declared double"):
-        update_stream_state(spark, warehouse, domain=bad)
+        update_stream_state(Engine(spark=spark), warehouse, domain=bad)
     assert DeltaTable(str(warehouse / "stream_state")).version() == state_version  # nothing committed
-    update_stream_state(spark, warehouse, domain=v2)
+    update_stream_state(Engine(spark=spark), warehouse, domain=v2)
     account = _typed(warehouse, "stream_state_account")["account-1"]
     assert (account["balance"], account["revision"]) == (5.0, 2)
 
@@ -173,14 +174,14 @@ def test_a_lake_folded_before_its_states_were_declared_gets_its_typed_tables_who
     store = EventStore(dsn)
     run_workload(store, streams=20, events=200, writers=2, rollback_rate=0, max_commit_delay=0, seed=31)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=untyped)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=untyped)
     assert not (warehouse / "stream_state_cart").exists()
-    upgraded = update_stream_state(no_spark, warehouse, domain=SHOP)
+    upgraded = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     assert upgraded.events_folded == 0 and sum(upgraded.per("typed_rows").values()) == 20
     _assert_typed_equal_replay(dsn, warehouse)
     run_workload(store, streams=20, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=32)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     _assert_typed_equal_replay(dsn, warehouse)
 
 
@@ -194,20 +195,20 @@ def test_a_typed_table_its_type_did_not_move_is_left_alone_then_catches_up_from_
     store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 1, "unit_price": 2.0})], 0)
     store.append("account-1", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=SHOP)
-    update_stream_state(no_spark, warehouse, domain=SHOP)  # nothing new: every table found with its columns
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)  # nothing new: every table found with its columns
     cart_version = DeltaTable(str(warehouse / "stream_state_cart")).version()
     for n in range(3):
         store.append("account-1", "account", [NewEvent("Deposited", {"amount": n + 1})], n + 1)
         extract_all(dsn.extractor, None, warehouse)
-        moved = update_stream_state(no_spark, warehouse, domain=SHOP)
+        moved = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
         assert moved.per("typed_rows") == {"stream_state_account": 1}
     assert DeltaTable(str(warehouse / "stream_state_cart")).version() == cart_version  # left alone
     _assert_typed_equal_replay(dsn, warehouse)
     store.append("cart-1", "cart", [NewEvent("ItemAdded", {"sku": "b", "qty": 2, "unit_price": 1.0})], 1)
     store.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "c", "qty": 1, "unit_price": 5.0})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    caught_up = update_stream_state(no_spark, warehouse, domain=SHOP)
+    caught_up = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     assert caught_up.per("typed_rows") == {"stream_state_cart": 2}
     _assert_typed_equal_replay(dsn, warehouse)
 
@@ -255,11 +256,11 @@ def test_a_typed_state_round_trips_dates_times_nested_and_optional_values(dsn: S
                                    NewEvent("Visited", {"at": "2026-11-27T10:30:00+00:00", "place": "desk"})], 0)
     store.append("t-2", "ticket", [NewEvent("Opened", {"at": "2026-11-27T08:00:00+00:00", "due": "2026-12-02"})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=_tickets())
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=_tickets())
     store.append("t-1", "ticket", [NewEvent("Visited", {"at": "2026-12-03T11:00:00+00:00", "place": "desk"}),
                                    NewEvent("Closed", {"at": "2026-12-03T12:00:00+00:00"})], 2)
     extract_all(dsn.extractor, None, warehouse)
-    update_stream_state(no_spark, warehouse, domain=_tickets())  # folds on from the JSON the first run wrote
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=_tickets())  # folds on from the JSON the first run wrote
 
     utc = dt.UTC
     one = _typed(warehouse, "stream_state_ticket")
@@ -275,7 +276,7 @@ def test_a_typed_state_round_trips_dates_times_nested_and_optional_values(dsn: S
     # Built at once on Spark (a new revision): the same table as the increments made.
     again = Domain("tickets, again")
     again.reducer("ticket", revision=2, state=_Ticket)(_ticket)
-    assert update_stream_state(spark, warehouse, domain=again).listed("rebuilt_types") == ("ticket",)
+    assert update_stream_state(Engine(spark=spark), warehouse, domain=again).listed("rebuilt_types") == ("ticket",)
     assert {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in
             _typed(warehouse, "stream_state_ticket").items()} == \
         {k: {c: v for c, v in r.items() if c not in ("revision", "updated_at")} for k, r in one.items()}
@@ -297,5 +298,5 @@ def test_a_state_that_does_not_fit_names_its_stream_version_and_field_and_commit
     )
     for fold, says in cases:
         with pytest.raises(ReducerError, match=f"stream 't-1' version 1 \\(Opened\\): its state's .*{says}"):
-            update_stream_state(no_spark, warehouse, domain=_tickets(fold))
+            update_stream_state(Engine(spark=no_spark), warehouse, domain=_tickets(fold))
         assert not (warehouse / "stream_state").exists() or DeltaTable(str(warehouse / "stream_state")).version() <= 0

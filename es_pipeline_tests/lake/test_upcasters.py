@@ -13,6 +13,7 @@ from deltalake import DeltaTable
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
 from es_pipeline.lake import cross_stream
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.hooks import no_spark
@@ -58,7 +59,7 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
     store.append("account-1", "account", [NewEvent("Opened", {"owner": "o", "currency": "EUR"})], 0)
     extract_all(dsn.extractor, None, warehouse)
     orders = _orders()
-    built = update_stream_state(no_spark, warehouse, domain=orders)
+    built = update_stream_state(Engine(spark=no_spark), warehouse, domain=orders)
     rows = _rows(warehouse)
     assert json.loads(rows["order-1"]["state"]) == {
         "lines": {"a": 3.0, "b": 4.0, "c": 3.0}, "currency": "EUR", "types": ["ItemAdded"] * 3}
@@ -67,7 +68,7 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
 
     store.append("order-2", "order", [NewEvent("ItemAdded", {"sku": "z", "price": 2.0})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    assert update_stream_state(no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
+    assert update_stream_state(Engine(spark=no_spark), warehouse, domain=orders).events_folded == 1  # the small increment
     assert json.loads(_rows(warehouse)["order-2"]["state"])["lines"] == {"z": 2.0}
 
     # A third upcaster (v3 → v4: currencies lower-case) is a revision change: `order` is rebuilt, from v1.
@@ -75,7 +76,7 @@ def test_a_history_written_as_v1_v2_and_v3_folds_as_if_written_today_and_a_new_u
         return {**p, "unit_price": {**p["unit_price"], "currency": p["unit_price"]["currency"].lower()}}
 
     orders.upcaster("ItemAdded", version=3)(_v3_to_v4)
-    rebuilt = update_stream_state(spark, warehouse, domain=orders)  # a revision rebuild is Spark's
+    rebuilt = update_stream_state(Engine(spark=spark), warehouse, domain=orders)  # a revision rebuild is Spark's
     assert rebuilt.listed("rebuilt_types") == ("order",)
     after = _rows(warehouse)
     assert {s: (after[s]["revision"], json.loads(after[s]["state"])["currency"]) for s in ("order-1", "order-2")} == {
@@ -143,9 +144,9 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
                                       for v in ("nope", 2.5, 0, True)], 0)
     extract_all(dsn.extractor, None, warehouse)
     if path == "Spark":
-        update_stream_state(spark, warehouse, domain=orders, small_increments=False)
+        update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=orders)
     else:
-        update_stream_state(no_spark, warehouse, domain=orders)
+        update_stream_state(Engine(spark=no_spark), warehouse, domain=orders)
     rows = _rows(warehouse)
     assert json.loads(rows["order-1"]["state"]) == {"lines": {"a": 3.0, "b": 4.0}, "currency": "EUR",
                                                     "types": ["ItemAdded", "ItemAdded"]}
@@ -155,9 +156,9 @@ def test_schema_versions_read_from_the_events_metadata(dsn: StoreDsn, spark: Any
                                                              "currency": "EUR"}, {"schema_version": 2})], 1)
     extract_all(dsn.extractor, None, warehouse)
     if path == "Spark":
-        update_stream_state(spark, warehouse, domain=orders, small_increments=False)
+        update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=orders)
     else:
-        assert update_stream_state(no_spark, warehouse, domain=orders).events_folded == 1  # the small increment
+        assert update_stream_state(Engine(spark=no_spark), warehouse, domain=orders).events_folded == 1  # the small increment
     assert json.loads(_rows(warehouse)["order-2"]["state"])["lines"] == {"a": 3.0, "c": 2.0}
     cross_stream.update(warehouse, orders, "sku_lines")
     held = {r["sku"]: json.loads(r["state"]) for r in DeltaTable(str(warehouse / "sku_lines")).to_pyarrow_table().to_pylist()}

@@ -16,6 +16,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.kernel import engine
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked, stream_state
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
@@ -51,14 +52,14 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     shutil.copytree(warehouse / "events", spark_lake / "events")
     shutil.copytree(warehouse / "events", pieces_lake / "events")
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
-    built = update_stream_state(no_spark, warehouse, domain=SHOP)
+    built = update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
     assert (built.previous_events_version, built.events_folded, built.figures["streams_updated"]) == (-1, 4000, len(expected))
-    by_spark = update_stream_state(spark, spark_lake, domain=SHOP, small_increments=False)
+    by_spark = update_stream_state(Engine(spark=spark, small_increments=False), spark_lake, domain=SHOP)
     assert (by_spark.events_folded, by_spark.figures["streams_updated"]) == (4000, len(expected))
     assert _rows(warehouse / "stream_state") == _rows(spark_lake / "stream_state")
     # In pieces (lake/delta/pieces.py): some 7 pieces by slice span, read back from disk, a piece per worker.
     monkeypatch.setattr(pieces, "PIECE_BYTES", tables.files_bytes(DeltaTable(str(warehouse / "events"))) // 7 + 1)
-    in_pieces = update_stream_state(no_spark, pieces_lake, domain=SHOP)
+    in_pieces = update_stream_state(Engine(spark=no_spark), pieces_lake, domain=SHOP)
     assert (in_pieces.events_folded, in_pieces.figures["streams_updated"]) == (4000, len(expected))
     assert _rows(pieces_lake / "stream_state") == _rows(warehouse / "stream_state")
     app = stream_state.app_id(tables.table_id(str(warehouse / "events")))  # the copy of `events` is the same table
@@ -69,10 +70,10 @@ def test_the_forked_first_build_equals_the_store_and_spark_and_increments_go_on_
     run_workload(store, streams=300, events=600, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=32)
     extract_all(dsn.extractor, spark, warehouse)
     # the small increment, from the build
-    assert update_stream_state(no_spark, warehouse, domain=SHOP).events_folded == 600
+    assert update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP).events_folded == 600
     run_workload(store, streams=300, events=300, writers=4, rollback_rate=0.1, max_commit_delay=0, seed=33)
     extract_all(dsn.extractor, spark, warehouse)
-    assert update_stream_state(spark, warehouse, domain=SHOP, small_increments=False).events_folded == 300  # and Spark's
+    assert update_stream_state(Engine(spark=spark, small_increments=False), warehouse, domain=SHOP).events_folded == 300  # and Spark's
     expected = {k: (v, json.loads(json.dumps(s))) for k, (v, s) in full_replay(dsn).items()}
     assert {k: (v, s) for k, (v, s, _) in lake_state(spark, warehouse).items()} == expected
 
@@ -83,8 +84,8 @@ def test_a_lake_past_the_bound_is_left_to_spark(dsn: StoreDsn, spark: Any, wareh
     extract_all(dsn.extractor, spark, warehouse)
     monkeypatch.setattr(engine, "SPARK_BYTES", 1)
     with pytest.raises(AssertionError, match="asked for a Spark session"):
-        update_stream_state(no_spark, warehouse, domain=SHOP)
-    assert update_stream_state(spark, warehouse, domain=SHOP).events_folded == 200
+        update_stream_state(Engine(spark=no_spark), warehouse, domain=SHOP)
+    assert update_stream_state(Engine(spark=spark), warehouse, domain=SHOP).events_folded == 200
     newest = DeltaTable(str(warehouse / "stream_state")).history(1)[0]
     assert "delta-rs" not in str(newest.get("clientVersion", "")), "Spark committed the first build"
 

@@ -15,6 +15,7 @@ from shop.domain import domain as SHOP
 from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.lake.delta import erase as lake_erase
 from es_pipeline.lake.delta import tables
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.snapshots import not_in_store_small, take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
@@ -37,9 +38,9 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
     (tmp_path / "event.toml").write_text(SEED_TOML)
     source = mapping.load(str(tmp_path / "event.toml"))
     lands_once(dsn, SEED_DDL, source, _cart, warehouse)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     snapshots = EventStore(dsn.snapshots, snapshots_of=source.consumer)  # as the write-back's own login
-    taken = take_snapshots(spark, warehouse, snapshots, threshold=1)
+    taken = take_snapshots(Engine(spark=spark), warehouse, snapshots, threshold=1)
     with psycopg.connect(dsn) as conn:
         held = conn.execute("SELECT consumer, tenant, count(*) FROM es_pipeline.snapshots GROUP BY 1, 2 ORDER BY 2").fetchall()
     streams_per_tenant = {t: len({s for (t2, s, _) in _keys(dsn, source) if t2 == t}) for t in ("acme", "globex", "initech")}

@@ -16,6 +16,7 @@ from es_pipeline.domain import Event
 from es_pipeline.extraction.offsets import batch_frontier
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.lake.typed import event_tables
 from es_pipeline.source import mapping
@@ -25,9 +26,9 @@ from es_pipeline_tests.support.roles import StoreDsn
 def update_every_projection(spark: Any, warehouse: Path, dsn: StoreDsn) -> None:
     """Every projection's update, as their assets run it (Spark where a whole build needs it)."""
     consumer = mapping.load(None, "es").consumer
-    update_stream_catalog(spark, warehouse, store_dsn=dsn.extractor)
-    update_event_type_daily(spark, warehouse, store_dsn=dsn.extractor)
-    update_stream_state(spark, warehouse, domain=SHOP, store_dsn=dsn.extractor)
+    update_stream_catalog(Engine(spark=spark), warehouse, store_dsn=dsn.extractor)
+    update_event_type_daily(Engine(spark=spark), warehouse, store_dsn=dsn.extractor)
+    update_stream_state(Engine(spark=spark), warehouse, domain=SHOP, store_dsn=dsn.extractor)
     cross_stream.update(warehouse, SHOP, "sku_sales", store_dsn=dsn.extractor,
                         frontier=lambda: batch_frontier(dsn.extractor, consumer))
     event_tables.update(warehouse, SHOP, store_dsn=dsn.extractor)

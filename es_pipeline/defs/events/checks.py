@@ -13,7 +13,7 @@ exact for its streams. The result's `scope` says which it was.
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import psycopg
@@ -22,15 +22,18 @@ import pyarrow.compute as pc
 from dagster._core.errors import DagsterInvalidPropertyError
 from deltalake import DeltaTable, QueryBuilder
 
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake.delta import pieces, tables
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.source.mapping import NO_TENANT, Source, as_source
 from es_pipeline.store import tenants
 from es_pipeline.store.conninfo import connect
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 PARTITION_TAG = "dagster/partition"
 
@@ -44,17 +47,17 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
     return SliceRange.from_key(key) if key else None
 
 
-def _lake(spark: Any, warehouse: tables.Location, scope: SliceRange | None, engine: str, *,
+def _lake(engine: Engine, warehouse: tables.Location, scope: SliceRange | None, *,
           version: int | None = None) -> "_Events":
     """`events` (at `version`, default the newest), or the rows of the scope's slices (the files of other ranges
-    are skipped by their slice statistics: a batch holds one range's slices), read by the engine the rule gives
-    (`on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
+    are skipped by their slice statistics: a batch holds one range's slices), read where `engine` says
+    (`Engine.on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
     path = EVENTS.path(warehouse)
     table = DeltaTable(path) if version is None else DeltaTable(path, version=version)
 
     size = tables.files_bytes(table) if scope is None else tables.files_bytes(table, "slice", scope.lo, scope.hi)
-    if on_spark(engine, lambda: size):
-        return _SparkEvents(tables.session_of(spark), path, scope, version)
+    if engine.on_spark(lambda: size):
+        return _SparkEvents(engine.session(), path, scope, version)
     return _ArrowEvents(table, scope, pieces.count_for(size))
 
 
@@ -91,7 +94,7 @@ class _Events:
 class _SparkEvents(_Events):
     engine = "spark"
 
-    def __init__(self, spark: Any, path: str, scope: SliceRange | None, version: int | None) -> None:
+    def __init__(self, spark: SparkSession, path: str, scope: SliceRange | None, version: int | None) -> None:
         self.spark = spark
         df = tables.with_tenant(tables.read(spark, path, version=version))
         self.df = df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
@@ -222,7 +225,7 @@ def events_no_duplicates(
     context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    lake = _lake(lambda: spark.spark_session, warehouse.root, scope, warehouse.engine)
+    lake = _lake(engine_of(warehouse, spark), warehouse.root, scope)
     n, sample = lake.duplicates()
     return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample),
                                                          "scope": _scope_label(scope), "engine": lake.engine})
@@ -238,7 +241,7 @@ def events_versions_contiguous(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    lake = _lake(lambda: spark.spark_session, warehouse.root, scope, warehouse.engine)
+    lake = _lake(engine_of(warehouse, spark), warehouse.root, scope)
     ids = lake.gaps(10_000)
     if not ids:
         return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope),
@@ -265,8 +268,8 @@ def events_reconcile_with_source(
     event_store: EventStoreResource,
 ) -> dg.AssetCheckResult:
     scope = scope_of(context)
-    return reconcile(lambda: spark.spark_session, warehouse.root, event_store.dsn, event_store.events_source(), scope,
-                     engine=warehouse.engine)
+    return reconcile(engine_of(warehouse, spark), warehouse.root, event_store.dsn, event_store.events_source(),
+                     scope)
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,8 @@ def _store_view(dsn: str, source: Source, consumer: str, slices: list[int] | Non
 
 
 def reconcile(
-    spark: Any, warehouse: tables.Location, dsn: str, source: Source | str, scope: SliceRange | None, *,
-    between: Callable[[str], None] | None = None, engine: str = "auto",
+    engine: Engine, warehouse: tables.Location, dsn: str, source: Source | str, scope: SliceRange | None, *,
+    between: Callable[[str], None] | None = None,
 ) -> dg.AssetCheckResult:
     """The lake against the store, while runs go on extracting.
 
@@ -305,8 +308,8 @@ def reconcile(
     watermarks had advanced at S1 is in that version (a batch is committed to Delta before its offsets), so
     the counts below S1's watermarks must be equal; and every batch in that version is, at S2, either below
     S2's watermarks or still pending, so a row above S2's watermarks outside a pending batch is a stray.
-    `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed). `spark` (a session,
-    or a function that returns one) is started only where `engine` and the scope's size say Spark (`_lake`).
+    `between` (tests) runs at `"lake"` (after S1) and `"after"` (after the version is fixed). Spark is
+    started only where `engine` and the scope's size say Spark (`_lake`).
     """
     source = as_source(source)
     consumer = source.consumer
@@ -319,7 +322,7 @@ def reconcile(
     if between is not None:
         between("after")
     after = _store_view(dsn, source, consumer, slices)
-    lake = _lake(spark, warehouse, scope, engine, version=version)
+    lake = _lake(engine, warehouse, scope, version=version)
     lake_counts = lake.below(before.pending, before.marks)
     # Above a watermark the lake holds nothing, but the restored events a rebase brought early (batch 0 before this
     # release, its own batch since), a pending first run after it (the rebase's batch too) and, until the new

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
 from es_pipeline.defs.stopping import projection_run
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.offsets import batch_frontier
@@ -78,7 +78,7 @@ def plugin_asset(plugin: Plugin) -> dg.AssetsDefinition:
                event_store: EventStoreResource) -> Result:
         consumer = event_store.events_source().consumer if plugin.reads_frontier else None
         return plugin.update(projections.Run(
-            warehouse.root, lambda: spark.spark_session, event_store.dsn, warehouse.engine,
+            warehouse.root, engine_of(warehouse, spark), event_store.dsn,
             frontier=None if consumer is None else lambda: batch_frontier(event_store.dsn, consumer),
             progress=context.log.info))
 

@@ -17,7 +17,7 @@ from typing import Any
 import dagster as dg
 from deltalake import DeltaTable
 
-from es_pipeline.defs.resources import SparkResource, WarehouseResource
+from es_pipeline.defs.resources import SparkResource, WarehouseResource, engine_of
 from es_pipeline.domain import Domain
 from es_pipeline.lake import cross_stream
 from es_pipeline.lake.aggregates.aggregate import Aggregate
@@ -34,7 +34,7 @@ from es_pipeline.lake.state.stream_state import KEY, folded_version, versions_of
     description="Each stream's folded version equals its max version in `events` (unless events wait, parked, for a gap).",
 )
 def stream_state_version_matches_events(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-    small = versions_off_small(warehouse.root, warehouse.engine)
+    small = versions_off_small(warehouse.root, engine_of(warehouse, spark))
     if small is not None:
         if small.events_version is None:
             return dg.AssetCheckResult(passed=True, metadata={"streams_off": 0, "note": "stream_state not built yet"})
@@ -79,7 +79,7 @@ def _aggregate_check(aggregate: Aggregate) -> Any:
         description=f"Every row of {aggregate.name} equals the aggregate of `events` at the version it folded.",
     )
     def check(spark: SparkResource, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _result(aggregate.reconcile(lambda: spark.spark_session, warehouse.root, warehouse.engine))
+        return _result(aggregate.reconcile(engine_of(warehouse, spark), warehouse.root))
 
     return check
 

@@ -9,7 +9,7 @@ requests a run where a type waits and none is in progress; `ES_PIPELINE_REBUILDS
 
 import dagster as dg
 
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
 from es_pipeline.domain import Domain
 from es_pipeline.lake.state import rebuild
 
@@ -25,8 +25,8 @@ def build_rebuilds_job(domain: Domain) -> dg.JobDefinition:
            "stream_state (pieces, catch-up) and swapped in by one commit; resumed where a run stopped.")
     def rebuild_op(context: dg.OpExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
                    event_store: EventStoreResource) -> None:
-        swapped = rebuild.run_pending(lambda: spark.spark_session, warehouse.root, domain, event_store.dsn,
-                                      engine=warehouse.engine, say=context.log.info)
+        swapped = rebuild.run_pending(engine_of(warehouse, spark), warehouse.root, domain, event_store.dsn,
+                                      say=context.log.info)
         context.log.info(f"swapped into stream_state: {', '.join(swapped) or 'none'}")
 
     @dg.job(name=JOB, description="Rebuilds beside stream_state (a reducer revision, an upcaster, a history turned "

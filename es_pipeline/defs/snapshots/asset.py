@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
 from es_pipeline.defs.stopping import projection_run
 from es_pipeline.lake.state.snapshots import DEFAULT_THRESHOLD, take_snapshots
 
@@ -28,6 +28,6 @@ def snapshots(
     # Spark only where needed: up to SMALL_SNAPSHOTS streams pyarrow and delta-rs take them (lake/state/snapshots.py),
     # or as ES_PIPELINE_ENGINE says.
     with projection_run(context):
-        r = take_snapshots(lambda: spark.spark_session, warehouse.root, event_store.snapshot_store(),
-                           threshold=config.threshold, engine=warehouse.engine)
+        r = take_snapshots(engine_of(warehouse, spark), warehouse.root, event_store.snapshot_store(),
+                           threshold=config.threshold)
     return dg.MaterializeResult(metadata=r.metadata())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -20,11 +20,14 @@ from es_pipeline.lake.delta.definition import Reconciled, Table, rows_off
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment, Kind
-from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.result import Ran, Result
 from es_pipeline.lake.kernel.turn import Turn
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +77,10 @@ class Aggregate(Kind):
         """The increment aggregated by pyarrow, to merge by delta-rs (lake/kernel/runner.py `increment`)."""
         return _Merge(self, self.aggregate_arrow(rows), rows.num_rows, increment)
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str = "auto") -> Result | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
         `events` read in bounded pieces (by slice span where a row is a stream's, else a million events at a
-        time), where its files are within the engine rule's bound (`on_spark`); None: Spark's to do, or
+        time), where its files are within the engine rule's bound (`Engine.on_spark`); None: Spark's to do, or
         not a whole build (an increment the runner left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
@@ -86,7 +89,7 @@ class Aggregate(Kind):
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
         size = tables.files_bytes(events)
-        if on_spark(engine, lambda: size):
+        if engine.on_spark(lambda: size):
             return None
         now = int(events.version())
         read = [0]
@@ -135,11 +138,10 @@ class Aggregate(Kind):
         return pa.table({c: g[f"{c}_{self.combine[c]}"] if c in self.combine else g[c]
                          for c in self.table.schema.names}).cast(self.table.schema)
 
-    def reconcile(self, spark: Any, warehouse: Location, engine: str = "auto") -> Reconciled:
+    def reconcile(self, engine: Engine, warehouse: Location) -> Reconciled:
         """The table (one snapshot of it) against its aggregate of `events` at the version that snapshot folded:
         every row equal. In process (`events` in bounded pieces, as a build reads it) where the engine rule says
-        (`on_spark`), else, or where the table has deletion vectors, Spark (`spark`: a session, or a
-        function that returns one)."""
+        (`engine`), else, or where the table has deletion vectors, Spark."""
         path, events_path = self.table.path(warehouse), EVENTS.path(warehouse)
         if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
             return Reconciled(None, note=f"{self.name} not built yet")
@@ -150,8 +152,8 @@ class Aggregate(Kind):
         events = DeltaTable(events_path, version=int(folded))
         key = list(self.key)
         size = tables.files_bytes(events)
-        if current.has_deletion_vectors(target) or on_spark(engine, lambda: size):
-            session = tables.session_of(spark)
+        if current.has_deletion_vectors(target) or engine.on_spark(lambda: size):
+            session = engine.session()
             expected = self.aggregate(tables.with_tenant(tables.read(session, events_path, version=int(folded))))
             actual = tables.read(session, path, version=int(target.version())).select(*expected.columns)
             bad = expected.exceptAll(actual).select(*key).union(actual.exceptAll(expected).select(*key)).distinct()
@@ -162,7 +164,7 @@ class Aggregate(Kind):
         n, examples = rows_off(expected, current.plain(current.files(path, target).to_table()), key)
         return Reconciled(int(folded), n, examples, engine="local")
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         events_path = EVENTS.path(warehouse)
         path = self.table.path(warehouse)
         now = tables.table_version(spark, events_path)
@@ -201,7 +203,7 @@ class Aggregate(Kind):
         return self._result(now, -1, read, n, _count(spark, path), engine="spark")
 
     def _result(self, now: int, previous: int, read: int, keys: int, rows: int,
-                engine: Engine = "local") -> Result:
+                engine: Ran = "local") -> Result:
         return Result(self.name, now, previous, read, engine, rows, {"keys_updated": keys})
 
 
@@ -227,7 +229,7 @@ class _Merge:
                                       self.rows.num_rows, current.row_count(target))
 
 
-def _count(spark: Any, path: str) -> int:
+def _count(spark: SparkSession, path: str) -> int:
     return int(tables.read(spark, path).count())
 
 

@@ -12,6 +12,7 @@ from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.kernel import runner
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.result import Result
 
 
@@ -81,19 +82,11 @@ EVENT_TYPE_DAILY = Aggregate(
 )
 
 
-def update_stream_catalog(
-    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
-    engine: str = "auto",
-) -> Result:
+def update_stream_catalog(engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
     """One row per stream: type, first and last event time, event count, version (incremental)."""
-    return runner.update(STREAM_CATALOG, spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
-                         engine=engine)
+    return runner.update(STREAM_CATALOG, engine, warehouse, store_dsn=store_dsn)
 
 
-def update_event_type_daily(
-    spark: Any, warehouse: Location, *, store_dsn: str | None = None, small_increments: bool = True,
-    engine: str = "auto",
-) -> Result:
+def update_event_type_daily(engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
     """Stream type x event type x day: count (incremental)."""
-    return runner.update(EVENT_TYPE_DAILY, spark, warehouse, store_dsn=store_dsn, small_increments=small_increments,
-                         engine=engine)
+    return runner.update(EVENT_TYPE_DAILY, engine, warehouse, store_dsn=store_dsn)

@@ -12,13 +12,16 @@ rebuilt, `events` replaced, finds no version under the new id, and the table is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 _SPARK_TYPES = {
     pa.string(): "STRING", pa.int32(): "INT", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN",
@@ -51,7 +54,7 @@ class Table:
     def path(self, warehouse: Location) -> str:
         return tables.table_path(warehouse, self.name)
 
-    def ensure(self, spark: Any, warehouse: Location, properties: dict[str, str] | None = None) -> str:
+    def ensure(self, spark: SparkSession, warehouse: Location, properties: dict[str, str] | None = None) -> str:
         """The table created by Spark if it is not there (race-safe), with `properties` beside its own; its path."""
         path = self.path(warehouse)
         tables.ensure_table(spark, path, self.ddl, comment=f"es_pipeline: {self.comment}",

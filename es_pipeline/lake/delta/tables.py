@@ -14,7 +14,7 @@ import contextlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,6 +24,9 @@ from deltalake.exceptions import CommitFailedError
 
 from es_pipeline import domain
 from es_pipeline.errors import LakeHoldsAnotherSource, NoEventsYet
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 UTC_MICROS = domain.UTC_MICROS  # a moment, as every table here holds it (Delta's TIMESTAMP)
 
@@ -92,7 +95,7 @@ def is_delta_table(path: str) -> bool:
 
 
 def ensure_table(
-    spark: Any, path: str, ddl: str, *, comment: str = "", properties: dict[str, str] | None = None
+    spark: SparkSession, path: str, ddl: str, *, comment: str = "", properties: dict[str, str] | None = None
 ) -> None:
     """Create an empty Delta table with `ddl` if none is there. Safe when two processes race.
 
@@ -114,7 +117,7 @@ def ensure_table(
             raise
 
 
-def read(spark: Any, path: str, *, version: int | None = None) -> Any:
+def read(spark: SparkSession, path: str, *, version: int | None = None) -> Any:
     """A Delta table as a Spark DataFrame: its latest version, or `version` (time travel)."""
     reader = spark.read.format("delta")
     if version is not None:
@@ -188,7 +191,7 @@ def holds_rows(path: str) -> bool:
     return bool(DeltaTable(path).file_uris())
 
 
-def table_version(spark: Any, path: str) -> int:
+def table_version(spark: SparkSession, path: str) -> int:
     """The latest commit version of a Delta table."""
     row = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").first()
     assert row is not None
@@ -196,7 +199,7 @@ def table_version(spark: Any, path: str) -> int:
 
 
 def merge_by_key(
-    spark: Any, path: str, updates: Any, key: str | Sequence[str], *, app_id: str, version: int,
+    spark: SparkSession, path: str, updates: Any, key: str | Sequence[str], *, app_id: str, version: int,
     update_set: str = "*",
 ) -> None:
     """Upsert `updates` on `key`, as Delta transaction (`app_id`, `version`): a replay is skipped.
@@ -215,7 +218,7 @@ def merge_by_key(
 
 
 @contextlib.contextmanager
-def spark_merge_source(spark: Any, source: Any, path: str, app_id: str, version: int) -> Iterator[str]:
+def spark_merge_source(spark: SparkSession, source: Any, path: str, app_id: str, version: int) -> Iterator[str]:
     """`source` as a temporary view (its name yielded) for a MERGE into `path` committed as Delta transaction
     (`app_id`, `version`): MERGE has no writer options, only session confs, set and cleared around it."""
     view = f"_es_updates_{abs(hash((path, version))) % 10**9}"
@@ -230,7 +233,7 @@ def spark_merge_source(spark: Any, source: Any, path: str, app_id: str, version:
         spark.catalog.dropTempView(view)
 
 
-def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
+def rows_added(spark: SparkSession, path: str, after: int, until: int) -> Any:
     """The rows that the commits `after` < version <= `until` inserted (Delta's change data feed)."""
     return (
         spark.read.format("delta").option("readChangeFeed", "true")
@@ -243,7 +246,7 @@ def rows_added(spark: Any, path: str, after: int, until: int) -> Any:
 CHANGE_FEED_GONE = ("FILE_NOT_EXIST", "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "FileNotFoundException", "Object at location")
 
 
-def session_of(spark: Any) -> Any:
+def session_of(spark: SparkSession) -> Any:
     """A Spark session from `spark`: the session itself, or a function that returns one (called now)."""
     return spark() if callable(spark) else spark
 

@@ -11,17 +11,21 @@ Its kinds (decision 0049): the aggregates (lake/aggregates/aggregate.py), `strea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import pyarrow as pa
 from deltalake import DeltaTable
 
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,9 @@ class Projection(Protocol):
 class Buildable(Projection, Protocol):
     """A kind whose every update the runner runs (`runner.update`): also its whole build and its Spark update."""
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
-        """A whole build in this process, where the engine rule says (else None: Spark's), or None when the table
-        was built from this `events` already (an increment the runner left to Spark)."""
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
+        """A whole build in this process, where `engine` says (`Engine.on_spark`; else None: Spark's), or None when
+        the table was built from this `events` already (an increment the runner left to Spark)."""
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         """The update on Spark: the increment, or the whole build."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-Engine = Literal["local", "spark"]  # where an update ran: this process (pyarrow, delta-rs), or Spark
+Ran = Literal["local", "spark"]  # where an update ran: this process (pyarrow, delta-rs), or Spark
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Result:
     events_version: int  # the `events` version the table holds now
     previous_events_version: int  # the one it held before; -1: built whole (a first build, or a rebuild)
     events_folded: int  # events this update folded (the increment's, or all of them on a whole build)
-    engine: Engine = "local"
+    engine: Ran = "local"
     rows: int | None = None  # the table's rows after the update, where the update counted them
     figures: Mapping[str, int | str | bool] = field(default_factory=dict)  # the kind's own, as its asset shows them
     short: str | None = None  # why the table is short of `events_version` (None: it holds every event of it)

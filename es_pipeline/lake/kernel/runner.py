@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 from deltalake import DeltaTable
 
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed, new_rows
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection
@@ -27,27 +27,24 @@ from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 log = logging.getLogger(__name__)
 
 
-def update(projection: Buildable, spark: Any, warehouse: Location, *, store_dsn: str | None = None,
-           small_increments: bool = True, engine: str = "auto") -> Result:
-    """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`.
-
-    `spark`: a session, or a function that returns one, called only if Spark is needed: a small increment, and a
-    whole build within the engine rule's bound, run in this process unless told not to (`small_increments`, or
-    `engine` "spark"); a kind whose increment always runs here (`Projection.increments_in_process`) is told so by
-    the engine only for its whole build. Without `spark`, everything runs here. `NoEventsYet` before `events`
+def update(projection: Buildable, engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
+    """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`, where `engine` says: a
+    small increment, and a whole build within the engine rule's bound, run in this process unless the engine says
+    Spark (`Engine.increments_here`); a kind whose increment always runs here (`Projection.increments_in_process`)
+    asks the engine only for its whole build. Without Spark, everything runs here. `NoEventsYet` before `events`
     exists."""
     tables.require_events(warehouse, projection.name)
-    here = small_increments and engine != "spark"
+    here = engine.increments_here
     with one_at_a_time(store_dsn, projection.name) as turn:
         if here or projection.increments_in_process:
             done, stopped = _increment(projection, warehouse, turn)
             if done is not None and not stopped:
                 return done
-        if here or spark is None:
-            done = projection.build_here(warehouse, turn, engine if spark is not None else "local")
+        if here or not engine.has_spark:
+            done = projection.build_here(warehouse, turn, engine)
             if done is not None:
                 return done
-        return projection.update_on_spark(tables.session_of(spark), warehouse, turn)
+        return projection.update_on_spark(engine.session(), warehouse, turn)
 
 
 def increment(projection: Projection, warehouse: Location, turn: Turn,

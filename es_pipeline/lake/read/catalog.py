@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
@@ -11,8 +11,11 @@ from es_pipeline.lake.read.as_of import as_of_spark
 from es_pipeline.lake.spark import get_spark
 from es_pipeline.settings import Settings
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
-def register_tables(spark: Any, warehouse: Location) -> list[str]:
+
+def register_tables(spark: SparkSession, warehouse: Location) -> list[str]:
     """Register each Delta table under the warehouse as a table of its name (time travel works)."""
     names = []
     for name in inventory.lake_tables(warehouse):

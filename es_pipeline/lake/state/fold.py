@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from es_pipeline.domain import UTC_MICROS, Domain, Event, Reducer, UnknownEventType
 from es_pipeline.errors import ReducerError
-from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.result import Ran, Result
 from es_pipeline.lake.state import state_json
 
 FOLD_OUT = pa.schema([
@@ -65,7 +65,7 @@ class Written:
 
 
 def state_result(events_version: int, previous: int, folded: int, streams: int, parked: int, skipped: int,
-                 without_reducer: int = 0, *, engine: Engine = "local", history_rows: Mapping[str, int] | None = None,
+                 without_reducer: int = 0, *, engine: Ran = "local", history_rows: Mapping[str, int] | None = None,
                  held_types: Iterable[str] = ()) -> Result:
     """What an update of `stream_state` did, as the kernel's `Result`: its figures as its asset shows them (streams
     updated, parked, events skipped, streams whose type has no reducer, the stream types held for their rebuild

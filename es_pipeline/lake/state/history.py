@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
@@ -43,6 +43,9 @@ from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.kernel import position
 from es_pipeline.lake.state import state_json, typed_state
 from es_pipeline.lake.state.fold import StreamFold
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 SUFFIX = "_history"
 _ENVELOPE = pa.schema([
@@ -295,7 +298,7 @@ def _close_rows(closes: pa.Table, schema: pa.Schema) -> pa.Table:
                      for f in schema}, schema=schema)
 
 
-def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, events_id: str, version: int,
+def write_spark(spark: SparkSession, warehouse: Location, domain: Domain, folded: Any, events_id: str, version: int,
                 whole: Collection[str], skip: Collection[str] = ()) -> dict[str, int]:
     """As `write_arrow`, from Spark's fold (`folded`, cached) and by Spark: MERGE, or the table written whole."""
     from pyspark.sql import functions as F
@@ -336,7 +339,7 @@ def write_spark(spark: Any, warehouse: Location, domain: Domain, folded: Any, ev
     return written
 
 
-def _merge_spark(spark: Any, path: str, rows: Any, closes: Any, app: str, version: int) -> None:
+def _merge_spark(spark: SparkSession, path: str, rows: Any, closes: Any, app: str, version: int) -> None:
     from pyspark.sql import functions as F
 
     source = rows.withColumn("es_close", F.lit(False)).unionByName(

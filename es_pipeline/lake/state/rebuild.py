@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -54,7 +54,7 @@ from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import feed, position
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, next_txn_version
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.lake.state import forked, history, typed_state, whole_fold
@@ -77,6 +77,9 @@ from es_pipeline.lake.state.state_table import (
     without_prior,
 )
 from es_pipeline.source import payloads
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +138,16 @@ def marks(live: DeltaTable, events_id: str, held: Collection[str], read: int) ->
     return [(held_app(events_id, t), read + 1) for t in sorted(held) if t not in marked]
 
 
-def record(spark: Any, path: str, pairs: list[tuple[str, int]]) -> None:
+def record(spark: Callable[[], SparkSession], path: str, pairs: list[tuple[str, int]]) -> None:
     """The (app id, txn version) `pairs` recorded in one commit of no rows (by Spark, one commit each, where delta-rs
-    does not write the table: deletion vectors)."""
+    does not write the table: deletion vectors; `spark` makes its session, called only then)."""
     if not pairs:
         return
     table = DeltaTable(path)
     if not current.has_deletion_vectors(table):
         position.record(table, position.marks(pairs))
         return
-    session = tables.session_of(spark)
+    session = spark()
     empty = session.createDataFrame([], tables.read(session, path).schema)
     for app, version in pairs:
         empty.write.format("delta").mode("append").option("txnAppId", app).option("txnVersion", str(version)) \
@@ -291,13 +294,12 @@ def progress(warehouse: Location, now: datetime | None = None) -> list[Progress]
 
 
 def run_pending(
-    spark: Any, warehouse: Location, domain: Domain, store_dsn: str | None, *, engine: str = "auto",
+    engine: Engine, warehouse: Location, domain: Domain, store_dsn: str | None, *,
     skip_unknown: bool = False, hold: bool = False, say: Callable[[str], None] = log.info,
 ) -> list[str]:
     """Every pending rebuild built beside and swapped in, one stream type after another, in the rebuilds' turn (the
     live table's turn only for each swap); the types swapped. Shadows no longer wanted are dropped. `hold`: none
-    built (the old rows stay in service). `spark`: a session or a function returning one, called where the engine
-    rule sends a type's pieces there."""
+    built (the old rows stay in service). `engine`: where a type's pieces are folded (Spark where its rule says)."""
     if not _built(warehouse):
         return []
     with one_at_a_time(store_dsn, TURN):
@@ -309,10 +311,10 @@ def run_pending(
         swapped = []
         for stream_type in todo:
             shadow = Shadow(warehouse, stream_type)
-            if not build(spark, shadow, domain, engine=engine, skip_unknown=skip_unknown, say=say):
+            if not build(engine, shadow, domain, skip_unknown=skip_unknown, say=say):
                 continue
             with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-                if swap(spark, shadow, domain, turn, skip_unknown=skip_unknown, say=say):
+                if swap(engine, shadow, domain, turn, skip_unknown=skip_unknown, say=say):
                     swapped.append(stream_type)
         return swapped
 
@@ -366,7 +368,7 @@ def _live_folded(warehouse: Location, events_id: str) -> int | None:
     return None if read is None else int(read) // REVISION_SLOTS
 
 
-def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", skip_unknown: bool = False,
+def build(engine: Engine, shadow: Shadow, domain: Domain, *, skip_unknown: bool = False,
           say: Callable[[str], None] = log.info, stop_after: int | None = None) -> bool:
     """The shadow whole and caught up to what the live table has folded (started, or resumed where it was); False
     where it cannot be (the live table not from this `events`). In the rebuilds' turn, at a lower priority
@@ -375,7 +377,7 @@ def build(spark: Any, shadow: Shadow, domain: Domain, *, engine: str = "auto", s
     # Every core (bench/results/rebuild_beside.md: a core left free spared the tailing run nothing on 2 cores, and
     # made the rebuild 1.5x longer); the forked folds in a scheduling group of their own at the lowest priority.
     with _yielding(NICE), forked.background():
-        return _build(spark, shadow, domain, engine, skip_unknown, say, stop_after)
+        return _build(engine, shadow, domain, skip_unknown, say, stop_after)
 
 
 @contextmanager
@@ -398,7 +400,7 @@ def _yielding(nice: int) -> Iterator[None]:
             log.info("a rebuild's niceness (%s) kept: lowering it again needs CAP_SYS_NICE", before + nice)
 
 
-def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown: bool, say: Callable[[str], None],
+def _build(engine: Engine, shadow: Shadow, domain: Domain, skip_unknown: bool, say: Callable[[str], None],
            stop_after: int | None) -> bool:
     events_path = EVENTS.path(shadow.warehouse)
     events_id = tables.table_id(events_path)
@@ -412,7 +414,7 @@ def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown
         return False
     if plan is None or DeltaTable(shadow.state_path).transaction_version(_FOLDED) is None:
         try:
-            built = _pieces(spark, shadow, domain, key, plan, engine, skip_unknown, say, stop_after)
+            built = _pieces(engine, shadow, domain, key, plan, skip_unknown, say, stop_after)
         except Exception as exc:  # noqa: BLE001 - only files gone under a resumed plan start again; the rest raises
             if plan is None or not _files_gone(exc):
                 raise
@@ -421,7 +423,7 @@ def _build(spark: Any, shadow: Shadow, domain: Domain, engine: str, skip_unknown
                 "was built from, were vacuumed: started again at the version stream_state has folded")
             shadow.drop()
             try:
-                built = _pieces(spark, shadow, domain, key, None, engine, skip_unknown, say, stop_after)
+                built = _pieces(engine, shadow, domain, key, None, skip_unknown, say, stop_after)
             except Exception as again:  # noqa: BLE001 - as above
                 if not _files_gone(again):
                     raise
@@ -445,7 +447,7 @@ def _histories(domain: Domain, stream_type: str) -> whole_fold.Histories:
     return {t: h for t, h in history.history_tables(domain).items() if t == stream_type}
 
 
-def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str, Any] | None, engine: str,
+def _pieces(engine: Engine, shadow: Shadow, domain: Domain, key: str, plan: dict[str, Any] | None,
             skip_unknown: bool, say: Callable[[str], None], stop_after: int | None) -> bool:
     """Step 1: the pieces not yet appended, folded and appended (the shadow started where there is none)."""
     events_path = EVENTS.path(shadow.warehouse)
@@ -460,11 +462,11 @@ def _pieces(spark: Any, shadow: Shadow, domain: Domain, key: str, plan: dict[str
         plan, events = None, DeltaTable(events_path, version=live)
     size = tables.files_bytes(events)
     count = pieces.count_for(size) if plan is None else len(plan["piece_events"])
-    spark_builds = on_spark(engine, lambda: size)
+    spark_builds = engine.on_spark(lambda: size)
     stream_type = shadow.stream_type
     read = [*READ_COLUMNS, "slice", *(["metadata"] if domain.metadata_field else [])]
     if spark_builds:
-        session = tables.session_of(spark)
+        session = engine.session()
         rows = _spark_events(session, events_path, int(events.version()), stream_type, domain)
         counts = _spark_piece_counts(rows, count) if plan is None else plan["piece_events"]
         if plan is None:
@@ -555,7 +557,7 @@ def _append_pieces(shadow: Shadow, domain: Domain, plan: dict[str, Any], skip_un
     return True
 
 
-def _spark_events(spark: Any, events_path: str, version: int, stream_type: str, domain: Domain) -> Any:
+def _spark_events(spark: SparkSession, events_path: str, version: int, stream_type: str, domain: Domain) -> Any:
     from pyspark.sql import functions as F
 
     return tables.read(spark, events_path, version=version).where(F.col("stream_type") == stream_type) \
@@ -629,7 +631,7 @@ def _catch_up(shadow: Shadow, domain: Domain, upto: int, skip_unknown: bool) -> 
     return True
 
 
-def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown: bool = False,
+def swap(engine: Engine, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown: bool = False,
          say: Callable[[str], None] = log.info) -> bool:
     """Step 3, in `stream_state`'s turn: the shadow caught up to the live table exactly and swapped in; False where it
     could not be (the live table moved to another `events`, the change feed gone: built again next time)."""
@@ -670,9 +672,9 @@ def swap(spark: Any, shadow: Shadow, domain: Domain, turn: Any, *, skip_unknown:
             commit_properties=position.commit_properties(history.app_id(table, events_id, reducer), version))
     literal = _literal(stream_type)
     if current.has_deletion_vectors(live):  # delta-rs does not write such a table: Spark swaps it
-        _swap_spark(tables.session_of(spark), state_path, rows, literal, app, version)
+        _swap_spark(engine.session(), state_path, rows, literal, app, version)
         # After the swap (a crash between leaves the type held, swapped again next time).
-        record(spark, state_path, [(swapped_app(events_id, stream_type), version)])
+        record(engine.session, state_path, [(swapped_app(events_id, stream_type), version)])
     else:
         live.merge(rows.cast(STATE_SCHEMA), predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
                    target_alias="t", commit_properties=position.marks([
@@ -708,7 +710,7 @@ def _history_rows(path: str, table: DeltaTable, schema: pa.Schema) -> Iterator[p
         yield pa.RecordBatch.from_arrays([columns[n].cast(schema.field(n).type) for n in schema.names], schema=schema)
 
 
-def _swap_spark(spark: Any, state_path: str, rows: pa.Table, literal: str, app: str, version: int) -> None:
+def _swap_spark(spark: SparkSession, state_path: str, rows: pa.Table, literal: str, app: str, version: int) -> None:
     source = spark.createDataFrame(rows.cast(STATE_SCHEMA))
     on = " AND ".join(f"t.{k} = u.{k}" for k in KEY)
     with tables.spark_merge_source(spark, source, state_path, app, version) as view:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,8 +35,12 @@ from es_pipeline.lake.delta import current, tables
 from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.store.event_store import EventStore, Snapshot
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 SNAPSHOTS = Table("snapshots", pa.schema([
     pa.field("stream_id", pa.string()), pa.field("stream_type", pa.string()), pa.field("version", pa.int32()),
@@ -69,20 +73,19 @@ class SnapshotResult:
 
 
 def take_snapshots(
-    spark: Any, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD, small: bool = True,
-    engine: str = "auto",
+    engine: Engine, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD,
 ) -> SnapshotResult:
     """Append the snapshots now due to the Delta table, then write back to the store every latest
     snapshot of the lake that the store does not hold (these, and any a failed run left behind).
 
-    `spark`: a session, or a function that returns one, called only if Spark is needed (see the module).
-    `engine` (ES_PIPELINE_ENGINE): "spark" always Spark, "local" here at any size (where delta-rs may write the
-    tables), "auto" here up to `SMALL_SNAPSHOTS` streams and `SMALL_SNAPSHOT_ROWS` snapshots."""
-    if small and engine != "spark":
-        done = _take_small(warehouse, store, threshold, bounded=engine != "local")
+    `engine`: its setting (ES_PIPELINE_ENGINE) "spark" always Spark, "local" here at any size (where delta-rs may
+    write the tables), "auto" here up to `SMALL_SNAPSHOTS` streams and `SMALL_SNAPSHOT_ROWS` snapshots; without
+    Spark, here at any size."""
+    if engine.increments_here:
+        done = _take_small(warehouse, store, threshold, bounded=engine.setting != "local" and engine.has_spark)
         if done is not None:
             return SnapshotResult(*done)
-    return _take_with_spark(tables.session_of(spark), warehouse, store, threshold)
+    return _take_with_spark(engine.session(), warehouse, store, threshold)
 
 
 def _take_small(warehouse: Location, store: EventStore, threshold: int,
@@ -172,7 +175,7 @@ def _write_back(latest_rows: pa.Table, store: EventStore) -> int:
     )
 
 
-def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
+def _take_with_spark(spark: SparkSession, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
     # In the table's turn from the read of `stream_state` to the write-back: `tenant erase` deletes a tenant's
     # snapshots (lake and store) in the same turn, after its `stream_state` rows, and none may come back. The
     # turn also keeps any other Spark driver from committing to the table meanwhile (S3).
@@ -180,7 +183,7 @@ def _take_with_spark(spark: Any, warehouse: Location, store: EventStore, thresho
         return _take_in_turn(spark, warehouse, store, threshold)
 
 
-def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
+def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
     from pyspark.sql import functions as F
 
     state_path = tables.table_path(warehouse, "stream_state")
@@ -222,7 +225,7 @@ def _take_in_turn(spark: Any, warehouse: Location, store: EventStore, threshold:
     return SnapshotResult(taken, write_back(spark, warehouse, store), state_version, engine="spark")
 
 
-def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
+def not_in_store(spark: SparkSession, warehouse: Location, store: EventStore) -> Any:
     """The latest snapshot of each stream in the lake, where the store holds another (or none): a DataFrame."""
     from pyspark.sql import functions as F
 
@@ -243,7 +246,7 @@ def not_in_store(spark: Any, warehouse: Location, store: EventStore) -> Any:
     ).drop("held_version", "held_revision")
 
 
-def write_back(spark: Any, warehouse: Location, store: EventStore) -> int:
+def write_back(spark: SparkSession, warehouse: Location, store: EventStore) -> int:
     """Upsert into the store's snapshot table every latest snapshot of the lake it does not hold; the count."""
     if not store.has_snapshots_table():  # a store not migrated (or adopted) since: the check says so
         return 0

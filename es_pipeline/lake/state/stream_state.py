@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,7 +34,7 @@ from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel import position, runner
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment, Kind
@@ -62,6 +62,9 @@ from es_pipeline.lake.state.state_table import (
 )
 from es_pipeline.source import payloads
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 log = logging.getLogger(__name__)
 
 _PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
@@ -80,18 +83,16 @@ def folded_version(warehouse: Location) -> tuple[int, int] | None:
 
 
 def update_stream_state(
-    spark: Any, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
-    small_increments: bool = True, engine: str = "auto", rebuilds: str = "beside",
+    engine: Engine, warehouse: Location, *, domain: Domain, skip_unknown: bool = False, store_dsn: str | None = None,
+    rebuilds: str = "beside",
 ) -> Result:
-    """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring);
-    with `store_dsn`, one update at a time. `spark`: a session, or a function that returns one, called only
-    if Spark is needed: a small increment and a first build the engine rule keeps here (`engine`,
-    `on_spark`) are folded without a JVM unless told not to (`small_increments`, or `engine` "spark").
-    Then, out of the table's turn, every stream type to rebuild is rebuilt beside it and swapped in
-    (lake/state/rebuild.py), unless `rebuilds` is "hold". `NoEventsYet` before `events` exists."""
-    result = runner.update(_StreamState(warehouse, domain, skip_unknown), spark, warehouse, store_dsn=store_dsn,
-                           small_increments=small_increments, engine=engine)
-    swapped = rebuild.run_pending(spark, warehouse, domain, store_dsn, engine=engine, skip_unknown=skip_unknown,
+    """Fold the events of the `events` commits since the last update onto `stream_state` (module docstring), by the
+    kernel's runner, where `engine` says (a small increment and a first build within the engine rule's bound are
+    folded without a JVM); with `store_dsn`, one update at a time. Then, out of the table's turn, every stream
+    type to rebuild is rebuilt beside it and swapped in (lake/state/rebuild.py), unless `rebuilds` is "hold".
+    `NoEventsYet` before `events` exists."""
+    result = runner.update(_StreamState(warehouse, domain, skip_unknown), engine, warehouse, store_dsn=store_dsn)
+    swapped = rebuild.run_pending(engine, warehouse, domain, store_dsn, skip_unknown=skip_unknown,
                                   hold=rebuilds == "hold")
     if not swapped:
         return result
@@ -167,11 +168,11 @@ class _StreamState(Kind):
         out, prior = fold_onto(whole, new, self.domain, self.skip_unknown)
         return _StateFold(self.domain, increment, out, prior, held)
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         done = _first_build(warehouse, self.domain, self.skip_unknown, turn, engine)
         return None if done is None else with_typed_state(warehouse, self.domain, done)
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         try:
             done = _update_with_spark(spark, warehouse, self.domain, self.skip_unknown, turn)
         except tables.spark_errors() as exc:
@@ -220,7 +221,7 @@ class _StateFold:
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn,
-                 engine: str = "auto") -> Result | None:
+                 engine: Engine) -> Result | None:
     """The first build from this `events` (a rebuild where the table was folded from another) folded by this
     machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
     events_path = EVENTS.path(warehouse)
@@ -250,7 +251,7 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
 
 
 def _update_with_spark(
-    spark: Any, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, *, whole: bool = False
+    spark: SparkSession, warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn, *, whole: bool = False
 ) -> Result:
     from pyspark.sql import functions as F
 
@@ -318,7 +319,7 @@ def _update_with_spark(
         turn.confirm(state_path, app, read)
         version = next_txn_version(now, domain.folds, read)
         if read is not None:  # the types held back from now on, before the commit that passes their events
-            rebuild.record(spark, state_path, rebuild.marks(live, events_id, held, read))
+            rebuild.record(lambda: spark, state_path, rebuild.marks(live, events_id, held, read))
         # The history tables first: `folded` reads `stream_state`, and Spark recomputes it once that is written.
         kept = history.write_spark(spark, warehouse, domain, folded, events_id, version,
                                    whole=() if read is not None else list(domain.folds), skip=held)
@@ -350,7 +351,7 @@ class VersionsOff:
     events_version: int | None
 
 
-def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff | None:
+def versions_off_small(warehouse: Location, engine: Engine) -> VersionsOff | None:
     """The check of `stream_state` without a JVM (the snapshots' write-back waits on it), `events` read in bounded
     pieces (each stream's last version, a million events at a time): None where Spark should do it (the engine
     rule, `on_spark`, or deletion vectors in `stream_state`, which its files alone do not honour). The
@@ -362,7 +363,7 @@ def versions_off_small(warehouse: Location, engine: str = "auto") -> VersionsOff
     state_version, events_version = folded
     events = DeltaTable(EVENTS.path(warehouse), version=events_version)
     state = DeltaTable(state_path, version=state_version)
-    if current.has_deletion_vectors(state) or on_spark(engine, lambda: tables.files_bytes(events)):
+    if current.has_deletion_vectors(state) or engine.on_spark(lambda: tables.files_bytes(events)):
         return None
     keys = list(KEY)
     last: pa.Table | None = None

@@ -32,7 +32,7 @@ from deltalake import DeltaTable
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.kernel.engine import on_spark
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
@@ -52,15 +52,14 @@ Built = dict[str, list[pa.Table]]  # per stream type, its history rows
 
 
 def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
-               engine: str = "auto") -> tuple[pa.Table, int, Built] | None:
+               engine: Engine) -> tuple[pa.Table, int, Built] | None:
     """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
-    read, the history tables' rows), or None: Spark's to do (see the module; `engine` as `on_spark` takes
-    it)."""
+    read, the history tables' rows), or None: Spark's to do, where `engine` says (see the module)."""
     events = DeltaTable(events_path)
     if current.has_deletion_vectors(events):
         return None  # its files alone are not its rows
     size = tables.files_bytes(events)
-    if on_spark(engine, lambda: size):
+    if engine.on_spark(lambda: size):
         return None
     now = int(events.version())
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]

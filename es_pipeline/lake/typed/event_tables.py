@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
@@ -48,12 +48,12 @@ from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import engine as engine_rule
 from es_pipeline.lake.kernel import position, runner
+from es_pipeline.lake.kernel.engine import HERE, Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
 from es_pipeline.lake.kernel.projection import Increment, Kind
-from es_pipeline.lake.kernel.result import Engine, Result
+from es_pipeline.lake.kernel.result import Ran, Result
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.typed import on_spark, shapes
 from es_pipeline.lake.typed.typed_rows import (
@@ -65,6 +65,9 @@ from es_pipeline.lake.typed.typed_rows import (
     type_rows,
     upcasting,
 )
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ class _Written:
                         [*self.new_tables, *later.new_tables], [*self.new_columns, *later.new_columns],
                         [*self.widened, *later.widened], overflow)
 
-    def result(self, previous: int, engine: Engine = "local") -> Result:
+    def result(self, previous: int, engine: Ran = "local") -> Result:
         """As the kernel's `Result` (its figures as the asset shows them)."""
         return Result(NAME, self.events_version, -1 if self.rebuilt else previous, sum(self.rows.values()), engine,
                       figures={"tables_written": len(self.rows), "tables": ", ".join(sorted(self.rows)) or "-",
@@ -168,13 +171,11 @@ def _digest(text: str, n: int) -> str:
 
 
 def update(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
-           progress: Callable[[str], None] | None = None, spark: Any = None, engine: str = "auto") -> Result:
+           progress: Callable[[str], None] | None = None, engine: Engine = HERE) -> Result:
     """Bring every typed event table up to `events` now, in the `event_tables` turn (lake/kernel/turn.py), by the
-    kernel's runner; `NoEventsYet` before `events` exists. `spark` (a session, or a function that returns one) and
-    `engine`: where a whole build runs (the engine rule, applied by the kernel's runner); increments always run
-    here."""
-    return runner.update(EventTables(warehouse, domain, progress=progress), spark, warehouse, store_dsn=store_dsn,
-                         engine=engine)
+    kernel's runner; `NoEventsYet` before `events` exists. `engine`: where a whole build runs (the engine rule,
+    applied by the kernel's runner); increments always run here."""
+    return runner.update(EventTables(warehouse, domain, progress=progress), engine, warehouse, store_dsn=store_dsn)
 
 
 def increment(warehouse: Location, domain: Domain, turn: Turn | None = None,
@@ -228,17 +229,17 @@ class EventTables(Kind):
             self.previous = increment.previous
         return _Window(self, increment, rows)
 
-    def build_here(self, warehouse: Location, turn: Turn, engine: str) -> Result | None:
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if engine_rule.on_spark(engine, lambda: tables.files_bytes(events)):
+        if engine.on_spark(lambda: tables.files_bytes(events)):
             return None
         keeper = self._for_build(events)
         keeper.build(_current_rows(events_path, events, self.columns), self.progress)
         keeper.commit_mapping(built=True)
         return keeper.result.result(-1)
 
-    def update_on_spark(self, spark: Any, warehouse: Location, turn: Turn) -> Result:
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         events_path = EVENTS.path(warehouse)
         keeper = self._for_build(DeltaTable(events_path))
         keeper.build_on_spark(spark, events_path, self.columns, self.progress)
@@ -406,7 +407,8 @@ class _Keeper:
                 write_deltalake(path, empty, mode="overwrite", commit_properties=position.commit_properties(self.app, self.now))
         self.names = {t: n for t, n in self.names.items() if n in started}
 
-    def build_on_spark(self, spark: Any, events_path: str, read: list[str], progress: Callable[[str], None]) -> None:
+    def build_on_spark(self, spark: SparkSession, events_path: str, read: list[str],
+                       progress: Callable[[str], None]) -> None:
         """`build` on Spark (lake/typed/on_spark.py): each type's columns found over all its rows, then every table's
         rows typed and written on the executors, two jobs in all; each table's files committed by delta-rs with
         the transaction id."""

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,6 +44,9 @@ from es_pipeline.lake.typed.typed_rows import (
     upcasting,
 )
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 _SHAPES = pa.schema([("event_type", pa.string()), ("first_position", pa.int64()), ("pairs", pa.binary())])
 _FILES = pa.schema([("event_type", pa.string()), ("file", pa.string()), ("rows", pa.int64()),
                     ("overflowed", pa.int64()), ("first_at", pa.string())])
@@ -54,7 +57,7 @@ def _ddl(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name} {spark_type(f.type)}" for f in schema)
 
 
-def source(spark: Any, events_path: str, version: int, read: list[str]) -> Any:
+def source(spark: SparkSession, events_path: str, version: int, read: list[str]) -> Any:
     """`events`' rows at `version`, the columns of `read` it has, as a Spark DataFrame."""
     df = tables.read(spark, events_path, version=version)
     held = set(df.columns)
