@@ -94,7 +94,7 @@ class _Events:
 class _SparkEvents(_Events):
     engine = "spark"
 
-    def __init__(self, spark: SparkSession, path: str, scope: SliceRange | None, version: int | None) -> None:
+    def __init__(self, spark: "SparkSession", path: str, scope: SliceRange | None, version: int | None) -> None:
         self.spark = spark
         df = tables.with_tenant(tables.read(spark, path, version=version))
         self.df = df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
