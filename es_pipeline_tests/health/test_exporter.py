@@ -214,7 +214,7 @@ def test_the_write_back_backlog_counts_the_latest_snapshots_the_store_lacks(
     Extractor(dsn.extractor, None, warehouse).run(ALL)
     update_stream_state(Engine(), warehouse, domain=shop)  # small: no JVM
     taken = take_snapshots(Engine(), warehouse, EventStore.for_source(dsn.snapshots, settings.source), threshold=5)
-    assert taken.written_back > 3
+    assert taken.figures["written_back"] > 3
     assert Reader(replace(settings, slice_ranges=2), dagster=False).reading(0).snapshot_backlog == 0
     with psycopg.connect(dsn) as conn:
         conn.execute("DELETE FROM es.snapshots WHERE stream_id IN (SELECT stream_id FROM es.snapshots LIMIT 3)")

@@ -68,26 +68,26 @@ def test_small_and_spark_paths_take_the_same_snapshots_and_see_each_others(
         on_small = take_snapshots(Engine(), small, store, threshold=4)  # no Spark session: it must not need one
         on_spark = take_snapshots(Engine("spark", spark), big, store, threshold=4)  # ES_PIPELINE_ENGINE=spark
         assert (on_small.engine, on_spark.engine) == ("local", "spark")
-        assert on_small.taken == on_spark.taken > 0
+        assert on_small.figures["taken"] == on_spark.figures["taken"] > 0
         assert _taken(small) == _taken(big)
-        assert on_small.state_version == on_spark.state_version
+        assert on_small.events_version == on_spark.events_version
     # The store holds each stream's latest snapshot of the lake, row by row.
     lake = {s: (v, r, state) for s, _, v, state, r in _taken(small)}
     assert stored_snapshots(dsn) == lake
 
     # A replay of the same stream_state version appends nothing, on either path, over the other's commit.
     version = DeltaTable(tables.table_path(small, "snapshots")).version()
-    assert take_snapshots(Engine(), small, store, threshold=1).taken == 0
+    assert take_snapshots(Engine(), small, store, threshold=1).figures["taken"] == 0
     take_snapshots(Engine(spark=spark, small_increments=False), small, store, threshold=1)
     assert DeltaTable(tables.table_path(small, "snapshots")).version() == version
     assert DeltaTable(tables.table_path(small, "snapshots")).transaction_version(
-        app_id(tables.table_path(small, "stream_state"))) == on_small.state_version
+        app_id(tables.table_path(small, "stream_state"))) == on_small.events_version
 
     # A lost write-back is redone by the small path.
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("DELETE FROM es.snapshots WHERE stream_id IN "
                             "(SELECT stream_id FROM es.snapshots ORDER BY stream_id LIMIT 3)").rowcount == 3
-    assert take_snapshots(Engine(), small, store, threshold=4).written_back == 3
+    assert take_snapshots(Engine(), small, store, threshold=4).figures["written_back"] == 3
     assert stored_snapshots(dsn) == lake
 
     # ES_PIPELINE_ENGINE=local keeps a take past the streams bound in process (no Spark session to ask for).
@@ -113,13 +113,13 @@ def test_a_revision_rolled_back_is_snapshotted_once_and_written_back(dsn: StoreD
     for domain, revision in ((SHOP, one), (v2, two), (SHOP, one)):
         extract.run(SliceRange(0, 1023))
         update_stream_state(Engine(spark=spark), warehouse, domain=domain)
-        assert take_snapshots(Engine(), warehouse, store, threshold=1).taken == 1, f"revision {revision} taken once"
+        assert take_snapshots(Engine(), warehouse, store, threshold=1).figures["taken"] == 1, f"revision {revision} taken once"
         assert stored_snapshots(dsn)["cart-1"][:2] == (1, revision), "the store holds the revision in service"
     # Another stream moves stream_state on; the cart, unchanged, is not taken again.
     writer.append("cart-2", "cart", [NewEvent("ItemAdded", {"sku": "b"})], 0)
     extract.run(SliceRange(0, 1023))
     update_stream_state(Engine(spark=spark), warehouse, domain=SHOP)
-    assert take_snapshots(Engine(), warehouse, store, threshold=1).taken == 1
+    assert take_snapshots(Engine(), warehouse, store, threshold=1).figures["taken"] == 1
     taken = DeltaTable(tables.table_path(warehouse, "snapshots")).to_pyarrow_table(
         columns=["stream_id", "version", "revision"]).to_pylist()
     assert sorted((r["stream_id"], r["version"], r["revision"]) for r in taken) == sorted([

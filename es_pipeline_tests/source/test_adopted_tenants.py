@@ -44,7 +44,7 @@ def test_an_adopted_stores_snapshots_go_back_to_es_pipeline_and_a_tenant_is_eras
     with psycopg.connect(dsn) as conn:
         held = conn.execute("SELECT consumer, tenant, count(*) FROM es_pipeline.snapshots GROUP BY 1, 2 ORDER BY 2").fetchall()
     streams_per_tenant = {t: len({s for (t2, s, _) in _keys(dsn, source) if t2 == t}) for t in ("acme", "globex", "initech")}
-    assert taken.written_back == sum(streams_per_tenant.values())
+    assert taken.figures["written_back"] == sum(streams_per_tenant.values())
     assert held == [(source.consumer, t, n) for t, n in sorted(streams_per_tenant.items())]
     assert not_in_store_small(warehouse, snapshots).num_rows == 0  # what snapshots_match_store checks
     one = snapshots.read_snapshot("cart-0-0", tenant="acme")

@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
@@ -61,9 +62,11 @@ class Folded(Protocol):
 
 
 class Kind:
-    """What most kinds share (a kind inherits it and overrides where it differs): a plain position, nothing to read
-    before the lake, and an increment whenever the table has a position of this `events`."""
+    """What most kinds share (a kind inherits it and overrides where it differs): a position over `events`, plain,
+    nothing to read before the lake, and an increment whenever the table has a position of this `events`."""
 
+    source: ClassVar[Table] = EVENTS
+    increments: ClassVar[bool] = True
     slots: ClassVar[int] = 1
     keeps_cursor: ClassVar[bool] = False
     window: ClassVar[int | None] = None
@@ -87,12 +90,42 @@ class Kind:
         return increment.now
 
 
+class Whole(Protocol):
+    """What the runner's update (`runner.update`) asks of every kind: its table, the table its position is over, its
+    whole build in process and its update on Spark."""
+
+    @property
+    def table(self) -> Table: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> Table:
+        """The table its position is over: `events` (lake/events.py), or `stream_state` for the snapshots."""
+
+    @property
+    def increments(self) -> bool:
+        """Whether it folds an increment of its source's change feed (a `Projection`); else every update is whole
+        (the snapshots compare all of `stream_state` with the latest snapshots, bounded by their own rule)."""
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
+        """A whole build in this process, where `engine` says (`Engine.on_spark`; else None: Spark's), or None when
+        the table was built from this `events` already (an increment the runner left to Spark)."""
+
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
+        """The update on Spark: the increment, or the whole build."""
+
+
 class Projection(Protocol):
     @property
     def table(self) -> Table: ...
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def source(self) -> Table: ...
 
     @property
     def columns(self) -> tuple[str, ...] | list[str]:
@@ -138,12 +171,5 @@ class Projection(Protocol):
         """The increment's `rows` (the change feed's, in `columns`) folded, ready to commit."""
 
 
-class Buildable(Projection, Protocol):
-    """A kind whose every update the runner runs (`runner.update`): also its whole build and its Spark update."""
-
-    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
-        """A whole build in this process, where `engine` says (`Engine.on_spark`; else None: Spark's), or None when
-        the table was built from this `events` already (an increment the runner left to Spark)."""
-
-    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
-        """The update on Spark: the increment, or the whole build."""
+class Buildable(Whole, Projection, Protocol):
+    """A kind whose every update the runner runs (`runner.update`), its increments too."""

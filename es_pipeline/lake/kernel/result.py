@@ -1,5 +1,5 @@
 """`Result`: how far one update brought its table, whatever its kind: the `events` version it holds now and the one
-it held before, the events it folded, where the work ran, and, when it is short of the `events` version it read,
+it held before (for the snapshots, over `stream_state`: that table's version, `over`), the events it folded, where the work ran, and, when it is short of the `events` version it read,
 why. The kind's own figures (keys updated, rows per typed table, …) ride along in `figures`.
 
 A tailing run reports a table only when its result `caught_up` (lake/follow.py): a table short of events reported
@@ -18,13 +18,14 @@ Ran = Literal["local", "spark"]  # where an update ran: this process (pyarrow, d
 @dataclass(frozen=True)
 class Result:
     table: str
-    events_version: int  # the `events` version the table holds now
+    events_version: int  # the version of `events` the table holds now (of `over`: its source)
     previous_events_version: int  # the one it held before; -1: built whole (a first build, or a rebuild)
-    events_folded: int  # events this update folded (the increment's, or all of them on a whole build)
+    events_folded: int  # events this update folded (the increment's, or all of them on a whole build; source rows)
     engine: Ran = "local"
     rows: int | None = None  # the table's rows after the update, where the update counted them
     figures: Mapping[str, int | str | bool] = field(default_factory=dict)  # the kind's own, as its asset shows them
     short: str | None = None  # why the table is short of `events_version` (None: it holds every event of it)
+    over: str = "events"  # the table its position is over: `events`, or `stream_state` (the snapshots)
 
     @property
     def worked(self) -> bool:
@@ -57,6 +58,8 @@ class Result:
     def metadata(self) -> dict[str, int | str | bool]:
         """The update's figures, as its asset's materialization shows them."""
         out: dict[str, int | str | bool] = {} if self.rows is None else {"dagster/row_count": self.rows}
+        if self.over != "events":  # its version is its source's; the rows it took from it are its figures
+            return {**out, **self.figures, f"{self.over}_version": self.events_version, "engine": self.engine}
         out.update({"events_folded": self.events_folded, **self.figures, "events_version": self.events_version,
                     "full_rebuild": self.full_rebuild, "engine": self.engine})
         if self.short is not None:

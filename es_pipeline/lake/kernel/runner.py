@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import cast
 
 from deltalake import DeltaTable
 
@@ -20,24 +21,26 @@ from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.kernel.feed import Feed, new_rows
 from es_pipeline.lake.kernel.position import Position
-from es_pipeline.lake.kernel.projection import Buildable, Increment, Projection
+from es_pipeline.lake.kernel.projection import Increment, Projection, Whole
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 
 log = logging.getLogger(__name__)
 
 
-def update(projection: Buildable, engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
+def update(projection: Whole, engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
     """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`, where `engine` says: a
     small increment, and a whole build within the engine rule's bound, run in this process unless the engine says
     Spark (`Engine.increments_here`); a kind whose increment always runs here (`Projection.increments_in_process`)
-    asks the engine only for its whole build. Without Spark, everything runs here. `NoEventsYet` before `events`
-    exists."""
-    tables.require_events(warehouse, projection.name)
+    asks the engine only for its whole build; a kind without increments (`Whole.increments`) is built whole each
+    time. Without Spark, everything runs here. `NoEventsYet` before `events` exists."""
+    if projection.source is EVENTS:
+        tables.require_events(warehouse, projection.name)
     here = engine.increments_here
     with one_at_a_time(store_dsn, projection.name) as turn:
-        if here or projection.increments_in_process:
-            done, stopped = _increment(projection, warehouse, turn)
+        folds = cast(Projection, projection)  # a kind with increments is a `Projection` (lake/kernel/projection.py)
+        if projection.increments and (here or folds.increments_in_process):
+            done, stopped = _increment(folds, warehouse, turn)
             if done is not None and not stopped:
                 return done
         if here or not engine.has_spark:
@@ -61,7 +64,7 @@ def _increment(projection: Projection, warehouse: Location, turn: Turn,
                events_feed: Feed | None = None) -> tuple[Result | None, bool]:
     """`increment`, and whether it stopped short at a window whose feed is gone (a whole build goes on from there)."""
     projection.start()  # before the lake is read (also for the whole build that follows a None)
-    events_path, path = EVENTS.path(warehouse), projection.table.path(warehouse)
+    events_path, path = projection.source.path(warehouse), projection.table.path(warehouse)
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
         return None, False
     events_feed = events_feed or Feed(events_path, list(projection.columns))

@@ -23,7 +23,6 @@ after a revision is rolled back, the state of the old revision again, taken once
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +34,13 @@ from es_pipeline.lake.delta import current, tables
 from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.delta.definition import Table
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
+from es_pipeline.lake.kernel import runner
 from es_pipeline.lake.kernel.engine import Engine
-from es_pipeline.lake.kernel.turn import one_at_a_time
+from es_pipeline.lake.kernel.position import Position
+from es_pipeline.lake.kernel.projection import Kind
+from es_pipeline.lake.kernel.result import Ran, Result
+from es_pipeline.lake.kernel.turn import Turn
+from es_pipeline.lake.state.state_table import STREAM_STATE
 from es_pipeline.store.event_store import EventStore, Snapshot
 
 if TYPE_CHECKING:
@@ -59,41 +63,58 @@ _COLUMNS = ["stream_id", "stream_type", "version", "state", "revision", "tenant"
 _TAKEN = [*_COLUMNS, "taken_at"]  # read from snapshots: which of a version's snapshots is the latest
 
 
-@dataclass(frozen=True)
-class SnapshotResult:
-    taken: int
-    written_back: int
-    state_version: int
-    engine: str = "local"  # "spark" where Spark took them, "local" where this process did
-
-    def metadata(self) -> dict[str, int | str]:
-        """The run's figures, as its asset's materialization shows them."""
-        return {"dagster/row_count": self.taken, "written_back": self.written_back,
-                "stream_state_version": self.state_version, "engine": self.engine}
-
-
 def take_snapshots(
     engine: Engine, warehouse: Location, store: EventStore, *, threshold: int = DEFAULT_THRESHOLD,
-) -> SnapshotResult:
+) -> Result:
     """Append the snapshots now due to the Delta table, then write back to the store every latest
-    snapshot of the lake that the store does not hold (these, and any a failed run left behind).
+    snapshot of the lake that the store does not hold (these, and any a failed run left behind), by the kernel's
+    runner in the table's turn. Its figures: `taken`, `written_back`; its version is `stream_state`'s (`over`).
 
     `engine`: its setting (ES_PIPELINE_ENGINE) "spark" always Spark, "local" here at any size (where delta-rs may
     write the tables), "auto" here up to `SMALL_SNAPSHOTS` streams and `SMALL_SNAPSHOT_ROWS` snapshots; without
     Spark, here at any size."""
-    if engine.increments_here:
-        done = _take_small(warehouse, store, threshold, bounded=engine.setting != "local" and engine.has_spark)
-        if done is not None:
-            return SnapshotResult(*done)
-    return _take_with_spark(engine.session(), warehouse, store, threshold)
+    return runner.update(_Snapshots(store, threshold), engine, warehouse, store_dsn=store.dsn)
 
 
-def _take_small(warehouse: Location, store: EventStore, threshold: int,
-                bounded: bool = True) -> tuple[int, int, int] | None:
-    """(taken, written back, stream_state version) of a snapshot run done here; None: Spark's to do (`bounded`:
-    past `SMALL_SNAPSHOTS` or `SMALL_SNAPSHOT_ROWS` too)."""
-    state_path = tables.table_path(warehouse, "stream_state")
-    snap_path = tables.table_path(warehouse, "snapshots")
+class _Snapshots(Kind):
+    """The snapshots as a kind of the projection kernel (lake/kernel/projection.py): their position is over
+    `stream_state` (its Delta id in the app id, its version the txn version), and every take is whole: the streams
+    due are found over all of `stream_state` (no increment of a change feed).
+
+    The whole take is in the table's turn, from the read of `stream_state` to the write-back: `tenant erase` deletes
+    a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows, and none may come back.
+    The turn also keeps any other Spark driver from committing to the table meanwhile (S3)."""
+
+    table = SNAPSHOTS
+    name = SNAPSHOTS.name
+    source = STREAM_STATE
+    increments = False
+
+    def __init__(self, store: EventStore, threshold: int) -> None:
+        self.store, self.threshold = store, threshold
+
+    def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
+        done = _take_small(warehouse, self.store, self.threshold, turn,
+                           bounded=engine.setting != "local" and engine.has_spark)
+        return None if done is None else _result(*done)
+
+    def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
+        return _take_in_turn(spark, warehouse, self.store, self.threshold)
+
+
+def _result(taken: int, written_back: int, state_version: int, previous: int | None,
+            engine: Ran = "local") -> Result:
+    return Result(SNAPSHOTS.name, state_version, -1 if previous is None else previous, taken, engine,
+                  figures={"dagster/row_count": taken, "taken": taken, "written_back": written_back},
+                  over=STREAM_STATE.name)
+
+
+def _take_small(warehouse: Location, store: EventStore, threshold: int, turn: Turn,
+                bounded: bool = True) -> tuple[int, int, int, int | None] | None:
+    """(taken, written back, stream_state version, the one taken before) of a snapshot run done here, in the table's
+    `turn`; None: Spark's to do (`bounded`: past `SMALL_SNAPSHOTS` or `SMALL_SNAPSHOT_ROWS` too)."""
+    state_path = STREAM_STATE.path(warehouse)
+    snap_path = SNAPSHOTS.path(warehouse)
     SNAPSHOTS.ensure_arrow(warehouse)
     snap = DeltaTable(snap_path)
     if current.has_deletion_vectors(snap) or (bounded and current.row_count(snap) > SMALL_SNAPSHOT_ROWS) or \
@@ -101,26 +122,23 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int,
         return None  # (a table made before tenants: Spark adds the column)
     # The whole take, the write-back included, in the table's turn, reading `stream_state` once the turn is ours:
     # `tenant erase` deletes a tenant's snapshots (lake and store) in the same turn, after its `stream_state` rows.
-    with one_at_a_time(store.dsn, "snapshots") as turn:
-        if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
-            return 0, _write_back(latest(current.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)), store), -1
-        state = DeltaTable(state_path)
-        if current.has_deletion_vectors(state) or (bounded and current.row_count(state) > SMALL_SNAPSHOTS) or \
-                not tables.has_columns(state, KEY):
-            return None
-        state_version = state.version()
-        app = SNAPSHOTS.app_id_over(str(state.metadata().id))
-        snap = DeltaTable(snap_path)  # the version this turn reads, from which it commits
-        read = snap.transaction_version(app)
-        lake = current.files(snap_path, snap).to_table(columns=_TAKEN)
-        due = _due(current.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
-        taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=app, version=state_version, table=snap,
-                               before_commit=lambda: turn.confirm(snap_path, app, None if read is None else int(read)))
-        if taken:  # the lake is the record: what it now holds, these included
-            lake = pa.concat_tables([lake, due.select(_TAKEN).cast(lake.schema)])
-        elif taken is None:  # this state version was taken already (a replay): read what is there
-            lake = current.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)
-        return taken or 0, _write_back(latest(lake), store), state_version
+    if not tables.is_delta_table(state_path):  # nothing folded yet: only a write-back to redo, if any
+        return 0, _write_back(latest(current.files(snap_path, snap).to_table(columns=_TAKEN)), store), -1, None
+    state = DeltaTable(state_path)
+    if current.has_deletion_vectors(state) or (bounded and current.row_count(state) > SMALL_SNAPSHOTS) or \
+            not tables.has_columns(state, KEY):
+        return None
+    state_version = int(state.version())
+    at = Position.of(snap, SNAPSHOTS.app_id_over(str(state.metadata().id)))  # over this `stream_state`
+    lake = current.files(snap_path, snap).to_table(columns=_TAKEN)
+    due = _due(current.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
+    taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=at.app_id, version=state_version,
+                           table=snap, before_commit=lambda: turn.confirm(snap_path, at.app_id, at.read))
+    if taken:  # the lake is the record: what it now holds, these included
+        lake = pa.concat_tables([lake, due.select(_TAKEN).cast(lake.schema)])
+    elif taken is None:  # this state version was taken already (a replay): read what is there
+        lake = current.files(snap_path, DeltaTable(snap_path)).to_table(columns=_TAKEN)
+    return taken or 0, _write_back(latest(lake), store), state_version, at.read
 
 
 def not_in_store_small(warehouse: Location, store: EventStore) -> pa.Table | None:
@@ -175,15 +193,7 @@ def _write_back(latest_rows: pa.Table, store: EventStore) -> int:
     )
 
 
-def _take_with_spark(spark: SparkSession, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
-    # In the table's turn from the read of `stream_state` to the write-back: `tenant erase` deletes a tenant's
-    # snapshots (lake and store) in the same turn, after its `stream_state` rows, and none may come back. The
-    # turn also keeps any other Spark driver from committing to the table meanwhile (S3).
-    with one_at_a_time(store.dsn, "snapshots"):
-        return _take_in_turn(spark, warehouse, store, threshold)
-
-
-def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, threshold: int) -> SnapshotResult:
+def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, threshold: int) -> Result:
     from pyspark.sql import functions as F
 
     state_path = tables.table_path(warehouse, "stream_state")
@@ -193,8 +203,9 @@ def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, t
         spark.sql(f"ALTER TABLE delta.`{snap_path}` ADD COLUMNS (tenant STRING)")
         spark.sql(f"UPDATE delta.`{snap_path}` SET tenant = '' WHERE tenant IS NULL")
     if not tables.is_delta_table(state_path):
-        return SnapshotResult(0, write_back(spark, warehouse, store), -1, engine="spark")
+        return _result(0, write_back(spark, warehouse, store), -1, None, engine="spark")
     state_version = tables.table_version(spark, state_path)
+    at = Position.of(snap_path, app_id(state_path))
     state = tables.read(spark, state_path, version=state_version)
     last = tables.read(spark, snap_path).groupBy(*KEY).agg(
         F.max(F.struct("version", "taken_at", "revision")).alias("last"))  # `latest`
@@ -217,12 +228,12 @@ def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, t
         taken = due.count()
         if taken:
             (due.write.format("delta").mode("append")
-             .option("txnAppId", app_id(state_path)).option("txnVersion", str(state_version)).save(snap_path))
+             .option("txnAppId", at.app_id).option("txnVersion", str(state_version)).save(snap_path))
     finally:
         due.unpersist()
     # Read back from the table, not from `due`: the append invalidates `due`'s cache, and recomputed
     # against the new snapshots it is empty (that lost every write-back once). The lake is the record.
-    return SnapshotResult(taken, write_back(spark, warehouse, store), state_version, engine="spark")
+    return _result(taken, write_back(spark, warehouse, store), state_version, at.read, engine="spark")
 
 
 def not_in_store(spark: SparkSession, warehouse: Location, store: EventStore) -> Any:
