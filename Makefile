@@ -127,6 +127,7 @@ bench: setup
 	$(PY) -m bench.steady_state
 	$(PY) -m bench.exporter_cost
 	$(PY) -m bench.tenant_tick
+	$(PY) -m bench.kernel_ab
 
 # The benchmarks' code paths at tiny sizes, results in a temporary folder (bench/results/ is left alone): a
 # benchmark that no longer runs fails `make test` instead of waiting for the next `make bench`. The ones that
