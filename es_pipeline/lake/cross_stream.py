@@ -174,8 +174,6 @@ class CrossStream(Kind):
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if engine.on_spark(lambda: tables.files_bytes(events)):
-            return None
         read, frontier = self._held(warehouse, events)
         return _build(warehouse, self.projection, self.domain, self.table, turn, events_path, events, frontier,
                       read=read)

@@ -80,7 +80,7 @@ class Aggregate(Kind):
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         """A whole build (the first, or one over another `events`) aggregated by pyarrow and written by delta-rs,
         `events` read in bounded pieces (by slice span where a row is a stream's, else a million events at a
-        time), where its files are within the engine rule's bound (`Engine.on_spark`); None: Spark's to do, or
+        time) (the runner asks only within the engine rule's bound); None: Spark's to do, or
         not a whole build (an increment the runner left to Spark)."""
         events_path, path = EVENTS.path(warehouse), self.table.path(warehouse)
         events = DeltaTable(events_path)
@@ -88,9 +88,7 @@ class Aggregate(Kind):
         prev = at.read
         if prev is not None and tables.has_columns(path, self.key):
             return None  # built from this `events`: an increment
-        size = tables.files_bytes(events)
-        if engine.on_spark(lambda: size):
-            return None
+        size = tables.files_bytes(events)  # the pieces `events` is read in
         now = int(events.version())
         read = [0]
         # The table's rows held (a row per key: `events` itself is read in pieces), so that the turn is confirmed

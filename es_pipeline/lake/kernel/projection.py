@@ -3,9 +3,9 @@ bookkeeping: its table, the columns of `events` it reads, how its position encod
 increment folds onto its rows, its whole build in process and its update on Spark. The runner owns the position,
 the turn, the engine rule and the order of confirm and commit.
 
-Its kinds (decision 0049): the aggregates (lake/aggregates/aggregate.py), `stream_state`'s increment
-(lake/state/stream_state.py), cross-stream projections (lake/cross_stream.py) and the typed event tables
-(lake/typed/event_tables.py). Every kind says what its update did with the one `Result` (lake/kernel/result.py).
+Its kinds (decision 0049): the aggregates (lake/aggregates/aggregate.py), `stream_state` (lake/state/stream_state.py),
+cross-stream projections (lake/cross_stream.py), the typed event tables (lake/typed/event_tables.py) and the
+snapshots, whose position is over `stream_state` (lake/state/snapshots.py). Every kind says what its update did with the one `Result` (lake/kernel/result.py).
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ class Whole(Protocol):
         (the snapshots compare all of `stream_state` with the latest snapshots, bounded by their own rule)."""
 
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
-        """A whole build in this process, where `engine` says (`Engine.on_spark`; else None: Spark's), or None when
-        the table was built from this `events` already (an increment the runner left to Spark)."""
+        """A whole build in this process (the runner asks only within the engine rule's bound over its source's
+        files), or None: Spark's after all (a table delta-rs should not write, a bound of the kind's own), or the
+        table was built from this `events` already (an increment the runner left to Spark)."""
 
     def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
         """The update on Spark: the increment, or the whole build."""

@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 def update(projection: Whole, engine: Engine, warehouse: Location, *, store_dsn: str | None = None) -> Result:
     """Bring `projection`'s table up to `events` now, one update at a time with `store_dsn`, where `engine` says: a
-    small increment, and a whole build within the engine rule's bound, run in this process unless the engine says
-    Spark (`Engine.increments_here`); a kind whose increment always runs here (`Projection.increments_in_process`)
+    small increment, and a whole build within the engine rule's bound (`Engine.on_spark`, over the files of the
+    kind's source), run in this process unless the engine says Spark (`Engine.increments_here`); a kind whose increment always runs here (`Projection.increments_in_process`)
     asks the engine only for its whole build; a kind without increments (`Whole.increments`) is built whole each
     time. Without Spark, everything runs here. `NoEventsYet` before `events` exists."""
     if projection.source is EVENTS:
@@ -43,11 +43,17 @@ def update(projection: Whole, engine: Engine, warehouse: Location, *, store_dsn:
             done, stopped = _increment(folds, warehouse, turn)
             if done is not None and not stopped:
                 return done
-        if here or not engine.has_spark:
+        source = projection.source.path(warehouse)
+        if (here or not engine.has_spark) and not engine.on_spark(lambda: _files_bytes(source)):
             done = projection.build_here(warehouse, turn, engine)
             if done is not None:
                 return done
         return projection.update_on_spark(engine.session(), warehouse, turn)
+
+
+def _files_bytes(path: str) -> int:
+    """The bytes of the current files of the table at `path` (none there: 0), for the engine rule."""
+    return tables.files_bytes(DeltaTable(path)) if tables.is_delta_table(path) else 0
 
 
 def increment(projection: Projection, warehouse: Location, turn: Turn,

@@ -13,7 +13,8 @@ snapshots, lake and store, in that turn, after its `stream_state` rows, and none
 - beyond, and on tables delta-rs should not write (deletion vectors, made before tenants), Spark.
 `ES_PIPELINE_ENGINE` forces either (`spark`; `local`, at any size where delta-rs may write). These bounds count
 streams and snapshots, not `events`' bytes: a take reads `stream_state` and `snapshots` whole (issue 43 left
-them so; docs/decisions/0041).
+them so; docs/decisions/0041). Like every kind's, the take is Spark's past `SPARK_BYTES` of its source's files
+(`stream_state`'s: the kernel's runner asks the engine rule before `build_here`).
 
 A stream is due when it has no snapshot and `threshold` events, has `threshold` events more than its
 latest snapshot, or its reducer revision changed. Its latest snapshot is the one of the highest version taken last:

@@ -169,7 +169,7 @@ class _StreamState(Kind):
         return _StateFold(self.domain, increment, out, prior, held)
 
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
-        done = _first_build(warehouse, self.domain, self.skip_unknown, turn, engine)
+        done = _first_build(warehouse, self.domain, self.skip_unknown, turn)
         return None if done is None else with_typed_state(warehouse, self.domain, done)
 
     def update_on_spark(self, spark: SparkSession, warehouse: Location, turn: Turn) -> Result:
@@ -220,8 +220,7 @@ class _StateFold:
                                 Written(before, int(state.version()), updates, inserted))
 
 
-def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn,
-                 engine: Engine) -> Result | None:
+def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> Result | None:
     """The first build from this `events` (a rebuild where the table was folded from another) folded by this
     machine's cores and written by delta-rs, replacing any rows; None: Spark's to do."""
     events_path = EVENTS.path(warehouse)
@@ -235,7 +234,7 @@ def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: 
             return None  # built from this `events` already: an increment, or a revision rebuild, is Spark's or the small path's
         if current.has_deletion_vectors(state):
             return None  # delta-rs does not write such a table: Spark rebuilds it
-    folded = whole_fold.fold_table(events_path, domain, skip_unknown, engine)
+    folded = whole_fold.fold_table(events_path, domain, skip_unknown)
     if folded is None:
         return None
     out, now, built = folded

@@ -2,7 +2,7 @@
 
 A first build folds every event of `events`. On Spark that is a shuffle of every row by stream, a sort, and
 every row through Arrow to the Python workers: 0.16 of a plain `groupBy` over the same events at 5 million
-(bench/results/state_rebuild.md). Within the engine rule's bound (`on_spark`: 1 GiB of Parquet) it is
+(bench/results/state_rebuild.md). Within the engine rule's bound (`Engine.on_spark`: 1 GiB of Parquet) it is
 done here instead:
 
 1. the table's current files read by pyarrow (one version of `events`, the one the build records): whole up to
@@ -17,7 +17,8 @@ done here instead:
    from what the other folded; with it, the history tables' rows (lake/state/history.py), made by each
    folding process from its streams' trails as it goes.
 
-A larger table, or `events` with deletion vectors, returns None, and Spark does it.
+A larger table goes to Spark by the kernel's runner (lake/kernel/runner.py); `events` with deletion vectors
+returns None, and Spark does it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from deltalake import DeltaTable
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
@@ -51,16 +51,14 @@ Histories = dict[str, tuple[Reducer, Table]]  # lake/state/history.py `history_t
 Built = dict[str, list[pa.Table]]  # per stream type, its history rows
 
 
-def fold_table(events_path: str, domain: Domain, skip_unknown: bool,
-               engine: Engine) -> tuple[pa.Table, int, Built] | None:
-    """Every stream of the `events` table at `events_path` folded here: (the fold's output, the `events` version
-    read, the history tables' rows), or None: Spark's to do, where `engine` says (see the module)."""
+def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa.Table, int, Built] | None:
+    """Every stream of the `events` table at `events_path` folded here (the runner asks only within the engine
+    rule's bound): (the fold's output, the `events` version read, the history tables' rows), or None: Spark's to do
+    (deletion vectors)."""
     events = DeltaTable(events_path)
     if current.has_deletion_vectors(events):
         return None  # its files alone are not its rows
     size = tables.files_bytes(events)
-    if engine.on_spark(lambda: size):
-        return None
     now = int(events.version())
     read = [*FOLD_COLUMNS, "payload_encoding", "slice", *(["metadata"] if domain.metadata_field else [])]
     count = pieces.count_for(size)

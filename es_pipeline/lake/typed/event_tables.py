@@ -232,8 +232,6 @@ class EventTables(Kind):
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         events_path = EVENTS.path(warehouse)
         events = DeltaTable(events_path)
-        if engine.on_spark(lambda: tables.files_bytes(events)):
-            return None
         keeper = self._for_build(events)
         keeper.build(_current_rows(events_path, events, self.columns), self.progress)
         keeper.commit_mapping(built=True)
