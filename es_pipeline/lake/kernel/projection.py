@@ -81,6 +81,10 @@ class Kind:
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn (a cross-stream projection's batch frontier)."""
 
+    def open(self, path: str) -> DeltaTable:
+        """Its table at `path`, at its latest version (a kind that keeps it open between updates gives that one)."""
+        return DeltaTable(path)
+
     def takes_increment(self, position: Position, now: int) -> bool:
         """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""
         return True
@@ -154,6 +158,9 @@ class Projection(Protocol):
 
     def start(self) -> None:
         """Read what must be read before the lake, in the table's turn."""
+
+    def open(self, path: str) -> DeltaTable:
+        """Its table at `path`, at its latest version."""
 
     def takes_increment(self, position: Position, now: int) -> bool:
         """Whether the table at `position` takes an increment to `events` version `now` (else it is built whole)."""

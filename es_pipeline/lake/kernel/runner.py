@@ -74,7 +74,7 @@ def _increment(projection: Projection, warehouse: Location, turn: Turn,
     if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
         return None, False
     events_feed = events_feed or Feed(events_path, list(projection.columns))
-    found = DeltaTable(path)
+    found = projection.open(path)
     now = events_feed.version
     position = Position.of(found, projection.app_id(events_feed.table_id), slots=projection.slots,
                            cursor=projection.keeps_cursor)

@@ -212,12 +212,15 @@ class EventTables(Kind):
     def app_id(self, events_id: str) -> str:
         return APP_ID  # not bound to `events`: the build key in the mapping's properties is
 
+    def open(self, path: str) -> DeltaTable:
+        return _open(path)  # the mapping, kept open between a tailing run's increments
+
     def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         keeper = _Keeper(self.warehouse, self.domain, build_key(events_id, definition_of(self.domain)), -1, events_id)
         if keeper.cursor() is None:
             return None  # built for another `events` or definition, or a build cut short: built anew
         self.keeper = keeper
-        return _open(path)
+        return target
 
     def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
         assert position.events_version is not None
