@@ -190,6 +190,8 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.action == "rebuilds":
         return _rebuilds(args, settings)
+    if args.action == "check":
+        return _check(args, settings)
     names = list(dict.fromkeys(args.tables or [EVENTS]))
     if args.list:
         print("\n".join(rebuildable(settings.warehouse)))
@@ -202,6 +204,41 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
               "to stop new ones), then run this again.", file=sys.stderr)
         return 1
     return 0
+
+
+def _check(args: argparse.Namespace, settings: Settings) -> int:
+    """`lake check`: the library's checks of the named tables (every table's by default), one line each as it ends;
+    1 when one fails or cannot run, 2 for a table no check knows."""
+    from es_pipeline import checks
+    from es_pipeline.domain import load as load_domain
+    from es_pipeline.lake.kernel.engine import Engine
+    from es_pipeline.lake.spark import get_spark
+
+    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    try:
+        chosen = checks.select(checks.every_check(domain), args.tables)
+    except ValueError as exc:
+        print(f"es-pipeline lake check: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for check in chosen:
+            print(f"{check.table:<20} {check.name:<40} {check.description}")
+        return 0
+    engine = Engine(args.engine or settings.engine, lambda: get_spark(settings))
+    given = checks.Given(engine, settings.warehouse, settings.pg_dsn, settings.source)
+    print(f"checking {len(chosen)} check(s) of {settings.warehouse} against {settings.source.label}", flush=True)
+
+    def said(check: checks.Check, outcome: checks.Outcome | Exception, seconds: float) -> None:
+        if isinstance(outcome, Exception):
+            line = f"ERROR {check.name} ({check.table}): {type(outcome).__name__}: {outcome}"
+        else:
+            line = f"{'PASS ' if outcome.passed else 'FAIL '} {check.name} ({check.table}): {outcome.line()}"
+        print(f"{line} [{seconds:.1f} s]", flush=True)
+
+    found = checks.run(chosen, given, say=said)
+    failed = [name for name, o in found.items() if isinstance(o, Exception) or not o.passed]
+    print(f"{len(found) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
@@ -462,19 +499,22 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_offsets)
 
     lake = sub.add_parser("lake", help="the lake's tables (docs/operations.md, \"Rebuilding the lake\")")
-    lake.add_argument("action", choices=["rebuild", "rebuilds"],
-                      help="rebuild: build tables again from their source. `events` (the default) from the store: "
+    lake.add_argument("action", choices=["check", "rebuild", "rebuilds"],
+                      help="check: run the checks of the named tables (default: every table), each against what it "
+                      "is built from, one line each; exit 1 when one fails (docs/operations.md, \"Checking the lake\"). "
+                      "rebuild: build tables again from their source. `events` (the default) from the store: "
                       "refused while a run extracts or where the lake holds events the store lacks; then removed and "
                       "the offsets reset, and every projection rebuilds itself at its next update. A projection: "
                       "removed in its turn; its next update builds it whole from `events`. rebuilds: the stream "
                       "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now)")
-    lake.add_argument("tables", nargs="*", help="events (default) and/or projections; --list names them")
-    lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild, and do nothing")
+    lake.add_argument("tables", nargs="*", help="events (rebuild's default) and/or projections; --list names them")
+    lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild (check: the checks), "
+                      "and do nothing")
     lake.add_argument("--accept-loss", action="store_true",
                       help="rebuild events even where the lake holds events the store lacks: they are lost")
     lake.add_argument("--run", action="store_true", help="rebuilds: run the pending rebuilds now, in this process")
     lake.add_argument("--engine", choices=["auto", "spark", "local"],
-                      help="rebuilds --run: where the pieces are folded (default: ES_PIPELINE_ENGINE)")
+                      help="check, rebuilds --run: where the work runs (default: ES_PIPELINE_ENGINE)")
     lake.set_defaults(func=_lake)
 
     src = sub.add_parser("source", help="the event table read (ES_PIPELINE_SOURCE, docs/sources.md)")

@@ -10,15 +10,15 @@ from datetime import timedelta
 
 import dagster as dg
 
+from es_pipeline.defs.checks import build_asset_checks
 from es_pipeline.defs.events.asset import build_events_asset, build_events_job
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import build_new_events_sensor
 from es_pipeline.defs.health.sensor import build_run_failure_alert
-from es_pipeline.defs.maintenance.jobs import CHECKS, delta_maintenance_job, lake_checks_job
+from es_pipeline.defs.maintenance.jobs import delta_maintenance_job, lake_checks_job
 from es_pipeline.defs.maintenance.schedules import delta_maintenance_schedule, lake_checks_schedule
 from es_pipeline.defs.projections.assets import build_projection_assets
 from es_pipeline.defs.projections.automation import build_projections_automation_sensor
-from es_pipeline.defs.projections.checks import build_projection_checks
 from es_pipeline.defs.projections.rebuilds import JOB as REBUILDS_JOB  # noqa: F401 - for the command line (project.py)
 from es_pipeline.defs.projections.rebuilds import build_rebuilds_job, build_rebuilds_sensor
 from es_pipeline.defs.resources import build_resources
@@ -66,7 +66,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
     rebuilds_job = build_rebuilds_job(domain)
     return dg.Definitions(
         assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
-        asset_checks=[*CHECKS, *build_projection_checks(domain)],
+        asset_checks=build_asset_checks(domain),
         jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job, rebuilds_job],
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),
                  build_run_failure_alert(),

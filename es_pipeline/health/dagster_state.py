@@ -16,20 +16,18 @@ from typing import Any
 import dagster as dg
 from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType, TickStatus
 
+from es_pipeline.checks import BUILTIN
 from es_pipeline.extraction.tail import TAIL_TAG
 
 JOBS = ("events_job", "__ASSET_JOB", "snapshots_job", "lake_checks_job", "delta_maintenance_job")
 SENSORS = ("new_events_sensor", "projections_automation_sensor")
-# es_pipeline's asset checks (defs/*/checks.py; defs/test_definitions.py keeps the two equal): (asset, check).
-CHECKS = (("events", "events_no_duplicates"), ("events", "events_versions_contiguous"),
-          ("events", "events_reconcile_with_source"), ("stream_state", "stream_state_version_matches_events"),
-          ("stream_catalog", "stream_catalog_matches_events"), ("event_type_daily", "event_type_daily_matches_events"),
-          ("snapshots", "snapshots_match_store"))
+# es_pipeline's built-in checks (es_pipeline/checks/), each a Dagster asset check of its name: (asset, check).
+CHECKS = tuple((check.table, check.name) for check in BUILTIN)
 
 
 def checks_of(assets: list[str]) -> list[tuple[str, str]]:
     """`CHECKS`, and the check of each other projection among `assets` (a team's cross-stream projection:
-    `<name>_matches_events`, defs/projections/checks.py)."""
+    `<name>_matches_events`, es_pipeline/checks/projections.py)."""
     held = {a for a, _ in CHECKS}
     return [*CHECKS, *((a, f"{a}_matches_events") for a in assets if a not in held and a != "event_tables")]
 

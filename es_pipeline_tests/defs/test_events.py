@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psycopg
 import pytest
 from shop.domain import domain as SHOP
 
+from es_pipeline.cli import main
 from es_pipeline.defs.events.asset import build_events_asset
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
 from es_pipeline.defs.events.sensor import tailing_request
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.extraction.slices import split
+from es_pipeline.errors import SourceChanged, XidSpaceWentBack
+from es_pipeline.extraction.extractor import Extractor
+from es_pipeline.extraction.slices import SliceRange, split
 from es_pipeline.extraction.tail import RANGE_TAG, TAIL_TAG
 from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
 from es_pipeline.lake.delta import tables
@@ -220,3 +224,36 @@ def test_the_sensor_asks_again_after_a_run_failed_at_the_same_horizon(
         again = tick(first.cursor).run_requests or []
         assert [(r.partition_key, r.run_key) for r in again] == [
             ("0000-0511", f"0000-0511:{horizon}:after-{failed.run_id[:8]}")]
+
+
+def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
+    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `pg_resetwal -x` or a logical replica does to the ids, and what a restore does to the identity,
+    simulated on the offsets: every path says so instead of reporting "caught up"."""
+    run_workload(EventStore(dsn), streams=30, events=100, writers=2, rollback_rate=0, max_commit_delay=0, seed=1)
+    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
+    defs = build_definitions(replace(Settings.from_env(), pg_dsn=dsn.extractor, warehouse=warehouse, slice_ranges=2))
+    sensor = defs.resolve_sensor_def("new_events_sensor")
+    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
+    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
+    cases = [
+        ("UPDATE es_pipeline.offsets SET watermark = (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + 5000)"
+         "::text::xid8 WHERE slice = 7", XidSpaceWentBack, "above the horizon"),
+        ("UPDATE es_pipeline.sinks SET source_cluster = '1234567890'", SourceChanged, "cluster 1234567890"),
+    ]
+    for statement, error, words in cases:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            saved = conn.execute("SELECT slice, watermark::text FROM es_pipeline.offsets").fetchall()
+            conn.execute(statement)
+        with pytest.raises(error, match=words):
+            Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
+        with dg.instance_for_test() as instance:
+            tick = sensor(dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]}))
+        assert isinstance(tick, dg.SkipReason) and "no run was requested" in (tick.skip_message or "")
+        assert words in (tick.skip_message or "")
+        assert main(["status"]) == 2 and words in capsys.readouterr().err
+        with psycopg.connect(dsn, autocommit=True) as conn:  # put the offsets back for the next case
+            conn.execute("UPDATE es_pipeline.sinks SET source_cluster = (SELECT system_identifier::text FROM pg_control_system())")
+            for s, w in saved:
+                conn.execute("UPDATE es_pipeline.offsets SET watermark = %s::xid8 WHERE slice = %s", (w, s))

@@ -11,10 +11,10 @@ import dagster as dg
 import psycopg
 from shop.domain import domain as SHOP
 
+from es_pipeline.defs.checks import BUILTIN as CHECKS
 from es_pipeline.defs.projections.assets import build_stream_state_asset
 from es_pipeline.defs.resources import EventStoreResource
 from es_pipeline.defs.snapshots.asset import snapshots
-from es_pipeline.defs.snapshots.checks import snapshots_match_store
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.lake.delta import tables
 from es_pipeline.location import build_definitions
@@ -58,9 +58,9 @@ def test_every_snapshot_in_the_lake_is_written_back_and_a_lost_write_back_is_red
         assert stored_snapshots(dsn) == lake  # row by row: version, revision and state
 
         def check() -> dg.AssetCheckResult:
-            return snapshots_match_store(  # type: ignore[call-arg]
-                spark=resources["spark"], warehouse=resources["warehouse"], event_store=resources["event_store"]
-            )
+            return CHECKS["snapshots_match_store"](  # type: ignore[operator]
+                dg.build_asset_check_context(), spark=resources["spark"], warehouse=resources["warehouse"],
+                event_store=resources["event_store"])
 
         assert check().passed
         # A write-back lost (a run that died after its Delta commit): the check fails, the next run redoes it.

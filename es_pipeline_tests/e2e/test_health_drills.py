@@ -34,8 +34,8 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from es_pipeline.defs.checks import BUILTIN as CHECKS
 from es_pipeline.defs.projections.assets import build_projection_assets
-from es_pipeline.defs.projections.checks import stream_catalog_matches_events
 from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.dev.stack import dagster_stack, free_port, wait_port
 from es_pipeline.dev.workload import run_workload
@@ -193,8 +193,8 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 wait_for(lambda: _count_one_more(stack.warehouse / "stream_catalog", "drill-1"), 60,
                          "stream_catalog's row of drill-1 changed by hand", doing=doing)
                 checked = dg.materialize(
-                    [_asset("stream_catalog"), stream_catalog_matches_events], instance=instance,
-                    selection=dg.AssetSelection.checks(stream_catalog_matches_events),
+                    [_asset("stream_catalog"), CHECKS["stream_catalog_matches_events"]], instance=instance,
+                    selection=dg.AssetSelection.checks(CHECKS["stream_catalog_matches_events"]),
                     resources={"warehouse": WarehouseResource(path=str(stack.warehouse)),
                                "spark": SparkResource(spark_config={}), "event_store": EventStoreResource(dsn=dsn.extractor)})
                 [evaluation] = checked.get_asset_check_evaluations()

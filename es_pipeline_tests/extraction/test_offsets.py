@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import psycopg
 import pytest
 from deltalake import DeltaTable
@@ -15,13 +13,11 @@ from psycopg.conninfo import conninfo_to_dict
 
 from es_pipeline.cli import main
 from es_pipeline.dev.workload import bulk_load, run_workload
-from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore, SourceChanged, XidSpaceWentBack
+from es_pipeline.errors import LakeStoreDiverged, ReadOnlyStore
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.offsets import OffsetSession
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
-from es_pipeline.location import build_definitions
-from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once, assert_exactly_once_by_key, extract_all
 from es_pipeline_tests.support.roles import StoreDsn
@@ -108,39 +104,6 @@ def test_offset_sessions_commit_synchronously_whatever_the_role_says(dsn: StoreD
     with OffsetSession(dsn.extractor, "events", run_id="t", label="t") as session:
         row = session.conn.execute("SHOW synchronous_commit").fetchone()
     assert row == ("on",)
-
-
-def test_ids_gone_back_or_another_cluster_stop_the_run_the_sensor_and_status(
-    dsn: StoreDsn, spark: Any, warehouse: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """What `pg_resetwal -x` or a logical replica does to the ids, and what a restore does to the identity,
-    simulated on the offsets: every path says so instead of reporting "caught up"."""
-    _append(dsn, 100, 1)
-    Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
-    defs = build_definitions(replace(Settings.from_env(), pg_dsn=dsn.extractor, warehouse=warehouse, slice_ranges=2))
-    sensor = defs.resolve_sensor_def("new_events_sensor")
-    monkeypatch.setenv("ES_PIPELINE_PG_DSN", dsn.extractor)
-    monkeypatch.setenv("ES_PIPELINE_WAREHOUSE", str(warehouse))
-    cases = [
-        ("UPDATE es_pipeline.offsets SET watermark = (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + 5000)"
-         "::text::xid8 WHERE slice = 7", XidSpaceWentBack, "above the horizon"),
-        ("UPDATE es_pipeline.sinks SET source_cluster = '1234567890'", SourceChanged, "cluster 1234567890"),
-    ]
-    for statement, error, words in cases:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            saved = conn.execute("SELECT slice, watermark::text FROM es_pipeline.offsets").fetchall()
-            conn.execute(statement)
-        with pytest.raises(error, match=words):
-            Extractor(dsn.extractor, spark, warehouse).run(SliceRange(0, 1023))
-        with dg.instance_for_test() as instance:
-            tick = sensor(dg.build_sensor_context(instance=instance, resources={"event_store": defs.resources["event_store"]}))
-        assert isinstance(tick, dg.SkipReason) and "no run was requested" in (tick.skip_message or "")
-        assert words in (tick.skip_message or "")
-        assert main(["status"]) == 2 and words in capsys.readouterr().err
-        with psycopg.connect(dsn, autocommit=True) as conn:  # put the offsets back for the next case
-            conn.execute("UPDATE es_pipeline.sinks SET source_cluster = (SELECT system_identifier::text FROM pg_control_system())")
-            for s, w in saved:
-                conn.execute("UPDATE es_pipeline.offsets SET watermark = %s::xid8 WHERE slice = %s", (w, s))
 
 
 def test_a_read_only_store_is_refused_before_anything_is_created(dsn: StoreDsn, warehouse: Path) -> None:

@@ -7,23 +7,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import psycopg
 import pytest
 
 from es_pipeline.cli import main
-from es_pipeline.defs.events.checks import (
-    events_no_duplicates,
-    events_reconcile_with_source,
-    events_versions_contiguous,
-)
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.errors import SourceChanged
 from es_pipeline.extraction.extractor import Extractor
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta import tables
 from es_pipeline_tests.support.cluster import another_cluster, dump, restore
-from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all
+from es_pipeline_tests.support.lakecheck import assert_events_checks_pass, assert_exactly_once, extract_all
 from es_pipeline_tests.support.roles import StoreDsn, login_roles
 from es_pipeline_tests.support.store import append_workload
 
@@ -81,9 +74,4 @@ def test_a_store_restored_into_a_new_cluster_is_refused_then_rebased_exactly_onc
         extract_all(restored.extractor, spark, warehouse)
         assert assert_exactly_once(spark, warehouse, restored) == 300 + 100 + 200 + 300
         # The lake's checks hold too, though restored ids still lie above the new cluster's watermarks.
-        resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=str(warehouse)),
-                     "event_store": EventStoreResource(dsn=restored.extractor)}
-        for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
-            result = check(dg.build_asset_check_context(),  # type: ignore[operator]
-                           **{k: v for k, v in resources.items() if k in check.required_resource_keys})
-            assert result.passed, (check.check_key.name, result.metadata)
+        assert_events_checks_pass(spark, warehouse, restored.extractor)

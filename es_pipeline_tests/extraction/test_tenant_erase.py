@@ -16,7 +16,7 @@ import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
-from es_pipeline.defs.events.checks import reconcile
+from es_pipeline.checks.events import reconcile
 from es_pipeline.errors import SliceLocked, TenantRefused, UnknownTenant
 from es_pipeline.extraction.erase import erase_tenant
 from es_pipeline.extraction.extractor import Extractor
@@ -234,7 +234,7 @@ def test_a_partition_dropped_behind_our_back_is_reported(store: StoreDsn, spark:
     # And the events check fails, naming it.
     check = reconcile(Engine(spark=spark), warehouse, store.extractor, SOURCE, None)
     assert not check.passed
-    assert check.metadata["tenants_lost"].value == "initech (2 events; dropped outside `tenant erase`)"
+    assert check.metadata["tenants_lost"] == "initech (2 events; dropped outside `tenant erase`)"
 
 
 class Killed(Exception):

@@ -13,19 +13,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 from deltalake import DeltaTable
 from shop.domain import domain as SHOP
 
-from es_pipeline.defs.events.checks import (
-    events_no_duplicates,
-    events_reconcile_with_source,
-    events_versions_contiguous,
-)
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
 from es_pipeline.dev.s3proxy import S3Server
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.extraction.extractor import Extractor
@@ -38,7 +31,12 @@ from es_pipeline.lake.maintenance import maintain
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.settings import Settings
 from es_pipeline.store.event_store import EventStore
-from es_pipeline_tests.support.lakecheck import assert_exactly_once, extract_all, source_events
+from es_pipeline_tests.support.lakecheck import (
+    assert_events_checks_pass,
+    assert_exactly_once,
+    extract_all,
+    source_events,
+)
 from es_pipeline_tests.support.roles import StoreDsn
 
 PROCESSES, COMMITS_EACH, ROWS_EACH = 8, 6, 50
@@ -248,12 +246,7 @@ def test_projections_checks_and_maintenance_run_on_the_s3_lake(dsn: StoreDsn, sp
     assert tables.read(spark, tables.table_path(warehouse, "stream_state")).count() == len(streams)
     daily = tables.read(spark, tables.table_path(warehouse, "event_type_daily")).groupBy().sum("events").first()
     assert daily is not None and daily[0] == 800
-    resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=warehouse),
-                 "event_store": EventStoreResource(dsn=dsn.extractor)}
-    for check in (events_reconcile_with_source, events_no_duplicates, events_versions_contiguous):
-        result = check(dg.build_asset_check_context(),  # type: ignore[operator]
-                       **{k: v for k, v in resources.items() if k in check.required_resource_keys})
-        assert result.passed, (check.check_key.name, result.metadata)
+    assert_events_checks_pass(spark, warehouse, dsn.extractor)
     maintained = maintain(warehouse, store_dsn=dsn.extractor)
     assert {"events", "stream_state", "stream_catalog", "event_type_daily"} <= maintained.keys()
     assert assert_exactly_once(spark, warehouse, dsn) == 800, "the same events after compaction"

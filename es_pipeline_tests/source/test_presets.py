@@ -336,12 +336,10 @@ def test_a_pekko_journal_that_deleted_events_is_rebased_and_reconciled_by_what_i
 ) -> None:
     """`deleteEventsTo` takes events out of the store that the lake keeps: a rebase checks the lake against what
     the store still holds and says how many it cannot check, and the reconcile check passes on the same terms."""
-    import dagster as dg
 
     from es_pipeline.cli import main
-    from es_pipeline.defs.events.checks import events_reconcile_with_source
-    from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
     from es_pipeline.extraction.slices import SliceRange
+    from es_pipeline_tests.support.lakecheck import events_checks
 
     source = mapping.pekko_jdbc()
     rng = random.Random(7)
@@ -376,10 +374,6 @@ def test_a_pekko_journal_that_deleted_events_is_rebased_and_reconciled_by_what_i
     assert max(lake.values()) == 1, "an event landed twice"
     assert lake - held == Counter({("Cart|c0", v): 1 for v in range(1, 6)}), "the lake keeps what was deleted"
     assert not held - lake, "every event the store holds is in the lake"
-    resources = {"spark": SparkResource(spark_config={}), "warehouse": WarehouseResource(path=str(warehouse)),
-                 "event_store": EventStoreResource(dsn=dsn.extractor, source="pekko-jdbc")}
-    result = events_reconcile_with_source(dg.build_asset_check_context(),  # type: ignore[operator]
-                                          **{k: v for k, v in resources.items()
-                                             if k in events_reconcile_with_source.required_resource_keys})
-    assert result.passed, result.metadata
-    assert result.metadata["deleted_by_the_framework_unchecked"].value == 5
+    result = events_checks(spark, warehouse, dsn.extractor, source)["events_reconcile_with_source"]
+    assert result.passed, result
+    assert result.metadata["deleted_by_the_framework_unchecked"] == 5

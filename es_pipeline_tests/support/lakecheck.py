@@ -112,3 +112,19 @@ def same_value(held: Any, value: Any) -> bool:
     if isinstance(value, list):
         return isinstance(held, list) and len(held) == len(value) and all(map(same_value, held, value))
     return held == value and isinstance(held, bool) == isinstance(value, bool)
+
+
+def events_checks(spark: Any, warehouse: tables.Location, dsn: str, source: Any = "es") -> dict[str, Any]:
+    """The library's checks of `events` (es_pipeline/checks/events.py) over the whole table, by the engine rule with
+    `spark` where it says Spark: each check's name and its `Outcome` (or the error it raised)."""
+    from es_pipeline import checks
+    from es_pipeline.lake.kernel.engine import Engine
+    from es_pipeline.source.mapping import as_source
+
+    given = checks.Given(Engine(spark=spark), warehouse, dsn, as_source(source))
+    return checks.run(checks.events.CHECKS, given)
+
+
+def assert_events_checks_pass(spark: Any, warehouse: tables.Location, dsn: str, source: Any = "es") -> None:
+    for name, outcome in events_checks(spark, warehouse, dsn, source).items():
+        assert not isinstance(outcome, Exception) and outcome.passed, (name, outcome)

@@ -2,13 +2,8 @@
 
 import dagster as dg
 
-from es_pipeline.defs.events.checks import CHECKS as EVENTS_CHECKS
-from es_pipeline.defs.projections.checks import CHECKS as PROJECTIONS_CHECKS
 from es_pipeline.defs.resources import EventStoreResource, WarehouseResource
-from es_pipeline.defs.snapshots.checks import CHECKS as SNAPSHOTS_CHECKS
 from es_pipeline.lake.maintenance import maintain
-
-CHECKS = [*EVENTS_CHECKS, *PROJECTIONS_CHECKS, *SNAPSHOTS_CHECKS]
 
 
 @dg.op(description="Compaction then vacuum (168 hours kept) of every Delta table of the warehouse, each in its "
@@ -26,8 +21,8 @@ def delta_maintenance_job() -> None:
 
 
 # In-process: the checks read the whole lake with Spark; a step subprocess would only add a start-up.
-# Every check of the location: these, and one per cross-stream projection of the team's domain
-# (defs/projections/checks.py `build_projection_checks`).
+# Every check of the location (defs/checks.py `build_asset_checks`): the built-in tables', and one per cross-stream
+# projection of the team's domain.
 lake_checks_job = dg.define_asset_job(
     "lake_checks_job", selection=dg.AssetSelection.all_asset_checks(), executor_def=dg.in_process_executor,
     description="Table-wide invariants of `events` against the store, and of every projection against `events`.",

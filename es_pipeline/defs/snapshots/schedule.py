@@ -2,14 +2,14 @@
 
 import dagster as dg
 
-from es_pipeline.defs.projections.checks import stream_state_version_matches_events
+from es_pipeline.defs.checks import BUILTIN as CHECKS
 from es_pipeline.defs.snapshots.asset import snapshots
 
 # The stream_state check is blocking and in the same run: when `stream_state` does not match `events`, the
-# snapshots step does not run, and no such state is written back to the store (defs/projections/checks.py).
+# snapshots step does not run, and no such state is written back to the store (es_pipeline/checks/projections.py).
 snapshots_job = dg.define_asset_job(
     "snapshots_job",
-    selection=dg.AssetSelection.assets(snapshots) | dg.AssetSelection.checks(stream_state_version_matches_events),
+    selection=dg.AssetSelection.assets(snapshots) | dg.AssetSelection.checks(CHECKS["stream_state_version_matches_events"]),
     description="Check that stream_state matches events, then take snapshots of streams that outgrew their last one.",
 )
 

@@ -1,28 +1,28 @@
-"""Checks of `events`: no duplicates, contiguous versions, counts reconcile with the store.
+"""The checks of `events`: no duplicates, contiguous versions, counts reconciled with the store.
 
 In this process (DataFusion over the Delta table, Arrow; in bounded pieces) where the scope's files are within
-the engine rule's bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`on_spark`): a range's
+the engine rule's bound, on Spark past it or where `ES_PIPELINE_ENGINE` says (`Engine.on_spark`): a range's
 checks start no JVM.
 
-Table-wide on their schedule (`lake_checks_job`, hourly). Run beside the materialization of one
-partition (a hand materialization from the UI or `dagster asset materialize --partition`), they check
-that partition's slices only, so that materializing a range costs what the range costs, not what the
-table does: a stream lives in one slice, so every invariant holds per slice and a range's check is
-exact for its streams. The result's `scope` says which it was.
+Table-wide on their schedule (`lake_checks_job`, hourly) and from `es-pipeline lake check`. Run beside the
+materialization of one partition (a hand materialization from the UI or `dagster asset materialize --partition`),
+they check that partition's slices only (`Given.scope`), so that materializing a range costs what the range costs,
+not what the table does: a stream lives in one slice, so every invariant holds per slice and a range's check is
+exact for its streams. The outcome's `scope` says which it was.
 """
+
+from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import dagster as dg
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-from dagster._core.errors import DagsterInvalidPropertyError
 from deltalake import DeltaTable, QueryBuilder
 
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
+from es_pipeline.checks.check import Check, Given, Outcome
 from es_pipeline.extraction import offsets
 from es_pipeline.extraction.slices import NUM_SLICES, SliceRange
 from es_pipeline.lake.delta import pieces, tables
@@ -35,20 +35,9 @@ from es_pipeline.store.conninfo import connect
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-PARTITION_TAG = "dagster/partition"
-
-
-def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None:
-    """The slice range of the partition this check runs beside, or None (the whole table)."""
-    try:
-        key = context.run.tags.get(PARTITION_TAG) if context is not None else None
-    except DagsterInvalidPropertyError:  # invoked directly, outside a run: the whole table
-        key = None
-    return SliceRange.from_key(key) if key else None
-
 
 def _lake(engine: Engine, warehouse: tables.Location, scope: SliceRange | None, *,
-          version: int | None = None) -> "_Events":
+          version: int | None = None) -> _Events:
     """`events` (at `version`, default the newest), or the rows of the scope's slices (the files of other ranges
     are skipped by their slice statistics: a batch holds one range's slices), read where `engine` says
     (`Engine.on_spark`): in this process (DataFusion and Arrow, no JVM) unless the scope's files pass its bound."""
@@ -94,7 +83,7 @@ class _Events:
 class _SparkEvents(_Events):
     engine = "spark"
 
-    def __init__(self, spark: "SparkSession", path: str, scope: SliceRange | None, version: int | None) -> None:
+    def __init__(self, spark: SparkSession, path: str, scope: SliceRange | None, version: int | None) -> None:
         self.spark = spark
         df = tables.with_tenant(tables.read(spark, path, version=version))
         self.df = df if scope is None else df.where(df.slice.between(scope.lo, scope.hi))
@@ -220,56 +209,29 @@ def _scope_label(scope: SliceRange | None) -> str:
     return "every slice" if scope is None else f"slices {scope.key}"
 
 
-@dg.asset_check(asset="events", blocking=True, description="No (tenant, stream_id, version) appears twice in the lake.")
-def events_no_duplicates(
-    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource
-) -> dg.AssetCheckResult:
-    scope = scope_of(context)
-    lake = _lake(engine_of(warehouse, spark), warehouse.root, scope)
+def no_duplicates(given: Given) -> Outcome:
+    lake = _lake(given.engine, given.warehouse, given.scope)
     n, sample = lake.duplicates()
-    return dg.AssetCheckResult(passed=n == 0, metadata={"duplicates": n, "examples": ", ".join(sample),
-                                                         "scope": _scope_label(scope), "engine": lake.engine})
+    return Outcome(n == 0, {"duplicates": n, "examples": ", ".join(sample), "scope": _scope_label(given.scope),
+                            "engine": lake.engine})
 
 
-@dg.asset_check(
-    asset="events", blocking=True,
-    description="Versions are contiguous from 1 per stream. A gap passes only while the missing event "
-    "is still above its slice's watermark in Postgres (committed out of xid order, on its way).",
-)
-def events_versions_contiguous(
-    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-    event_store: EventStoreResource,
-) -> dg.AssetCheckResult:
-    scope = scope_of(context)
-    lake = _lake(engine_of(warehouse, spark), warehouse.root, scope)
+def versions_contiguous(given: Given) -> Outcome:
+    lake = _lake(given.engine, given.warehouse, given.scope)
     ids = lake.gaps(10_000)
     if not ids:
-        return dg.AssetCheckResult(passed=True, metadata={"streams_with_gaps": 0, "scope": _scope_label(scope),
-                                                          "engine": lake.engine})
-    source = event_store.events_source()
-    with connect(event_store.dsn) as conn:
-        due = offsets.events_below_watermarks(conn, source, source.consumer, ids)
+        return Outcome(True, {"streams_with_gaps": 0, "scope": _scope_label(given.scope), "engine": lake.engine})
+    with connect(given.store_dsn) as conn:
+        due = offsets.events_below_watermarks(conn, given.source, given.source.consumer, ids)
     missing = sorted(set(due) - lake.have(ids))
-    return dg.AssetCheckResult(
-        passed=not missing,
-        metadata={"streams_with_gaps": len(ids), "missing_below_watermark": len(missing),
-                  "examples": ", ".join(f"{t + '/' if t else ''}{s}@{v}" for t, s, v in missing[:5]),
-                  "scope": _scope_label(scope), "engine": lake.engine},
-    )
+    return Outcome(not missing, {
+        "streams_with_gaps": len(ids), "missing_below_watermark": len(missing),
+        "examples": ", ".join(f"{t + '/' if t else ''}{s}@{v}" for t, s, v in missing[:5]),
+        "scope": _scope_label(given.scope), "engine": lake.engine})
 
 
-@dg.asset_check(
-    asset="events", blocking=True,
-    description="Per slice, the lake holds exactly as many events below the slice's watermark as Postgres does, "
-    "and none above it but a pending batch's (or, after a rebase, restored ones).",
-)
-def events_reconcile_with_source(
-    context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-    event_store: EventStoreResource,
-) -> dg.AssetCheckResult:
-    scope = scope_of(context)
-    return reconcile(engine_of(warehouse, spark), warehouse.root, event_store.dsn, event_store.events_source(),
-                     scope)
+def reconciled(given: Given) -> Outcome:
+    return reconcile(given.engine, given.warehouse, given.store_dsn, given.source, given.scope)
 
 
 @dataclass(frozen=True)
@@ -301,7 +263,7 @@ def _store_view(dsn: str, source: Source, consumer: str, slices: list[int] | Non
 def reconcile(
     engine: Engine, warehouse: tables.Location, dsn: str, source: Source | str, scope: SliceRange | None, *,
     between: Callable[[str], None] | None = None,
-) -> dg.AssetCheckResult:
+) -> Outcome:
     """The lake against the store, while runs go on extracting.
 
     The store is read twice, before (S1) and after (S2) the lake's version is fixed: every batch whose
@@ -335,9 +297,9 @@ def reconcile(
     # the store: only fewer is a loss; the excess is said, as what cannot be checked (duplicates have their check).
     off = {s: (a, b) for s, (a, b) in pairs.items() if (b < a if source.deletes_events else a != b)}
     deleted = sum(b - a for a, b in pairs.values() if b > a) if source.deletes_events else 0
-    return dg.AssetCheckResult(
-        passed=not off and n_stray == 0 and not lost and not before.foreign,
-        metadata={"slices_checked": len(store_counts), "slices_off": len(off), "above_watermark": n_stray,
+    return Outcome(
+        not off and n_stray == 0 and not lost and not before.foreign,
+        {"slices_checked": len(store_counts), "slices_off": len(off), "above_watermark": n_stray,
                   # Rows another cluster wrote hide above the horizon, beyond every count: `offsets rebase`.
                   "events_from_another_cluster": before.foreign,
                   **({"deleted_by_the_framework_unchecked": deleted} if source.deletes_events else {}),
@@ -358,4 +320,15 @@ def _lost_tenants(lake: _Events, dsn: str, source: Source) -> dict[str, int]:
         return tenants.missing(conn, source, counts)
 
 
-CHECKS = [events_no_duplicates, events_versions_contiguous, events_reconcile_with_source]
+CHECKS = [
+    Check("events_no_duplicates", "events", "No (tenant, stream_id, version) appears twice in the lake.",
+          no_duplicates, blocking=True, scoped=True),
+    Check("events_versions_contiguous", "events",
+          "Versions are contiguous from 1 per stream. A gap passes only while the missing event is still above its "
+          "slice's watermark in Postgres (committed out of xid order, on its way).",
+          versions_contiguous, blocking=True, scoped=True),
+    Check("events_reconcile_with_source", "events",
+          "Per slice, the lake holds exactly as many events below the slice's watermark as Postgres does, and none "
+          "above it but a pending batch's (or, after a rebase, restored ones).",
+          reconciled, blocking=True, scoped=True),
+]
