@@ -359,28 +359,21 @@ def _spark(args: argparse.Namespace, settings: Settings) -> int:
 
 def _config(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.project import partition_keys
-    from es_pipeline.settings import PROJECT_ROOT
+    from es_pipeline.settings import DECLARED, PROJECT_ROOT, markdown_table, shown
     from es_pipeline.store.conninfo import describe
 
+    if args.markdown:
+        print(markdown_table(), end="")
+        return 0
     conf = args.configuration
     print(f"project: {conf.project or PROJECT_ROOT}" + (f" (component {conf.component})" if conf.component else ""))
     if conf.note:
         print(f"note: {conf.note}")
     host, port, dbname = describe(settings.pg_dsn)
-    shown = [
-        ("ES_PIPELINE_PG_DSN", f"{host}:{port}/{dbname} (the DSN itself is never shown)"),
-        ("ES_PIPELINE_DOMAIN", ", ".join(settings.domain_modules) or "(none)"),
-        ("ES_PIPELINE_WAREHOUSE", str(settings.warehouse)),
-        ("ES_PIPELINE_SLICE_RANGES", str(settings.slice_ranges)),
-        ("ES_PIPELINE_SOURCE", settings.source.label),
-        ("ES_PIPELINE_TAIL_SECONDS", str(settings.tail_seconds)),
-        ("ES_PIPELINE_ENGINE", settings.engine),
-        ("ES_PIPELINE_FRESHNESS_SECONDS", str(settings.freshness_seconds)),
-        ("ES_PIPELINE_SPARK_REMOTE", settings.spark_remote or "(none: a local Spark where one is needed)"),
-        ("DAGSTER_HOME", str(settings.dagster_home)),
-    ]
-    for variable, value in shown:
-        print(f"  {variable:<30} {value:<48} from {conf.source_of(variable)}")
+    for setting in DECLARED:
+        value = (f"{host}:{port}/{dbname} (the DSN itself is never shown)" if setting.field == "pg_dsn"
+                 else shown(setting, settings))
+        print(f"  {setting.variable:<34} {value:<48} from {conf.source_of(setting.variable)}")
     print(f"  partitions of `events`: {', '.join(partition_keys(settings))}")
     return 0
 
@@ -448,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cf = sub.add_parser("config", help="every setting, and where it came from (a dg project's component, the "
                         "environment, the default); the partition keys")
+    cf.add_argument("--markdown", action="store_true",
+                    help="print the README's table of settings, made from their declarations (es_pipeline/settings.py)")
     cf.set_defaults(func=_config)
     dr = sub.add_parser("doctor", help="check the domain, the store and its migrations, the lake, Java and the jars, "
                         "the Dagster instance: one line each; exit 1 when something fails")

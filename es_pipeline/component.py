@@ -19,20 +19,29 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, create_model
 
 from es_pipeline.health.doctor import instance_gaps
 from es_pipeline.location import build_definitions
-from es_pipeline.settings import PROJECT_ROOT, Settings, from_component
+from es_pipeline.settings import (
+    ATTRIBUTES,
+    PROJECT_ROOT,
+    Modules,
+    OneOf,
+    Setting,
+    Settings,
+    Whole,
+    from_component,
+)
 
 log = logging.getLogger("es_pipeline")
 
-# What `dg scaffold defs es_pipeline.component.EsPipeline <name>` writes: every attribute, described, the optional
-# ones commented out at their defaults.
-TEMPLATE = """\
+HEAD = """\
 # es_pipeline: an event store in PostgreSQL, extracted exactly once into Delta tables, with projections.
 # The whole path: docs/quickstart.md (in the es_pipeline package: es_pipeline/docs/quickstart.md).
 # Each attribute stands for a variable of the environment (ES_PIPELINE_*); set here, it wins. `es-pipeline config`
@@ -41,22 +50,50 @@ TEMPLATE = """\
 type: {type_name}
 
 attributes:
-  # The modules holding the team's Domain: reducers, upcasters, typed states, projections (docs/domain.md).
-  domain: []
-  # Where the Delta tables live: a folder (relative: to the project's root) or s3://bucket/prefix.
-  warehouse: warehouse
-  # Dagster partitions of `events`: the 1024 slices split into this many ranges (1-1024).
-  # slice_ranges: 8
-  # The event table read: es (es_pipeline's own es.events), es-tenants, emmett, pekko-r2dbc, pekko-jdbc, marten,
-  # or a TOML mapping file (docs/sources.md).
-  # source: es
-  # How long a sensor-started `events` run follows the store, in seconds (0: one pass per run).
-  # tail_seconds: 300
-  # Where tables are built whole: auto (Spark past 1 GiB of `events`), spark, or local (never Spark).
-  # engine: auto
-  # A lake asset not materialized for this long is stale in Dagster (60-604800 seconds).
-  # freshness_seconds: 120
 """
+
+
+def _accepts(setting: Setting) -> str:
+    kind = setting.kind
+    if isinstance(kind, Whole):
+        return f" ({kind.lo}-{kind.hi})"
+    return f" ({', '.join(kind.allowed)})" if isinstance(kind, OneOf) else ""
+
+
+def _default_value(setting: Setting) -> str:
+    return "[]" if isinstance(setting.kind, Modules) else setting.shown_default().strip("`")
+
+
+def template() -> str:
+    """What `dg scaffold defs es_pipeline.component.EsPipeline <name>` writes: every attribute (es_pipeline/settings.py
+    `DECLARED`), described, those the template sets at their value, the others commented out at their defaults."""
+    lines = [HEAD]
+    for name, setting in ATTRIBUTES.items():
+        said = f"{setting.brief.rstrip('.')}{_accepts(setting)}. {setting.variable}."
+        lines += [f"  # {line}\n" for line in textwrap.wrap(said, 112)]
+        lines.append(f"  {name}: {setting.scaffold}\n" if setting.scaffold is not None
+                     else f"  # {name}: {_default_value(setting)}\n")
+    return "".join(lines)
+
+
+TEMPLATE = template()
+
+
+def _fields() -> dict[str, Any]:
+    """The component's attributes as pydantic fields, one per declared attribute: its type (a `Literal` for a mode;
+    a list for the domain's modules), unset by default (the variable's value, or its default, then holds)."""
+    fields: dict[str, Any] = {}
+    for name, setting in ATTRIBUTES.items():
+        description = (f"{setting.brief.rstrip('.')}{_accepts(setting)}. {setting.variable}; default "
+                       f"{setting.shown_default().replace('`', '')}.")
+        if isinstance(setting.kind, Modules):
+            fields[name] = (setting.kind.annotation, Field(default=[], description=description))
+        else:
+            fields[name] = (setting.kind.annotation | None, Field(default=None, description=description))
+    return fields
+
+
+Attributes = create_model("Attributes", __base__=dg.Model, **_fields())
 
 
 class EsPipelineScaffolder(dg.Scaffolder):
@@ -70,32 +107,11 @@ class EsPipelineScaffolder(dg.Scaffolder):
 
 
 @dg.scaffold_with(EsPipelineScaffolder)
-class EsPipeline(dg.Component, dg.Model, dg.Resolvable):
+class EsPipeline(dg.Component, Attributes, dg.Resolvable):  # type: ignore[misc, valid-type]
     """Every es_pipeline asset, check, sensor and schedule over one event store and one lake, folding with the
-    team's domain. Each attribute stands for an ES_PIPELINE_* variable and wins over it; the store's DSN stays in
-    ES_PIPELINE_PG_DSN. docs/quickstart.md (es_pipeline/docs/ in the package)."""
-
-    domain: list[str] = Field(default=[], description=(
-        "The modules holding the team's Domain (reducers, upcasters, typed states, projections), as imported: "
-        "`my_project.domain`, or `module:attribute`. ES_PIPELINE_DOMAIN. Empty: no reducer, stateless rows."))
-    warehouse: str | None = Field(default=None, description=(
-        "Where the Delta tables live: a folder (relative: to the project's root) or s3://bucket/prefix. "
-        "ES_PIPELINE_WAREHOUSE; default: <project>/warehouse."))
-    slice_ranges: int | None = Field(default=None, description=(
-        "How many Dagster partitions of `events` the 1024 slices are split into (1-1024). ES_PIPELINE_SLICE_RANGES; "
-        "default 8."))
-    source: str | None = Field(default=None, description=(
-        "The event table read: es, es-tenants, emmett, pekko-r2dbc, pekko-jdbc, marten (optionally `:schema`) or a "
-        "TOML mapping file. ES_PIPELINE_SOURCE; default es."))
-    tail_seconds: int | None = Field(default=None, description=(
-        "How long a sensor-started `events` run follows the store (0: one pass per run). ES_PIPELINE_TAIL_SECONDS; "
-        "default 300."))
-    engine: str | None = Field(default=None, description=(
-        "Where tables are built whole: auto (Spark past 1 GiB of `events`), spark or local. ES_PIPELINE_ENGINE; "
-        "default auto."))
-    freshness_seconds: int | None = Field(default=None, description=(
-        "A lake asset not materialized for this long is stale in Dagster (60-604800). "
-        "ES_PIPELINE_FRESHNESS_SECONDS; default 120."))
+    team's domain. Each attribute stands for an ES_PIPELINE_* variable and wins over it (the attributes are declared
+    with the settings, es_pipeline/settings.py); the store's DSN stays in ES_PIPELINE_PG_DSN. docs/quickstart.md
+    (es_pipeline/docs/ in the package)."""
 
     def settings(self, where: str = "defs.yaml", project_root: Path | None = None) -> Settings:
         """The environment's settings with the attributes given in their variables' place; a refused value is

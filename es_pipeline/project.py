@@ -27,7 +27,13 @@ from typing import Any
 import yaml
 
 from es_pipeline.errors import ConfigError
-from es_pipeline.settings import COMPONENT_ATTRIBUTES, Settings, attribute_variables, from_component
+from es_pipeline.settings import (
+    ATTRIBUTES,
+    COMPONENT_ATTRIBUTES,
+    Settings,
+    attribute_variables,
+    from_component,
+)
 
 COMPONENT_TYPES = ("es_pipeline.component.EsPipeline", "es_pipeline.EsPipeline")
 
@@ -141,8 +147,26 @@ def _attributes(path: Path, root: Path, where: str = "") -> dict:
         tree = dg.ComponentTree.for_project(root)
         loaded = tree.load_component(path.parent.resolve().relative_to(tree.defs_module_path.resolve()), EsPipeline)
     except Exception as exc:  # noqa: BLE001 - dg's error wraps the cause in pages of context: its last line says it
-        raise ConfigError(f"the EsPipeline component in {where or path}", "", _last_line(exc)) from exc
+        raise _refusal(exc, where or str(path)) from exc
     return {k: v for k, v in loaded.model_dump().items() if v is not None and v != []}
+
+
+def _refusal(exc: BaseException, where: str) -> ConfigError:
+    """dg's error as one line: an attribute the component's schema refused (a mode outside its `Literal`, text for a
+    number) names the attribute, its value and what its declaration accepts; anything else, the cause's last line."""
+    from pydantic import ValidationError
+
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ValidationError) and cause.errors():
+        error = cause.errors()[0]
+        name = next((str(part) for part in reversed(error["loc"]) if str(part) in ATTRIBUTES), None)
+        if name is not None:
+            kind = ATTRIBUTES[name].kind
+            accepts = getattr(kind, "accepts", "") or error["msg"]
+            return ConfigError(f"attribute `{name}` of {where}", str(error.get("input", "")), accepts)
+    return ConfigError(f"the EsPipeline component in {where}", "", _last_line(exc))
 
 
 def _last_line(exc: BaseException) -> str:

@@ -1,8 +1,14 @@
-"""Every setting, read from the environment in one place and validated there.
+"""Every setting, declared once (`DECLARED`), read from the environment in one place and validated there.
 
-Nothing reads the environment at import time: `Settings.from_env()` does, when asked, and refuses a
-bad value with one line naming the variable, what it holds and what it accepts. The table of
-variables is in README.md ("Settings"). Below everything but the source mappings and `errors`.
+A declaration says a setting's variable, how a value is read (its kind: type, bounds, the words of a refusal), its
+default, what it is, the `Settings` field it fills, the EsPipeline component attribute that stands for it, and
+whether it is secret. What reads or shows settings is made from the declarations: `Settings.from_env`, `es-pipeline
+config`, the component's attributes and `dg scaffold` template (es_pipeline/component.py), and the README's table
+("Settings"; `es-pipeline config --markdown` prints it, a test keeps the two equal).
+
+Nothing reads the environment at import time: `Settings.from_env()` does, when asked, and refuses a bad value with
+one line naming the variable (or the attribute that set it), what it holds and what it accepts. Below everything but
+the source mappings and `errors`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import quote
 
 from es_pipeline.errors import ConfigError
@@ -110,47 +117,369 @@ def dagster_storage_url(user: str, host: str, port: int | str, database: str, pa
     return f"postgresql+psycopg2://{user}@{host}:{port}/{database}{tail}"
 
 
+# -- how a value is read ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Text:
+    """Any text; unset or blank: the default."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> Any:
+        return text
+
+    @property
+    def annotation(self) -> Any:
+        return str
+
+    def attribute(self, value: object, root: Path) -> str:
+        return str(value)
+
+
+@dataclass(frozen=True)
+class Whole(Text):
+    """A whole number within [lo, hi]; `what` names its unit ("seconds"), `zero` what 0 means, where it means more."""
+
+    lo: int
+    hi: int
+    what: str = ""
+    zero: str = ""
+    expected: str = ""  # the words of a refusal, where the generated ones would not do
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(variable, text, self.accepts) from None
+        if not self.lo <= value <= self.hi:
+            raise ConfigError(variable, text, self.accepts)
+        return value
+
+    @property
+    def accepts(self) -> str:
+        if self.expected:
+            return self.expected
+        low = f"{self.lo} ({self.zero})" if self.zero else str(self.lo)
+        return f"a whole number{' of ' + self.what if self.what else ''} between {low} and {self.hi}"
+
+    @property
+    def annotation(self) -> Any:
+        return int
+
+
+@dataclass(frozen=True)
+class OneOf(Text):
+    """One of a few words (a `Literal` in the component's schema)."""
+
+    allowed: tuple[str, ...]
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> str:
+        if text not in self.allowed:
+            raise ConfigError(variable, text, " or ".join(self.allowed))
+        return text
+
+    @property
+    def accepts(self) -> str:
+        return " or ".join(self.allowed)
+
+    @property
+    def annotation(self) -> Any:
+        return Literal[self.allowed]  # type: ignore[valid-type]
+
+
+@dataclass(frozen=True)
+class Switch(OneOf):
+    """`on` or `off`, read as a bool."""
+
+    allowed: tuple[str, ...] = ("on", "off")
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> bool:  # type: ignore[override]
+        return super().read(variable, text, env) == "on"
+
+
+@dataclass(frozen=True)
+class Size(Text):
+    """A size: a whole number of bytes, or with a binary unit (`512MB`, `2GiB`, `64k`); at least 1 MB."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> int:
+        number = text.rstrip("bBkKmMgGiI ")
+        unit = text[len(number):].strip().lower()
+        try:
+            value = int(number) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ConfigError(variable, text, "a size in bytes, e.g. 536870912 or 512MB or 2GiB") from None
+        if value < 1 << 20:
+            raise ConfigError(variable, text, "a size of at least 1MB")
+        return value
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
+
+
+@dataclass(frozen=True)
+class Modules(Text):
+    """Python modules, comma-separated, each `package.module` or `package.module:attribute` (imported later); as a
+    component attribute, a list."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> tuple[str, ...]:
+        found = tuple(part.strip() for part in text.split(",") if part.strip())
+        for part in found:
+            if not _MODULE.fullmatch(part):
+                raise ConfigError(variable, text, "Python modules, comma-separated, e.g. shop.domain or shop.domain:domain")
+        return found
+
+    @property
+    def annotation(self) -> Any:
+        return list[str]
+
+    def attribute(self, value: object, root: Path) -> str:
+        return ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
+
+
+@dataclass(frozen=True)
+class Folder(Text):
+    """A local folder."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> Path:
+        return Path(text)
+
+
+@dataclass(frozen=True)
+class Lake(Text):
+    """A warehouse: a local folder (relative, as an attribute: to the project's root) or s3://bucket/prefix."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> Path | str:
+        return warehouse_location(text)
+
+    def attribute(self, value: object, root: Path) -> str:
+        text = str(value)
+        return text if "://" in text or Path(text).is_absolute() else str(root / text)
+
+
+@dataclass(frozen=True)
+class EventTable(Text):
+    """A preset (`emmett`, `marten:app`, ...) or a TOML mapping file, read in ES_PIPELINE_SCHEMA's schema."""
+
+    def read(self, variable: str, text: str, env: Mapping[str, str]) -> Source:
+        return mapping.load(text, env.get("ES_PIPELINE_SCHEMA") or "es")
+
+
+# -- every setting, declared once ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: the environment variable, how a value is read (`kind`: its type, bounds and the words of a
+    refusal), its default (a value, or a function of the settings read, for a default that follows another), what
+    it is (the README's "what"), the `Settings` field it fills (None: read where it is used, by Spark, Dagster or the
+    alert sensor), the EsPipeline component attribute that stands for it, and whether it is secret (never shown)."""
+
+    variable: str
+    what: str
+    field: str | None = None
+    kind: Text = Text()
+    default: Any = None
+    default_text: str = ""  # the default as the README says it, where its value does not (a path, a rule)
+    attribute: str | None = None
+    brief: str = ""  # an attribute's one line in the component's schema and its `dg scaffold` template
+    scaffold: str | None = None  # an attribute the template writes, uncommented, with this value
+    secret: bool = False
+
+    def default_for(self, read: Mapping[str, Any]) -> Any:
+        return self.default(read) if callable(self.default) else self.default
+
+    def shown_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        if isinstance(self.kind, Switch):
+            return f"`{'on' if self.default else 'off'}`"
+        return "unset" if self.default is None else f"`{self.default}`"
+
+
+def _native_warehouse(read: Mapping[str, Any]) -> Path:
+    # One warehouse per source (its `events` table is one consumer's): another source's default is its own.
+    source = read.get("source_mapping")
+    name = "warehouse" if source is None or source.name == "es" else f"warehouse-{mapping.slug(source)}"
+    return Path(PROJECT_ROOT / name)
+
+
+DECLARED: tuple[Setting, ...] = (
+    Setting("ES_PIPELINE_PG_DSN", field="pg_dsn", secret=True,
+            default=lambda read: local_pg_dsn(read["local_pg_port"]),
+            default_text="`postgresql://postgres@127.0.0.1:54329/es_pipeline?passfile=<project>/.secrets/pgpass`",
+            what="the event store (the local dev server that `make dev` starts; its generated password is in the "
+            "git-ignored passfile, never in the DSN); it enters Dagster as `dg.EnvVar`, so the UI and Dagster's storage "
+            "show the variable's name, never a password in it. A password may also come from `PGPASSWORD`, `PGPASSFILE` "
+            "or a service file (`service=name`), on every read path (`docs/security.md`)"),
+    Setting("ES_PIPELINE_DOMAIN", field="domain_modules", kind=Modules(), default=(), attribute="domain", scaffold="[]",
+            default_text="unset (no reducers: every stream's `stream_state` row has no state); `make dev`/`demo`: "
+            "`shop.domain`",
+            brief="The modules holding the team's Domain: reducers, upcasters, typed states, projections (docs/domain.md).",
+            what="the team's domain: Python modules holding an `es_pipeline.domain.Domain` with the reducers "
+            "(comma-separated; `module:attribute` names one object). `docs/domain.md`"),
+    Setting("ES_PIPELINE_WAREHOUSE", field="warehouse", kind=Lake(), default=_native_warehouse,
+            default_text="`./warehouse` (`./warehouse-<preset>` for another source)",
+            attribute="warehouse", scaffold="warehouse",
+            brief="Where the Delta tables live: a folder (relative: to the project's root) or s3://bucket/prefix.",
+            what="where the Delta tables are: a local folder, or `s3://bucket/prefix` on S3 or an S3-compatible store "
+            "(endpoint and keys from `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, "
+            "`AWS_ALLOW_HTTP`). Only delta-rs commits to `events` (where Spark does the work it writes the Parquet files, "
+            "delta-rs commits them); Spark reads S3 through S3A (jars resolved once); the commit rule is in "
+            "`docs/decisions.md` (\"The lake on object storage\")"),
+    Setting("ES_PIPELINE_SLICE_RANGES", field="slice_ranges", default=8, attribute="slice_ranges",
+            kind=Whole(1, MAX_SLICE_RANGES, "ranges"),
+            brief="Dagster partitions of `events`: the 1024 slices split into this many ranges.",
+            what="number of slice ranges (Dagster partitions) the 1024 slices are split into"),
+    Setting("ES_PIPELINE_SPARK_MASTER", field="spark_master", default="local[*]", what="Spark master"),
+    Setting("ES_PIPELINE_SPARK_REMOTE", field="spark_remote",
+            default_text="unset (`make dev`: `sc://localhost:15002`)",
+            what="a Spark Connect server to run on instead of a local JVM per run"),
+    Setting("SPARK_CONNECT_AUTHENTICATE_TOKEN", secret=True,
+            default_text="unset (`spark serve` and `make dev`: generated into `.secrets/spark-connect-token`)",
+            what="Spark's own variable: the token the Connect server requires and its clients send"),
+    Setting("ES_PIPELINE_SCHEMA", field="schema", default="es", what="schema of the event store"),
+    Setting("ES_PIPELINE_SOURCE", field="source_mapping", kind=EventTable(), default_text="`es`", attribute="source",
+            brief="The event table read: es (es_pipeline's own es.events), es-tenants, emmett, pekko-r2dbc, pekko-jdbc, "
+            "marten (optionally `:schema`), or a TOML mapping file (docs/sources.md).",
+            what="the event table read: `es` (es_pipeline's own; `es-tenants`: the same, created partitioned by tenant), "
+            "a framework's (`emmett`, `pekko-r2dbc`, `pekko-jdbc`, `marten`, optionally `:schema`), or a TOML file "
+            "describing any table; prepare it once with `es-pipeline source adopt` (`docs/sources.md`)"),
+    Setting("ES_PIPELINE_EVENTS_WRITER", field="events_writer", kind=OneOf(WRITERS), default="delta-rs",
+            what="who writes extracted batches' files: `delta-rs` (no JVM, 4x faster here) or `spark` (Spark writes the "
+            "Parquet files; delta-rs commits them either way)"),
+    Setting("ES_PIPELINE_ENGINE", field="engine", kind=OneOf(ENGINES), default="auto", attribute="engine",
+            brief="Where tables are built whole; auto: on Spark past 1 GiB of `events`, in process below",
+            what="where every table is built whole (a first build, a new revision, a rebuild: `stream_state`, the "
+            "aggregates, cross-stream projections, typed event tables) and where the `events` and projection checks run "
+            "(the snapshots' take follows `spark` and `local` too): `auto` on Spark once `events`' files pass 1 GiB (in "
+            "process below, `events` read in bounded pieces, so memory stays flat as the lake grows; past 64 MiB "
+            "`stream_state`, `stream_catalog` and cross-stream builds spill their pieces to `TMPDIR`, up to about the "
+            "size of `events`' files, removed when done), `spark` always, `local` never; increments run in the asset's "
+            "process whatever it says. Spark keys and folds on its executors and writes the rows' files; delta-rs "
+            "commits them with the same transaction ids, so either engine goes on from what the other wrote"),
+    Setting("ES_PIPELINE_REBUILDS", field="rebuilds", kind=OneOf(REBUILDS), default="beside",
+            what="a stream type to rebuild (a reducer revision, an upcaster, its history turned on) is built beside "
+            "`stream_state` and swapped in by one commit, while every other type stays fresh (`beside`); `hold` keeps it "
+            "from running, the old rows in service. `es-pipeline lake rebuilds` shows each rebuild's progress (`--run` "
+            "runs them now)"),
+    Setting("ES_PIPELINE_SENSOR_INTERVAL", field="sensor_interval_seconds", kind=Whole(1, 86_400, "seconds"),
+            default=lambda read: default_sensor_interval(read["tail_seconds"]),
+            default_text="`30` with tailing runs, `5` without",
+            what="seconds between `new_events_sensor` ticks; with tailing runs a tick only hands over to the next run"),
+    Setting("ES_PIPELINE_AUTOMATION", field="automation", kind=Switch(), default=True,
+            what="`on` or `off`: `off` leaves the projections' automation sensor stopped, and tailing runs then leave the "
+            "projections alone too"),
+    Setting("ES_PIPELINE_LOCAL_PG_PORT", field="local_pg_port", default=DEFAULT_LOCAL_PG_PORT,
+            kind=Whole(1, 65535, expected="a TCP port (1-65535)"), what="port of the local development server"),
+    Setting("ES_PIPELINE_BATCH_EVENTS", field="batch_events", default=DEFAULT_BATCH_EVENTS,
+            kind=Whole(1, 100_000_000, "events"),
+            what="events per batch (one Delta commit, the unit a crashed run replays), at most"),
+    Setting("ES_PIPELINE_SNAPSHOT_DSN", field="snapshot_dsn", secret=True,
+            default_text="unset (the write-back uses `ES_PIPELINE_PG_DSN`)",
+            what="the snapshot write-back's own login, a member of `es_pipeline_snapshots` (`docs/security.md`); an "
+            "`EnvVar` in Dagster too"),
+    Setting("ES_PIPELINE_PG_BINDIR", field="pg_bindir", kind=Folder(),
+            default_text="unset (`pg_config`'s, then Debian's, then the `portable` extra's)",
+            what="server binaries (initdb, postgres) for the local server and the test clusters"),
+    Setting("ES_PIPELINE_BATCH_BYTES", field="batch_bytes", kind=Size(), default=DEFAULT_BATCH_BYTES,
+            default_text="`512MB`",
+            what="bytes per batch, about, by a sample of the backlog's row width (a backlog of 256 events or fewer is "
+            "one batch, unsampled; `512MB`, `2GiB`, or bytes; at least 1 MB; k, m, g are binary units, so `512MB` is "
+            "512 MiB); one transaction is never split, however large: it streams through"),
+    Setting("ES_PIPELINE_JDBC_MIN_ROWS", field="jdbc_min_rows",
+            kind=Whole(0, 1_000_000_000, "events", zero="never read over JDBC"),
+            default_text="by the master: `500000` on a cluster, `0` (never) on `local[…]`",
+            what="batches of at least this many events are read by Spark's executors over JDBC and written as Parquet by "
+            "them (delta-rs commits the files); smaller ones travel as Arrow through the run's process"),
+    Setting("ES_PIPELINE_TAIL_SECONDS", field="tail_seconds", default=DEFAULT_TAIL_SECONDS, attribute="tail_seconds",
+            kind=Whole(0, 86_400, "seconds", zero="one pass per run"),
+            brief="How long a sensor-started `events` run follows the store, in seconds (0: one pass per run).",
+            what="how long the sensor's `events` run stays: one run over every range, woken by the store's `es_events` "
+            "NOTIFY (or every 2 s), each pass extracting what committed since the last; it also folds the projections' "
+            "small increments. `0`: one run per range and pass (the loop before tailing). Hand materializations make "
+            "one pass. docs/decisions.md, \"Tailing runs\""),
+    Setting("ES_PIPELINE_REPORT_SECONDS", field="report_seconds", default=DEFAULT_REPORT_SECONDS,
+            kind=Whole(0, 3_600, "seconds", zero="every pass"),
+            what="how often at most a tailing run reports its passes to Dagster: the first pass at once, then the passes "
+            "since the last report together, one materialization per partition with their rows. `0`: each pass on its "
+            "own (more events in Dagster's storage, more CPU for the daemon and the database)"),
+    Setting("ES_PIPELINE_FRESHNESS_SECONDS", field="freshness_seconds", default=DEFAULT_FRESHNESS_SECONDS,
+            attribute="freshness_seconds",
+            kind=Whole(60, 7 * 86_400, "seconds", zero="Dagster's least"),
+            brief="A lake asset not materialized for this long is stale in Dagster, in seconds.",
+            what="every lake asset's Dagster freshness policy: failed when not materialized for this long (a tailing run "
+            "reports every 30 s under a trickle; an idle store's assets go stale, and `EsPipelineAssetStale` fires only "
+            "where events wait), warned at half of it (the snapshots: 30 minutes at least). `docs/operations.md`, "
+            "\"Health\""),
+    Setting("ES_PIPELINE_FOLLOW_SECONDS", field="follow_seconds", default=DEFAULT_FOLLOW_SECONDS,
+            kind=Whole(0, 3_600, "seconds", zero="after every pass"),
+            what="how often at most a tailing run folds the projections' small increments (and before each report of its "
+            "passes); `0`: after every pass that brought events, commit → projection p50 about 1.5 s instead of 8 s, "
+            "for about 0.1 of a core more at 20 events/s. docs/decisions/0045"),
+    Setting("ES_PIPELINE_LATENCY_BOUND_SECONDS", field="latency_bound_seconds", default=DEFAULT_LATENCY_BOUND_SECONDS,
+            kind=Whole(1, 86_400, "seconds"),
+            what="the commit→table p95 (per table: `events` and each projection) past which the "
+            "`EsPipelineTableLatencyHigh` alert fires; the exporter publishes it beside the histograms. "
+            "`docs/operations.md`"),
+    Setting("ES_PIPELINE_ALERT_WEBHOOK", secret=True,
+            what="a URL the `run_failure_alert` sensor posts every failed run to, as JSON (Slack's incoming webhooks "
+            "take it); read when posting, never stored (`docs/deploy.md`, \"Alerts\")"),
+    Setting("ES_PIPELINE_DAGSTER_URL", what="the Dagster UI's address, for the link in those posts"),
+    Setting("DAGSTER_HOME", field="dagster_home", kind=Folder(), default=PROJECT_ROOT / ".dagster_home",
+            default_text="`./.dagster_home`", what="Dagster instance folder (`dagster.yaml` is linked into it)"),
+    Setting("DAGSTER_PG_URL", secret=True,  # a SQLAlchemy URL may hold a password
+            default_text="`postgresql+psycopg2://postgres@127.0.0.1:54329/dagster?passfile=<project>/.secrets/pgpass`",
+            what="Dagster's own storage"),
+)
+"""Every setting es_pipeline reads. The environment reader (`Settings.from_env`), `es-pipeline config`, the
+EsPipeline component's attributes (their schema and `dg scaffold` template, es_pipeline/component.py) and the
+README's table ("Settings", `es-pipeline config --markdown`) are made from these."""
+
+BY_FIELD = {s.field: s for s in DECLARED if s.field}
+BY_VARIABLE = {s.variable: s for s in DECLARED}
+
+
+def _default(variable: str) -> Any:
+    """A `Settings` field's default: its declaration's (a default that follows another setting: the declaration's
+    value for an empty environment, as `from_env({})` gives it)."""
+    setting = BY_VARIABLE[variable]
+    return setting.default if not callable(setting.default) else None
+
+
 @dataclass(frozen=True)
 class Settings:
+    """The settings es_pipeline runs with, one field per declared setting (`DECLARED`), plus what follows from them."""
+
     pg_dsn: str
     warehouse: Path | str  # a local folder (Path), or an s3:// URI (str)
-    slice_ranges: int = 8
-    spark_master: str = "local[*]"
-    spark_remote: str | None = None
-    schema: str = "es"
-    source_mapping: Source | None = None  # ES_PIPELINE_SOURCE; None: the native store in `schema`
+    slice_ranges: int = _default("ES_PIPELINE_SLICE_RANGES")
+    spark_master: str = _default("ES_PIPELINE_SPARK_MASTER")
+    spark_remote: str | None = _default("ES_PIPELINE_SPARK_REMOTE")
+    schema: str = _default("ES_PIPELINE_SCHEMA")
+    source_mapping: Source | None = _default("ES_PIPELINE_SOURCE")  # None: the native store in `schema`
     source_spec: str = ""  # ES_PIPELINE_SOURCE as given ("" when unset)
-    dagster_home: Path = field(default_factory=lambda: PROJECT_ROOT / ".dagster_home")
-    events_writer: str = "delta-rs"
-    engine: str = "auto"  # ES_PIPELINE_ENGINE: where a table is built whole (auto: Spark past 1 GiB of `events`)
-    rebuilds: str = "beside"  # ES_PIPELINE_REBUILDS: a stream type's rebuild runs beside the live table, or is held
+    dagster_home: Path = field(default_factory=lambda: BY_VARIABLE["DAGSTER_HOME"].default)
+    events_writer: str = _default("ES_PIPELINE_EVENTS_WRITER")
+    engine: str = _default("ES_PIPELINE_ENGINE")
+    rebuilds: str = _default("ES_PIPELINE_REBUILDS")
     sensor_interval_seconds: int = 30  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
-    automation: bool = True
-    local_pg_port: int = DEFAULT_LOCAL_PG_PORT
-    batch_events: int = DEFAULT_BATCH_EVENTS
-    batch_bytes: int = DEFAULT_BATCH_BYTES
-    pg_bindir: Path | None = None  # server binaries for the local server (default: pg_config's, Debian's)
+    automation: bool = _default("ES_PIPELINE_AUTOMATION")
+    local_pg_port: int = _default("ES_PIPELINE_LOCAL_PG_PORT")
+    batch_events: int = _default("ES_PIPELINE_BATCH_EVENTS")
+    batch_bytes: int = _default("ES_PIPELINE_BATCH_BYTES")
+    pg_bindir: Path | None = _default("ES_PIPELINE_PG_BINDIR")
     pg_dsn_from_env: bool = False  # ES_PIPELINE_PG_DSN set: Dagster gets it as an EnvVar, never its value
-    snapshot_dsn: str | None = None  # the snapshot write-back's own role (default: pg_dsn's)
-    # Batches of at least this many events are read by Spark's executors over JDBC (0: never); None: by the
-    # master, 500,000 on a cluster and never on a local one (extraction.extractor.default_jdbc_min_rows).
-    jdbc_min_rows: int | None = None
-    # A sensor-started `events` run stays this long, extracting its range as commits arrive (0: one pass).
-    tail_seconds: int = DEFAULT_TAIL_SECONDS
-    # A tailing run reports its passes to Dagster at most this often, gathered (0: each pass on its own).
-    report_seconds: int = DEFAULT_REPORT_SECONDS
-    # The team's domain (reducers): the modules ES_PIPELINE_DOMAIN names, loaded by `es_pipeline.domain.load`.
-    domain_modules: tuple[str, ...] = ()
-    # Every lake asset's freshness policy: failed when not materialized for this long, warned at half of it.
-    freshness_seconds: int = DEFAULT_FRESHNESS_SECONDS
+    snapshot_dsn: str | None = _default("ES_PIPELINE_SNAPSHOT_DSN")
+    # None: by the master, 500,000 on a cluster and never on a local one (extraction.extractor.default_jdbc_min_rows).
+    jdbc_min_rows: int | None = _default("ES_PIPELINE_JDBC_MIN_ROWS")
+    tail_seconds: int = _default("ES_PIPELINE_TAIL_SECONDS")
+    report_seconds: int = _default("ES_PIPELINE_REPORT_SECONDS")
+    domain_modules: tuple[str, ...] = _default("ES_PIPELINE_DOMAIN")  # loaded by `es_pipeline.domain.load`
+    freshness_seconds: int = _default("ES_PIPELINE_FRESHNESS_SECONDS")
     # Where a variable's value came from when not the environment: (variable, "attribute `domain` of defs/lake/
     # defs.yaml"), so that an error names what the user actually set (the EsPipeline component's attributes).
     origins: tuple[tuple[str, str], ...] = ()
-    # The commit→table p95, in seconds, past which EsPipelineTableLatencyHigh fires (the exporter publishes it).
-    latency_bound_seconds: int = DEFAULT_LATENCY_BOUND_SECONDS
-    # How often, at most, a tailing run follows the projections' small increments (0: after every pass that moved
-    # events: commit → projection about 1.5 s instead of 8, for about 0.1 of a core more at 20 events/s).
-    follow_seconds: int = DEFAULT_FOLLOW_SECONDS
+    latency_bound_seconds: int = _default("ES_PIPELINE_LATENCY_BOUND_SECONDS")
+    follow_seconds: int = _default("ES_PIPELINE_FOLLOW_SECONDS")
 
     @property
     def source(self) -> Source:
@@ -175,84 +504,46 @@ class Settings:
 
     @classmethod
     def _from_env(cls, env: dict[str, str]) -> Settings:
-        port = _int(env, "ES_PIPELINE_LOCAL_PG_PORT", DEFAULT_LOCAL_PG_PORT, 1, 65535, "a TCP port (1-65535)")
-        source = (mapping.load(env["ES_PIPELINE_SOURCE"], env.get("ES_PIPELINE_SCHEMA") or "es")
-                  if env.get("ES_PIPELINE_SOURCE", "").strip() else None)
-        # One warehouse per source (its `events` table is one consumer's): another source's default is its own.
-        default_warehouse = "warehouse" if source is None or source.name == "es" else f"warehouse-{mapping.slug(source)}"
-        tail = _int(env, "ES_PIPELINE_TAIL_SECONDS", DEFAULT_TAIL_SECONDS, 0, 86_400,
-                    "a whole number of seconds between 0 (one pass per run) and 86400")
-        return cls(
-            pg_dsn=env.get("ES_PIPELINE_PG_DSN") or local_pg_dsn(port),
-            warehouse=warehouse_location(env.get("ES_PIPELINE_WAREHOUSE") or str(PROJECT_ROOT / default_warehouse)),
-            slice_ranges=_int(env, "ES_PIPELINE_SLICE_RANGES", 8, 1, MAX_SLICE_RANGES,
-                              f"a whole number of ranges between 1 and {MAX_SLICE_RANGES}"),
-            spark_master=env.get("ES_PIPELINE_SPARK_MASTER") or "local[*]",
-            spark_remote=env.get("ES_PIPELINE_SPARK_REMOTE") or None,
-            schema=env.get("ES_PIPELINE_SCHEMA") or "es",
-            source_mapping=source,
-            source_spec=env.get("ES_PIPELINE_SOURCE", "").strip(),
-            dagster_home=Path(env.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home"),
-            events_writer=_choice(env, "ES_PIPELINE_EVENTS_WRITER", "delta-rs", WRITERS),
-            engine=_choice(env, "ES_PIPELINE_ENGINE", "auto", ENGINES),
-            rebuilds=_choice(env, "ES_PIPELINE_REBUILDS", "beside", REBUILDS),
-            sensor_interval_seconds=_int(env, "ES_PIPELINE_SENSOR_INTERVAL", default_sensor_interval(tail), 1, 86_400,
-                                         "a whole number of seconds between 1 and 86400"),
-            automation=_choice(env, "ES_PIPELINE_AUTOMATION", "on", ("on", "off")) == "on",
-            local_pg_port=port,
-            batch_events=_int(env, "ES_PIPELINE_BATCH_EVENTS", DEFAULT_BATCH_EVENTS, 1, 100_000_000,
-                              "a whole number of events between 1 and 100000000"),
-            batch_bytes=_bytes(env, "ES_PIPELINE_BATCH_BYTES", DEFAULT_BATCH_BYTES),
-            pg_bindir=Path(env["ES_PIPELINE_PG_BINDIR"]) if env.get("ES_PIPELINE_PG_BINDIR") else None,
-            pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")),
-            snapshot_dsn=env.get("ES_PIPELINE_SNAPSHOT_DSN") or None,
-            tail_seconds=tail,
-            report_seconds=_int(env, "ES_PIPELINE_REPORT_SECONDS", DEFAULT_REPORT_SECONDS, 0, 3_600,
-                                "a whole number of seconds between 0 (every pass) and 3600"),
-            jdbc_min_rows=(_int(env, "ES_PIPELINE_JDBC_MIN_ROWS", 0, 0, 1_000_000_000,
-                                "a whole number of events (0: never read over JDBC)")
-                           if env.get("ES_PIPELINE_JDBC_MIN_ROWS", "").strip() else None),
-            domain_modules=_modules(env, "ES_PIPELINE_DOMAIN"),
-            follow_seconds=_int(env, "ES_PIPELINE_FOLLOW_SECONDS", DEFAULT_FOLLOW_SECONDS, 0, 3_600,
-                                "a whole number of seconds between 0 (after every pass) and 3600"),
-            latency_bound_seconds=_int(env, "ES_PIPELINE_LATENCY_BOUND_SECONDS", DEFAULT_LATENCY_BOUND_SECONDS, 1,
-                                       86_400, "a whole number of seconds between 1 and 86400"),
-            freshness_seconds=_int(env, "ES_PIPELINE_FRESHNESS_SECONDS", DEFAULT_FRESHNESS_SECONDS, 60, 7 * 86_400,
-                                   "a whole number of seconds between 60 (Dagster's least) and 604800"),
-        )
+        """Each declared setting with a field, read by its kind where set, else its default: the plain defaults
+        first, then those that follow another setting (the DSN the port, the warehouse the source, the sensor's
+        interval the tail)."""
+        read: dict[str, Any] = {}
+        following: list[Setting] = []
+        for setting in DECLARED:
+            if setting.field is None:
+                continue
+            text = env.get(setting.variable, "").strip()
+            if text:
+                read[setting.field] = setting.kind.read(setting.variable, text, env)
+            elif callable(setting.default):
+                following.append(setting)
+            else:
+                read[setting.field] = setting.default
+        for setting in following:
+            read[setting.field] = setting.default_for(read)  # type: ignore[index]
+        return cls(**read, source_spec=env.get("ES_PIPELINE_SOURCE", "").strip(),
+                   pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")))
 
 
 # The EsPipeline component's attributes (es_pipeline/component.py), each standing for one variable: set in a
 # dg project's defs.yaml, it wins over the variable. The command line reads the same file (es_pipeline/project.py).
-COMPONENT_ATTRIBUTES = {
-    "domain": "ES_PIPELINE_DOMAIN",
-    "warehouse": "ES_PIPELINE_WAREHOUSE",
-    "slice_ranges": "ES_PIPELINE_SLICE_RANGES",
-    "source": "ES_PIPELINE_SOURCE",
-    "tail_seconds": "ES_PIPELINE_TAIL_SECONDS",
-    "engine": "ES_PIPELINE_ENGINE",
-    "freshness_seconds": "ES_PIPELINE_FRESHNESS_SECONDS",
-}
+ATTRIBUTES = {s.attribute: s for s in DECLARED if s.attribute}
+COMPONENT_ATTRIBUTES = {name: s.variable for name, s in ATTRIBUTES.items()}
 
 
 def attribute_variables(attributes: Mapping[str, object], project_root: Path) -> dict[str, str]:
     """The variables a component's set attributes stand for, valued as the environment would hold them: the domain's
     modules comma-separated, a relative warehouse folder under `project_root`. Unknown attributes: ConfigError."""
-    unknown = sorted(set(attributes) - set(COMPONENT_ATTRIBUTES))
+    unknown = sorted(set(attributes) - set(ATTRIBUTES))
     if unknown:
         raise ConfigError(f"attribute `{unknown[0]}` of the EsPipeline component", str(attributes[unknown[0]]),
-                          f"one of {', '.join(COMPONENT_ATTRIBUTES)}")
+                          f"one of {', '.join(ATTRIBUTES)}")
     values: dict[str, str] = {}
-    for attribute, variable in COMPONENT_ATTRIBUTES.items():
-        value = attributes.get(attribute)
+    for name, setting in ATTRIBUTES.items():
+        value = attributes.get(name)
         if value is None or value == [] or value == "":
             continue
-        if attribute == "domain":
-            values[variable] = ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
-        elif attribute == "warehouse" and "://" not in str(value) and not Path(str(value)).is_absolute():
-            values[variable] = str(project_root / str(value))
-        else:
-            values[variable] = str(value)
+        values[setting.variable] = setting.kind.attribute(value, project_root)
     return values
 
 
@@ -267,61 +558,40 @@ def from_component(attributes: Mapping[str, object], where: str, project_root: P
     return Settings.from_env({**(os.environ if environ is None else environ), **given}, origins)
 
 
+def shown(setting: Setting, settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """`setting`'s value as `es-pipeline config` shows it: a secret never (the command line shows the store's DSN as
+    its host, port and database); a setting without a field as the environment holds it."""
+    if setting.field is None:
+        text = (os.environ if environ is None else environ).get(setting.variable, "").strip()
+        return "(unset)" if not text else "(set; never shown)" if setting.secret else text
+    value = getattr(settings, setting.field)
+    if setting.secret:
+        return "(unset)" if value is None else "(set; never shown)"
+    if setting.field == "source_mapping":
+        return settings.source.label
+    if isinstance(setting.kind, Switch):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ", ".join(value) or "(none)"
+    return "(none)" if value is None else str(value)
+
+
+def markdown_table() -> str:
+    """The README's table of settings ("Settings"), made from the declarations: `es-pipeline config --markdown`."""
+    rows = ["| variable | attribute | default | what |", "|---|---|---|---|"]
+    for s in DECLARED:
+        bounds = f" ({s.kind.lo}–{s.kind.hi})" if isinstance(s.kind, Whole) else ""
+        attribute = f"`{s.attribute}`" if s.attribute else ""
+        rows.append(f"| `{s.variable}` | {attribute} | {s.shown_default()} | {s.what}{bounds} |")
+    return "\n".join(rows) + "\n"
+
+
 def default_sensor_interval(tail_seconds: int) -> int:
     """`new_events_sensor`'s interval unless ES_PIPELINE_SENSOR_INTERVAL says: 5 s with one pass per run; 30 s
     with tailing runs, where a tick only hands over to the next run (queued 65 s before the current one
     ends, so no gap; a quarter of a shorter tail): each tick is a gRPC call from the daemon to the code server and a few instance queries,
     the largest part of both processes' CPU under a trickle (docs/decisions/0045)."""
     return max(5, min(30, tail_seconds // 4)) if tail_seconds > 0 else 5  # a short tail: a handoff well within it
-
-
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int, expected: str) -> int:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(name, text, expected) from None
-    if not lo <= value <= hi:
-        raise ConfigError(name, text, expected)
-    return value
-
-
-def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
-    """A size: a whole number of bytes, or with a binary unit (`512MB`, `2GiB`, `64k`)."""
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    number = text.rstrip("bBkKmMgGiI ")
-    unit = text[len(number):].strip().lower()
-    try:
-        value = int(number) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(name, text, "a size in bytes, e.g. 536870912 or 512MB or 2GiB") from None
-    if value < 1 << 20:
-        raise ConfigError(name, text, "a size of at least 1MB")
-    return value
-
-
-_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
-
-
-def _modules(env: Mapping[str, str], name: str) -> tuple[str, ...]:
-    """Python modules, comma-separated, each `package.module` or `package.module:attribute` (imported later)."""
-    text = env.get(name, "")
-    found = tuple(part.strip() for part in text.split(",") if part.strip())
-    for part in found:
-        if not _MODULE.fullmatch(part):
-            raise ConfigError(name, text, "Python modules, comma-separated, e.g. shop.domain or shop.domain:domain")
-    return found
-
-
-def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = env.get(name, "").strip() or default
-    if value not in allowed:
-        raise ConfigError(name, value, " or ".join(allowed))
-    return value
 
 
 WAREHOUSE_SCHEMES = ("s3://",)

@@ -173,3 +173,20 @@ def test_a_misspelled_attribute_of_a_templated_component_is_one_line_naming_it(
     assert cli.main(command) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "attribute `slice_rnages`" in err and "slice_ranges" in err, err
+
+
+@pytest.mark.parametrize("templated", [False, True])
+def test_a_mode_attribute_out_of_its_choices_is_one_line_naming_it_and_them(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], templated: bool,
+) -> None:
+    """A mode is a `Literal` in the component's schema (es_pipeline/settings.py declares it once); read by our reader
+    (a plain defs.yaml) or by dg's loader (a templated one), a value outside it is refused in one line."""
+    body = "attributes:\n  engine: fast\n" + ('  warehouse: "{{ env.LAKE_FOLDER }}"\n' if templated else "")
+    clean_env.setenv("LAKE_FOLDER", str(tmp_path / "lake"))
+    root = _project(tmp_path, ("lake", body))
+    clean_env.syspath_prepend(str(root / "src"))
+    clean_env.chdir(root)
+    assert cli.main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "engine" in err and "fast" in err, err
+    assert all(word in err for word in ("auto", "spark", "local")), err
