@@ -190,3 +190,19 @@ def test_a_mode_attribute_out_of_its_choices_is_one_line_naming_it_and_them(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "engine" in err and "fast" in err, err
     assert all(word in err for word in ("auto", "spark", "local")), err
+
+
+def test_the_components_attributes_and_template_are_the_declared_ones() -> None:
+    """Each declared attribute (es_pipeline/settings.py) is a field of the component with the declared type (a mode a
+    `Literal` of its choices) and its variable in its description, and a line of the `dg scaffold` template."""
+    import typing
+
+    from es_pipeline.component import TEMPLATE, EsPipeline
+    from es_pipeline.settings import ATTRIBUTES, OneOf
+
+    model = EsPipeline.model_fields
+    assert set(model) == set(ATTRIBUTES)
+    for name, setting in ATTRIBUTES.items():
+        assert setting.variable in (model[name].description or "") and f"{name}:" in TEMPLATE
+        if isinstance(setting.kind, OneOf):
+            assert set(typing.get_args(typing.get_args(model[name].annotation)[0])) == set(setting.kind.allowed)
