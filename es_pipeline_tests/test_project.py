@@ -4,6 +4,7 @@ location does, says where each setting came from, and names the attribute the us
 from __future__ import annotations
 
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for variable in ("ES_PIPELINE_SLICE_RANGES", "ES_PIPELINE_WAREHOUSE", "ES_PIPELINE_DOMAIN", "ES_PIPELINE_SOURCE",
                      "ES_PIPELINE_ENGINE", "LAKE_FOLDER"):
         monkeypatch.delenv(variable, raising=False)
+    # Each test's project is a package `team` of its own folder: another test's, imported by dg's loader, is forgotten.
+    for module in [m for m in sys.modules if m == "team" or m.startswith("team.")]:
+        monkeypatch.delitem(sys.modules, module)
     return monkeypatch
 
 
