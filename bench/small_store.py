@@ -79,22 +79,20 @@ def run(dsn: str, work: Path) -> dict[str, Any]:
 
 
 def _child(lake: Path, engine: str) -> None:
-    import dagster as dg
     from shop.domain import domain as shop
 
-    from es_pipeline.defs.events import checks
-    from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+    from es_pipeline import checks
     from es_pipeline.extraction.extractor import extract_ranges
     from es_pipeline.lake import cross_stream
     from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-    from es_pipeline.lake.spark import get_spark, spark_conf
+    from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state.stream_state import update_stream_state
     from es_pipeline.lake.typed import event_tables
     from es_pipeline.settings import Settings
+    from es_pipeline.source.mapping import native
 
     settings = Settings.from_env()
     dsn = settings.pg_dsn
-    spark_resource = SparkResource(spark_config=spark_conf(settings))
     sessions: list[Any] = []
 
     def spark() -> Any:
@@ -106,13 +104,10 @@ def _child(lake: Path, engine: str) -> None:
     t0 = time.perf_counter()
     for _ in extract_ranges(settings, None, spark, run_id="small-store", progress=lambda m: None):
         pass
-    resources = {"spark": spark_resource, "warehouse": WarehouseResource(path=str(lake), engine=engine),
-                 "event_store": EventStoreResource(dsn=dsn, schema_name=SCHEMA)}
-    for check in checks.CHECKS:
-        wanted = check.required_resource_keys
-        result = check(dg.build_asset_check_context(), **{k: v for k, v in resources.items() if k in wanted})
-        if not result.passed:
-            raise RuntimeError(f"{check.check_key.name} failed: {result.metadata}")
+    given = checks.Given(Engine(engine, spark), lake, dsn, native(SCHEMA))
+    for name, result in checks.run(checks.events.CHECKS, given).items():
+        if isinstance(result, Exception) or not result.passed:
+            raise RuntimeError(f"{name} failed: {result}")
     took[STEPS[0]] = time.perf_counter() - t0
     small = engine != "spark"
     builds = (

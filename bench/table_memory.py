@@ -145,21 +145,20 @@ def _child_run(dsn: str, lake: Path, step: str) -> dict[str, Any]:
 
 
 def _child(lake: Path, step: str) -> None:
-    import dagster as dg
     from shop.domain import domain as shop
 
     from bench.procmem import ChildrenSampler, pss_kib, status_kib
     from bench.state import MOVED
-    from es_pipeline.defs.events import checks
-    from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource
+    from es_pipeline import checks
     from es_pipeline.extraction.extractor import Extractor
     from es_pipeline.extraction.offsets import batch_frontier
     from es_pipeline.lake import cross_stream
     from es_pipeline.lake.aggregates.builtin import update_event_type_daily, update_stream_catalog
-    from es_pipeline.lake.spark import get_spark, spark_conf
+    from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state.stream_state import update_stream_state
     from es_pipeline.lake.typed import event_tables
     from es_pipeline.settings import Settings
+    from es_pipeline.source.mapping import native
 
     settings = Settings.from_env()
     dsn = settings.pg_dsn
@@ -171,16 +170,12 @@ def _child(lake: Path, step: str) -> None:
         return sessions[0]
 
     def run_checks() -> str:
-        resources = {"spark": SparkResource(spark_config=spark_conf(settings)),
-                     "warehouse": WarehouseResource(path=str(lake), engine="auto"),
-                     "event_store": EventStoreResource(dsn=dsn, schema_name=SCHEMA)}
+        given = checks.Given(Engine("auto", spark), lake, dsn, native(SCHEMA))
         engines = set()
-        for check in checks.CHECKS:
-            wanted = check.required_resource_keys
-            result: Any = check(dg.build_asset_check_context(), **{k: v for k, v in resources.items() if k in wanted})
-            if not result.passed:
-                raise RuntimeError(f"{check.check_key.name} failed: {result.metadata}")
-            engines.add(str(result.metadata["engine"].value))
+        for name, result in checks.run(checks.events.CHECKS, given).items():
+            if isinstance(result, Exception) or not result.passed:
+                raise RuntimeError(f"{name} failed: {result}")
+            engines.add(str(result.metadata["engine"]))
         return "+".join(sorted(engines))
 
     def moved() -> Any:
