@@ -101,10 +101,11 @@ class StreamFold:
 
     __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
                  "last_at", "skipped", "folded", "parked", "error", "codec", "last_type", "day", "trail",
-                 "history_from", "history_at")
+                 "history_from", "history_at", "seen", "prior_row", "quarantined")
 
     def __init__(
-        self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool
+        self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool,
+        quarantine: bool = False,
     ) -> None:
         self.tenant, self.stream_id, self.stream_type = tenant, stream_id, stream_type
         self.reducer, self.skip_unknown = reducer, skip_unknown
@@ -125,9 +126,15 @@ class StreamFold:
         self.trail: list[list[Any]] | None = None if grain is None else []
         self.history_from: int | None = None
         self.history_at: int | None = None
+        # Quarantine (docs/decisions/0051): every event given this update, so that a failure can be refolded back to
+        # the last good state; None: a failure stops the stream with `error` (the update then fails).
+        self.seen: list[tuple[int, str, str, int | None]] | None = [] if quarantine else None
+        self.prior_row: tuple[Any, ...] = (None, 0, None, None, None, None)
+        self.quarantined: dict[str, Any] | None = None  # where quarantined: the failing event and why
 
     def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None,
               history_from: int | None = None, history_at: int | None = None) -> None:
+        self.prior_row = (state, version, last_at, skipped, history_from, history_at)
         self.state = self.codec.loads(state) if state is not None and self.fold is not None else {}
         self.version, self.last_at, self.skipped = version, last_at, skipped or 0
         self.history_from, self.history_at = history_from, history_at
@@ -135,6 +142,8 @@ class StreamFold:
     def event(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
         """Fold one event, or park it (a gap before it), or pass it by (folded already, or after an error).
         Run for every event of a rebuild: the next version of a stream with nothing parked goes straight on."""
+        if self.seen is not None:
+            self.seen.append((v, event_type, payload, recorded_at))
         if v != self.version + 1 or self.parked or self.error is not None:
             self._off_the_run(v, event_type, payload, recorded_at)
             return
@@ -165,11 +174,14 @@ class StreamFold:
             state, version, last_at, folded, kind = self.state, self.version, self.last_at, self.folded, self.last_type
             fold, stream_id, keep = self.fold, self.stream_id, self._keep if self.trail is not None else None
             before = self._before if self.day is not None else None
+            seen = self.seen
             off: tuple[int, str, str, int | None] | None = None
             for v, event_type, payload, recorded_at in run:
                 if v != version + 1:
                     off = (v, event_type, payload, recorded_at)
                     break
+                if seen is not None:
+                    seen.append((v, event_type, payload, recorded_at))
                 if fold is not None:  # else no reducer: the versions and times alone
                     try:
                         data = orjson.loads(payload)
@@ -285,7 +297,37 @@ class StreamFold:
     def row(self, with_trail: bool = True) -> tuple[Any, ...]:
         """The stream's row; a state that does not fit its declared fields (or JSON) is the stream's error, named
         by the last event folded. `with_trail`: with the history's trail as JSON (else the caller takes
-        `history_rows`)."""
+        `history_rows`). Under quarantine, a stream that failed is refolded to its last good state first, the
+        failing event and those after it parked, `quarantined` saying why (`_quarantine`)."""
+        row = self._row(with_trail)
+        if self.error is None or self.seen is None:
+            return row
+        return self._row(with_trail) if self._quarantine() else row
+
+    def _quarantine(self) -> bool:
+        """The stream refolded from its prior row with the events before the failing one (reducers are deterministic:
+        the state they make is the one the stream had before it), which wait in `parked` with every later one, as a
+        gap's do; `quarantined` names the failing event and the error. False: the refold failed too (a reducer that
+        is not deterministic), and the error stands: the update fails, as with `stop`."""
+        assert self.error is not None and self.seen is not None
+        _, failing, event_type, reason = json.loads(self.error)
+        again = StreamFold(self.tenant, self.stream_id, self.stream_type, self.reducer, self.skip_unknown)
+        again.prior(*self.prior_row)
+        before = sorted({e[0]: e for e in self.seen if e[0] < failing}.values())
+        again.events(iter(before))
+        if again.error is not None:
+            return False
+        waiting = sorted({e[0]: e for e in self.seen if e[0] >= failing}.values())
+        for name in ("state", "version", "last_at", "skipped", "folded", "last_type", "trail", "history_from",
+                     "history_at"):
+            setattr(self, name, getattr(again, name))
+        self.parked = [*again.parked, *({"version": v, "event_type": t, "payload": p, "recorded_at": _timestamp(at)}
+                                         for v, t, p, at in waiting)]
+        self.error = None
+        self.quarantined = {"version": failing, "event_type": event_type, "reason": reason}
+        return True
+
+    def _row(self, with_trail: bool) -> tuple[Any, ...]:
         state = None
         if self.error is None:
             self._settle(self.state)

@@ -1,0 +1,113 @@
+"""Quarantine in the per-stream fold (docs/decisions/0051, step 1): a stream whose reducer fails keeps its last good
+state, exactly the fold of its events before the failing one, and parks that event and every later one; the next
+fold that gives them again, with a fixed reducer, ends where a fold that never failed ends. Pure logic: no Spark, no
+Postgres."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from shop.domain import domain as SHOP
+
+from es_pipeline.domain import Event, Reducer
+from es_pipeline.lake.state.fold import StreamFold
+
+ACCOUNT = SHOP.reducers["account"]
+Ev = tuple[int, str, str, int | None]
+
+
+def _mutates_then_fails(state: dict, event: Event) -> dict:
+    """Changes the state in place, then raises on a `Boom`: what the fold holds at the failure is not a good state."""
+    had = dict(state)
+    state["balance"] = -999.0
+    if event.event_type == "Boom":
+        raise ValueError("the reducer cannot take it")
+    state.clear()
+    state.update(had)
+    return ACCOUNT.fold(state, event)
+
+
+def _fixed(state: dict, event: Event) -> dict:
+    return ACCOUNT.fold(state, event) if event.event_type != "Boom" else state
+
+
+def _reducer(fold: Any) -> Reducer:
+    return Reducer("account", 1, fold, state=ACCOUNT.state, history=ACCOUNT.history)
+
+
+def _events(rng: random.Random, n: int) -> list[Ev]:
+    out: list[Ev] = [(1, "Opened", json.dumps({"owner": "o", "currency": "EUR"}), 86_400_000_000)]
+    for v in range(2, n + 1):
+        out.append((v, "Deposited", json.dumps({"amount": rng.randint(1, 9)}), 86_400_000_000 * (1 + v // 3)))
+    return out
+
+
+def _fold(reducer: Reducer, events: list[Ev], prior: tuple[Any, ...] | None = None, *, quarantine: bool,
+          as_a_run: bool = True) -> tuple[StreamFold, tuple[Any, ...]]:
+    fold = StreamFold("t", "a-1", "account", reducer, False, quarantine=quarantine)
+    if prior is not None:
+        fold.prior(*prior)
+    if as_a_run:
+        fold.events(iter(events))
+    else:
+        for e in events:
+            fold.event(*e)
+    return fold, fold.row()
+
+
+def _prior(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A row as the next update's prior: (state, version, last event time, skipped, history_from, history_at)."""
+    at = row[4]
+    micros = None if at is None else int(at.timestamp() * 1_000_000) if hasattr(at, "timestamp") else at
+    history_at = row[12]
+    return row[3], row[2], micros, row[7], row[11], history_at
+
+
+@pytest.mark.parametrize("as_a_run", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_a_failing_event_quarantines_its_stream_at_its_last_good_state(seed: int, as_a_run: bool) -> None:
+    rng = random.Random(seed)
+    events = _events(rng, rng.randint(3, 40))
+    at = rng.randint(2, len(events))
+    poisoned = [e if e[0] != at else (at, "Boom", "{}", e[3]) for e in events]
+    fold, row = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=True, as_a_run=as_a_run)
+    good, expected = _fold(_reducer(_mutates_then_fails), events[:at - 1], quarantine=False)
+    assert row[9] is None, "no error: the stream is quarantined, the update goes on"
+    assert fold.quarantined == {"version": at, "event_type": "Boom",
+                                "reason": "ValueError: the reducer cannot take it"}
+    assert row[2] == at - 1 and row[3] == expected[3], "the state of the events before the failing one"
+    assert list(fold.history_rows()) == list(good.history_rows()), "the history ends at the last good state"
+    assert [p["version"] for p in json.loads(row[6])] == list(range(at, len(events) + 1)), "the rest waits"
+
+    stopped, stop_row = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=False, as_a_run=as_a_run)
+    assert stop_row[9] is not None and stopped.quarantined is None, "without quarantine: the error stops the update"
+
+    # The next update gives the parked events again (as every path does), with a reducer that handles them: the
+    # stream ends where a fold that never failed ends.
+    parked = [(p["version"], p["event_type"], p["payload"], None) for p in json.loads(row[6])]
+    _, retried = _fold(_reducer(_fixed), parked, _prior(row), quarantine=True)
+    _, never = _fold(_reducer(_fixed), poisoned, quarantine=True)
+    assert retried[9] is None and retried[6] is None and (retried[2], retried[3]) == (never[2], never[3])
+
+
+def test_a_stream_failing_again_on_a_later_update_keeps_its_prior_state_and_every_event_waits() -> None:
+    events = _events(random.Random(1), 10)
+    _, first = _fold(_reducer(_mutates_then_fails), events[:6], quarantine=True)
+    later = [*events[6:8], (9, "Boom", "{}", None), events[9]]
+    fold, row = _fold(_reducer(_mutates_then_fails), later, _prior(first), quarantine=True)
+    _, expected = _fold(_reducer(_mutates_then_fails), events[:8], quarantine=False)
+    assert fold.quarantined is not None and fold.quarantined["version"] == 9
+    assert (row[2], row[3]) == (8, expected[3])
+    assert [p["version"] for p in json.loads(row[6])] == [9, 10]
+
+
+def test_a_gap_before_the_failing_event_parks_as_a_gap_does() -> None:
+    events = _events(random.Random(2), 8)
+    with_gap = [e for e in events if e[0] != 4]
+    poisoned = [e if e[0] != 6 else (6, "Boom", "{}", e[3]) for e in with_gap]
+    fold, row = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=True)
+    assert fold.quarantined is None, "event 6 waits for 4: it was never folded, so nothing failed"
+    assert row[2] == 3 and [p["version"] for p in json.loads(row[6])] == [5, 6, 7, 8]
