@@ -21,10 +21,10 @@ import logging
 import os
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import dagster as dg
-from pydantic import Field, create_model
+from pydantic import BeforeValidator, Field, create_model
 
 from es_pipeline.health.doctor import instance_gaps
 from es_pipeline.location import build_definitions
@@ -64,13 +64,24 @@ def _default_value(setting: Setting) -> str:
     return "[]" if isinstance(setting.kind, Modules) else setting.shown_default().strip("`")
 
 
+def _braced(text: str) -> str:
+    """`text` as it stays through the template's `str.format` (the type's name is filled in when scaffolded)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _blank_is_unset(value: Any) -> Any:
+    """An attribute given as "" (e.g. a template of an unset variable) is unset, as the command line takes it; a
+    mode's word is read trimmed."""
+    return (value.strip() or None) if isinstance(value, str) else value
+
+
 def template() -> str:
     """What `dg scaffold defs es_pipeline.component.EsPipeline <name>` writes: every attribute (es_pipeline/settings.py
     `DECLARED`), described, those the template sets at their value, the others commented out at their defaults."""
     lines = [HEAD]
     for name, setting in ATTRIBUTES.items():
         said = f"{setting.brief.rstrip('.')}{_accepts(setting)}. {setting.variable}."
-        lines += [f"  # {line}\n" for line in textwrap.wrap(said, 112)]
+        lines += [f"  # {_braced(line)}\n" for line in textwrap.wrap(said, 112)]
         lines.append(f"  {name}: {setting.scaffold}\n" if setting.scaffold is not None
                      else f"  # {name}: {_default_value(setting)}\n")
     return "".join(lines)
@@ -89,7 +100,8 @@ def _fields() -> dict[str, Any]:
         if isinstance(setting.kind, Modules):
             fields[name] = (setting.kind.annotation, Field(default=[], description=description))
         else:
-            fields[name] = (setting.kind.annotation | None, Field(default=None, description=description))
+            annotation: Any = Annotated[setting.kind.annotation | None, BeforeValidator(_blank_is_unset)]  # type: ignore[name-defined]
+            fields[name] = (annotation, Field(default=None, description=description))
     return fields
 
 

@@ -260,7 +260,7 @@ class EventTable(Text):
     """A preset (`emmett`, `marten:app`, ...) or a TOML mapping file, read in ES_PIPELINE_SCHEMA's schema."""
 
     def read(self, variable: str, text: str, env: Mapping[str, str]) -> Source:
-        return mapping.load(text, env.get("ES_PIPELINE_SCHEMA") or "es")
+        return mapping.load(text, env.get("ES_PIPELINE_SCHEMA", "").strip() or "es")
 
 
 # -- every setting, declared once ---------------------------------------------------------------------------------
@@ -513,8 +513,9 @@ class Settings:
             if setting.field is None:
                 continue
             text = env.get(setting.variable, "").strip()
-            if text:
-                read[setting.field] = setting.kind.read(setting.variable, text, env)
+            if text:  # a secret as given (Dagster reads its variable as it is: `dg.EnvVar`), the others trimmed
+                given = env[setting.variable] if setting.secret else text
+                read[setting.field] = setting.kind.read(setting.variable, given, env)
             elif callable(setting.default):
                 following.append(setting)
             else:
@@ -522,7 +523,7 @@ class Settings:
         for setting in following:
             read[setting.field] = setting.default_for(read)  # type: ignore[index]
         return cls(**read, source_spec=env.get("ES_PIPELINE_SOURCE", "").strip(),
-                   pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN")))
+                   pg_dsn_from_env=bool(env.get("ES_PIPELINE_PG_DSN", "").strip()))
 
 
 # The EsPipeline component's attributes (es_pipeline/component.py), each standing for one variable: set in a
@@ -567,6 +568,8 @@ def shown(setting: Setting, settings: Settings, environ: Mapping[str, str] | Non
     value = getattr(settings, setting.field)
     if setting.secret:
         return "(unset)" if value is None else "(set; never shown)"
+    if isinstance(value, str):  # a Spark Connect URL may carry its token
+        value = re.sub(r";token=[^;]*", ";token=(never shown)", value)
     if setting.field == "source_mapping":
         return settings.source.label
     if isinstance(setting.kind, Switch):

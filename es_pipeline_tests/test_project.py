@@ -210,3 +210,11 @@ def test_the_components_attributes_and_template_are_the_declared_ones() -> None:
         assert setting.variable in (model[name].description or "") and f"{name}:" in TEMPLATE
         if isinstance(setting.kind, OneOf):
             assert set(typing.get_args(typing.get_args(model[name].annotation)[0])) == set(setting.kind.allowed)
+
+
+def test_a_blank_attribute_is_unset_and_a_mode_is_read_trimmed() -> None:
+    """`engine: "{{ env('ENGINE', '') }}"` with ENGINE unset leaves the variable or the default in charge, as the
+    command line's reader does."""
+    from es_pipeline.component import EsPipeline
+
+    assert EsPipeline(engine="").engine is None and EsPipeline(engine=" spark").engine == "spark"

@@ -114,3 +114,14 @@ def test_every_declared_setting_is_read_and_shown_from_its_one_declaration() -> 
         if setting.secret and setting.field:
             made = Settings.from_env({setting.variable: "postgresql://u:hunter2@h/db"})
             assert "hunter2" not in shown(setting, made)
+
+
+def test_config_never_shows_a_spark_connect_token_nor_a_secret() -> None:
+    from es_pipeline.settings import BY_VARIABLE, shown
+
+    made = Settings.from_env({"ES_PIPELINE_SPARK_REMOTE": "sc://spark:15002/;token=s3cr3t;use_ssl=true",
+                              "ES_PIPELINE_SNAPSHOT_DSN": " postgresql://u:hunter2@h/db "})
+    assert shown(BY_VARIABLE["ES_PIPELINE_SPARK_REMOTE"], made) == "sc://spark:15002/;token=(never shown);use_ssl=true"
+    assert shown(BY_VARIABLE["ES_PIPELINE_SNAPSHOT_DSN"], made) == "(set; never shown)"
+    assert made.snapshot_dsn == " postgresql://u:hunter2@h/db ", "a secret as given: Dagster reads the variable as is"
+    assert not Settings.from_env({"ES_PIPELINE_PG_DSN": "  "}).pg_dsn_from_env
