@@ -11,9 +11,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from es_pipeline.errors import EsPipelineError, SliceLocked, explain
 from es_pipeline.settings import Settings
+
+if TYPE_CHECKING:
+    from es_pipeline.domain import Domain
+    from es_pipeline.lake.kernel.engine import Engine
 
 # Each command imports what it runs when it runs: `es-pipeline sql` answers without loading pandas, Spark or
 # Dagster's neighbours (an import of everything took 1.5 s before the first row).
@@ -206,17 +211,28 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _domain(settings: Settings) -> Domain:
+    """The team's domain (ES_PIPELINE_DOMAIN, or the attribute that set it)."""
+    from es_pipeline.domain import load as load_domain
+
+    return load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+
+
+def _engine(args: argparse.Namespace, settings: Settings) -> Engine:
+    """Where a lake command's work runs: `--engine`, else ES_PIPELINE_ENGINE; a local Spark started only if needed."""
+    from es_pipeline.lake.kernel.engine import Engine
+    from es_pipeline.lake.spark import get_spark
+
+    return Engine(args.engine or settings.engine, lambda: get_spark(settings))
+
+
 def _check(args: argparse.Namespace, settings: Settings) -> int:
     """`lake check`: the library's checks of the named tables (every table's by default), one line each as it ends;
     1 when one fails or cannot run, 2 for a table no check knows."""
     from es_pipeline import checks
-    from es_pipeline.domain import load as load_domain
-    from es_pipeline.lake.kernel.engine import Engine
-    from es_pipeline.lake.spark import get_spark
 
-    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
     try:
-        chosen = checks.select(checks.every_check(domain), args.tables)
+        chosen = checks.select(checks.every_check(_domain(settings)), args.tables)
     except ValueError as exc:
         print(f"es-pipeline lake check: {exc}", file=sys.stderr)
         return 2
@@ -224,8 +240,7 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
         for check in chosen:
             print(f"{check.table:<20} {check.name:<40} {check.description}")
         return 0
-    engine = Engine(args.engine or settings.engine, lambda: get_spark(settings))
-    given = checks.Given(engine, settings.warehouse, settings.pg_dsn, settings.source)
+    given = checks.Given(_engine(args, settings), settings.warehouse, settings.pg_dsn, settings.source)
     print(f"checking {len(chosen)} check(s) of {settings.warehouse} against {settings.source.label}", flush=True)
 
     def said(check: checks.Check, outcome: checks.Outcome | Exception, seconds: float) -> None:
@@ -244,16 +259,12 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
 def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
     """`lake rebuilds`: the stream types to rebuild and how far each rebuild beside `stream_state` is; `--run`: run
     them now, here (the engine rule, or `--engine`), each swapped in when caught up."""
-    from es_pipeline.domain import load as load_domain
-    from es_pipeline.lake.kernel.engine import Engine
     from es_pipeline.lake.kernel.turn import one_at_a_time
-    from es_pipeline.lake.spark import get_spark
     from es_pipeline.lake.state import rebuild
 
-    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    domain = _domain(settings)
     if args.run:
-        engine = Engine(args.engine or settings.engine, lambda: get_spark(settings))
-        swapped = rebuild.run_pending(engine, settings.warehouse, domain, settings.pg_dsn, say=print)
+        swapped = rebuild.run_pending(_engine(args, settings), settings.warehouse, domain, settings.pg_dsn, say=print)
         print(f"swapped into stream_state: {', '.join(swapped) or 'none'}")
     with one_at_a_time(settings.pg_dsn, "stream_state"):
         waiting = rebuild.pending_now(settings.warehouse, domain)
