@@ -197,6 +197,8 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
         return _rebuilds(args, settings)
     if args.action == "check":
         return _check(args, settings)
+    if args.action == "quarantined":
+        return _quarantined(args, settings)
     names = list(dict.fromkeys(args.tables or [EVENTS]))
     if args.list:
         print("\n".join(rebuildable(settings.warehouse)))
@@ -213,9 +215,8 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
 
 def _domain(settings: Settings) -> Domain:
     """The team's domain (ES_PIPELINE_DOMAIN, or the attribute that set it)."""
-    from es_pipeline.domain import load as load_domain
 
-    return load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    return settings.load_domain()
 
 
 def _engine(args: argparse.Namespace, settings: Settings) -> Engine:
@@ -254,6 +255,29 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
     failed = [name for name, o in found.items() if isinstance(o, Exception) or not o.passed]
     print(f"{len(found) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _quarantined(args: argparse.Namespace, settings: Settings) -> int:
+    """`lake quarantined [TABLE...]`: the streams (or cross-stream keys) a fold holds at their last good state, one
+    line each, from `_dead_letters`; exit 0 (a list, not a check: the alert and `lake check` say what fails)."""
+    from es_pipeline.lake.kernel import dead_letters
+
+    rows = dead_letters.rows_of(settings.warehouse).to_pylist()
+    if args.tables:
+        rows = [r for r in rows if r["table_name"] in args.tables]
+    if not rows:
+        print(f"nothing quarantined{' in ' + ', '.join(args.tables) if args.tables else ''} "
+              f"(ES_PIPELINE_FOLD_ERRORS={settings.fold_errors})")
+        return 0
+    print(f"{len(rows)} quarantined (held at their last good state; their later events wait):")
+    for r in rows:
+        tenant = f" tenant {r['tenant']!r}" if r["tenant"] else ""
+        since = r["first_seen"].isoformat(timespec="seconds") if r["first_seen"] else "?"
+        print(f"  {r['table_name']}{tenant} {r['key']!r} ({r['stream_type'] or '-'}) at version {r['version']} "
+              f"({r['event_type']}): {r['error_kind']}: {r['message']} [since {since}, {r['retries']} retries]")
+    print("A fix deployed as a new reducer revision refolds them; every update retries them with the code deployed "
+          "(docs/operations.md, \"EsPipelineStreamsQuarantined\").")
+    return 0
 
 
 def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
@@ -300,10 +324,9 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     print(status_report(settings))
     print(health_line(reader.reading(), tailing=settings.tail_seconds > 0, intervals=reader.intervals))
     if settings.domain_modules:  # a domain that does not import stops every projection: said here, not only in a run
-        from es_pipeline.domain import load as load_domain
 
         try:
-            domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+            domain = settings.load_domain()
         except EsPipelineError as exc:
             print(f"domain: {exc}")
             return 1
@@ -505,14 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_offsets)
 
     lake = sub.add_parser("lake", help="the lake's tables (docs/operations.md, \"Rebuilding the lake\")")
-    lake.add_argument("action", choices=["check", "rebuild", "rebuilds"],
+    lake.add_argument("action", choices=["check", "quarantined", "rebuild", "rebuilds"],
                       help="check: run the checks of the named tables (default: every table), each against what it "
                       "is built from, one line each; exit 1 when one fails (docs/operations.md, \"Checking the lake\"). "
                       "rebuild: build tables again from their source. `events` (the default) from the store: "
                       "refused while a run extracts or where the lake holds events the store lacks; then removed and "
                       "the offsets reset, and every projection rebuilds itself at its next update. A projection: "
                       "removed in its turn; its next update builds it whole from `events`. rebuilds: the stream "
-                      "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now)")
+                      "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now). "
+                      "quarantined: the streams (or keys) a fold failed on, held at their last good state "
+                      "(`_dead_letters`)")
     lake.add_argument("tables", nargs="*", help="events (rebuild's default) and/or projections; --list names them")
     lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild (check: the checks), "
                       "and do nothing")

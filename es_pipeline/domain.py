@@ -21,14 +21,17 @@ from `events`, and new snapshots are taken. A stream type with no reducer is no 
 row (version, times, type) with no state, and a reducer added later folds them from their first event (its
 revision differs from the row's 0).
 
-Policy for an event type a reducer does not know: the run fails naming stream, version and type
+Policy for an event type a reducer does not know: the fold fails there, naming stream, version and type
 (`UnknownEventType`); with `skip_unknown=True` the event is skipped and counted instead. A reducer that
-raises, or a payload missing a field (`KeyError`), fails the run naming the stream, version and field;
-nothing of that run is committed.
+raises, or a payload missing a field (`KeyError`), fails the fold there too, naming the stream, version and
+field. What a failure does is the domain's `fold_errors` (ES_PIPELINE_FOLD_ERRORS, docs/decisions/0051):
+`quarantine` (the default) holds that stream at its last good state, marked `quarantined`, and every other
+stream goes on; `stop` fails the run, and nothing of it is committed.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as dt
 import importlib
@@ -45,6 +48,7 @@ import pyarrow as pa
 from es_pipeline.errors import DomainError
 
 State = dict[str, Any]
+FOLD_ERRORS = ("quarantine", "stop")  # what a reducer's failure does (`Domain.fold_errors`)
 
 
 class Event(NamedTuple):
@@ -164,10 +168,18 @@ class Domain:
     event type's `.vN` or `_vN` ending: `ItemAdded.v2` is `ItemAdded` at version 2, `ItemAdded` alone version
     1; reducers see the type without it), `"field:<name>"` (a payload field, e.g. `field:schema_version`;
     absent: version 1), or `"metadata:<name>"` (a field of the event's metadata, e.g. `metadata:schema_version`;
-    absent: version 1; the lake reads `metadata` for the folds only then)."""
+    absent: version 1; the lake reads `metadata` for the folds only then).
 
-    def __init__(self, name: str, *, schema_version: str = "none") -> None:
+    `fold_errors`: what a reducer's failure does (`FOLD_ERRORS`): `"quarantine"` holds that stream (or a
+    cross-stream projection's key) at its last good state and goes on with the others; `"stop"` fails the update.
+    The setting ES_PIPELINE_FOLD_ERRORS gives it to the loaded domain (`folding`)."""
+
+    def __init__(self, name: str, *, schema_version: str = "none", fold_errors: str = "quarantine") -> None:
         self.name = name
+        if fold_errors not in FOLD_ERRORS:
+            raise DomainError(f"domain {name!r} says fold_errors={fold_errors!r}",
+                              f"Say one of {', '.join(FOLD_ERRORS)}.")
+        self.fold_errors = fold_errors
         self.reducers: dict[str, Reducer] = {}
         self.upcasters: dict[tuple[str, int], Upcaster] = {}
         self.projections: dict[str, Projection] = {}
@@ -182,6 +194,22 @@ class Domain:
 
     def __repr__(self) -> str:
         return f"Domain({self.name!r}: {', '.join(sorted(self.reducers)) or 'no reducers'})"
+
+    @property
+    def quarantines(self) -> bool:
+        """A reducer's failure holds its stream (or key) alone (`fold_errors="quarantine"`), not the update."""
+        return self.fold_errors == "quarantine"
+
+    def folding(self, fold_errors: str) -> Domain:
+        """This domain with `fold_errors` as the setting says (a copy; the same object where it says so already):
+        the reducers, upcasters and projections shared."""
+        if fold_errors == self.fold_errors:
+            return self
+        if fold_errors not in FOLD_ERRORS:
+            raise DomainError(f"fold_errors={fold_errors!r}", f"Say one of {', '.join(FOLD_ERRORS)}.")
+        out = copy.copy(self)
+        out.fold_errors = fold_errors
+        return out
 
     def reducer(
         self, stream_type: str, *, revision: int, state: Any = None, history: bool | str = False
@@ -382,7 +410,9 @@ class Domain:
         if len(sources) > 1:
             raise DomainError(f"the domains {', '.join(d.name for d in listed)} read schema versions from "
                               f"{' and '.join(sorted(sources))}", "Read them from one place in every domain.")
-        out = cls(" + ".join(d.name for d in listed) or "none", schema_version=next(iter(sources), "none"))
+        errors = {d.fold_errors for d in listed}
+        out = cls(" + ".join(d.name for d in listed) or "none", schema_version=next(iter(sources), "none"),
+                  fold_errors="stop" if "stop" in errors else "quarantine")
         for d in listed:
             for r in d.reducers.values():
                 out.add(r)

@@ -25,7 +25,6 @@ from es_pipeline.defs.resources import build_resources
 from es_pipeline.defs.snapshots.asset import snapshots
 from es_pipeline.defs.snapshots.schedule import snapshots_job, snapshots_schedule
 from es_pipeline.domain import Domain
-from es_pipeline.domain import load as load_domain
 from es_pipeline.extraction.slices import split
 from es_pipeline.settings import Settings
 
@@ -56,7 +55,7 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
     """Every Dagster object of a code location over `settings`, folding with `domain` (by default the modules
     ES_PIPELINE_DOMAIN names: `settings.domain_modules`)."""
     settings = settings or Settings.from_env()
-    domain = domain if domain is not None else load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    domain = domain if domain is not None else settings.load_domain()
     events = build_events_asset(slice_ranges_partitions(settings.slice_ranges), settings, domain)
     events_job = build_events_job(events)
     new_events_sensor = build_new_events_sensor(

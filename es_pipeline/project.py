@@ -200,11 +200,10 @@ def materialize(settings: Settings, *, progress: Callable[[Materialized], None] 
     is a run on the project's instance, as if launched from the UI."""
     import dagster as dg
 
-    from es_pipeline.domain import load as load_domain
     from es_pipeline.lake.state import rebuild
     from es_pipeline.location import REBUILDS_JOB, build_definitions
 
-    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    domain = settings.load_domain()
     defs = build_definitions(settings, domain)
     instance = dg.DagsterInstance.from_config(str(dagster_home(settings)))
     resources = dict(defs.resources or {})
@@ -241,10 +240,9 @@ def materialize(settings: Settings, *, progress: Callable[[Materialized], None] 
 def rebuilds_waiting(settings: Settings) -> list[str]:
     """The stream types whose rows in `stream_state` wait for their rebuild beside it (lake/state/rebuild.py): not up
     to date, whatever the tables' positions say."""
-    from es_pipeline.domain import load as load_domain
     from es_pipeline.lake.state import rebuild
 
-    return rebuild.waiting(settings.warehouse, load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN")))
+    return rebuild.waiting(settings.warehouse, settings.load_domain())
 
 
 _LAUNCHED = {"es_pipeline/launched_by": "es-pipeline materialize"}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
 
+from es_pipeline.domain import FOLD_ERRORS, Domain
 from es_pipeline.errors import ConfigError
 from es_pipeline.source import mapping
 from es_pipeline.source.mapping import Source
@@ -361,6 +362,13 @@ DECLARED: tuple[Setting, ...] = (
             "`stream_state` and swapped in by one commit, while every other type stays fresh (`beside`); `hold` keeps it "
             "from running, the old rows in service. `es-pipeline lake rebuilds` shows each rebuild's progress (`--run` "
             "runs them now)"),
+    Setting("ES_PIPELINE_FOLD_ERRORS", field="fold_errors", kind=OneOf(FOLD_ERRORS), default="quarantine",
+            attribute="fold_errors",
+            brief="What a reducer's failure does: quarantine (that stream held, the others go on) or stop (the run fails).",
+            what="what an event a reducer cannot fold does: `quarantine` holds that stream (or a cross-stream key) at its "
+            "last good state, marked `quarantined`, its later events waiting, listed in `_dead_letters` "
+            "(`es-pipeline lake quarantined`) and alerted on, while every other stream goes on; `stop` fails the update "
+            "and commits nothing (docs/domain.md, \"When a reducer fails\")"),
     Setting("ES_PIPELINE_SENSOR_INTERVAL", field="sensor_interval_seconds", kind=Whole(1, 86_400, "seconds"),
             default=lambda read: default_sensor_interval(read["tail_seconds"]),
             default_text="`30` with tailing runs, `5` without",
@@ -461,6 +469,7 @@ class Settings:
     events_writer: str = _default("ES_PIPELINE_EVENTS_WRITER")
     engine: str = _default("ES_PIPELINE_ENGINE")
     rebuilds: str = _default("ES_PIPELINE_REBUILDS")
+    fold_errors: str = _default("ES_PIPELINE_FOLD_ERRORS")
     sensor_interval_seconds: int = 30  # default_sensor_interval(DEFAULT_TAIL_SECONDS), as from_env gives
     automation: bool = _default("ES_PIPELINE_AUTOMATION")
     local_pg_port: int = _default("ES_PIPELINE_LOCAL_PG_PORT")
@@ -489,6 +498,12 @@ class Settings:
     def origin(self, variable: str) -> str:
         """What the user set for `variable`: the variable's name, or the attribute that gave its value."""
         return dict(self.origins).get(variable, variable)
+
+    def load_domain(self) -> Domain:
+        """The team's domain (ES_PIPELINE_DOMAIN's modules, imported), folding as ES_PIPELINE_FOLD_ERRORS says."""
+        from es_pipeline.domain import load
+
+        return load(self.domain_modules, self.origin("ES_PIPELINE_DOMAIN")).folding(self.fold_errors)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, origins: Mapping[str, str] | None = None) -> Settings:

@@ -30,6 +30,7 @@ def stream_state_versions(given: Given) -> Outcome:
         return Outcome(True, {"streams_off": 0, "note": "stream_state not built yet"})
     return Outcome(off.streams == 0, {
         "streams_off": off.streams, "examples": ", ".join(off.examples), "events_version_folded": off.events_version,
+        "quarantined_streams": off.quarantined,
         **({"read_with": "arrow"} if off.engine == "local" else {}), "engine": off.engine})
 
 

@@ -6,7 +6,6 @@ import time
 
 from es_pipeline.dev import emmett_client
 from es_pipeline.dev.workload import run_workload
-from es_pipeline.domain import load as load_domain
 from es_pipeline.errors import ConfigError, ForeignDemoTarget
 from es_pipeline.extraction.extractor import extract_ranges
 from es_pipeline.lake import cross_stream
@@ -97,7 +96,7 @@ def run_demo_pass(settings: Settings, *, events: int = 50_000, writers: int = 8)
         print(f"   {res.range_key:<10} {res.rows:>8,} {res.batches:>8} {res.horizon:>10} {res.events_behind:>9,} {res.total_seconds:>8.1f}")
 
     t0 = time.monotonic()
-    domain = load_domain(settings.domain_modules, settings.origin("ES_PIPELINE_DOMAIN"))
+    domain = settings.load_domain()
     engine = Engine(settings.engine, spark)
     state = update_stream_state(engine, settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
     print(f"   stream_state: folded {state.events_folded:,} events into {state.figures['streams_updated']:,} stream "

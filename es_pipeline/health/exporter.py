@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from es_pipeline.extraction.slices import split
 from es_pipeline.health.store import StoreReading, read_store
+from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.read.behind import Behind, Lake
 from es_pipeline.lake.state import history, rebuild
 from es_pipeline.settings import DEFAULT_LATENCY_BOUND_SECONDS, Settings
@@ -51,6 +52,7 @@ class Reading:
     spark_connect: tuple[str, bool] | None = None  # (host:port, answering) when ES_PIPELINE_SPARK_REMOTE is set
     snapshot_backlog: int | None = None  # streams whose latest snapshot in the lake the store lacks
     rebuilds: list[rebuild.Progress] = field(default_factory=list)  # rebuilds beside stream_state under way
+    quarantined: dict[str, int] = field(default_factory=dict)  # table → streams or keys in `_dead_letters`
     ok: dict[str, bool] = field(default_factory=dict)  # part → read without error
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # what the reading cost, wall clock
@@ -199,6 +201,7 @@ class Reader:
             r.behind = self.lake.behind(cursors=cursors)
             self.latency.observe(self.lake, r.events_version, cursors, {b.name: b.folded for b in r.behind})
             r.rebuilds = rebuild.progress(self.settings.warehouse)
+            r.quarantined = dead_letters.counts(self.settings.warehouse)
         self._part(r, "lake", lake)
         if self._dagster:
             def dagster() -> None:
@@ -333,6 +336,12 @@ def lake_metrics(r: Reading, consumer: str, latency: Latency,
                  ["consumer", "projection"], [([consumer, b.name], float(b.versions)) for b in r.behind])
     yield _gauge("es_pipeline_projection_behind_seconds", "Age of the oldest `events` commit the projection has not "
                  "folded; 0 when up to date", ["consumer", "projection"], [([consumer, b.name], b.seconds) for b in r.behind])
+    # Every table the lake keeps, 0 where none is quarantined (an alert then resolves); the messages never here.
+    held = {**{b.name: 0 for b in r.behind}, **r.quarantined}
+    yield _gauge("es_pipeline_quarantined", "Streams (or cross-stream keys) quarantined in the table: a fold failed on "
+                 "one of their events; their last good state is kept, their later events wait (`_dead_letters`, "
+                 "`es-pipeline lake quarantined`)", ["consumer", "projection"],
+                 [([consumer, name], float(n)) for name, n in sorted(held.items())])
     yield _gauge("es_pipeline_rebuild_events_folded", "Events a rebuild beside stream_state has folded of those `events` "
                  "held when it started (lake/state/rebuild.py)", ["consumer", "stream_type"],
                  [([consumer, p.stream_type], float(p.events_folded)) for p in r.rebuilds])

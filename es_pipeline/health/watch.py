@@ -39,6 +39,9 @@ def problems(r: Reading, *, tailing: bool, intervals: dict[str, float] | None = 
             out.append(f"no tailing run holds the slices, and extractable events have waited {waited:.0f} s")
         if s.holder is not None and (s.holder.seconds or 0) > HELD_LATE and any(x.waiting.behind_horizon for x in s.ranges):
             out.append(f"horizon held by {_holder(s.holder)}")
+    for table, n in sorted(r.quarantined.items()):
+        if n:
+            out.append(f"{table}: {n} quarantined (es-pipeline lake quarantined)")
     d = r.dagster
     if d is not None:
         if not d.heartbeats:

@@ -76,8 +76,10 @@ def test_a_failing_event_quarantines_its_stream_at_its_last_good_state(seed: int
     fold, row = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=True, as_a_run=as_a_run)
     good, expected = _fold(_reducer(_mutates_then_fails), events[:at - 1], quarantine=False)
     assert row[9] is None, "no error: the stream is quarantined, the update goes on"
-    assert fold.quarantined == {"version": at, "event_type": "Boom",
-                                "reason": "ValueError: the reducer cannot take it"}
+    held = dict(fold.quarantined or {})
+    assert held.pop("since") and {"version": at, "event_type": "Boom", "kind": "ValueError", "retries": 0,
+                                  "message": "ValueError: the reducer cannot take it"} == held
+    assert json.loads(row[14]) == fold.quarantined, "the row says it is quarantined"
     assert row[2] == at - 1 and row[3] == expected[3], "the state of the events before the failing one"
     assert list(fold.history_rows()) == list(good.history_rows()), "the history ends at the last good state"
     assert [p["version"] for p in json.loads(row[6])] == list(range(at, len(events) + 1)), "the rest waits"
@@ -111,3 +113,19 @@ def test_a_gap_before_the_failing_event_parks_as_a_gap_does() -> None:
     fold, row = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=True)
     assert fold.quarantined is None, "event 6 waits for 4: it was never folded, so nothing failed"
     assert row[2] == 3 and [p["version"] for p in json.loads(row[6])] == [5, 6, 7, 8]
+
+
+def test_a_retry_that_fails_again_counts_it_and_keeps_since_when() -> None:
+    events = _events(random.Random(3), 6)
+    poisoned = [e if e[0] != 4 else (4, "Boom", "{}", e[3]) for e in events]
+    _, first = _fold(_reducer(_mutates_then_fails), poisoned, quarantine=True)
+    since = json.loads(first[14])["since"]
+    parked = [(p["version"], p["event_type"], p["payload"], None) for p in json.loads(first[6])]
+    for retries in (1, 2):
+        fold, again = _fold(_reducer(_mutates_then_fails), parked, (*_prior(first), first[14]), quarantine=True)
+        held = json.loads(again[14])
+        assert (held["version"], held["since"], held["retries"]) == (4, since, retries)
+        assert (again[2], again[3]) == (first[2], first[3]), "still its last good state"
+        first = again
+    _, fixed = _fold(_reducer(_fixed), parked, (*_prior(first), first[14]), quarantine=True)
+    assert fixed[14] is None and fixed[6] is None and fixed[2] == 6, "it folds now: no longer quarantined"

@@ -16,6 +16,7 @@ from es_pipeline.domain import Domain, Event, Reducer
 from es_pipeline.errors import ReducerError
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import forked
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -118,19 +119,48 @@ def test_a_revision_bump_rebuilds_that_stream_type_alone(
     assert not touched, touched[:3]
 
 
-def test_an_unknown_event_type_fails_naming_stream_version_and_type_and_commits_nothing(
+def test_an_unknown_event_type_quarantines_its_stream_or_with_stop_fails_and_commits_nothing(
     dsn: StoreDsn, spark: Any, warehouse: Path, first_build: Any
 ) -> None:
     store = EventStore(dsn)
     store.append("cart-ok", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 1})], 0)
-    store.append("cart-bad", "cart", [NewEvent("ItemAdded", {"sku": "a"}), NewEvent("Teleported", {})], 0)
+    store.append("cart-bad", "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2}), NewEvent("Teleported", {}),
+                                      NewEvent("ItemAdded", {"sku": "b", "qty": 1})], 0)
     extract_all(dsn.extractor, spark, warehouse)
     with pytest.raises(ReducerError, match=r"'cart-bad' version 2 \(Teleported\)"):
-        first_build(warehouse)
+        first_build(warehouse, domain=SHOP.folding("stop"))
     state = str(warehouse / "stream_state")
     assert not tables.is_delta_table(state) or tables.read(spark, state).count() == 0
+
+    result = first_build(warehouse)  # quarantine, the default: cart-bad held at version 1, cart-ok folded
+    assert result.figures["quarantined_streams"] == 1 and result.figures["streams_updated"] == 2
+    rows = {r["stream_id"]: r for r in tables.read(spark, state).collect()}
+    expected = full_replay_until(dsn, "cart-bad", 1)
+    assert (rows["cart-bad"]["version"], json.loads(rows["cart-bad"]["state"])) == (1, expected)
+    held = json.loads(rows["cart-bad"]["quarantined"])
+    assert (held["version"], held["event_type"], held["kind"], held["retries"]) == (2, "Teleported",
+                                                                                      "UnknownEventType", 0)
+    assert [p["version"] for p in json.loads(rows["cart-bad"]["parked"])] == [2, 3]
+    assert rows["cart-ok"]["quarantined"] is None and rows["cart-ok"]["version"] == 1
+    [letter] = dead_letters.rows_of(warehouse).to_pylist()
+    assert (letter["table_name"], letter["key"], letter["version"], letter["event_type"], letter["error_kind"]) == (
+        "stream_state", "cart-bad", 2, "Teleported", "UnknownEventType")
+
+    tables.remove_folder(warehouse / "stream_state")
     result = first_build(warehouse, skip_unknown=True)
     assert result.figures["skipped_unknown_events"] == 1 and result.figures["streams_updated"] == 2
+    assert result.figures["quarantined_streams"] == 0
+
+
+def full_replay_until(dsn: StoreDsn, stream_id: str, version: int) -> dict[str, Any]:
+    """The state of `stream_id` folded from the store's events up to `version`."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT stream_type, version, event_type, payload FROM es.events WHERE stream_id = %s "
+                            "AND version <= %s ORDER BY version", (stream_id, version)).fetchall()
+    state: dict[str, Any] = {}
+    for stream_type, v, event_type, payload in rows:
+        state = SHOP.reducers[stream_type].fold(state, Event(stream_id, v, event_type, payload))
+    return json.loads(json.dumps(state))
 
 
 def test_a_payload_missing_a_field_fails_naming_the_field(
@@ -140,7 +170,11 @@ def test_a_payload_missing_a_field_fails_naming_the_field(
                                                  NewEvent("Deposited", {"amt": 5})], 0)
     extract_all(dsn.extractor, spark, warehouse)
     with pytest.raises(ReducerError, match=r"'acc-x' version 2 \(Deposited\).*no field 'amount'"):
-        first_build(warehouse)
+        first_build(warehouse, domain=SHOP.folding("stop"))
+    first_build(warehouse)
+    [letter] = dead_letters.rows_of(warehouse).to_pylist()
+    assert (letter["key"], letter["version"], letter["error_kind"]) == ("acc-x", 2, "KeyError")
+    assert "no field 'amount'" in letter["message"]
 
 
 def test_versions_arriving_out_of_order_wait_for_the_gap_to_fill(spark: Any, warehouse: Path, first_build: Any) -> None:

@@ -130,7 +130,7 @@ def test_a_changed_declaration_rebuilds_that_table_alone_and_a_state_that_does_n
     state_version = DeltaTable(str(warehouse / "stream_state")).version()
     with pytest.raises(ReducerError, match=r"stream 'account-1' version 2 \(Deposited\): its state's field 'balance' "
                                            r"holds a str \(declared double"):
-        update_stream_state(Engine(spark=spark), warehouse, domain=bad)
+        update_stream_state(Engine(spark=spark), warehouse, domain=bad.folding("stop"))
     assert DeltaTable(str(warehouse / "stream_state")).version() == state_version  # nothing committed
     update_stream_state(Engine(spark=spark), warehouse, domain=v2)
     account = _typed(warehouse, "stream_state_account")["account-1"]
@@ -298,5 +298,5 @@ def test_a_state_that_does_not_fit_names_its_stream_version_and_field_and_commit
     )
     for fold, says in cases:
         with pytest.raises(ReducerError, match=f"stream 't-1' version 1 \\(Opened\\): its state's .*{says}"):
-            update_stream_state(Engine(spark=no_spark), warehouse, domain=_tickets(fold))
+            update_stream_state(Engine(spark=no_spark), warehouse, domain=_tickets(fold).folding("stop"))
         assert not (warehouse / "stream_state").exists() or DeltaTable(str(warehouse / "stream_state")).version() <= 0

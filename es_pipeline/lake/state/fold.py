@@ -8,7 +8,9 @@ first build's forked processes (lake/state/whole_fold.py) all fold with `StreamF
   than their commits), so only the contiguous run after the folded version is applied; later events wait
   in the row's `parked` column, and are folded when the gap fills;
 - a stream type with no reducer keeps its versions and times alone (no state, revision 0);
-- a reducer's failure stops its stream there, named (`error`), and the update commits nothing;
+- a reducer's failure stops its stream there, named (`error`), and the update commits nothing; under quarantine
+  (`Domain.fold_errors`, docs/decisions/0051) the stream is held at its last good state instead, its failing and
+  later events parked, `quarantined` saying where and why, and the update goes on with every other stream;
 - a reducer that keeps history (`Domain.reducer(..., history=...)`) also leaves a trail: the rows its stream's
   history table gains (lake/state/history.py), each state with its version range and `valid_from`, the
   running maximum of `recorded_at`; `history_from` / `history_at` carry the current history row's first
@@ -16,6 +18,10 @@ first build's forked processes (lake/state/whole_fold.py) all fold with `StreamF
 
 The fold's output (`FOLD_OUT`) is `stream_state`'s row without `updated_at`, plus the fold's own
 `folded` (events folded), `error` and `history` (the trail, JSON) columns.
+
+`quarantined` (JSON, null for a healthy stream): the failing event's `version` and `event_type`, the error's `kind`
+(its exception's class) and `message` (the team's: it stays in the lake), `since` (first quarantined there, ISO
+time, UTC) and `retries` (the updates that refolded it since, and failed again).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 from zoneinfo import ZoneInfo
 
 import orjson
@@ -41,15 +47,25 @@ FOLD_OUT = pa.schema([
     ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()), ("state", pa.string()),
     ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("parked", pa.string()),
     ("skipped", pa.int32()), ("folded", pa.int32()), ("error", pa.string()), ("tenant", pa.string()),
-    ("history_from", pa.int32()), ("history_at", UTC_MICROS), ("history", pa.string()),
+    ("history_from", pa.int32()), ("history_at", UTC_MICROS), ("history", pa.string()), ("quarantined", pa.string()),
 ])
-_AFTER_TENANT = ("tenant", "history_from", "history_at")  # added to tables of earlier releases, in this order
+# Added to tables of earlier releases, in this order.
+_AFTER_TENANT = ("tenant", "history_from", "history_at", "quarantined")
 # `stream_state`'s columns: the fold's output without its own columns, stamped when committed.
 STATE_SCHEMA = pa.schema([*(f for f in FOLD_OUT if f.name not in ("folded", "error", "history", *_AFTER_TENANT)),
                           pa.field("updated_at", UTC_MICROS), *(FOLD_OUT.field(n) for n in _AFTER_TENANT)])
 HISTORY_COLUMNS = ("history_from", "history_at")  # stream_state's, for the history tables (lake/state/history.py)
+LATER_COLUMNS = (*HISTORY_COLUMNS, "quarantined")  # stream_state's columns since tenants, added in place where missing
 FOLD_COLUMNS = ["stream_id", "stream_type", "version", "event_type", "payload", "recorded_at", "tenant"]  # of events
 READ_COLUMNS = [*FOLD_COLUMNS, "payload_encoding"]  # read; the fold gets payloads as reducers read them
+
+
+class Rules(NamedTuple):
+    """How a fold treats what it cannot fold: an unknown event type skipped and counted (else a failure), and a
+    failure quarantining its stream (else stopping the update): `StreamFold`'s last two arguments."""
+
+    skip_unknown: bool = False
+    quarantine: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,12 +82,14 @@ class Written:
 
 def state_result(events_version: int, previous: int, folded: int, streams: int, parked: int, skipped: int,
                  without_reducer: int = 0, *, engine: Ran = "local", history_rows: Mapping[str, int] | None = None,
-                 held_types: Iterable[str] = ()) -> Result:
+                 held_types: Iterable[str] = (), quarantined: int = 0) -> Result:
     """What an update of `stream_state` did, as the kernel's `Result`: its figures as its asset shows them (streams
-    updated, parked, events skipped, streams whose type has no reducer, the stream types held for their rebuild
-    beside, rows per history table; `typed_rows/<table>` and `rebuilt_types` are added where they follow)."""
+    updated, parked, quarantined (of those folded: every quarantined stream is, at each update), events skipped,
+    streams whose type has no reducer, the stream types held for their rebuild beside, rows per history table;
+    `typed_rows/<table>` and `rebuilt_types` are added where they follow)."""
     return Result("stream_state", events_version, previous, folded, engine, None, {
-        "streams_updated": streams, "parked_streams": parked, "skipped_unknown_events": skipped,
+        "streams_updated": streams, "parked_streams": parked, "quarantined_streams": quarantined,
+        "skipped_unknown_events": skipped,
         "streams_without_reducer": without_reducer, "rebuilt_types": "-",
         "rebuilding_types": ", ".join(held_types) or "-",
         **{f"history_rows/{name}": n for name, n in sorted((history_rows or {}).items())}})
@@ -101,7 +119,7 @@ class StreamFold:
 
     __slots__ = ("tenant", "stream_id", "stream_type", "reducer", "fold", "skip_unknown", "state", "version",
                  "last_at", "skipped", "folded", "parked", "error", "codec", "last_type", "day", "trail",
-                 "history_from", "history_at", "seen", "prior_row", "quarantined")
+                 "history_from", "history_at", "seen", "prior_row", "quarantined", "kind", "held")
 
     def __init__(
         self, tenant: str, stream_id: str, stream_type: str, reducer: Reducer | None, skip_unknown: bool,
@@ -131,10 +149,13 @@ class StreamFold:
         self.seen: list[tuple[int, str, str, int | None]] | None = [] if quarantine else None
         self.prior_row: tuple[Any, ...] = (None, 0, None, None, None, None)
         self.quarantined: dict[str, Any] | None = None  # where quarantined: the failing event and why
+        self.kind: str | None = None  # the error's kind (its exception's class), with `error`
+        self.held: dict[str, Any] | None = None  # the prior row's `quarantined`: since when, how many retries
 
     def prior(self, state: str | None, version: int, last_at: int | None, skipped: int | None,
-              history_from: int | None = None, history_at: int | None = None) -> None:
+              history_from: int | None = None, history_at: int | None = None, quarantined: str | None = None) -> None:
         self.prior_row = (state, version, last_at, skipped, history_from, history_at)
+        self.held = json.loads(quarantined) if quarantined else None
         self.state = self.codec.loads(state) if state is not None and self.fold is not None else {}
         self.version, self.last_at, self.skipped = version, last_at, skipped or 0
         self.history_from, self.history_at = history_from, history_at
@@ -213,7 +234,7 @@ class StreamFold:
             try:
                 text = self.codec.trail_text(state)
             except state_json.StateMisfit as misfit:
-                self.error = json.dumps([self.stream_id, v, event_type, str(misfit)])
+                self.error, self.kind = json.dumps([self.stream_id, v, event_type, str(misfit)]), "StateMisfit"
                 return False
         held = self.history_at
         at = (held or 0) if recorded_at is None else recorded_at if held is None or recorded_at > held else held
@@ -252,6 +273,7 @@ class StreamFold:
             trail[-1][3] = self.codec.trail_text(state)
         except state_json.StateMisfit as misfit:
             self.error = json.dumps([self.stream_id, trail[-1][1], self.last_type or "?", str(misfit)])
+            self.kind = "StateMisfit"
             return False
         return True
 
@@ -285,7 +307,7 @@ class StreamFold:
             reason = f"the payload has no field {exc}"
         else:
             reason = f"{type(exc).__name__}: {exc}"
-        self.error = json.dumps([self.stream_id, v, event_type, reason])
+        self.error, self.kind = json.dumps([self.stream_id, v, event_type, reason]), type(exc).__name__
         return False
 
     def _off_the_run(self, v: int, event_type: str, payload: str, recorded_at: int | None) -> None:
@@ -324,7 +346,11 @@ class StreamFold:
         self.parked = [*again.parked, *({"version": v, "event_type": t, "payload": p, "recorded_at": _timestamp(at)}
                                          for v, t, p, at in waiting)]
         self.error = None
-        self.quarantined = {"version": failing, "event_type": event_type, "reason": reason}
+        held = self.held if self.held is not None and self.held.get("version") == failing else None
+        self.quarantined = {  # the same failing event as the prior row's: retried, and it fails again
+            "version": failing, "event_type": event_type, "kind": self.kind or "Exception", "message": reason,
+            "since": held["since"] if held else datetime.now(UTC).isoformat(timespec="seconds"),
+            "retries": held.get("retries", 0) + 1 if held else 0}
         return True
 
     def _row(self, with_trail: bool) -> tuple[Any, ...]:
@@ -336,6 +362,7 @@ class StreamFold:
                 state = self.codec.dumps(self.state)
             except state_json.StateMisfit as misfit:
                 self.error = json.dumps([self.stream_id, self.version, self.last_type or "?", str(misfit)])
+                self.kind = "StateMisfit"
         trail = self.trail
         return (
             self.stream_id, self.stream_type, self.version, state, self.last_at,
@@ -345,15 +372,17 @@ class StreamFold:
             (trail[-1][0] if trail else self.history_from) if trail is not None else None,
             self.history_at if trail is not None else None,
             self._history() if self.error is None and with_trail else None,
+            None if self.quarantined is None else json.dumps(self.quarantined),
         )
 
 
 _OUT_BATCH_ROWS = 5_000
 _IN_COLUMNS = ("stream_id", "tenant", "stream_type", "version", "event_type", "payload", "is_prior", "prior_skipped",
-               "prior_history_from")
+               "prior_history_from", "prior_quarantined")
 
 
-def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: ignore[no-untyped-def]
+def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool,  # type: ignore[no-untyped-def]
+                    quarantine: bool = False):
     """The fold as a `mapInArrow` function, shipped to the Python workers with the reducers captured.
 
     Its input is partitioned by stream and sorted by (stream, prior row first, version), so one
@@ -380,7 +409,7 @@ def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: 
                        for name in _IN_COLUMNS]
             history_at = batch.column("prior_history_at").cast(pa.int64()).to_pylist() \
                 if "prior_history_at" in batch.schema.names else repeat(None, n)
-            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, history_from, \
+            for sid, tenant, stype, version, event_type, payload, is_prior, prior_skipped, history_from, held, \
                     recorded_at, prior_at in zip(*columns, at, history_at, strict=True):
                 if sid != sid_now or tenant != tenant_now:
                     if current is not None:
@@ -388,11 +417,11 @@ def fold_partitions(registry: dict[str, Reducer], skip_unknown: bool):  # type: 
                         if len(out) >= _OUT_BATCH_ROWS:
                             yield flush()
                     sid_now, tenant_now = sid, tenant
-                    current = StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown)
+                    current = StreamFold(tenant, sid, stype, registry.get(stype), skip_unknown, quarantine)
                     fold_event = current.event
                 if is_prior:
                     current.prior(payload, version, recorded_at, prior_skipped,  # type: ignore[union-attr]
-                                  history_from, prior_at)
+                                  history_from, prior_at, held)
                 else:
                     fold_event(version, event_type, payload, recorded_at)
         if current is not None:
@@ -418,6 +447,8 @@ def arrow_updates(out: pa.Table) -> pa.Table:
         stream_id, version, event_type, reason = json.loads(pc.min(errors).as_py())
         raise ReducerError(stream_id, version, event_type, reason)
     rows = out.drop_columns(["error", "folded", "history"])
+    if "quarantined" not in rows.column_names:  # the fold of a release before quarantine (a test's frozen output)
+        rows = rows.append_column("quarantined", pa.nulls(rows.num_rows, pa.string()))
     return rows.append_column("updated_at", pa.array([datetime.now(UTC)] * out.num_rows, UTC_MICROS)) \
         .select(STATE_SCHEMA.names)
 
@@ -429,7 +460,7 @@ def arrow_result(out: pa.Table, events_version: int, previous: int, *, history_r
     without = int(pc.sum(pc.equal(out["revision"], 0)).as_py() or 0)
     return state_result(events_version, previous, int(pc.sum(out["folded"]).as_py() or 0), out.num_rows, parked,
                         int(pc.sum(out["skipped"]).as_py() or 0), without, history_rows=history_rows,
-                        held_types=held_types)
+                        held_types=held_types, quarantined=int(pc.sum(pc.is_valid(out["quarantined"])).as_py() or 0))
 
 
 def stale_types(kinds: Any, domain: Domain) -> list[str]:
@@ -474,20 +505,23 @@ def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
                         ("event_type", pa.string()), ("payload", pa.string()),
                         ("recorded_at", UTC_MICROS), ("tenant", pa.string()),
                         ("prior_skipped", pa.int32()), ("is_prior", pa.bool_()),
-                        ("prior_history_from", pa.int32()), ("prior_history_at", UTC_MICROS)])
+                        ("prior_history_from", pa.int32()), ("prior_history_at", UTC_MICROS),
+                        ("prior_quarantined", pa.string())])
     events = new.cast(pa.schema([schema.field(c) for c in FOLD_COLUMNS]))
     n = events.num_rows
     parts = [events.append_column("prior_skipped", pa.nulls(n, pa.int32()))
              .append_column("is_prior", pa.array([False] * n))
              .append_column("prior_history_from", pa.nulls(n, pa.int32()))
-             .append_column("prior_history_at", pa.nulls(n, UTC_MICROS))]
+             .append_column("prior_history_at", pa.nulls(n, UTC_MICROS))
+             .append_column("prior_quarantined", pa.nulls(n, pa.string()))]
     p = prior.to_pydict()
     parked: list[tuple[Any, ...]] = []
     for tenant, sid, stype, text in zip(p["tenant"], p["stream_id"], p["stream_type"], p["parked"], strict=True):
         for e in json.loads(text) if text else ():
             at = None if e["recorded_at"] is None else datetime.fromisoformat(str(e["recorded_at"]))
             parked.append((sid, stype, e["version"], e["event_type"], e["payload"],
-                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False, None, None))
+                           at if at is None or at.tzinfo else at.replace(tzinfo=UTC), tenant, None, False, None, None,
+                           None))
     if parked:
         parts.append(pa.Table.from_pylist([dict(zip(schema.names, r, strict=True)) for r in parked], schema=schema))
     # Prior rows of the touched streams' ids (of any tenant: a superset, folded unchanged if untouched).
@@ -500,7 +534,7 @@ def fold_input(new: pa.Table, prior: pa.Table) -> pa.Table:
         "recorded_at": had["last_event_at"], "tenant": had["tenant"], "prior_skipped": had["skipped"],
         "is_prior": pa.array([True] * had.num_rows),
         **{f"prior_{c}": had[c] if c in had.column_names else pa.nulls(had.num_rows, schema.field(f"prior_{c}").type)
-           for c in HISTORY_COLUMNS},
+           for c in LATER_COLUMNS},
     }, schema=schema))
     rows = pa.concat_tables([t.cast(schema) for t in parts])
     return rows.sort_by([("tenant", "ascending"), ("stream_id", "ascending"), ("is_prior", "descending"),

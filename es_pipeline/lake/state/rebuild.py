@@ -72,6 +72,7 @@ from es_pipeline.lake.state.state_table import (
     STREAM_STATE,
     app_id,
     fold_onto,
+    follow_dead_letters,
     spark_columns,
     spark_fold,
     without_prior,
@@ -316,6 +317,7 @@ def run_pending(
             with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
                 if swap(engine, shadow, domain, turn, skip_unknown=skip_unknown, say=say):
                     swapped.append(stream_type)
+                    follow_dead_letters(warehouse)  # the swapped type's quarantined rows, or none now
         return swapped
 
 

@@ -1,16 +1,23 @@
 """The `stream_state` table and the fold onto its rows, shared by its live updates (lake/state/stream_state.py)
 and the rebuilds beside it (lake/state/rebuild.py): its definition and app id, the fold of new events onto
-prior rows in this process (`fold_onto`), and the same on Spark (`spark_columns`, `spark_fold`)."""
+prior rows in this process (`fold_onto`), and the same on Spark (`spark_columns`, `spark_fold`); and its
+quarantined rows into `_dead_letters` (`follow_dead_letters`)."""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 
-from es_pipeline.domain import Domain
+from es_pipeline.domain import UTC_MICROS, Domain
+from es_pipeline.lake.delta import current, tables
 from es_pipeline.lake.delta.definition import Table, spark_type
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.state.fold import FOLD_OUT, STATE_SCHEMA, fold_input, fold_partitions
 
 # Keyed by (tenant, stream_id); `tenant` last, where a table of a release before tenants takes it.
@@ -30,7 +37,8 @@ def fold_onto(whole: pa.Table, new: pa.Table, domain: Domain, skip_unknown: bool
     prior = whole.filter(pc.or_(pc.is_in(whole["stream_id"], pc.unique(new["stream_id"])),
                                 pc.is_valid(whole["parked"])))
     rows = fold_input(new, prior)
-    out = pa.Table.from_batches(list(fold_partitions(dict(domain.folds), skip_unknown)(rows.to_batches())),
+    out = pa.Table.from_batches(list(fold_partitions(dict(domain.folds), skip_unknown, domain.quarantines)(
+                                    rows.to_batches())),
                                 schema=FOLD_OUT)
     return out, prior
 
@@ -61,7 +69,7 @@ def spark_fold(rows: Any, domain: Domain, skip_unknown: bool) -> Any:
 
     return (rows.repartition(*KEY)
             .sortWithinPartitions(*KEY, F.col("is_prior").desc(), "version")
-            .mapInArrow(fold_partitions(dict(domain.folds), skip_unknown), FOLD_OUT_DDL))
+            .mapInArrow(fold_partitions(dict(domain.folds), skip_unknown, domain.quarantines), FOLD_OUT_DDL))
 
 
 def without_prior(events: Any) -> Any:
@@ -70,4 +78,41 @@ def without_prior(events: Any) -> Any:
 
     return events.withColumn("prior_skipped", F.lit(None).cast("int")).withColumn("is_prior", F.lit(False)) \
         .withColumn("prior_history_from", F.lit(None).cast("int")) \
-        .withColumn("prior_history_at", F.lit(None).cast("timestamp"))
+        .withColumn("prior_history_at", F.lit(None).cast("timestamp")) \
+        .withColumn("prior_quarantined", F.lit(None).cast("string"))
+
+
+def follow_dead_letters(warehouse: Location) -> None:
+    """`_dead_letters`' rows of `stream_state` made its quarantined rows as it stands (lake/kernel/dead_letters.py);
+    read only where `stream_state` moved since they were written."""
+    path = STREAM_STATE.path(warehouse)
+    if not tables.is_delta_table(path):
+        return
+    state = DeltaTable(path)
+    version, source_id = int(state.version()), str(state.metadata().id)
+    if not tables.has_columns(state, ["quarantined"]) or dead_letters.written_for(
+            warehouse, STREAM_STATE.name, source_id) == version:
+        return
+    columns = ["tenant", "stream_id", "stream_type", "quarantined"]
+    if current.has_deletion_vectors(state):  # its files alone are not its rows: DataFusion honours the vectors
+        from deltalake import QueryBuilder
+
+        held = pa.Table.from_batches(QueryBuilder().register("s", state).execute(
+            "SELECT tenant, stream_id, stream_type, quarantined FROM s WHERE quarantined IS NOT NULL"))
+        held = current.plain(held) if held.num_columns else pa.table({c: pa.array([], pa.string()) for c in columns})
+    else:
+        held = current.files(path, state).to_table(columns=columns)
+        held = held.filter(pc.is_valid(held["quarantined"]))
+    said = [json.loads(q) for q in held["quarantined"].to_pylist()]
+    rows = pa.table({
+        "table_name": pa.array([STREAM_STATE.name] * held.num_rows, pa.string()),
+        "tenant": pc.fill_null(held["tenant"], ""), "key": held["stream_id"], "stream_type": held["stream_type"],
+        "version": pa.array([q.get("version") for q in said], pa.int64()),
+        "event_type": pa.array([q.get("event_type") for q in said], pa.string()),
+        "error_kind": pa.array([q.get("kind") for q in said], pa.string()),
+        "message": pa.array([q.get("message") for q in said], pa.string()),
+        "first_seen": pa.array([datetime.fromisoformat(q["since"]) if q.get("since") else None for q in said],
+                               UTC_MICROS),
+        "retries": pa.array([q.get("retries", 0) for q in said], pa.int32()),
+    })
+    dead_letters.replace(warehouse, STREAM_STATE.name, rows, source_id, version)

@@ -43,6 +43,7 @@ from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
+    LATER_COLUMNS,
     STATE_SCHEMA,
     Written,
     arrow_result,
@@ -56,6 +57,7 @@ from es_pipeline.lake.state.state_table import (
     STREAM_STATE,
     app_id,
     fold_onto,
+    follow_dead_letters,
     spark_columns,
     spark_fold,
     without_prior,
@@ -102,9 +104,11 @@ def update_stream_state(
 
 def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None) -> Result:
     """`result`, once the typed state tables of `domain` follow `stream_state` (lake/state/typed_state.py: from
-    `written`, the commit this process just made, where it made one); in the table's turn. Also after an update
-    that found nothing new: a table a crash left behind `stream_state` catches up."""
+    `written`, the commit this process just made, where it made one), and `_dead_letters` its quarantined rows
+    (`follow_dead_letters`); in the table's turn. Also after an update that found nothing new: a table a crash left
+    behind `stream_state` catches up."""
     rows = typed_state.update(warehouse, domain, written)
+    follow_dead_letters(warehouse)
     return result.with_figures(**{f"typed_rows/{name}": n for name, n in sorted(rows.items())}) if rows else result
 
 
@@ -138,7 +142,7 @@ class _StreamState(Kind):
     def ready(self, path: str, target: DeltaTable, events_id: str) -> DeltaTable | None:
         if not tables.has_columns(target, KEY):
             return None  # a table made before tenants: Spark adds the column
-        if not tables.has_columns(target, HISTORY_COLUMNS):  # a table of a release before state history
+        if not tables.has_columns(target, LATER_COLUMNS):  # a table of a release before state history, or quarantine
             tables.add_missing_columns(path, STATE_SCHEMA)
             target = DeltaTable(path)
         return None if current.has_deletion_vectors(target) else target  # its files alone are not its rows
@@ -261,6 +265,8 @@ def _update_with_spark(
         spark.sql(f"UPDATE delta.`{state_path}` SET tenant = '' WHERE tenant IS NULL")
     if not tables.has_columns(state_path, HISTORY_COLUMNS):  # made before state history
         spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (history_from INT, history_at TIMESTAMP)")
+    if not tables.has_columns(state_path, ["quarantined"]):  # made before quarantine (docs/decisions/0051)
+        spark.sql(f"ALTER TABLE delta.`{state_path}` ADD COLUMNS (quarantined STRING)")
     now = tables.table_version(spark, events_path)
     events_id = tables.table_id(events_path)
     app = app_id(events_id)
@@ -297,6 +303,7 @@ def _update_with_spark(
         F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"), "tenant",
         F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
         F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
+        F.col("quarantined").alias("prior_quarantined"),
     )
     folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown).cache()
     started = time.monotonic()
@@ -306,6 +313,7 @@ def _update_with_spark(
             F.count("*").alias("streams"), F.sum(F.when(F.col("parked").isNotNull(), 1).otherwise(0)).alias("parked"),
             F.sum("skipped").alias("skipped"), F.sum("folded").alias("folded"), F.min("error").alias("error"),
             F.sum(F.when(F.col("revision") == 0, 1).otherwise(0)).alias("without_reducer"),
+            F.sum(F.when(F.col("quarantined").isNotNull(), 1).otherwise(0)).alias("quarantined"),
         ).first()
         if stats["error"] is not None:
             stream_id, version, event_type, reason = json.loads(stats["error"])
@@ -337,7 +345,7 @@ def _update_with_spark(
         folded.unpersist()
     return state_result(now, prev, int(n_events), int(stats["streams"] or 0), int(stats["parked"] or 0),
                         int(stats["skipped"] or 0), int(stats["without_reducer"] or 0), engine="spark",
-                        history_rows=kept, held_types=held)
+                        history_rows=kept, held_types=held, quarantined=int(stats["quarantined"] or 0))
 
 
 @dataclass(frozen=True)
@@ -349,6 +357,7 @@ class VersionsOff:
     examples: list[str]
     events_version: int | None
     engine: str = "local"  # what compared: this process (Arrow) or "spark"
+    quarantined: int = 0  # streams held at their last good state (docs/decisions/0051): left out, like parked ones
 
 
 def versions_off(warehouse: Location, engine: Engine) -> VersionsOff:
@@ -378,8 +387,9 @@ def _versions_off_on_spark(warehouse: Location, spark: SparkSession) -> Versions
     events = events.drop("stream_type")
     bad = state.join(events, list(KEY), "full_outer").where(
         "parked IS NULL AND (version IS NULL OR max_version IS NULL OR version <> max_version)")
+    quarantined = state.where("quarantined IS NOT NULL").count() if "quarantined" in state.columns else 0
     return VersionsOff(int(bad.count()), [r["stream_id"] for r in bad.limit(5).collect()], events_version,
-                       engine="spark")
+                       engine="spark", quarantined=int(quarantined))
 
 
 def versions_off_small(warehouse: Location, engine: Engine) -> VersionsOff | None:
@@ -408,7 +418,11 @@ def versions_off_small(warehouse: Location, engine: Engine) -> VersionsOff | Non
             [("max_version", "max")]).rename_columns([*grouped, "max_version"])
     if last is None:
         last = pa.table({**{k: pa.array([], pa.string()) for k in grouped}, "max_version": pa.array([], pa.int32())})
-    rows = current.files(state_path, state).to_table(columns=[*keys, "stream_type", "version", "parked"])
+    held_column = ["quarantined"] if tables.has_columns(state, ["quarantined"]) else []
+    rows = current.files(state_path, state).to_table(columns=[*keys, "stream_type", "version", "parked",
+                                                              *held_column])
+    quarantined = int(pc.sum(pc.is_valid(rows["quarantined"])).as_py() or 0) if held_column else 0
+    rows = rows.drop_columns(held_column)
     rows = tables.tenant_filled(rows) if "tenant" in keys else rows
     # A stream type held back for its rebuild beside (lake/state/rebuild.py) is behind by design until its swap.
     held = rebuild.held_back(state, str(events.metadata().id), {*rows["stream_type"].to_pylist(),
@@ -420,4 +434,5 @@ def versions_off_small(warehouse: Location, engine: Engine) -> VersionsOff | Non
     bad = joined.filter(pc.and_(pc.is_null(joined["parked"]), pc.or_kleene(
         pc.or_kleene(pc.is_null(joined["version"]), pc.is_null(joined["max_version"])),
         pc.not_equal(joined["version"].cast(pa.int64()), joined["max_version"].cast(pa.int64())))))
-    return VersionsOff(bad.num_rows, bad["stream_id"].slice(0, 5).to_pylist(), events_version)
+    return VersionsOff(bad.num_rows, bad["stream_id"].slice(0, 5).to_pylist(), events_version,
+                       quarantined=quarantined)

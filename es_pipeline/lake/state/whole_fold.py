@@ -37,6 +37,7 @@ from es_pipeline.lake.state import forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
     FOLD_OUT,
+    Rules,
     StreamFold,
     fold_out_batch,
     with_schema_versions,
@@ -66,7 +67,8 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
     histories = history.history_tables(domain)
     with pieces.spread(rows, pieces.schema(events, read), count, pieces.by_slice(count)) as parts:
         if parts.count == 1:
-            return _joined(_fold(_prepared(parts.read(0), domain), dict(domain.folds), skip_unknown, histories), now)
+            return _joined(_fold(_prepared(parts.read(0), domain), dict(domain.folds), _rules(domain, skip_unknown),
+                                 histories), now)
         # A piece per call, one forked process per core: each holds one piece at a time.
         folded = forked.run((parts, domain, skip_unknown, histories), _fold_piece, range(parts.count))
     return _joined(folded, now)
@@ -75,8 +77,13 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
 def fold_piece(rows: pa.Table, domain: Domain, skip_unknown: bool, histories: Histories) -> tuple[pa.Table, Built]:
     """Every stream of `rows` (whole streams, as `events` holds them) folded by this machine's cores: the fold's
     output, and the rows of the history tables of `histories`."""
-    out, _, built = _joined(_fold(_prepared(rows, domain), dict(domain.folds), skip_unknown, histories), -1)
+    out, _, built = _joined(_fold(_prepared(rows, domain), dict(domain.folds), _rules(domain, skip_unknown),
+                                  histories), -1)
     return out, built
+
+
+def _rules(domain: Domain, skip_unknown: bool) -> Rules:
+    return Rules(skip_unknown, domain.quarantines)
 
 
 def _joined(folded: list[tuple[pa.Table, Built]], now: int) -> tuple[pa.Table, int, Built]:
@@ -92,7 +99,7 @@ def _prepared(rows: pa.Table, domain: Domain) -> pa.Table:
     return with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), domain)
 
 
-def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool,
+def _fold(rows: pa.Table, registry: dict[str, Reducer], rules: Rules,
           histories: Histories) -> list[tuple[pa.Table, Built]]:
     """Every stream of `rows` folded: in this process, or split by slice over one forked process per core."""
     n = forked.shares(rows.num_rows) if "slice" in rows.column_names else 1
@@ -101,13 +108,14 @@ def _fold(rows: pa.Table, registry: dict[str, Reducer], skip_unknown: bool,
         low, high = (int(v.as_py()) for v in pc.min_max(rows["slice"]).values())
         bounds = [low + (high + 1 - low) * i // n for i in range(n + 1)]
     # Forked: each worker reads its share of the rows this process holds, without copying them to it.
-    return forked.run((rows, registry, skip_unknown, bounds, histories), _fold_share, range(n))
+    return forked.run((rows, registry, rules, bounds, histories), _fold_share, range(n))
 
 
 def _fold_piece(i: int) -> tuple[pa.Table, Built]:
     """The fold of piece `i` (whole streams), read from disk by the worker that folds it."""
     parts, domain, skip_unknown, histories = forked.shared()
-    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), skip_unknown, histories)
+    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), _rules(domain, skip_unknown),
+                      histories)
 
 
 def _fold_share(share: int) -> tuple[pa.Table, Built]:
@@ -116,15 +124,15 @@ def _fold_share(share: int) -> tuple[pa.Table, Built]:
     The rows are ordered by stream and version without sorting strings: the share's tenants and stream ids
     become dictionary codes, and the codes are sorted. Then `CHUNK` events at a time (whole streams) are
     taken in that order and folded stream by stream (`StreamFold.events`)."""
-    rows, registry, skip_unknown, bounds, histories = forked.shared()
+    rows, registry, rules, bounds, histories = forked.shared()
     ids = None
     if bounds:
         lo, hi = bounds[share], bounds[share + 1]
         ids = pc.indices_nonzero(pc.and_(pc.greater_equal(rows["slice"], lo), pc.less(rows["slice"], hi)))
-    return _fold_rows(rows, ids, registry, skip_unknown, histories)
+    return _fold_rows(rows, ids, registry, rules, histories)
 
 
-def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer], skip_unknown: bool,
+def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer], rules: Rules,
                histories: Histories) -> tuple[pa.Table, Built]:
     """The fold of `rows` (those at `ids`; all without), stream by stream, and the history rows of the types that
     keep one (made a chunk of streams at a time, from each stream's trail)."""
@@ -153,7 +161,7 @@ def _fold_rows(rows: pa.Table, ids: pa.Array | None, registry: dict[str, Reducer
         kept: dict[str, list[StreamFold]] = {}
         for k in range(first, end):
             stream_type = heads[2][k]
-            fold = StreamFold(heads[1][k], heads[0][k], stream_type, registry.get(stream_type), skip_unknown)
+            fold = StreamFold(heads[1][k], heads[0][k], stream_type, registry.get(stream_type), *rules)
             fold.events(islice(run, starts[k + 1] - starts[k]))
             out.append(fold.row(with_trail=False))
             if fold.trail and fold.error is None:

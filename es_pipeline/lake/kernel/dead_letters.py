@@ -1,0 +1,118 @@
+"""`_dead_letters`: one row per quarantined stream or cross-stream key, in the lake (docs/decisions/0051).
+
+A fold that cannot take an event holds that stream (or key) at its last good state, marked `quarantined` in its
+own table, and every other stream goes on. This table lists them in one place, for the operator (`es-pipeline lake
+quarantined`), the exporter (`es_pipeline_quarantined`, and its alert) and the analysts: the table, tenant, stream
+(or key), the failing event's version and type, the error's kind and message, since when, and how many retries
+failed since.
+
+Its rows of a table are a function of that table's own rows: `replace` makes them so after each update of the
+table, in the table's turn, from what the table says now. So a crash between the table's commit and this one
+leaves nothing wrong for long: the next update (also one that finds nothing new) writes them. The message is the
+team's (it may quote a payload): it stays here and in the run's log, never in a metric, a label or a webhook.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
+
+from es_pipeline.domain import UTC_MICROS
+from es_pipeline.lake.delta import current, tables
+from es_pipeline.lake.delta.definition import Table
+from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel import position
+
+log = logging.getLogger(__name__)
+
+NAME = "_dead_letters"
+COLUMNS = pa.schema([
+    ("table_name", pa.string()),  # the table the stream or key is quarantined in
+    ("tenant", pa.string()),
+    ("key", pa.string()),  # the stream's id (stream_state), or the cross-stream projection's key
+    ("stream_type", pa.string()),
+    ("version", pa.int64()),  # the failing event's: its stream version (or its position, for a key)
+    ("event_type", pa.string()),
+    ("error_kind", pa.string()),  # the exception's class: KeyError, UnknownEventType, StateMisfit, ...
+    ("message", pa.string()),  # the team's message: in the lake and the run's log only
+    ("first_seen", UTC_MICROS),  # when this event first failed
+    ("retries", pa.int32()),  # updates that refolded it since, and failed again
+])
+DEAD_LETTERS = Table(NAME, pa.schema([*COLUMNS, pa.field("updated_at", UTC_MICROS)]),
+                     key=("table_name", "tenant", "key"), comment="quarantined streams and keys (docs/operations.md)")
+_ATTEMPTS = 8
+
+
+def _app(table_name: str, source_id: str) -> str:
+    """The app id a version of `table_name` (the Delta table of id `source_id`: a table made anew has another) is
+    recorded under."""
+    return f"es_pipeline.{NAME}/{table_name}@{source_id}"
+
+
+def written_for(warehouse: Location, table_name: str, source_id: str) -> int | None:
+    """The version of `table_name` (of Delta id `source_id`) whose quarantined rows `_dead_letters` holds now (None:
+    none recorded)."""
+    path = DEAD_LETTERS.path(warehouse)
+    if not tables.is_delta_table(path):
+        return None
+    read = DeltaTable(path).transaction_version(_app(table_name, source_id))
+    return None if read is None else int(read)
+
+
+def rows_of(warehouse: Location, table_name: str | None = None) -> pa.Table:
+    """`_dead_letters`' rows (of `table_name`; every table's without), by table, tenant and key."""
+    path = DEAD_LETTERS.path(warehouse)
+    if not tables.is_delta_table(path):
+        return DEAD_LETTERS.schema.empty_table()
+    rows = current.files(path, DeltaTable(path)).to_table()
+    if table_name is not None:
+        rows = rows.filter(pc.equal(rows["table_name"], table_name))
+    return rows.sort_by([("table_name", "ascending"), ("tenant", "ascending"), ("key", "ascending")])
+
+
+def counts(warehouse: Location) -> dict[str, int]:
+    """Quarantined streams or keys per table."""
+    rows = rows_of(warehouse).select(["table_name"])
+    if not rows.num_rows:
+        return {}
+    grouped = rows.group_by("table_name").aggregate([("table_name", "count")])
+    return dict(zip(grouped["table_name"].to_pylist(), grouped["table_name_count"].to_pylist(), strict=True))
+
+
+def replace(warehouse: Location, table_name: str, rows: pa.Table, source_id: str, source_version: int) -> int:
+    """Make `_dead_letters`' rows of `table_name` be `rows` (of `COLUMNS`): what that table (of Delta id `source_id`)
+    says at its Delta version `source_version`. Written only where they differ, with `source_version` recorded (an older version than
+    the one recorded is not written: a later update wrote already). Returns how many rows the table has there."""
+    path = DEAD_LETTERS.path(warehouse)
+    rows = rows.cast(COLUMNS).sort_by([("tenant", "ascending"), ("key", "ascending")])
+    for attempt in range(_ATTEMPTS):
+        if not tables.is_delta_table(path):
+            if not rows.num_rows:
+                return 0  # nothing quarantined, and never was: no table
+            DEAD_LETTERS.ensure_arrow(warehouse)
+        table = DeltaTable(path)
+        recorded = table.transaction_version(_app(table_name, source_id))
+        if recorded is not None and recorded >= source_version:
+            return rows.num_rows
+        held = current.files(path, table).to_table()
+        held = held.filter(pc.equal(held["table_name"], table_name)).drop_columns(["updated_at"]) \
+            .sort_by([("tenant", "ascending"), ("key", "ascending")])
+        if held.equals(rows):
+            return rows.num_rows
+        stamped = rows.append_column("updated_at", pa.array([datetime.now(UTC)] * rows.num_rows, UTC_MICROS))
+        try:
+            write_deltalake(path, stamped, mode="overwrite", predicate=f"table_name = '{table_name}'",
+                            commit_properties=position.commit_properties(_app(table_name, source_id), source_version))
+        except CommitFailedError:  # another table's rows written meanwhile: read again, write again
+            log.info("%s: a concurrent commit; writing the rows of %s again (attempt %d)", NAME, table_name,
+                     attempt + 2)
+            time.sleep(0.05 * (attempt + 1))
+            continue
+        return rows.num_rows
+    raise RuntimeError(f"{NAME}: could not write the rows of {table_name} in {_ATTEMPTS} attempts")
