@@ -4,8 +4,9 @@ storage, tailing runs, automation, a Spark Connect server), watched by a real Pr
 
 1. a transaction held open while writers append: EsPipelineHorizonHeld fires once it has held 60 s, naming the
    holder's pid and application name (and `status` names it in its health line), and resolves when it ends;
-2. a reducer that fails on an event: EsPipelineProjectionFailing names the stream, version and event type, and
-   `stream_state`'s freshness policy fails (EsPipelineAssetStale);
+2. a reducer that fails on an event: the stream is quarantined (ES_PIPELINE_FOLD_ERRORS=quarantine, the default),
+   its `_dead_letters` row there, EsPipelineStreamsQuarantined fires naming the table (the message in no label),
+   `status` says so, and no run of `stream_state` fails (with `stop`: EsPipelineProjectionFailing, a promtool test);
 3. Spark Connect gone: EsPipelineSparkConnectDown within 60 s;
 4. the tailing run SIGKILLed: EsPipelineEventsRunFailed within 60 s, then the next run catches up and the lake
    holds every committed event exactly once; then a projection's row changed by hand: its check fails
@@ -17,6 +18,7 @@ Each alert's time to fire is printed (pytest -s) and bounded."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -42,6 +44,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import NO_DOMAIN
 from es_pipeline.health.prometheus import Prometheus, prometheus
 from es_pipeline.instance.launcher import PID_TAG
+from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.settings import PROJECT_ROOT
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.lakecheck import assert_exactly_once_by_key
@@ -149,19 +152,20 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 assert took <= 60
                 assert "Spark Connect at" in _health_line(stack.env)
                 # The poisoned event reaches stream_state through a chain; each link waited for on its own, bounded by
-                # what it takes: the tailing run reports the pass (ES_PIPELINE_REPORT_SECONDS, 30 s, on an idle probe
-                # too), the automation's next evaluation (every 30 s) requests stream_state, once any run of it in
-                # flight has ended; the run starts (a process importing Dagster and pyspark: slow under the parallel
-                # tiers' load), folds and fails; the exporter reads it (5 s), Prometheus scrapes (2 s) and fires.
-                failed_run = wait_for(lambda: [r for r in _runs_of(instance, "stream_state", in_lake_at)
-                                               if r.dagster_run.status == dg.DagsterRunStatus.FAILURE], 420,
-                                      "a run of stream_state, started after the poisoned event reached the lake, "
-                                      "to fail", every=2, doing=doing)[0]
-                print(f"stream_state's run {failed_run.dagster_run.run_id[:8]} failed "
-                      f"{time.time() - in_lake_at:.0f} s after the poisoned event reached the lake")
-                failing, _ = _fires(prom, "EsPipelineProjectionFailing", 60, doing, asset="stream_state")
-                assert (failing["labels"]["stream_id"], failing["labels"]["version"],
-                        failing["labels"]["event_type"]) == ("drill-1", "2", "Poisoned")
+                # what it takes: the tailing run's follow (or the automation's run of stream_state) folds it, and
+                # quarantines drill-1 alone (ES_PIPELINE_FOLD_ERRORS=quarantine, the default): the update commits every
+                # other stream, `_dead_letters` gains drill-1's row, the exporter reads it (5 s), Prometheus scrapes
+                # (2 s) and fires. The team's message is in the lake, never in a label.
+                quarantined, took = _fires(prom, "EsPipelineStreamsQuarantined", 420, doing, projection="stream_state")
+                print(f"drill-1 quarantined, alerted {time.time() - in_lake_at:.0f} s after the poisoned event reached "
+                      "the lake")
+                assert "cannot fold" not in json.dumps(quarantined["labels"])
+                [letter] = dead_letters.rows_of(stack.warehouse).to_pylist()
+                assert (letter["key"], letter["version"], letter["event_type"], letter["error_kind"]) == (
+                    "drill-1", 2, "Poisoned", "ValueError")
+                assert "stream_state: 1 quarantined" in _health_line(stack.env)
+                assert not [r for r in _runs_of(instance, "stream_state", in_lake_at)
+                            if r.dagster_run.status == dg.DagsterRunStatus.FAILURE], "quarantine fails no run"
                 held, _ = _fires(prom, "EsPipelineHorizonHeld", 180, doing)
                 # When it fired (no `for`: when it became active), not when this drill came to look.
                 fired = datetime.fromisoformat(held["activeAt"].replace("Z", "+00:00")).timestamp() - held_since
@@ -170,11 +174,9 @@ def test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing(
                 assert fired <= 60 + 60, f"the held horizon alerted {fired:.0f} s after the hold began"
                 line = _health_line(stack.env)
                 assert f"pid {holder.info.backend_pid} 'drill-holder'" in line, line
-                assert "stream_state failing on stream 'drill-1' version 2" in line, line
                 holder.commit()
                 holder.close()
                 wait_for(lambda: not prom.firing("EsPipelineHorizonHeld"), 60, "the held horizon's alert to resolve", doing=doing)
-                _fires(prom, "EsPipelineAssetStale", 240, doing, asset="stream_state")
 
                 # 4: the tailing run SIGKILLed; the next one catches up.
                 run = wait_for(lambda: _tailing_runs(instance), 120, "a tailing run", doing=doing)[0]

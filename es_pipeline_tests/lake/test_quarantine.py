@@ -1,0 +1,142 @@
+"""A poisoned event quarantines its stream, never the lake (docs/decisions/0051), on the small increments in this
+process and on Spark: under concurrent writers, every other stream's state, typed row and history equal a fold of
+the store computed here; the poisoned stream holds its last good state and says so; its `_dead_letters` row is
+there; a new revision that handles the event makes the stream the store's fold and takes the row away. The
+expected values come from the store (`es.events` and the reducers), never from the lake."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from deltalake import DeltaTable
+from shop.domain import domain as SHOP
+
+from es_pipeline.dev.workload import run_workload
+from es_pipeline.domain import Domain, Event, Reducer, State
+from es_pipeline.lake.kernel import dead_letters
+from es_pipeline.lake.kernel.engine import Engine
+from es_pipeline.lake.state.stream_state import update_stream_state, versions_off
+from es_pipeline.store.event_store import EventStore, NewEvent
+from es_pipeline_tests.support.hooks import no_spark
+from es_pipeline_tests.support.lakecheck import extract_all
+from es_pipeline_tests.support.roles import StoreDsn
+
+POISONED = "cart-poisoned"
+
+
+def _cart_v1(state: State, event: Event) -> State:
+    if event.event_type == "CardCharged":
+        raise ValueError(f"cannot charge card {event.payload['card']}")  # the team's message quotes the payload
+    return SHOP.reducers["cart"].fold(state, event)
+
+
+def _cart_v2(state: State, event: Event) -> State:
+    return {**state, "status": "charged"} if event.event_type == "CardCharged" else SHOP.reducers["cart"].fold(
+        state, event)
+
+
+def _domain(revision: int) -> Domain:
+    cart = SHOP.reducers["cart"]
+    out = Domain(f"shop, cart v{revision}")
+    out.add(Reducer("cart", revision, _cart_v1 if revision == 1 else _cart_v2, out.name, cart.state, cart.history))
+    out.add(SHOP.reducers["account"])
+    for upcaster in SHOP.upcasters.values():
+        out.add_upcaster(upcaster)
+    return out
+
+
+def _store_fold(dsn: StoreDsn, domain: Domain, *, until: dict[str, int] | None = None
+                ) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Every stream's states after each of its events, folded here from the store (up to `until`'s version)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT stream_id, stream_type, version, event_type, payload FROM es.events "
+                            "ORDER BY stream_id, version").fetchall()
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for stream_id, stream_type, version, event_type, payload in rows:
+        if until and version > until.get(stream_id, version):
+            continue
+        trail = out.setdefault(stream_id, [])
+        state = trail[-1][1] if trail else {}
+        state = domain.folds[stream_type].fold(dict(state), Event(stream_id, version, event_type, payload))
+        trail.append((version, json.loads(json.dumps(state))))
+    return out
+
+
+def _table(warehouse: Path, name: str) -> list[dict[str, Any]]:
+    return DeltaTable(str(warehouse / name)).to_pyarrow_table().to_pylist()
+
+
+def _assert_lake_is(warehouse: Path, expected: dict[str, list[tuple[int, dict[str, Any]]]]) -> None:
+    """stream_state, the carts' typed rows and their history (a row per event: grain "each") equal `expected`."""
+    state = {r["stream_id"]: r for r in _table(warehouse, "stream_state")}
+    assert state.keys() == expected.keys()
+    wrong = [s for s, trail in expected.items()
+             if (state[s]["version"], json.loads(state[s]["state"])) != trail[-1]]
+    assert not wrong, wrong[:5]
+    carts = {s for s, r in state.items() if r["stream_type"] == "cart"}
+    typed = {r["stream_id"]: r for r in _table(warehouse, "stream_state_cart")}
+    assert typed.keys() == carts
+    wrong = [s for s in carts if (typed[s]["version"], typed[s]["status"], typed[s]["total"]) != (
+        expected[s][-1][0], expected[s][-1][1].get("status"), expected[s][-1][1].get("total"))]
+    assert not wrong, wrong[:5]
+    history = {(r["stream_id"], r["version_from"]): json.loads(r["state"])
+               for r in _table(warehouse, "stream_state_cart_history")}
+    assert history == {(s, v): st for s in carts for v, st in expected[s]}
+
+
+@pytest.mark.parametrize("engine", ["in-process", "spark"])
+def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refolds_it_exactly(
+    engine: str, dsn: StoreDsn, spark: Any, warehouse: Path
+) -> None:
+    on = Engine(spark=no_spark) if engine == "in-process" else Engine(spark=spark, small_increments=False)
+    streams, events = (1500, 4500) if engine == "in-process" else (300, 900)
+    store = EventStore(dsn)
+    run_workload(store, streams=streams, events=events // 3, writers=2, rollback_rate=0, max_commit_delay=0, seed=5)
+    store.append(POISONED, "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2})], 0)
+    extract_all(dsn.extractor, spark, warehouse)
+    update_stream_state(on, warehouse, domain=_domain(1))
+
+    # Writers go on (rollbacks, out-of-order commits) while the poisoned event and the events after it arrive, and
+    # the lake is updated under them.
+    writers = threading.Thread(target=run_workload, args=(EventStore(dsn),), kwargs=dict(
+        streams=streams, events=events * 2 // 3, writers=4, rollback_rate=0.1, max_commit_delay=0.05, seed=6,
+        rate=400.0 if engine == "in-process" else 100.0))
+    writers.start()
+    store.append(POISONED, "cart", [NewEvent("ItemAdded", {"sku": "b", "qty": 1}),
+                                    NewEvent("CardCharged", {"card": "4111-1111-1111-1111"}),
+                                    NewEvent("ItemAdded", {"sku": "c", "qty": 1})], 1)
+    said = []  # each update's count of quarantined streams (every update that folds refolds them)
+    while writers.is_alive() or len(said) < 2:
+        extract_all(dsn.extractor, spark, warehouse)
+        said.append(update_stream_state(on, warehouse, domain=_domain(1)).figures["quarantined_streams"])
+    writers.join()
+    extract_all(dsn.extractor, spark, warehouse)
+    said.append(update_stream_state(on, warehouse, domain=_domain(1)).figures["quarantined_streams"])
+    assert set(said) <= {0, 1} and 1 in said, said
+
+    # Every other stream is the store's fold; the poisoned one its fold up to the event before (version 2).
+    _assert_lake_is(warehouse, _store_fold(dsn, _domain(1), until={POISONED: 2}))
+    row = next(r for r in _table(warehouse, "stream_state") if r["stream_id"] == POISONED)
+    held = json.loads(row["quarantined"])
+    assert (held["version"], held["event_type"], held["kind"]) == (3, "CardCharged", "ValueError")
+    assert held["retries"] >= 1, "each update retried it with the code deployed"
+    assert [p["version"] for p in json.loads(row["parked"])] == [3, 4]
+    assert [r["stream_id"] for r in _table(warehouse, "stream_state") if r["quarantined"]] == [POISONED]
+    [letter] = dead_letters.rows_of(warehouse).to_pylist()
+    assert (letter["table_name"], letter["key"], letter["version"], letter["event_type"], letter["error_kind"]) == (
+        "stream_state", POISONED, 3, "CardCharged", "ValueError")
+    assert "4111-1111-1111-1111" in letter["message"], "the team's message stays in the lake"
+    off = versions_off(warehouse, on)
+    assert (off.streams, off.quarantined) == (0, 1), "the check passes on every other stream and counts it"
+
+    # A revision that handles the event: the cart type rebuilt beside and swapped in; the stream is the store's fold.
+    rebuilt = update_stream_state(on, warehouse, domain=_domain(2))
+    assert rebuilt.listed("rebuilt_types") == ("cart",)
+    _assert_lake_is(warehouse, _store_fold(dsn, _domain(2)))
+    assert not [r for r in _table(warehouse, "stream_state") if r["quarantined"] or r["parked"]]
+    assert dead_letters.rows_of(warehouse).num_rows == 0, "its dead letter gone with the swap"
