@@ -20,6 +20,7 @@ from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain, Event, Reducer, State
 from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.kernel.engine import Engine
+from es_pipeline.lake.state.snapshots import take_snapshots
 from es_pipeline.lake.state.stream_state import update_stream_state, versions_off
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.hooks import no_spark
@@ -133,6 +134,9 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     assert "4111-1111-1111-1111" in letter["message"], "the team's message stays in the lake"
     off = versions_off(warehouse, on)
     assert (off.streams, off.quarantined) == (0, 1), "the check passes on every other stream and counts it"
+    take_snapshots(on, warehouse, EventStore(dsn.snapshots), threshold=1)
+    snapped = {r["stream_id"] for r in _table(warehouse, "snapshots")}
+    assert POISONED not in snapped and len(snapped) >= streams // 2, "no snapshot of a quarantined stream"
 
     # A revision that handles the event: the cart type rebuilt beside and swapped in; the stream is the store's fold.
     rebuilt = update_stream_state(on, warehouse, domain=_domain(2))

@@ -132,7 +132,8 @@ def _take_small(warehouse: Location, store: EventStore, threshold: int, turn: Tu
     state_version = int(state.version())
     at = Position.of(snap, SNAPSHOTS.app_id_over(str(state.metadata().id)))  # over this `stream_state`
     lake = current.files(snap_path, snap).to_table(columns=_TAKEN)
-    due = _due(current.files(state_path, state).to_table(columns=_COLUMNS), latest(lake), threshold)
+    held = ["quarantined"] if tables.has_columns(state, ["quarantined"]) else []
+    due = _due(current.files(state_path, state).to_table(columns=[*_COLUMNS, *held]), latest(lake), threshold)
     taken = append_batches(due.to_batches(), SNAPSHOTS.schema, snap_path, app_id=at.app_id, version=state_version,
                            table=snap, before_commit=lambda: turn.confirm(snap_path, at.app_id, at.read))
     if taken:  # the lake is the record: what it now holds, these included
@@ -170,8 +171,11 @@ def _due(state: pa.Table, last: pa.Table, threshold: int) -> pa.Table:
     grown = pc.and_kleene(pc.is_null(last_version), pc.greater_equal(version, threshold))
     grown = pc.or_kleene(grown, pc.greater_equal(pc.subtract(version, last_version), threshold))
     revised = pc.not_equal(j["last_revision"], j["revision"])
-    # A stream without state (its type has no reducer) has nothing to snapshot; null: not due (as Spark).
+    # A stream without state (its type has no reducer) has nothing to snapshot, nor a quarantined one (docs/decisions/
+    # 0051: its state is behind its events); null: not due (as Spark).
     due = j.filter(pc.and_kleene(pc.and_kleene(pc.greater(version, 0), pc.is_valid(j["state"])), pc.or_kleene(grown, revised)))
+    if "quarantined" in due.column_names:
+        due = due.filter(pc.is_null(due["quarantined"]))
     taken_at = pa.array([datetime.now(UTC)] * due.num_rows, SNAPSHOTS.schema.field("taken_at").type)
     return due.select(_COLUMNS[:-1]).append_column("taken_at", taken_at).append_column("tenant", due["tenant"]).cast(SNAPSHOTS.schema)
 
@@ -214,6 +218,7 @@ def _take_in_turn(spark: SparkSession, warehouse: Location, store: EventStore, t
         state.join(last, KEY, "left")
         .where(
             (F.col("version") > 0) & F.col("state").isNotNull()  # no state: its type has no reducer
+            & (F.col("quarantined").isNull() if "quarantined" in state.columns else F.lit(True))  # held back
             & (
                 F.col("last").isNull()
                 & (F.col("version") >= threshold)
