@@ -128,6 +128,8 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     assert held["retries"] >= 1, "each update retried it with the code deployed"
     assert [p["version"] for p in json.loads(row["parked"])] == [3, 4]
     assert [r["stream_id"] for r in _table(warehouse, "stream_state") if r["quarantined"]] == [POISONED]
+    assert [r["stream_id"] for r in _table(warehouse, "stream_state_cart") if r["quarantined"]] == [POISONED], \
+        "its typed row says so too"
     [letter] = dead_letters.rows_of(warehouse).to_pylist()
     assert (letter["table_name"], letter["key"], letter["version"], letter["event_type"], letter["error_kind"]) == (
         "stream_state", POISONED, 3, "CardCharged", "ValueError")

@@ -97,9 +97,8 @@ def follow_dead_letters(warehouse: Location) -> None:
     if current.has_deletion_vectors(state):  # its files alone are not its rows: DataFusion honours the vectors
         from deltalake import QueryBuilder
 
-        held = pa.Table.from_batches(QueryBuilder().register("s", state).execute(
-            "SELECT tenant, stream_id, stream_type, quarantined FROM s WHERE quarantined IS NOT NULL"))
-        held = current.plain(held) if held.num_columns else pa.table({c: pa.array([], pa.string()) for c in columns})
+        held = current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("s", state).execute(
+            "SELECT tenant, stream_id, stream_type, quarantined FROM s WHERE quarantined IS NOT NULL")).read_all())
     else:
         held = current.files(path, state).to_table(columns=columns)
         held = held.filter(pc.is_valid(held["quarantined"]))

@@ -40,8 +40,10 @@ from es_pipeline.lake.state.fold import Written
 log = logging.getLogger(__name__)
 
 PREFIX = STATE_TABLE_PREFIX
+# `quarantined`: as `stream_state`'s (JSON, null for a healthy stream; docs/decisions/0051): a held stream says so here.
 _ENVELOPE = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("version", pa.int32()),
-                       ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("updated_at", UTC_MICROS)])
+                       ("last_event_at", UTC_MICROS), ("revision", pa.int32()), ("updated_at", UTC_MICROS),
+                       ("quarantined", pa.string())])
 CHANGE_FEED = {"delta.enableChangeDataFeed": "true"}  # on `stream_state`: what the typed tables follow
 
 
@@ -183,7 +185,8 @@ def _same_columns(table: DeltaTable, schema: pa.Schema) -> bool:
         [(f.name, f.type) for f in schema]
 
 
-_STATE_COLUMNS = ["tenant", "stream_id", "stream_type", "version", "state", "last_event_at", "revision", "updated_at"]
+_STATE_COLUMNS = ["tenant", "stream_id", "stream_type", "version", "state", "last_event_at", "revision", "updated_at",
+                  "quarantined"]
 
 
 def _changes(state: DeltaTable, after: int, upto: int) -> pa.Table | None:
