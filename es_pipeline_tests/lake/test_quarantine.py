@@ -7,6 +7,9 @@ expected values come from the store (`es.events` and the reducers), never from t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from es_pipeline_tests.support.lakecheck import extract_all
 from es_pipeline_tests.support.roles import StoreDsn
 
 POISONED = "cart-poisoned"
+CLI = str(Path(sys.executable).parent / "es-pipeline")
 
 
 def _cart_v1(state: State, event: Event) -> State:
@@ -136,6 +140,11 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     assert "4111-1111-1111-1111" in letter["message"], "the team's message stays in the lake"
     off = versions_off(warehouse, on)
     assert (off.streams, off.quarantined) == (0, 1), "the check passes on every other stream and counts it"
+    if engine == "in-process":  # the operator's list, from the command line
+        listed = subprocess.run([CLI, "lake", "quarantined"], env={**os.environ, "ES_PIPELINE_WAREHOUSE": str(warehouse)},
+                              capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "1 quarantined" in listed and f"stream_state '{POISONED}' (cart) at version 3 (CardCharged): " \
+            "ValueError" in listed, listed
     take_snapshots(on, warehouse, EventStore(dsn.snapshots), threshold=1)
     snapped = {r["stream_id"] for r in _table(warehouse, "snapshots")}
     assert POISONED not in snapped and len(snapped) >= streams // 2, "no snapshot of a quarantined stream"

@@ -129,3 +129,39 @@ def test_a_retry_that_fails_again_counts_it_and_keeps_since_when() -> None:
         first = again
     _, fixed = _fold(_reducer(_fixed), parked, (*_prior(first), first[14]), quarantine=True)
     assert fixed[14] is None and fixed[6] is None and fixed[2] == 6, "it folds now: no longer quarantined"
+
+
+@pytest.mark.parametrize("as_a_run", [True, False])
+def test_a_payload_that_is_not_json_quarantines_its_stream_and_stops_it_without_quarantine(as_a_run: bool) -> None:
+    events = _events(random.Random(4), 5)
+    broken = [e if e[0] != 3 else (3, "Deposited", '{"amount": 1', e[3]) for e in events]
+    fold, row = _fold(_reducer(ACCOUNT.fold), broken, quarantine=True, as_a_run=as_a_run)
+    _, expected = _fold(_reducer(ACCOUNT.fold), events[:2], quarantine=False)
+    assert fold.quarantined is not None and (fold.quarantined["version"], fold.quarantined["kind"]) == (
+        3, "PayloadNotJson")
+    assert (row[2], row[3]) == (2, expected[3])
+    _, stopped = _fold(_reducer(ACCOUNT.fold), broken, quarantine=False, as_a_run=as_a_run)
+    assert "the payload is not JSON" in json.loads(stopped[9])[3]
+
+
+@pytest.mark.parametrize("returned", [None, [1, 2], "open", 5])
+def test_a_reducer_that_returns_no_state_quarantines_its_stream_at_the_last_good_one(returned: Any) -> None:
+    def sloppy(state: dict, event: Event) -> Any:
+        return returned if event.version == 4 else ACCOUNT.fold(state, event)
+
+    events = _events(random.Random(5), 4)
+    fold, row = _fold(Reducer("account", 1, sloppy), events, quarantine=True)
+    _, expected = _fold(Reducer("account", 1, ACCOUNT.fold), events[:3], quarantine=False)
+    assert fold.quarantined is not None and (fold.quarantined["version"], fold.quarantined["kind"]) == (
+        4, "StateMisfit")
+    assert "a state is a dict" in fold.quarantined["message"]
+    assert (row[2], row[3], row[9]) == (3, expected[3], None)
+
+
+def test_a_reducer_that_raises_on_every_event_quarantines_each_stream_at_nothing() -> None:
+    def broken(state: dict, event: Event) -> dict:
+        raise RuntimeError("not deployed right")
+
+    fold, row = _fold(Reducer("account", 1, broken), _events(random.Random(6), 3), quarantine=True)
+    assert fold.quarantined is not None and fold.quarantined["version"] == 1
+    assert (row[2], row[9]) == (0, None) and [p["version"] for p in json.loads(row[6])] == [1, 2, 3]

@@ -113,6 +113,21 @@ def day_of(grain: str) -> Any:
     return lambda micros: (_EPOCH + timedelta(microseconds=micros)).astimezone(where).toordinal()
 
 
+class PayloadNotJson(ValueError):
+    """An event's payload that is not JSON (a writer's bug): the fold fails on it like a reducer that raises."""
+
+
+def _payload(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(text)  # what orjson refuses: integers past 64 bits, NaN
+    except ValueError as exc:
+        raise PayloadNotJson(f"the payload is not JSON ({exc})") from None
+
+
 class StreamFold:
     """One stream's fold within a partition: its prior row (if any), then its events in version order.
     Times travel as microseconds since the epoch (a datetime per event would cost as much as the fold)."""
@@ -173,9 +188,10 @@ class StreamFold:
             self.folded += 1
             return
         try:
-            data = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            data = json.loads(payload)  # what orjson refuses (integers past 64 bits, NaN); a bad payload fails here
+            data = _payload(payload)
+        except PayloadNotJson as exc:
+            self._failed(exc, v, event_type)
+            return
         if self.day is not None and not self._before(recorded_at, self.state):
             return
         try:
@@ -205,9 +221,10 @@ class StreamFold:
                     seen.append((v, event_type, payload, recorded_at))
                 if fold is not None:  # else no reducer: the versions and times alone
                     try:
-                        data = orjson.loads(payload)
-                    except orjson.JSONDecodeError:
-                        data = json.loads(payload)
+                        data = _payload(payload)
+                    except PayloadNotJson as exc:
+                        self._failed(exc, v, event_type)
+                        break
                     if before is not None and not before(recorded_at, state):
                         break
                     try:
