@@ -199,6 +199,8 @@ def _lake(args: argparse.Namespace, settings: Settings) -> int:
         return _check(args, settings)
     if args.action == "quarantined":
         return _quarantined(args, settings)
+    if args.action == "retry":
+        return _retry(args, settings)
     names = list(dict.fromkeys(args.tables or [EVENTS]))
     if args.list:
         print("\n".join(rebuildable(settings.warehouse)))
@@ -278,6 +280,32 @@ def _quarantined(args: argparse.Namespace, settings: Settings) -> int:
     print("A fix deployed as a new reducer revision refolds them; every update retries them with the code deployed "
           "(docs/operations.md, \"EsPipelineStreamsQuarantined\").")
     return 0
+
+
+def _retry(args: argparse.Namespace, settings: Settings) -> int:
+    """`lake retry [stream_state] [--stream ID...]`: the quarantined streams refolded now with the code deployed (an
+    update where `stream_state` is behind `events`: it refolds every one); what is left quarantined; exit 1 if any."""
+    from es_pipeline.lake.kernel import dead_letters
+    from es_pipeline.lake.state.stream_state import retry, update_stream_state
+
+    unknown = [t for t in args.tables if t != "stream_state"]
+    if unknown:
+        print(f"es-pipeline lake retry: {', '.join(unknown)}: only stream_state's streams are quarantined so far "
+              "(a cross-stream projection fails its update instead)", file=sys.stderr)
+        return 2
+    domain = _domain(settings)
+    before = dead_letters.counts(settings.warehouse).get("stream_state", 0)
+    done = retry(settings.warehouse, domain, store_dsn=settings.pg_dsn, streams=args.stream or ())
+    if done is None:
+        print("stream_state is behind events (or not built): an update folds the new events and retries every "
+              "quarantined stream", flush=True)
+        update_stream_state(_engine(args, settings), settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
+    left = dead_letters.rows_of(settings.warehouse, "stream_state")
+    print(f"quarantined in stream_state: {before} before, {left.num_rows} now")
+    for r in left.to_pylist():
+        print(f"  {r['key']!r} at version {r['version']} ({r['event_type']}): {r['error_kind']} "
+              f"[{r['retries']} retries]")
+    return 1 if left.num_rows else 0
 
 
 def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
@@ -436,11 +464,20 @@ def _materialize(args: argparse.Namespace, settings: Settings) -> int:
 
     def said(done) -> None:
         figures = ", ".join(f"{k} {v}" for k, v in done.metadata.items()
-                            if k in ("rows", "events", "events_folded", "streams_updated", "batches") and v is not None)
+                            if k in ("rows", "events", "events_folded", "streams_updated", "quarantined_streams",
+                                     "batches") and v is not None)
         print(f"  {done.asset}{' ' + done.partition if done.partition else ''}: {figures or 'done'} "
               f"({done.seconds:.1f} s)", flush=True)
 
     materialize(settings, progress=said)
+    from es_pipeline.lake.kernel import dead_letters
+
+    held = {t: n for t, n in dead_letters.counts(settings.warehouse).items() if n}
+    if held:  # never "up to date" while a stream is held behind its events
+        print(f"the lake is up to date but for {', '.join(f'{n} quarantined in {t}' for t, n in sorted(held.items()))}"
+              ": a reducer failed on their events (`es-pipeline lake quarantined`; docs/domain.md, \"When a reducer "
+              "fails\")")
+        return 0
     waiting = rebuilds_waiting(settings)
     if waiting:  # ES_PIPELINE_REBUILDS=hold, or a rebuild that could not finish: never "up to date" then
         print(f"the lake is up to date but for stream_state's {', '.join(waiting)}: {_REBUILD_WAITS}")
@@ -528,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_offsets)
 
     lake = sub.add_parser("lake", help="the lake's tables (docs/operations.md, \"Rebuilding the lake\")")
-    lake.add_argument("action", choices=["check", "quarantined", "rebuild", "rebuilds"],
+    lake.add_argument("action", choices=["check", "quarantined", "rebuild", "rebuilds", "retry"],
                       help="check: run the checks of the named tables (default: every table), each against what it "
                       "is built from, one line each; exit 1 when one fails (docs/operations.md, \"Checking the lake\"). "
                       "rebuild: build tables again from their source. `events` (the default) from the store: "
@@ -537,15 +574,17 @@ def build_parser() -> argparse.ArgumentParser:
                       "removed in its turn; its next update builds it whole from `events`. rebuilds: the stream "
                       "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now). "
                       "quarantined: the streams (or keys) a fold failed on, held at their last good state "
-                      "(`_dead_letters`)")
+                      "(`_dead_letters`). retry: refold them now with the code deployed (--stream: those alone); "
+                      "exit 1 while any is left")
     lake.add_argument("tables", nargs="*", help="events (rebuild's default) and/or projections; --list names them")
     lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild (check: the checks), "
                       "and do nothing")
     lake.add_argument("--accept-loss", action="store_true",
                       help="rebuild events even where the lake holds events the store lacks: they are lost")
     lake.add_argument("--run", action="store_true", help="rebuilds: run the pending rebuilds now, in this process")
+    lake.add_argument("--stream", action="append", metavar="ID", help="retry: this quarantined stream (repeatable)")
     lake.add_argument("--engine", choices=["auto", "spark", "local"],
-                      help="check, rebuilds --run: where the work runs (default: ES_PIPELINE_ENGINE)")
+                      help="check, rebuilds --run, retry: where the work runs (default: ES_PIPELINE_ENGINE)")
     lake.set_defaults(func=_lake)
 
     src = sub.add_parser("source", help="the event table read (ES_PIPELINE_SOURCE, docs/sources.md)")

@@ -75,7 +75,7 @@ def test_materialize_builds_a_new_stream_type_and_never_says_up_to_date_while_it
     assert "not up to date" not in _cli(["status", "--no-dagster"], env).stdout
 
 
-def test_a_reducer_that_fails_during_materialize_is_one_line_naming_the_stream(dsn: StoreDsn, tmp_path: Path) -> None:
+def test_a_reducer_that_fails_during_materialize_with_stop_is_one_line_and_quarantines_by_default(dsn: StoreDsn, tmp_path: Path) -> None:
     modules = tmp_path / "modules"
     modules.mkdir()
     (modules / "team_bad.py").write_text(V1.replace('int(state.get("items", 0)) + 1',
@@ -85,7 +85,7 @@ def test_a_reducer_that_fails_during_materialize_is_one_line_naming_the_stream(d
     (tmp_path / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {"ES_PIPELINE_PG_DSN": dsn.extractor, "ES_PIPELINE_WAREHOUSE": str(tmp_path / "warehouse"),
            "DAGSTER_HOME": str(tmp_path / "dagster"), "PYTHONPATH": str(modules), "ES_PIPELINE_SLICE_RANGES": "1",
-           "ES_PIPELINE_DOMAIN": "team_bad", "ES_PIPELINE_ENGINE": "local"}
+           "ES_PIPELINE_DOMAIN": "team_bad", "ES_PIPELINE_ENGINE": "local", "ES_PIPELINE_FOLD_ERRORS": "stop"}
     done = subprocess.run([CLI, "materialize"], env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -95,3 +95,10 @@ def test_a_reducer_that_fails_during_materialize_is_one_line_naming_the_stream(d
     status = subprocess.run([CLI, "status"], env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
                             check=False)
     assert "stream_state failing on stream 'cart-7' version 1" in status.stdout, status.stdout + status.stderr
+
+    # The default, quarantine: the stream held, every other table built, and never "up to date" while it is held.
+    done = subprocess.run([CLI, "materialize"], env={**os.environ, **env, "ES_PIPELINE_FOLD_ERRORS": "quarantine"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "quarantined_streams 1" in done.stdout and "up to date but for 1 quarantined in stream_state" in done.stdout, \
+        done.stdout

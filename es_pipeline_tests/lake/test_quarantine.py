@@ -24,7 +24,7 @@ from es_pipeline.domain import Domain, Event, Reducer, State
 from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.snapshots import take_snapshots
-from es_pipeline.lake.state.stream_state import update_stream_state, versions_off
+from es_pipeline.lake.state.stream_state import retry, update_stream_state, versions_off
 from es_pipeline.store.event_store import EventStore, NewEvent
 from es_pipeline_tests.support.hooks import no_spark
 from es_pipeline_tests.support.lakecheck import extract_all
@@ -155,3 +155,43 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     _assert_lake_is(warehouse, _store_fold(dsn, _domain(2)))
     assert not [r for r in _table(warehouse, "stream_state") if r["quarantined"] or r["parked"]]
     assert dead_letters.rows_of(warehouse).num_rows == 0, "its dead letter gone with the swap"
+
+
+def test_a_transient_failure_clears_at_a_retry_with_no_new_events(dsn: StoreDsn, warehouse: Path) -> None:
+    """A cause outside the code (here a flag; a missing file, say): `retry` refolds the held stream with the code as
+    deployed, with no new event to fold; while the cause stays it counts the retry, once gone the stream is the
+    store's fold and leaves `_dead_letters` in the same update."""
+    failing = [True]
+
+    def flaky(state: State, event: Event) -> State:
+        if failing[0] and event.event_type == "CardCharged":
+            raise OSError("the card processor's rates file is missing")
+        return _cart_v2(state, event)
+
+    cart = SHOP.reducers["cart"]
+    domain = Domain("flaky shop")
+    domain.add(Reducer("cart", 1, flaky, domain.name, cart.state, cart.history))
+    domain.add(SHOP.reducers["account"])
+    for upcaster in SHOP.upcasters.values():
+        domain.add_upcaster(upcaster)
+    store = EventStore(dsn)
+    run_workload(store, streams=40, events=150, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
+    store.append(POISONED, "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2}),
+                                    NewEvent("CardCharged", {"card": "5500-0000-0000-0004"}),
+                                    NewEvent("ItemAdded", {"sku": "b", "qty": 1})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    on = Engine(spark=no_spark)
+    update_stream_state(on, warehouse, domain=domain)
+    assert dead_letters.counts(warehouse) == {"stream_state": 1}
+
+    again = retry(warehouse, domain, streams=[POISONED])
+    assert again is not None and again.figures["quarantined_streams"] == 1
+    [letter] = dead_letters.rows_of(warehouse).to_pylist()
+    assert (letter["version"], letter["error_kind"], letter["retries"]) == (2, "OSError", 1)
+
+    failing[0] = False
+    cleared = retry(warehouse, domain)
+    assert cleared is not None and cleared.figures["quarantined_streams"] == 0 and cleared.events_folded == 2
+    _assert_lake_is(warehouse, _store_fold(dsn, domain))
+    assert dead_letters.rows_of(warehouse).num_rows == 0
+    assert not [r for r in _table(warehouse, "stream_state") if r["quarantined"] or r["parked"]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,7 +40,7 @@ from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.result import Result
-from es_pipeline.lake.kernel.turn import Turn
+from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
@@ -102,6 +103,31 @@ def update_stream_state(
         t for t in result.listed("rebuilding_types") if t not in swapped) or "-")
 
 
+def retry(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
+          streams: Collection[str] = ()) -> Result | None:
+    """Refold the quarantined streams now (those of `streams` only, where named) with the code as deployed, in the
+    table's turn, committed at the position `stream_state` holds: a stream that folds leaves quarantine (and
+    `_dead_letters`) in this commit, its state the fold of its events. Every update does this for every quarantined
+    stream; this is for a table with no new events. None: the table is behind `events` (or not built): an update
+    does it, with the new events."""
+    kind = _StreamState(warehouse, domain, False, only=tuple(streams))
+    events_path, path = EVENTS.path(warehouse), STREAM_STATE.path(warehouse)
+    if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+        return None
+    with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
+        feed = Feed(events_path, kind.columns)
+        found = DeltaTable(path)
+        at = Position.of(found, kind.app_id(feed.table_id), slots=kind.slots)
+        target = kind.ready(path, found, feed.table_id)
+        if at.read is None or at.behind(feed.version) or target is None:
+            return None
+        empty = current.plain_schema(pa.schema(feed.table.schema().to_arrow())).empty_table().select(kind.columns)
+        step = Increment(warehouse, path, target, at, feed, feed.version)
+        folded = kind.fold(empty, step)
+        turn.confirm(path, at.app_id, at.read)
+        return folded.commit(kind.txn(step))
+
+
 def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None) -> Result:
     """`result`, once the typed state tables of `domain` follow `stream_state` (lake/state/typed_state.py: from
     `written`, the commit this process just made, where it made one), and `_dead_letters` its quarantined rows
@@ -131,6 +157,7 @@ class _StreamState(Kind):
     warehouse: Location
     domain: Domain
     skip_unknown: bool
+    only: tuple[str, ...] = ()  # a retry of these quarantined streams alone (`retry`); () every one
     table: Table = STREAM_STATE
     name: ClassVar[str] = STREAM_STATE.name
     slots: ClassVar[int] = REVISION_SLOTS
@@ -169,6 +196,9 @@ class _StreamState(Kind):
                                increment.feed.table_id, read, state)
         if held:
             new, whole = rebuild.without(new, held), rebuild.without(whole, held)
+        if self.only:  # a retry of some quarantined streams: the others' parked rows are not refolded now
+            whole = whole.filter(pc.or_(pc.is_null(whole["parked"]), pc.is_in(whole["stream_id"],
+                                                                               pa.array(self.only, pa.string()))))
         out, prior = fold_onto(whole, new, self.domain, self.skip_unknown)
         return _StateFold(self.domain, increment, out, prior, held)
 
