@@ -240,3 +240,18 @@ def test_a_rebuild_under_way_is_drawn_by_status_and_exported_with_its_expected_e
     assert families["es_pipeline_rebuild_expected_end_timestamp_seconds"].samples[0].value == end.timestamp()
     assert not [f for f in lake_metrics(Reading(), "events", Latency()) if f.name.startswith("es_pipeline_rebuild")
                 and f.samples]
+
+
+def test_quarantined_streams_are_a_gauge_per_table_and_a_problem_in_the_health_line() -> None:
+    """`_dead_letters`' count per table (the exporter's reading) as `es_pipeline_quarantined`, 0 for every other
+    table it watches (so the alert resolves), and a problem in `status`'s health line; the message in neither."""
+    from es_pipeline.health.exporter import Latency, Reading, lake_metrics
+    from es_pipeline.lake.read.behind import Behind
+
+    behind = [Behind("stream_state", 5, 0, 0.0), Behind("stream_catalog", 5, 0, 0.0)]
+    r = Reading(behind=behind, quarantined={"stream_state": 2})
+    [family] = [f for f in lake_metrics(r, "events", Latency()) if f.name == "es_pipeline_quarantined"]
+    assert {s.labels["projection"]: s.value for s in family.samples} == {"stream_state": 2.0, "stream_catalog": 0.0}
+    line = watch.health_line(r, tailing=False)
+    assert line.startswith("health: PROBLEM") and "stream_state: 2 quarantined (es-pipeline lake quarantined)" in line
+    assert "quarantined" not in watch.health_line(Reading(behind=behind), tailing=False)
