@@ -464,10 +464,10 @@ def _identity(state: State, event: Event) -> State:
 
 
 # The columns a typed state table has besides the state's fields (lake/state/typed_state.py): no field may take one.
-ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "updated_at")
+ENVELOPE = ("tenant", "stream_id", "version", "last_event_at", "revision", "updated_at", "quarantined")
 # The columns a cross-stream projection's table has besides its key and its state's fields (lake/cross_stream.py).
 PROJECTION_ENVELOPE = ("tenant", "state", "events", "last_stream_id", "last_version", "last_batch_id",
-                       "last_position", "last_event_at", "revision", "updated_at")
+                       "last_position", "last_event_at", "revision", "updated_at", "quarantined", "parked")
 UTC_MICROS = pa.timestamp("us", tz="UTC")  # a moment, as every table es_pipeline keeps holds it (Delta's TIMESTAMP)
 _SCALARS: dict[Any, pa.DataType] = {
     str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(), bytes: pa.binary(),

@@ -128,12 +128,12 @@ class ProjectionFoldError(EsPipelineError):
     ) -> None:
         self.projection, self.key, self.stream_id, self.version = projection, key, stream_id, version
         self.event_type, self.reason = event_type, reason
-        where = f" key {key!r}" if key is not None else ""
+        where = f" at key {key!r}" if key is not None else ""
         if stream_id is not None:
             where += f" on stream {stream_id!r} version {version}" + (f" ({event_type})" if event_type else "")
         super().__init__(
-            f"projection {projection!r} failed at{where}: {reason}. Nothing of this run was committed. Fix the "
-            "projection's fold (and bump its revision) or the event, then re-run."
+            f"projection {projection!r} failed{where}: {reason}. Nothing of this run was committed "
+            "(ES_PIPELINE_FOLD_ERRORS=stop). Fix the projection's fold (and bump its revision) or the event, then re-run."
         )
 
 

@@ -34,7 +34,7 @@ import logging
 import zlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -51,7 +51,7 @@ from es_pipeline.lake.delta import arrow_append, current, pieces, tables
 from es_pipeline.lake.delta.definition import Reconciled, Table, over, rows_off
 from es_pipeline.lake.delta.tables import UTC_MICROS, Location
 from es_pipeline.lake.events import EVENTS
-from es_pipeline.lake.kernel import feed, position, runner
+from es_pipeline.lake.kernel import dead_letters, feed, position, runner
 from es_pipeline.lake.kernel.engine import HERE, Engine
 from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import Position
@@ -96,7 +96,9 @@ def table_of(projection: Projection, domain: Domain) -> Table:
         ("tenant", pa.string()), (projection.key_column, pa.string()), ("state", pa.string()),
         ("events", pa.int64()), ("last_stream_id", pa.string()), ("last_version", pa.int32()),
         ("last_batch_id", pa.int64()), ("last_position", pa.int64()), ("last_event_at", UTC_MICROS),
-        ("revision", pa.int32()), ("updated_at", UTC_MICROS), *(projection.state or []),
+        ("revision", pa.int32()), ("updated_at", UTC_MICROS),
+        ("quarantined", pa.string()), ("parked", pa.string()),  # a key held at its last good state (decision 0051)
+        *(projection.state or []),
     ])
     return Table(projection.name, schema, key=("tenant", projection.key_column),
                  comment=f"cross-stream projection {projection.name} ({projection.domain}): "
@@ -114,12 +116,16 @@ def table_names(warehouse: Location) -> list[str]:
 
 
 def result(name: str, rows: int, now: int, previous: int, folded: int, *, keys: int, refolded: int = 0,
-           waiting: int = 0, without_key: int = 0, frontier: int, engine: Ran = "local") -> Result:
+           waiting: int = 0, without_key: int = 0, frontier: int, engine: Ran = "local", out: pa.Table | None = None,
+           keyless: int = 0) -> Result:
     """What an update of projection `name` did, as the kernel's `Result`: short of `events` while events wait for the
-    frontier (a later update folds them), however many it folded."""
+    frontier (a later update folds them), however many it folded. `out`: the rows it wrote (every held key is among
+    them: each update tries them again), for the keys quarantined; `keyless`: events whose key function failed."""
+    held = 0 if out is None or "quarantined" not in out.column_names else int(
+        pc.sum(pc.is_valid(out["quarantined"])).as_py() or 0)
     return Result(name, now, previous, folded, engine, rows, {
         "keys_updated": keys, "keys_refolded": refolded, "events_waiting": waiting, "events_without_key": without_key,
-        "batch_frontier": frontier},
+        "keys_quarantined": held, "events_key_failed": keyless, "batch_frontier": frontier},
         short=f"{waiting:,} events wait for the batch frontier {frontier}" if waiting else None)
 
 
@@ -132,7 +138,7 @@ def update(
     (`extraction.offsets.batch_frontier`); None: every batch the lake holds is final. `engine`: where a whole build
     runs (the engine rule, applied by the kernel's runner); increments always run here. `NoEventsYet` before
     `events` exists."""
-    return runner.update(CrossStream(domain.projections[name], domain, frontier), engine, warehouse,
+    return runner.update(CrossStream(domain.projections[name], domain, frontier, warehouse), engine, warehouse,
                          store_dsn=store_dsn)
 
 
@@ -144,8 +150,9 @@ class CrossStream(Kind):
     keeps_cursor = True
     increments_in_process = True
 
-    def __init__(self, projection: Projection, domain: Domain, frontier: Frontier | None = None) -> None:
-        self.projection, self.domain = projection, domain
+    def __init__(self, projection: Projection, domain: Domain, frontier: Frontier | None = None,
+                 warehouse: Location | None = None) -> None:
+        self.projection, self.domain, self.warehouse = projection, domain, warehouse
         self.frontier_of, self.frontier = frontier, NO_FRONTIER
         self.table = table_of(projection, domain)
         self.name = projection.name
@@ -165,6 +172,8 @@ class CrossStream(Kind):
 
     def up_to_date(self, target: DeltaTable, position: Position, now: int) -> Result:
         assert position.read is not None and position.frontier is not None
+        if self.warehouse is not None:  # a crash between an update's commit and its dead letters: mended now
+            dead_letters.follow(self.warehouse, self.name, self.table.key[1])
         return result(self.name, current.row_count(target), now, position.read, 0, keys=0,
                       frontier=position.frontier)
 
@@ -246,7 +255,7 @@ def _event_keys(rows: pa.Table) -> pa.Array:
 def increment(warehouse: Location, projection: Projection, domain: Domain, turn: Turn, frontier: Frontier | None,
               events_feed: Feed | None = None) -> Result | None:
     """The increment in the table's `turn` (a follow's), or None: a whole build, the automation's run's to do."""
-    return runner.increment(CrossStream(projection, domain, frontier), warehouse, turn, events_feed)
+    return runner.increment(CrossStream(projection, domain, frontier, warehouse), warehouse, turn, events_feed)
 
 
 def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:
@@ -285,6 +294,7 @@ class _Keyed:
     order: pa.Array
     events: list[Event] | None  # parsed and upcast already (read for their keys), in `rows`' order; None: not yet
     without_key: int
+    failed: pa.Table | None = None  # under quarantine, the events whose key function failed (`dead_keys`)
 
     @property
     def count(self) -> int:
@@ -371,13 +381,16 @@ def _arrow_key_part(payload: pa.Array, field: str) -> pa.Array | None:
 
 
 def _keyed(rows: pa.Table, projection: Projection, domain: Domain) -> _Keyed:
-    """Each row keyed (a row without a key is counted and left out) and sorted by tenant, key and the lake's order."""
+    """Each row keyed (a row without a key is counted and left out; one whose key function failed, under quarantine,
+    kept in `failed`) and sorted by tenant, key and the lake's order."""
     n = rows.num_rows
     base, events = _key_rows(rows, projection, domain)
     has_key = pc.is_valid(base["key"])
     if events is not None:
         events = [e for e, k in zip(events, has_key.to_pylist(), strict=True) if k]
-    return _ordered(base.filter(has_key), events, n - int(pc.sum(has_key.cast(pa.int64())).as_py() or 0))
+    keyed = _ordered(base.filter(has_key).drop_columns(["key_error"]), events,
+                     n - int(pc.sum(has_key.cast(pa.int64())).as_py() or 0))
+    return replace(keyed, failed=base.filter(pc.is_valid(base["key_error"])))
 
 
 def _ordered(kept: pa.Table, events: list[Event] | None, without_key: int) -> _Keyed:
@@ -402,9 +415,10 @@ def _key_rows(rows: pa.Table, projection: Projection, domain: Domain) -> tuple[p
     })
     keys = _arrow_keys(base["payload"], projection, domain)
     events: list[Event] | None = None
+    errors: pa.Array = pa.nulls(base.num_rows, pa.string())
     if keys is None:
-        keys, events = _python_keys(base, projection, domain)
-    return base.append_column("key", keys), events
+        keys, events, errors = _python_keys(base, projection, domain)
+    return base.append_column("key", keys).append_column("key_error", errors), events
 
 
 ORDER = ("batch", "position", "stream_id", "version")  # a key's events, in the lake's order
@@ -414,44 +428,56 @@ def _sorted(rows: pa.Table) -> pa.Array:
     return pc.sort_indices(rows, sort_keys=[(c, "ascending") for c in ("tcode", "kcode", *ORDER)])
 
 
-def _python_keys(base: pa.Table, projection: Projection, domain: Domain) -> tuple[pa.Array, list[Event] | None]:
+def _python_keys(base: pa.Table, projection: Projection,
+                 domain: Domain) -> tuple[pa.Array, list[Event] | None, pa.Array]:
     """Each payload parsed, upcast and keyed in Python: (the keys, the events as parsed, for the fold to reuse). A
     large read is keyed over one forked process per core, and its events parsed again by the fold's processes
     (None): keeping millions of parsed events would cost more memory than parsing twice costs time."""
     n = base.num_rows
     shares = forked.shares(n)
     if shares == 1:
-        keys, events = _key_span(base, projection, domain, keep=True)
-        return pa.array(keys, pa.string()), events
+        keys, events, errors = _key_span(base, projection, domain, keep=True)
+        return pa.array(keys, pa.string()), events, pa.array(errors, pa.string())
     cuts = [n * i // shares for i in range(shares + 1)]
-    return pa.concat_arrays(forked.run((base, projection, domain), _key_share, cuts[:-1], cuts[1:])), None
+    parts = forked.run((base, projection, domain), _key_share, cuts[:-1], cuts[1:])
+    return pa.concat_arrays([k for k, _ in parts]), None, pa.concat_arrays([e for _, e in parts])
 
 
-def _key_share(lo: int, hi: int) -> pa.Array:
+def _key_share(lo: int, hi: int) -> tuple[pa.Array, pa.Array]:
     base, projection, domain = forked.shared()
-    keys, _ = _key_span(base.slice(lo, hi - lo), projection, domain, keep=False)
-    return pa.array(keys, pa.string())
+    keys, _, errors = _key_span(base.slice(lo, hi - lo), projection, domain, keep=False)
+    return pa.array(keys, pa.string()), pa.array(errors, pa.string())
 
 
 def _key_span(
     base: pa.Table, projection: Projection, domain: Domain, *, keep: bool
-) -> tuple[list[str | None], list[Event] | None]:
+) -> tuple[list[str | None], list[Event] | None, list[str | None]]:
+    """Each row's key (None: none), its event parsed (`keep`), and, under quarantine, why its key could not be read
+    (JSON [kind, message]; such an event has no key: it goes to the dead letters)."""
     sid, stype, version = (base[c].to_pylist() for c in ("stream_id", "stream_type", "version"))
     etype, payload = base["event_type"].to_pylist(), base["payload"].to_pylist()
     key_of, upcast, rewrites = projection.key_of, domain.upcast, domain.rewrites_events
     keys: list[str | None] = []
     events: list[Event] = []
+    errors: list[str | None] = []
     for i in range(base.num_rows):
-        event = _event(payload[i], sid[i], version[i], etype[i], stype[i], upcast if rewrites else None)
         try:
+            event = _event(payload[i], sid[i], version[i], etype[i], stype[i], upcast if rewrites else None)
             k = key_of(event)
         except Exception as exc:  # noqa: BLE001 - a key function's failure is reported with its place
-            raise ProjectionFoldError(projection.name, None, sid[i], version[i], etype[i],
-                                      f"its key: {type(exc).__name__}: {exc}") from None
+            if not domain.quarantines:
+                raise ProjectionFoldError(projection.name, None, sid[i], version[i], etype[i],
+                                          f"its key: {type(exc).__name__}: {exc}") from None
+            keys.append(None)
+            errors.append(json.dumps([type(exc).__name__, f"its key: {type(exc).__name__}: {exc}"]))
+            if keep:
+                events.append(_new_event(Event, (sid[i], version[i], etype[i], {})))
+            continue
         keys.append(None if k is None else str(k))
+        errors.append(None)
         if keep:
             events.append(event)
-    return keys, events if keep else None
+    return keys, events if keep else None, errors
 
 
 _new_event = tuple.__new__  # Event(...) without its Python-level __new__: one per event folded
@@ -507,6 +533,56 @@ class _Row:
     events: int
     last: tuple[int, int, str, int] | None
     last_at: int | None
+    text: str | None = None  # the state as read from the table (a prior row): what a refold starts from
+    quarantined: dict | None = None  # held at its last good state (docs/decisions/0051): where and why
+    parked: list | None = None  # then: the failing event and every later one of the key, waiting (`_Parked`)
+
+
+# A key's event as the fold takes it: (stream_id, stream_type, version, event_type, payload text, batch, position,
+# recorded_at in microseconds, the event parsed already or None).
+_Taken = tuple[str, str, int, str, str, int, int, "int | None", "Event | None"]
+_PARKED = ("stream_id", "stream_type", "version", "event_type", "payload", "batch", "position", "at")
+
+
+def _fold_key(projection: Projection, domain: Domain, k: tuple[str, str], row: _Row, taken: list[_Taken]) -> _Row:
+    """One key's events (in the lake's order) folded onto its prior `row`. A failure raises `ProjectionFoldError`; under
+    quarantine (`Domain.fold_errors`) the key is held at its last good state instead: the fold of its events before
+    the failing one, from the prior row's state as stored (a fold may have changed it in place before it raised), the
+    failing event and every later one waiting in `parked`, `quarantined` saying where and why."""
+    fold, upcast = projection.fold, domain.upcast if domain.rewrites_events else None
+    state = row.state
+    for j, (sid, stype, version, etype, payload, _, _, _, parsed) in enumerate(taken):
+        try:
+            event = parsed if parsed is not None else _event(payload, sid, version, etype, stype, upcast)
+            state = fold(state, event)
+        except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
+            reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            if not domain.quarantines:
+                raise ProjectionFoldError(projection.name, k[1], sid, version, etype, reason) from None
+            return _held(projection, domain, k, row, taken, j, type(exc).__name__, reason)
+    if not taken:
+        return row
+    sid, _, version, _, _, batch, position, at, _ = taken[-1]
+    return _Row(state, row.events + len(taken), (batch, position, sid, version), at)
+
+
+def _held(projection: Projection, domain: Domain, k: tuple[str, str], row: _Row, taken: list[_Taken], failing: int,
+          kind: str, reason: str) -> _Row:
+    """Key `k` held at its last good state: `row` with `taken[:failing]` folded again from its stored state, the rest
+    parked (`_fold_key`)."""
+    codec = state_json.codec(projection.state)
+    start = _Row(codec.loads(row.text) if row.text else {}, row.events, row.last, row.last_at, row.text)
+    again = domain.folding("stop")
+    good = _fold_key(projection, again, k, start, taken[:failing])  # deterministic folds: the state before it
+    sid, _, version, etype, _, batch, position, _, _ = taken[failing]
+    prior = row.quarantined if row.quarantined and row.quarantined.get("stream_id") == sid and \
+        row.quarantined.get("version") == version else None
+    held = {"stream_id": sid, "version": version, "event_type": etype, "batch": batch, "position": position,
+            "kind": kind, "message": reason,
+            "since": prior["since"] if prior else datetime.now(UTC).isoformat(timespec="seconds"),
+            "retries": prior.get("retries", 0) + 1 if prior else 0}
+    parked = [dict(zip(_PARKED, e[:8], strict=True)) for e in taken[failing:]]
+    return _Row(good.state, good.events, good.last, good.last_at, None, held, parked)
 
 
 def _fold(
@@ -533,29 +609,14 @@ def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
     tenant, key, sid, stype = (rows[c].to_pylist() for c in ("tenant", "key", "stream_id", "stream_type"))
     version, etype, batch, position, at = (rows[c].to_pylist() for c in ("version", "event_type", "batch", "position",
                                                                            "at"))
-    parsed = None if keyed.events is None else [keyed.events[i] for i in taken.to_pylist()]
-    payload = rows["payload"].to_pylist() if parsed is None else None
-    rewrites = domain.rewrites_events
-    fold, upcast, out = projection.fold, domain.upcast, {}
+    parsed = [None] * len(sid) if keyed.events is None else [keyed.events[i] for i in taken.to_pylist()]
+    payload = rows["payload"].to_pylist()
+    taken_rows = list(zip(sid, stype, version, etype, payload, batch, position, at, parsed, strict=True))
+    out = {}
     bounds = [s - lo for s in keyed.starts if lo <= s < hi] + [hi - lo]
     for i, end in zip(bounds, bounds[1:], strict=False):
         k = (tenant[i], key[i])
-        row = prior.get(k) or _Row({}, 0, None, None)
-        state = row.state
-        j = i
-        try:
-            for j in range(i, end):
-                if parsed is not None:
-                    event = parsed[j]
-                else:
-                    event = _event(payload[j], sid[j], version[j], etype[j], stype[j],  # type: ignore[index]
-                                   upcast if rewrites else None)
-                state = fold(state, event)
-        except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
-            reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-            raise ProjectionFoldError(projection.name, k[1], sid[j], version[j], etype[j], reason) from None
-        last = end - 1
-        out[k] = _Row(state, row.events + (end - i), (batch[last], position[last], sid[last], version[last]), at[last])
+        out[k] = _fold_key(projection, domain, k, prior.get(k) or _Row({}, 0, None, None), taken_rows[i:end])
     return out
 
 
@@ -584,6 +645,8 @@ def _table_rows(projection: Projection, table: Table, folded: dict[tuple[str, st
         pa.array([r.last[1] if r.last else None for r in rows], pa.int64()),
         pa.array([r.last_at for r in rows], pa.int64()).cast(UTC_MICROS),
         pa.array([projection.revision] * n, pa.int32()), pa.array([datetime.now(UTC)] * n, UTC_MICROS),
+        pa.array([None if r.quarantined is None else json.dumps(r.quarantined) for r in rows], pa.string()),
+        pa.array([None if not r.parked else json.dumps(r.parked) for r in rows], pa.string()),
     ]
     if projection.state is not None:
         columns.extend(state_json.columns(states, projection.state).columns)  # checked by `to_json` above
@@ -596,20 +659,34 @@ def _prior(target: DeltaTable, path: str, table: Table, wanted: set[tuple[str, s
     key_column = table.key[1]
     held = current.files(path, target).to_table(columns=[
         "tenant", key_column, "state", "events", "last_stream_id", "last_version", "last_batch_id", "last_position",
-        "last_event_at"])
+        "last_event_at", "quarantined", "parked"])
     if not held.num_rows:
         return {}
     held = held.filter(pc.is_in(held[key_column], pa.array(sorted({k for _, k in wanted}), pa.string())))
     codec = state_json.codec(projection.state)
     out = {}
     cols = [held[c].to_pylist() for c in ("tenant", key_column, "state", "events", "last_stream_id", "last_version",
-                                          "last_batch_id", "last_position")]
+                                          "last_batch_id", "last_position", "quarantined")]
     at = held["last_event_at"].cast(pa.int64()).to_pylist()
-    for tenant, key, state, count, sid, version, batch, last_position, last_at in zip(*cols, at, strict=True):
+    for tenant, key, state, count, sid, version, batch, last_position, quarantined, last_at in zip(*cols, at,
+                                                                                                  strict=True):
         if (tenant, key) in wanted:
             last = None if sid is None else (batch, last_position, sid, version)
-            out[(tenant, key)] = _Row(codec.loads(state) if state else {}, count, last, last_at)
+            out[(tenant, key)] = _Row(codec.loads(state) if state else {}, count, last, last_at, state,
+                                      json.loads(quarantined) if quarantined else None)
     return out
+
+
+def _parked_rows(target: DeltaTable, path: str, table: Table) -> pa.Table:
+    """The events every held key's row keeps waiting (`parked`), as `_KEYED_SCHEMA`'s rows: each update folds them
+    again, with the key's new events, from its last good state (a retry with the code deployed)."""
+    key_column = table.key[1]
+    held = current.files(path, target).to_table(columns=["tenant", key_column, "parked"])
+    held = held.filter(pc.is_valid(held["parked"]))
+    rows = [{"tenant": tenant, "key": key, **e} for tenant, key, text in zip(
+        held["tenant"].to_pylist(), held[key_column].to_pylist(), held["parked"].to_pylist(), strict=True)
+        for e in json.loads(text)]
+    return pa.Table.from_pylist(rows, schema=_KEYED_SCHEMA) if rows else _KEYED_SCHEMA.empty_table()
 
 
 def _build(
@@ -624,8 +701,9 @@ def _build(
                        projection, domain)
         out, folded, without_key = _table_rows(projection, table, _fold(projection, domain, keyed, {})), keyed.count, \
             keyed.without_key
+        failed = keyed.failed
     else:
-        out, folded, without_key = _build_in_pieces(projection, domain, table, events_path, events, count)
+        out, folded, without_key, failed = _build_in_pieces(projection, domain, table, events_path, events, count)
     path = table.path(warehouse)
     at = Position(table.app_id_over(str(events.metadata().id)), read).moved(version, cursor=version, frontier=frontier)
     position.fence_older(path, [(f"{table.app_id}.cursor", position.FENCE)])  # an older release: its cursor past `events`
@@ -635,23 +713,44 @@ def _build(
     target = DeltaTable(path)
     if target.metadata().configuration.get(KIND) != table.properties[KIND]:  # before the rows: erase finds it
         target.alter.set_table_properties(table.properties, raise_if_not_exists=False)
+    keyless = _dead_keys(table.name, failed)
+    dead_letters.add(warehouse, table.name, keyless)  # first: a crash before the rows leaves them listed, not lost
     write_deltalake(path, out, mode="overwrite", schema_mode="overwrite",
                     commit_properties=at.commit())
+    dead_letters.follow(warehouse, table.name, table.key[1], keyless=keyless)  # a whole build: these alone
     return result(table.name, out.num_rows, version, -1, folded, keys=out.num_rows, without_key=without_key,
-                  frontier=frontier)
+                  frontier=frontier, out=out, keyless=keyless.num_rows)
+
+
+def _dead_keys(name: str, failed: pa.Table | None) -> pa.Table:
+    """`_dead_letters`' rows of the events whose key function failed (`_Keyed.failed`): no key."""
+    if failed is None or not failed.num_rows:
+        return dead_letters.COLUMNS.empty_table()
+    said = [json.loads(e) for e in failed["key_error"].to_pylist()]
+    n = failed.num_rows
+    return pa.table({
+        "table_name": pa.array([name] * n, pa.string()), "tenant": failed["tenant"], "key": pa.nulls(n, pa.string()),
+        "stream_id": failed["stream_id"], "stream_type": failed["stream_type"],
+        "version": failed["version"].cast(pa.int64()), "event_type": failed["event_type"],
+        "error_kind": pa.array([e[0] for e in said], pa.string()), "message": pa.array([e[1] for e in said], pa.string()),
+        "first_seen": pa.array([datetime.now(UTC)] * n, UTC_MICROS), "retries": pa.array([0] * n, pa.int32()),
+    }).cast(dead_letters.COLUMNS)
 
 
 def _build_in_pieces(projection: Projection, domain: Domain, table: Table, events_path: str, events: DeltaTable,
-                     count: int) -> tuple[pa.Table, int, int]:
+                     count: int) -> tuple[pa.Table, int, int, pa.Table | None]:
     """A build read in bounded pieces (lake/delta/pieces.py): a million events at a time keyed and sent to the piece
     of their key (by a hash of tenant and key, so a key's events meet in one piece), then each piece sorted and
-    folded alone. (the table's rows, events folded, events without a key)"""
+    folded alone. (the table's rows, events folded, events without a key, those whose key function failed)"""
     without_key = 0
+    failed: list[pa.Table] = []
 
     def keyed_parts() -> Iterator[pa.RecordBatch]:
         nonlocal without_key
         for rows in _parts(events_path, events, columns_of(domain), lambda part: _of_types(part, projection, domain)):
             base, _ = _key_rows(rows, projection, domain)  # the events parsed for their keys are parsed again
+            failed.append(base.filter(pc.is_valid(base["key_error"])))
+            base = base.drop_columns(["key_error"])
             has_key = pc.is_valid(base["key"])
             without_key += base.num_rows - int(pc.sum(has_key.cast(pa.int64())).as_py() or 0)
             yield from base.filter(has_key).cast(_KEYED_SCHEMA).to_batches()
@@ -664,7 +763,7 @@ def _build_in_pieces(projection: Projection, domain: Domain, table: Table, event
             if keyed.count:
                 outs.append(_table_rows(projection, table, _fold(projection, domain, keyed, {})))
     out = pa.concat_tables(outs) if outs else _table_rows(projection, table, {})
-    return out, folded, without_key
+    return out, folded, without_key, pa.concat_tables(failed) if failed else None
 
 
 _KEYED_SCHEMA = pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()),
@@ -699,6 +798,11 @@ def _increment(kind: CrossStream, new: pa.Table, increment: Increment) -> _Folde
     left = new.filter(waiting)
     new_cursor = increment.now if not left.num_rows else int(pc.min(left["_commit_version"]).as_py()) - 1
     keyed = _keyed(due.drop_columns(["_commit_version"]), projection, domain)
+    keyless = _dead_keys(table.name, keyed.failed)
+    parked = _parked_rows(increment.target, increment.path, table)
+    if parked.num_rows:  # every held key tried again, its waiting events with its new ones, in the lake's order
+        keyed = _ordered(pa.concat_tables([keyed.rows.select(_KEYED_SCHEMA.names).cast(_KEYED_SCHEMA), parked]),
+                         None, keyed.without_key)
     first = keyed.firsts()
     prior = _prior(increment.target, increment.path, table, set(first), projection) if first else {}
     # A key whose new events do not all sort after its last folded one is folded again, whole.
@@ -708,7 +812,7 @@ def _increment(kind: CrossStream, new: pa.Table, increment: Increment) -> _Folde
         log.info("%s: %d keys fold again from events (an event sorts before their last folded one)", table.name, len(late))
         folded.update(_refold(projection, domain, EVENTS.path(increment.warehouse), increment.feed.table, late, left))
     return _Folded(kind, increment, _table_rows(projection, table, folded), keyed.count, len(late), left.num_rows,
-                   keyed.without_key, new_cursor, f_new)
+                   keyed.without_key, new_cursor, f_new, keyless)
 
 
 @dataclass(frozen=True)
@@ -725,6 +829,7 @@ class _Folded:
     without_key: int
     cursor: int
     frontier: int
+    keyless: pa.Table  # `_dead_letters`' rows of the events whose key function failed (under quarantine)
 
     def commit(self, txn: int) -> Result:
         step, table, target = self.increment, self.kind.table, self.increment.target
@@ -732,9 +837,11 @@ class _Folded:
         assert at.read is not None and at.cursor is not None
         done = lambda: result(table.name, current.row_count(target), step.now, step.previous, self.events,  # noqa: E731
                               keys=self.out.num_rows, refolded=self.refolded, waiting=self.waiting,
-                              without_key=self.without_key, frontier=self.frontier)
+                              without_key=self.without_key, frontier=self.frontier, out=self.out,
+                              keyless=self.keyless.num_rows)
         if not self.out.num_rows and self.cursor == at.cursor and self.frontier == at.frontier:
             return done()  # only waiting rows: nothing to record
+        dead_letters.add(step.warehouse, table.name, self.keyless)  # before the commit that passes them by
         properties = at.moved(txn, cursor=self.cursor, frontier=self.frontier).commit()
         if self.out.num_rows:
             key = table.key[1]
@@ -744,6 +851,7 @@ class _Folded:
         else:
             position.record(target, properties)
         target.update_incremental()
+        dead_letters.follow(step.warehouse, table.name, table.key[1])
         return done()
 
 
@@ -768,7 +876,7 @@ def _refold(
 # -- the Spark build -----------------------------------------------------------------------------------
 
 _KEYED_DDL = ("tenant STRING, stream_id STRING, stream_type STRING, version INT, event_type STRING, payload STRING, "
-              "batch BIGINT, position BIGINT, at BIGINT, key STRING, error STRING")
+              "batch BIGINT, position BIGINT, at BIGINT, key STRING, key_error STRING, error STRING")
 _KEYED = ["tenant", "stream_id", "stream_type", "version", "event_type", "payload", "batch", "position", "at", "key"]
 _OUT_ROWS = 5_000  # keys a Spark worker hands back at a time
 
@@ -788,7 +896,8 @@ def _spark_keys(projection: Projection, domain: Domain) -> Callable[[Iterator[pa
             except ProjectionFoldError as exc:
                 yield pa.RecordBatch.from_pylist([{"error": _fold_error(exc)}], schema=_keyed_schema())
                 return
-            keyed = keyed.filter(pc.is_valid(keyed["key"])).select(_KEYED)
+            keyed = keyed.filter(pc.or_(pc.is_valid(keyed["key"]), pc.is_valid(keyed["key_error"]))) \
+                .select([*_KEYED, "key_error"])
             yield from keyed.append_column("error", pa.nulls(keyed.num_rows, pa.string())) \
                 .cast(_keyed_schema()).to_batches()
 
@@ -799,7 +908,7 @@ def _keyed_schema() -> pa.Schema:
     return pa.schema([("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()),
                       ("version", pa.int32()), ("event_type", pa.string()), ("payload", pa.string()),
                       ("batch", pa.int64()), ("position", pa.int64()), ("at", pa.int64()), ("key", pa.string()),
-                      ("error", pa.string())])
+                      ("key_error", pa.string()), ("error", pa.string())])
 
 
 def _spark_fold(projection: Projection, domain: Domain,
@@ -814,10 +923,9 @@ def _spark_fold(projection: Projection, domain: Domain,
         return rows.append_column("error", pa.nulls(rows.num_rows, pa.string()))
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        fold, upcast, rewrites = projection.fold, domain.upcast, domain.rewrites_events
         done: dict[tuple[str, str], _Row] = {}
         current: tuple[str, str] | None = None
-        row = _Row({}, 0, None, None)
+        taken: list[_Taken] = []
         try:
             for batch in batches:
                 errors = pc.drop_null(batch.column("error"))
@@ -832,21 +940,15 @@ def _spark_fold(projection: Projection, domain: Domain,
                     k = (tenant[i], key[i])
                     if k != current:
                         if current is not None:
-                            done[current] = row
+                            done[current] = _fold_key(projection, domain, current, _Row({}, 0, None, None), taken)
                             if len(done) >= _OUT_ROWS:
                                 yield from rows_of(done).to_batches()
                                 done = {}
-                        current, row = k, _Row({}, 0, None, None)
-                    event = _event(payload[i], sid[i], version[i], etype[i], stype[i], upcast if rewrites else None)
-                    try:
-                        state = fold(row.state, event)
-                    except Exception as exc:  # noqa: BLE001 - reported with its place, as in `_fold_span`
-                        reason = (f"the payload has no field {exc}" if isinstance(exc, KeyError)
-                                  else f"{type(exc).__name__}: {exc}")
-                        raise ProjectionFoldError(projection.name, k[1], sid[i], version[i], etype[i], reason) from None
-                    row = _Row(state, row.events + 1, (order[i], position[i], sid[i], version[i]), at[i])
+                        current, taken = k, []
+                    taken.append((sid[i], stype[i], version[i], etype[i], payload[i], order[i], position[i], at[i],
+                                  None))
             if current is not None:
-                done[current] = row
+                done[current] = _fold_key(projection, domain, current, _Row({}, 0, None, None), taken)
             if done:
                 yield from rows_of(done).to_batches()
         except ProjectionFoldError as exc:
@@ -874,18 +976,25 @@ def _build_with_spark(
     columns = [F.col(c) if c in held else F.lit(None).cast("bigint" if c in ("batch_id", "global_position")
                                                              else "string").alias(c) for c in columns_of(domain)]
     source = df.where(F.col("event_type").isin(kinds)).select(*columns)
-    folded = (source.mapInArrow(_spark_keys(projection, domain), _KEYED_DDL)
+    keyed = source.mapInArrow(_spark_keys(projection, domain), _KEYED_DDL).cache()
+    failed_rows = keyed.where(F.col("key_error").isNotNull()).select(
+        "tenant", "stream_id", "stream_type", "version", "event_type", "key_error").collect()
+    failed = pa.Table.from_pylist([r.asDict() for r in failed_rows], schema=pa.schema([
+        ("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int32()),
+        ("event_type", pa.string()), ("key_error", pa.string())]))
+    folded = (keyed.where(F.col("key").isNotNull() | F.col("error").isNotNull()).drop("key_error")
               .repartition("tenant", "key")
               .sortWithinPartitions("tenant", "key", *ORDER)
               .mapInArrow(_spark_fold(projection, domain, table), f"{table.ddl}, error STRING")
               .cache())
     try:
         stats = folded.agg(F.count("tenant").alias("rows"), F.sum("events").alias("events"),
-                           F.min("error").alias("error")).first()
+                           F.min("error").alias("error"),
+                           F.sum(F.when(F.col("quarantined").isNotNull(), 1).otherwise(0)).alias("held")).first()
         if stats["error"] is not None:
             raise ProjectionFoldError(*json.loads(stats["error"]))
         rows, folded_events = int(stats["rows"] or 0), int(stats["events"] or 0)
-        without_key = source.count() - folded_events
+        without_key = source.count() - keyed.where(F.col("key").isNotNull()).count()  # none, or its function failed
         path = table.path(warehouse)
         at = Position(table.app_id_over(str(events.metadata().id)), read)
         position.fence_older(path, [(f"{table.app_id}.cursor", position.FENCE)])
@@ -900,10 +1009,15 @@ def _build_with_spark(
         (folded.where(F.col("error").isNull()).drop("error").write.mode("error").option("compression", "snappy")
          .parquet(f"{path}/{folder}"))
         ids = at.moved(version, cursor=version, frontier=frontier).ids
+        keyless = _dead_keys(table.name, failed)
+        dead_letters.add(warehouse, table.name, keyless)  # first: a crash before the rows leaves them listed
         arrow_append.commit_parquet_folder(path, table.schema, folder, app_id=ids[0], version=version,
                                            expect_rows=rows, overwrite=True,
                                            also=[(ids[1], version), (ids[2], frontier)])
+        dead_letters.follow(warehouse, table.name, table.key[1], keyless=keyless)
     finally:
         folded.unpersist()
-    return result(table.name, rows, version, -1, folded_events, keys=rows, without_key=without_key, frontier=frontier,
-                  engine="spark")
+        keyed.unpersist()
+    done = result(table.name, rows, version, -1, folded_events, keys=rows, without_key=without_key, frontier=frontier,
+                  engine="spark", keyless=failed.num_rows)
+    return done.with_figures(keys_quarantined=int(stats["held"] or 0))

@@ -188,7 +188,7 @@ def test_upcast_keys_tenants_and_a_failing_fold(dsn: StoreDsn, warehouse: Path) 
     extract_all(dsn.extractor, None, warehouse)
     version = DeltaTable(str(warehouse / "balances")).version()
     with pytest.raises(ProjectionFoldError, match="'balances' failed at key 'a' on stream 't-3' version 1"):
-        cross_stream.update(warehouse, d, "balances", store_dsn=dsn.extractor, frontier=_frontier(dsn))
+        cross_stream.update(warehouse, d.folding("stop"), "balances", store_dsn=dsn.extractor, frontier=_frontier(dsn))
     assert DeltaTable(str(warehouse / "balances")).version() == version
 
 
@@ -359,4 +359,8 @@ def test_a_build_on_spark_equals_the_build_in_process_and_an_increment_goes_on_f
 
     with pytest.raises(ProjectionFoldError, match="'cursed' failed at key '.*' on stream '.*' version [0-9]+ "
                                                   r"\(ItemAdded\): ValueError: cursed"):
-        cross_stream.update(warehouse, failing, "cursed", engine=Engine("spark", spark))
+        cross_stream.update(warehouse, failing.folding("stop"), "cursed", engine=Engine("spark", spark))
+    held = cross_stream.update(warehouse, failing, "cursed", engine=Engine("spark", spark))  # quarantine: every key
+    rows = _table(warehouse, "cursed", "sku")
+    assert rows and held.figures["keys_quarantined"] == len(rows) and all(r["quarantined"] for r in rows.values())
+    assert all(json.loads(r["state"]) == {} and r["events"] == 0 for r in rows.values())

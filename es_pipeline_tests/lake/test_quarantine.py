@@ -195,3 +195,87 @@ def test_a_transient_failure_clears_at_a_retry_with_no_new_events(dsn: StoreDsn,
     _assert_lake_is(warehouse, _store_fold(dsn, domain))
     assert dead_letters.rows_of(warehouse).num_rows == 0
     assert not [r for r in _table(warehouse, "stream_state") if r["quarantined"] or r["parked"]]
+
+
+def _ledger(revision: int, fold_errors: str = "quarantine") -> Domain:
+    """A cross-stream projection of `Moved` events by account: revision 1 cannot take an amount of 666; its key
+    function cannot read an account of "?"."""
+    d = Domain(f"ledger v{revision}", fold_errors=fold_errors)
+
+    def account_of(event: Event) -> str | None:
+        if event.payload.get("account") == "?":
+            raise ValueError("an account of '?'")
+        return event.payload.get("account")
+
+    @d.projection("balances", events=["Moved"], key=account_of, key_column="account", revision=revision)
+    def balances(state: State, event: Event) -> State:
+        if revision == 1 and event.payload["amount"] == 666:
+            raise ValueError(f"cursed amount on {event.payload['account']}")
+        return {"balance": state.get("balance", 0) + event.payload["amount"]}
+
+    return d
+
+
+def _balances(dsn: StoreDsn, until: dict[str, tuple[str, int]] | None = None) -> dict[str, int]:
+    """Each account's balance from the store (every key's events once; `until`: an account's events before that
+    stream's version only)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT stream_id, version, payload FROM es.events WHERE event_type = 'Moved'").fetchall()
+    out: dict[str, int] = {}
+    for stream_id, version, payload in rows:
+        account = payload.get("account")
+        if account in (None, "?"):
+            continue
+        stop = (until or {}).get(account)
+        if stop is not None and (stream_id, version) >= stop:
+            continue
+        out[account] = out.get(account, 0) + payload["amount"]
+    return out
+
+
+def test_a_cross_stream_key_is_quarantined_alone_and_a_key_that_cannot_be_read_goes_to_the_dead_letters(
+    dsn: StoreDsn, warehouse: Path
+) -> None:
+    from es_pipeline.errors import ProjectionFoldError
+    from es_pipeline.lake import cross_stream
+
+    store = EventStore(dsn)
+    for i in range(40):
+        store.append(f"t-{i}", "transfer", [NewEvent("Moved", {"account": f"a{i % 8}", "amount": i + 1})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    cross_stream.update(warehouse, _ledger(1), "balances")
+    store.append("t-bad", "transfer", [NewEvent("Moved", {"account": "a3", "amount": 666}),
+                                       NewEvent("Moved", {"account": "a3", "amount": 5})], 0)
+    store.append("t-note", "transfer", [NewEvent("Moved", {"account": "?", "amount": 1})], 0)
+    store.append("t-more", "transfer", [NewEvent("Moved", {"account": "a5", "amount": 2})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    with pytest.raises(ProjectionFoldError, match="'balances' failed on stream 't-note' version 1 \\(Moved\\): its key"):
+        cross_stream.update(warehouse, _ledger(1, "stop"), "balances")
+
+    done = cross_stream.update(warehouse, _ledger(1), "balances")  # the increment, under quarantine
+    assert (done.figures["keys_quarantined"], done.figures["events_key_failed"]) == (1, 1)
+    rows = {r["account"]: r for r in _table(warehouse, "balances")}
+    expected = _balances(dsn, until={"a3": ("t-bad", 1)})
+    assert {a: json.loads(r["state"])["balance"] for a, r in rows.items()} == expected, "a3 at its last good state"
+    held = json.loads(rows["a3"]["quarantined"])
+    assert (held["stream_id"], held["version"], held["kind"]) == ("t-bad", 1, "ValueError")
+    assert [(p["stream_id"], p["version"]) for p in json.loads(rows["a3"]["parked"])] == [("t-bad", 1), ("t-bad", 2)]
+    assert [a for a, r in rows.items() if r["quarantined"]] == ["a3"]
+    letters = {(r["key"], r["stream_id"], r["version"], r["error_kind"]) for r in
+               dead_letters.rows_of(warehouse, "balances").to_pylist()}
+    assert letters == {("a3", "t-bad", 1, "ValueError"), (None, "t-note", 1, "ValueError")}
+
+    store.append("t-later", "transfer", [NewEvent("Moved", {"account": "a3", "amount": 9})], 0)
+    extract_all(dsn.extractor, None, warehouse)
+    again = cross_stream.update(warehouse, _ledger(1), "balances")  # a3 tried again with its new event: still held
+    assert again.figures["keys_quarantined"] == 1
+    row = {r["account"]: r for r in _table(warehouse, "balances")}["a3"]
+    assert json.loads(row["quarantined"])["retries"] == 1 and len(json.loads(row["parked"])) == 3
+    assert dead_letters.counts(warehouse)["balances"] == 2, "the key-less event stays listed"
+
+    fixed = cross_stream.update(warehouse, _ledger(2), "balances")  # a new revision: every key folded again
+    rows = {r["account"]: r for r in _table(warehouse, "balances")}
+    assert {a: json.loads(r["state"])["balance"] for a, r in rows.items()} == _balances(dsn)
+    assert not [a for a, r in rows.items() if r["quarantined"] or r["parked"]] and fixed.figures["keys_quarantined"] == 0
+    assert [(r["key"], r["stream_id"]) for r in dead_letters.rows_of(warehouse, "balances").to_pylist()] == [
+        (None, "t-note")], "the key function still cannot read it: listed again by the build"

@@ -14,6 +14,7 @@ team's (it may quote a payload): it stays here and in the run's log, never in a 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import UTC, datetime
@@ -35,9 +36,10 @@ NAME = "_dead_letters"
 COLUMNS = pa.schema([
     ("table_name", pa.string()),  # the table the stream or key is quarantined in
     ("tenant", pa.string()),
-    ("key", pa.string()),  # the stream's id (stream_state), or the cross-stream projection's key
+    ("key", pa.string()),  # the stream's id (stream_state), or the cross-stream projection's key (null: none)
+    ("stream_id", pa.string()),  # the failing event's stream
     ("stream_type", pa.string()),
-    ("version", pa.int64()),  # the failing event's: its stream version (or its position, for a key)
+    ("version", pa.int64()),  # the failing event's version in its stream
     ("event_type", pa.string()),
     ("error_kind", pa.string()),  # the exception's class: KeyError, UnknownEventType, StateMisfit, ...
     ("message", pa.string()),  # the team's message: in the lake and the run's log only
@@ -85,6 +87,22 @@ def counts(warehouse: Location) -> dict[str, int]:
     return dict(zip(grouped["table_name"].to_pylist(), grouped["table_name_count"].to_pylist(), strict=True))
 
 
+def _write(warehouse: Location, table_name: str, rows: pa.Table, at: tuple[str, int] | None) -> None:
+    """`_dead_letters`' rows of `table_name` overwritten by `rows`, with `at` (source id, version) recorded."""
+    path = DEAD_LETTERS.path(warehouse)
+    DEAD_LETTERS.ensure_arrow(warehouse)
+    stamped = rows.append_column("updated_at", pa.array([datetime.now(UTC)] * rows.num_rows, UTC_MICROS))
+    props = None if at is None else position.commit_properties(_app(table_name, at[0]), at[1])
+    for attempt in range(_ATTEMPTS):
+        try:
+            write_deltalake(path, stamped, mode="overwrite", predicate=f"table_name = '{table_name}'",
+                            commit_properties=props)
+            return
+        except CommitFailedError:  # another table's rows written meanwhile
+            time.sleep(0.05 * (attempt + 1))
+    raise RuntimeError(f"{NAME}: could not write the rows of {table_name} in {_ATTEMPTS} attempts")
+
+
 def replace(warehouse: Location, table_name: str, rows: pa.Table, source_id: str, source_version: int) -> int:
     """Make `_dead_letters`' rows of `table_name` be `rows` (of `COLUMNS`): what that table (of Delta id `source_id`)
     says at its Delta version `source_version`. Written only where they differ, with `source_version` recorded (an older version than
@@ -116,3 +134,63 @@ def replace(warehouse: Location, table_name: str, rows: pa.Table, source_id: str
             continue
         return rows.num_rows
     raise RuntimeError(f"{NAME}: could not write the rows of {table_name} in {_ATTEMPTS} attempts")
+
+
+def add(warehouse: Location, table_name: str, keyless: pa.Table) -> None:
+    """`keyless` (rows of `COLUMNS` without a key: events a key function failed on, which no row of the table can
+    hold) added to `_dead_letters` before the table's commit that passes them by: a crash between leaves them listed
+    (the next update folds the same events and finds the same rows), never lost."""
+    if not keyless.num_rows:
+        return
+    held = rows_of(warehouse, table_name).drop_columns(["updated_at"])
+    new = keyless.cast(COLUMNS)
+    seen = set(zip(*(held[c].to_pylist() for c in ("tenant", "stream_id", "version")), strict=True)) \
+        if held.num_rows else set()
+    fresh = new.filter(pa.array([(t, s, v) not in seen for t, s, v in zip(
+        *(new[c].to_pylist() for c in ("tenant", "stream_id", "version")), strict=True)], pa.bool_()))
+    if fresh.num_rows:
+        _write(warehouse, table_name, pa.concat_tables([held.cast(COLUMNS), fresh]), None)
+
+
+def follow(warehouse: Location, table_name: str, key_column: str, *, keyless: pa.Table | None = None) -> None:
+    """`_dead_letters`' rows of `table_name` made its quarantined rows as it stands, and the rows without a key
+    (events a key function failed on): `keyless` (a whole build found these), else those listed already. Read only
+    where the table moved since they were written. Called after each update of the table, in its turn."""
+    path = tables.table_path(warehouse, table_name)
+    if not tables.is_delta_table(path):
+        return
+    table = DeltaTable(path)
+    version, source_id = int(table.version()), str(table.metadata().id)
+    if not tables.has_columns(table, ["quarantined"]) or (keyless is None and written_for(
+            warehouse, table_name, source_id) == version):
+        return
+    typed = tables.has_columns(table, ["stream_type"])
+    columns = ["tenant", key_column, *(["stream_type"] if typed else []), "quarantined"]
+    if current.has_deletion_vectors(table):  # its files alone are not its rows: DataFusion honours the vectors
+        from deltalake import QueryBuilder
+
+        held = current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("t", table).execute(
+            f"SELECT {', '.join(columns)} FROM t WHERE quarantined IS NOT NULL")).read_all())
+    else:
+        held = current.files(path, table).to_table(columns=columns)
+        held = held.filter(pc.is_valid(held["quarantined"]))
+    said = [json.loads(q) for q in held["quarantined"].to_pylist()]
+    keys = held[key_column].to_pylist()
+    rows = pa.table({
+        "table_name": pa.array([table_name] * held.num_rows, pa.string()),
+        "tenant": pc.fill_null(held["tenant"], ""), "key": pa.array(keys, pa.string()),
+        "stream_id": pa.array([q.get("stream_id", k) for q, k in zip(said, keys, strict=True)], pa.string()),
+        "stream_type": held["stream_type"] if typed else pa.nulls(held.num_rows, pa.string()),
+        "version": pa.array([q.get("version") for q in said], pa.int64()),
+        "event_type": pa.array([q.get("event_type") for q in said], pa.string()),
+        "error_kind": pa.array([q.get("kind") for q in said], pa.string()),
+        "message": pa.array([q.get("message") for q in said], pa.string()),
+        "first_seen": pa.array([datetime.fromisoformat(q["since"]) if q.get("since") else None for q in said],
+                               UTC_MICROS),
+        "retries": pa.array([q.get("retries", 0) for q in said], pa.int32()),
+    }).cast(COLUMNS)
+    if keyless is None:
+        listed = rows_of(warehouse, table_name)
+        keyless = listed.filter(pc.is_null(listed["key"])).drop_columns(["updated_at"])
+    rows = pa.concat_tables([rows, keyless.cast(COLUMNS)])
+    replace(warehouse, table_name, rows, source_id, version)

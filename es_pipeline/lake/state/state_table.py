@@ -5,16 +5,12 @@ quarantined rows into `_dead_letters` (`follow_dead_letters`)."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
 
-from es_pipeline.domain import UTC_MICROS, Domain
-from es_pipeline.lake.delta import current, tables
+from es_pipeline.domain import Domain
 from es_pipeline.lake.delta.definition import Table, spark_type
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.kernel import dead_letters
@@ -85,33 +81,4 @@ def without_prior(events: Any) -> Any:
 def follow_dead_letters(warehouse: Location) -> None:
     """`_dead_letters`' rows of `stream_state` made its quarantined rows as it stands (lake/kernel/dead_letters.py);
     read only where `stream_state` moved since they were written."""
-    path = STREAM_STATE.path(warehouse)
-    if not tables.is_delta_table(path):
-        return
-    state = DeltaTable(path)
-    version, source_id = int(state.version()), str(state.metadata().id)
-    if not tables.has_columns(state, ["quarantined"]) or dead_letters.written_for(
-            warehouse, STREAM_STATE.name, source_id) == version:
-        return
-    columns = ["tenant", "stream_id", "stream_type", "quarantined"]
-    if current.has_deletion_vectors(state):  # its files alone are not its rows: DataFusion honours the vectors
-        from deltalake import QueryBuilder
-
-        held = current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("s", state).execute(
-            "SELECT tenant, stream_id, stream_type, quarantined FROM s WHERE quarantined IS NOT NULL")).read_all())
-    else:
-        held = current.files(path, state).to_table(columns=columns)
-        held = held.filter(pc.is_valid(held["quarantined"]))
-    said = [json.loads(q) for q in held["quarantined"].to_pylist()]
-    rows = pa.table({
-        "table_name": pa.array([STREAM_STATE.name] * held.num_rows, pa.string()),
-        "tenant": pc.fill_null(held["tenant"], ""), "key": held["stream_id"], "stream_type": held["stream_type"],
-        "version": pa.array([q.get("version") for q in said], pa.int64()),
-        "event_type": pa.array([q.get("event_type") for q in said], pa.string()),
-        "error_kind": pa.array([q.get("kind") for q in said], pa.string()),
-        "message": pa.array([q.get("message") for q in said], pa.string()),
-        "first_seen": pa.array([datetime.fromisoformat(q["since"]) if q.get("since") else None for q in said],
-                               UTC_MICROS),
-        "retries": pa.array([q.get("retries", 0) for q in said], pa.int32()),
-    })
-    dead_letters.replace(warehouse, STREAM_STATE.name, rows, source_id, version)
+    dead_letters.follow(warehouse, STREAM_STATE.name, "stream_id")
