@@ -609,14 +609,30 @@ def _fold_span(lo: int, hi: int) -> dict[tuple[str, str], _Row]:
     tenant, key, sid, stype = (rows[c].to_pylist() for c in ("tenant", "key", "stream_id", "stream_type"))
     version, etype, batch, position, at = (rows[c].to_pylist() for c in ("version", "event_type", "batch", "position",
                                                                            "at"))
-    parsed = [None] * len(sid) if keyed.events is None else [keyed.events[i] for i in taken.to_pylist()]
+    parsed = None if keyed.events is None else [keyed.events[i] for i in taken.to_pylist()]
     payload = rows["payload"].to_pylist()
-    taken_rows = list(zip(sid, stype, version, etype, payload, batch, position, at, parsed, strict=True))
-    out = {}
+    fold, upcast, out = projection.fold, domain.upcast if domain.rewrites_events else None, {}
     bounds = [s - lo for s in keyed.starts if lo <= s < hi] + [hi - lo]
     for i, end in zip(bounds, bounds[1:], strict=False):
         k = (tenant[i], key[i])
-        out[k] = _fold_key(projection, domain, k, prior.get(k) or _Row({}, 0, None, None), taken_rows[i:end])
+        row = prior.get(k) or _Row({}, 0, None, None)
+        state = row.state
+        j = i
+        try:  # the loop of `_fold_key`, inline: one call per key, not per event
+            for j in range(i, end):
+                event = parsed[j] if parsed is not None else _event(payload[j], sid[j], version[j], etype[j], stype[j],
+                                                                      upcast)
+                state = fold(state, event)
+        except Exception as exc:  # noqa: BLE001 - any fold failure is reported, with its place
+            reason = f"the payload has no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            if not domain.quarantines:
+                raise ProjectionFoldError(projection.name, k[1], sid[j], version[j], etype[j], reason) from None
+            taken_rows: list[_Taken] = [(sid[x], stype[x], version[x], etype[x], payload[x], batch[x], position[x], at[x],
+                                         None if parsed is None else parsed[x]) for x in range(i, end)]
+            out[k] = _held(projection, domain, k, row, taken_rows, j - i, type(exc).__name__, reason)
+            continue
+        last = end - 1
+        out[k] = _Row(state, row.events + (end - i), (batch[last], position[last], sid[last], version[last]), at[last])
     return out
 
 
