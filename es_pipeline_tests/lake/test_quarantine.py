@@ -140,7 +140,13 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     assert "4111-1111-1111-1111" in letter["message"], "the team's message stays in the lake"
     off = versions_off(warehouse, on)
     assert (off.streams, off.quarantined) == (0, 1), "the check passes on every other stream and counts it"
-    if engine == "in-process":  # the operator's list, from the command line
+    if engine == "in-process":  # an analyst's `state_as_of` says which stream's history stops short, now
+        from es_pipeline.lake.read import query
+
+        now = query.run(warehouse, "SELECT stream_id, quarantined FROM state_as_of('cart', now()) "
+                                   "WHERE quarantined IS NOT NULL").rows.to_pylist()
+        assert [r["stream_id"] for r in now] == [POISONED] and json.loads(now[0]["quarantined"])["version"] == 3
+        # the operator's list, from the command line
         listed = subprocess.run([CLI, "lake", "quarantined"], env={**os.environ, "ES_PIPELINE_WAREHOUSE": str(warehouse)},
                               capture_output=True, text=True, timeout=120, check=True).stdout
         assert "1 quarantined" in listed and f"stream_state '{POISONED}' (cart) at version 3 (CardCharged): " \

@@ -14,16 +14,20 @@ AS_OF = "state_as_of"  # the name, on both engines
 # The history table of a stream type, named as lake/state/typed_state.py's `table_name` names it, then `_history`.
 _HISTORY_OF = "'stream_state_' || coalesce(nullif(trim(regexp_replace(lower({t}), '[^a-z0-9]+', '_', 'g'), '_'), ''), " \
     "'_') || '_history'"
-_AS_OF_COLUMNS = ("tenant", "stream_id", "version_to AS version", "valid_from", "revision")
+_AS_OF_COLUMNS = ("h.tenant", "h.stream_id", "h.version_to AS version", "h.valid_from", "h.revision",
+                  # A held stream's (docs/decisions/0051) history ends at its last good state: its current row says so.
+                  "CASE WHEN h.valid_to IS NULL THEN q.quarantined END AS quarantined")
 _HISTORY_ENVELOPE = ("tenant", "stream_id", "version_from", "version_to", "valid_from", "valid_to", "is_current",
                      "revision")
+_HELD = ("LEFT JOIN (SELECT coalesce(tenant, '') AS tenant, stream_id, quarantined FROM stream_state "
+         "WHERE quarantined IS NOT NULL) q ON q.tenant = h.tenant AND q.stream_id = h.stream_id")
 
 # The state of every stream of a type at a moment: the history row whose interval holds it.
 DUCKDB_MACRO = (
     f"CREATE OR REPLACE MACRO {AS_OF}(stream_type, moment) AS TABLE "
-    f"SELECT {', '.join(_AS_OF_COLUMNS)}, * EXCLUDE ({', '.join(_HISTORY_ENVELOPE)}) "
-    f"FROM query_table({_HISTORY_OF.format(t='stream_type')}) "
-    f"WHERE valid_from <= moment::TIMESTAMPTZ AND (valid_to IS NULL OR valid_to > moment::TIMESTAMPTZ)")
+    f"SELECT {', '.join(_AS_OF_COLUMNS)}, h.* EXCLUDE ({', '.join(_HISTORY_ENVELOPE)}) "
+    f"FROM query_table({_HISTORY_OF.format(t='stream_type')}) h {_HELD} "
+    f"WHERE h.valid_from <= moment::TIMESTAMPTZ AND (h.valid_to IS NULL OR h.valid_to > moment::TIMESTAMPTZ)")
 
 
 def as_of_spark(query: str, columns_of: Any) -> str:
@@ -48,8 +52,8 @@ def as_of_spark(query: str, columns_of: Any) -> str:
                               "history (Domain.reducer(..., history=True))", []) from None
         moment = f"CAST(({args[1]}) AS TIMESTAMP)"
         out.append(query[at:found.start()])
-        out.append(f"(SELECT {', '.join([*_AS_OF_COLUMNS, *(f'`{c}`' for c in fields)])} FROM {name} "
-                   f"WHERE valid_from <= {moment} AND (valid_to IS NULL OR valid_to > {moment}))")
+        out.append(f"(SELECT {', '.join([*_AS_OF_COLUMNS, *(f'h.`{c}`' for c in fields)])} FROM {name} h {_HELD} "
+                   f"WHERE h.valid_from <= {moment} AND (h.valid_to IS NULL OR h.valid_to > {moment}))")
         at = end
     return "".join(out) + query[at:]
 

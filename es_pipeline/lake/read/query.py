@@ -67,7 +67,7 @@ def duckdb_connection(warehouse: Location, query: str | None = None) -> tuple[An
     names = [n for n in tables.TABLES if n in listed] + [n for n in listed if n not in tables.TABLES]
     histories = query is not None and as_of.AS_OF in query.lower()
     named = [n for n in names if query is None or re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", query, re.IGNORECASE)
-             or (histories and n.endswith("_history"))]
+             or (histories and (n.endswith("_history") or n == "stream_state"))]
     for name in named or names:  # a view reads its table's log when made: a lake of 300 tables makes only those used
         quoted = tables.table_path(warehouse, name).replace("'", "''")
         con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM delta_scan(\'{quoted}\')')
