@@ -283,29 +283,56 @@ def _quarantined(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _retry(args: argparse.Namespace, settings: Settings) -> int:
-    """`lake retry [stream_state] [--stream ID...]`: the quarantined streams refolded now with the code deployed (an
-    update where `stream_state` is behind `events`: it refolds every one); what is left quarantined; exit 1 if any."""
+    """`lake retry [TABLE...] [--stream ID...]`: the quarantined streams (or keys) of `stream_state` and the domain's
+    cross-stream projections (default: every one) refolded now with the code deployed (an update where the table is
+    behind `events`: it refolds every one); what is left quarantined; exit 1 if any, 2 for an unknown table."""
+    import pyarrow.compute as pc
+
+    from es_pipeline.extraction.offsets import batch_frontier
+    from es_pipeline.lake import cross_stream
     from es_pipeline.lake.kernel import dead_letters
     from es_pipeline.lake.state.stream_state import retry, update_stream_state
 
-    unknown = [t for t in args.tables if t != "stream_state"]
-    if unknown:
-        print(f"es-pipeline lake retry: {', '.join(unknown)}: only stream_state's streams are quarantined so far "
-              "(a cross-stream projection fails its update instead)", file=sys.stderr)
-        return 2
     domain = _domain(settings)
-    before = dead_letters.counts(settings.warehouse).get("stream_state", 0)
-    done = retry(settings.warehouse, domain, store_dsn=settings.pg_dsn, streams=args.stream or ())
-    if done is None:
-        print("stream_state is behind events (or not built): an update folds the new events and retries every "
-              "quarantined stream", flush=True)
-        update_stream_state(_engine(args, settings), settings.warehouse, domain=domain, store_dsn=settings.pg_dsn)
-    left = dead_letters.rows_of(settings.warehouse, "stream_state")
-    print(f"quarantined in stream_state: {before} before, {left.num_rows} now")
-    for r in left.to_pylist():
-        print(f"  {r['key']!r} at version {r['version']} ({r['event_type']}): {r['error_kind']} "
-              f"[{r['retries']} retries]")
-    return 1 if left.num_rows else 0
+    known = ["stream_state", *sorted(domain.projections)]
+    unknown = [t for t in args.tables if t not in known]
+    if unknown:
+        print(f"es-pipeline lake retry: {', '.join(unknown)}: not a table whose rows can be quarantined here; these "
+              f"are: {', '.join(known)}", file=sys.stderr)
+        return 2
+    chosen = args.tables or (["stream_state"] if args.stream else known)
+    if args.stream and chosen != ["stream_state"]:
+        print("es-pipeline lake retry: --stream names streams of stream_state only", file=sys.stderr)
+        return 2
+    before = dead_letters.counts(settings.warehouse)
+    consumer = settings.source.consumer
+    for name in chosen:
+        if name == "stream_state":
+            done = retry(settings.warehouse, domain, store_dsn=settings.pg_dsn, streams=args.stream or ())
+            if done is None:
+                print("stream_state is behind events (or not built): an update folds the new events and retries "
+                      "every quarantined stream", flush=True)
+                update_stream_state(_engine(args, settings), settings.warehouse, domain=domain,
+                                    store_dsn=settings.pg_dsn)
+            continue
+        frontier = lambda: batch_frontier(settings.pg_dsn, consumer)  # noqa: E731 - the store's, as every update's
+        if cross_stream.retry(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, frontier=frontier) is None:
+            print(f"{name} is behind events (or not built): an update folds the new events and retries every held "
+                  "key", flush=True)
+            cross_stream.update(settings.warehouse, domain, name, store_dsn=settings.pg_dsn, frontier=frontier,
+                                engine=_engine(args, settings))
+    left = 0
+    for name in chosen:
+        rows = dead_letters.rows_of(settings.warehouse, name)
+        held = rows.filter(pc.is_valid(rows["key"]))
+        left += held.num_rows
+        print(f"quarantined in {name}: {before.get(name, 0)} listed before, {held.num_rows} held now"
+              + (f" ({rows.num_rows - held.num_rows} events whose key could not be read stay listed)"
+                 if rows.num_rows > held.num_rows else ""))
+        for r in held.to_pylist():
+            print(f"  {r['key']!r} at {r['stream_id']!r} version {r['version']} ({r['event_type']}): {r['error_kind']} "
+                  f"[{r['retries']} retries]")
+    return 1 if left else 0
 
 
 def _rebuilds(args: argparse.Namespace, settings: Settings) -> int:
@@ -574,8 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "removed in its turn; its next update builds it whole from `events`. rebuilds: the stream "
                       "types whose reducer changed, rebuilt beside stream_state, and how far each is (--run: now). "
                       "quarantined: the streams (or keys) a fold failed on, held at their last good state "
-                      "(`_dead_letters`). retry: refold them now with the code deployed (--stream: those alone); "
-                      "exit 1 while any is left")
+                      "(`_dead_letters`). retry: refold them now with the code deployed (stream_state and every "
+                      "cross-stream projection, or those named; --stream: those streams of stream_state alone); exit 1 "
+                      "while any is held")
     lake.add_argument("tables", nargs="*", help="events (rebuild's default) and/or projections; --list names them")
     lake.add_argument("--list", action="store_true", help="the tables this lake can rebuild (check: the checks), "
                       "and do nothing")

@@ -258,6 +258,15 @@ def increment(warehouse: Location, projection: Projection, domain: Domain, turn:
     return runner.increment(CrossStream(projection, domain, frontier, warehouse), warehouse, turn, events_feed)
 
 
+def retry(warehouse: Location, domain: Domain, name: str, *, store_dsn: str | None = None,
+          frontier: Frontier | None = None) -> Result | None:
+    """Projection `name`'s held keys folded again now with the code as deployed, no event being new (every increment
+    does it too): by the kernel's runner (`runner.retry`). `frontier` as for `update` (the store's: a frontier is
+    recorded, and only moves up). None: behind `events`, or not built: an update does it."""
+    return runner.retry(CrossStream(domain.projections[name], domain, frontier, warehouse), warehouse,
+                        store_dsn=store_dsn)
+
+
 def mark_for_rebuild(warehouse: Location, name: str, events_id: str) -> None:
     """After a tenant's erasure: the projection's next update folds every key from `events` (of Delta id
     `events_id`) again (frontier 0), so that none of the erased events waiting in `events`' change feed comes back.

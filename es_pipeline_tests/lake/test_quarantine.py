@@ -163,41 +163,65 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     assert dead_letters.rows_of(warehouse).num_rows == 0, "its dead letter gone with the swap"
 
 
-def test_a_transient_failure_clears_at_a_retry_with_no_new_events(dsn: StoreDsn, warehouse: Path) -> None:
-    """A cause outside the code (here a flag; a missing file, say): `retry` refolds the held stream with the code as
-    deployed, with no new event to fold; while the cause stays it counts the retry, once gone the stream is the
-    store's fold and leaves `_dead_letters` in the same update."""
-    failing = [True]
+_FLAKY = """
+from pathlib import Path
 
-    def flaky(state: State, event: Event) -> State:
-        if failing[0] and event.event_type == "CardCharged":
+import shop.domain as shop
+
+from es_pipeline.domain import Domain
+
+domain = Domain("flaky shop")
+domain.add(shop.domain.reducers["account"])
+for upcaster in shop.domain.upcasters.values():
+    domain.add_upcaster(upcaster)
+BLOCKER = Path(__file__).with_name("processor-down")
+
+
+@domain.reducer("cart", revision=1, state=shop.domain.reducers["cart"].state, history=True)
+def cart(state, event):
+    if event.event_type == "CardCharged":
+        if BLOCKER.exists():
             raise OSError("the card processor's rates file is missing")
-        return _cart_v2(state, event)
+        return {**state, "status": "charged"}
+    return shop.domain.reducers["cart"].fold(state, event)
+"""
 
-    cart = SHOP.reducers["cart"]
-    domain = Domain("flaky shop")
-    domain.add(Reducer("cart", 1, flaky, domain.name, cart.state, cart.history))
-    domain.add(SHOP.reducers["account"])
-    for upcaster in SHOP.upcasters.values():
-        domain.add_upcaster(upcaster)
+
+def test_a_transient_failure_clears_at_a_retry_with_no_new_events(dsn: StoreDsn, warehouse: Path,
+                                                                  tmp_path: Path) -> None:
+    """A cause outside the code (here a file whose presence fails the reducer): `lake retry` refolds the held stream
+    with the code as deployed, with no new event to fold; while the cause stays it counts the retry and exits 1; once
+    gone the stream is the store's fold and leaves `_dead_letters` in the same update."""
+    (tmp_path / "flaky_shop.py").write_text(_FLAKY)
+    (tmp_path / "processor-down").touch()
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from flaky_shop import domain  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
     store = EventStore(dsn)
     run_workload(store, streams=40, events=150, writers=2, rollback_rate=0, max_commit_delay=0, seed=7)
     store.append(POISONED, "cart", [NewEvent("ItemAdded", {"sku": "a", "qty": 2}),
                                     NewEvent("CardCharged", {"card": "5500-0000-0000-0004"}),
                                     NewEvent("ItemAdded", {"sku": "b", "qty": 1})], 0)
     extract_all(dsn.extractor, None, warehouse)
-    on = Engine(spark=no_spark)
-    update_stream_state(on, warehouse, domain=domain)
+    update_stream_state(Engine(spark=no_spark), warehouse, domain=domain, store_dsn=dsn.extractor)
     assert dead_letters.counts(warehouse) == {"stream_state": 1}
 
-    again = retry(warehouse, domain, streams=[POISONED])
+    again = retry(warehouse, domain, streams=[POISONED], store_dsn=dsn.extractor)
     assert again is not None and again.figures["quarantined_streams"] == 1
     [letter] = dead_letters.rows_of(warehouse).to_pylist()
     assert (letter["version"], letter["error_kind"], letter["retries"]) == (2, "OSError", 1)
 
-    failing[0] = False
-    cleared = retry(warehouse, domain)
-    assert cleared is not None and cleared.figures["quarantined_streams"] == 0 and cleared.events_folded == 2
+    env = {**os.environ, "ES_PIPELINE_WAREHOUSE": str(warehouse), "ES_PIPELINE_PG_DSN": dsn.extractor,
+           "ES_PIPELINE_DOMAIN": "flaky_shop", "PYTHONPATH": str(tmp_path), "ES_PIPELINE_ENGINE": "local"}
+    held = subprocess.run([CLI, "lake", "retry"], env=env, capture_output=True, text=True, timeout=120)
+    assert held.returncode == 1 and "quarantined in stream_state: 1 listed before, 1 held now" in held.stdout, \
+        held.stdout + held.stderr
+    (tmp_path / "processor-down").unlink()  # the cause gone
+    cleared = subprocess.run([CLI, "lake", "retry", "stream_state", "--stream", POISONED], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert cleared.returncode == 0 and "1 listed before, 0 held now" in cleared.stdout, cleared.stdout + cleared.stderr
     _assert_lake_is(warehouse, _store_fold(dsn, domain))
     assert dead_letters.rows_of(warehouse).num_rows == 0
     assert not [r for r in _table(warehouse, "stream_state") if r["quarantined"] or r["parked"]]
@@ -278,6 +302,10 @@ def test_a_cross_stream_key_is_quarantined_alone_and_a_key_that_cannot_be_read_g
     row = {r["account"]: r for r in _table(warehouse, "balances")}["a3"]
     assert json.loads(row["quarantined"])["retries"] == 1 and len(json.loads(row["parked"])) == 3
     assert dead_letters.counts(warehouse)["balances"] == 2, "the key-less event stays listed"
+    retried = cross_stream.retry(warehouse, _ledger(1), "balances")  # no new event: the held key alone, again
+    assert retried is not None and retried.figures["keys_quarantined"] == 1 and retried.events_folded == 3
+    row = {r["account"]: r for r in _table(warehouse, "balances")}["a3"]
+    assert json.loads(row["quarantined"])["retries"] == 2
 
     fixed = cross_stream.update(warehouse, _ledger(2), "balances")  # a new revision: every key folded again
     rows = {r["account"]: r for r in _table(warehouse, "balances")}

@@ -51,6 +51,12 @@ class Feed:
         self._after: int | None = None
         self._rows: pa.Table | None = None
 
+    def none(self, columns: list[str]) -> pa.Table:
+        """No rows, in `columns` (`_commit_version` among them where named): an increment of nothing (a retry)."""
+        schema = plain(pa.schema(self.table.schema().to_arrow()).empty_table()).schema
+        fields = [schema.field(c) if c in schema.names else pa.field(c, pa.int64()) for c in columns]
+        return pa.schema(fields).empty_table()
+
     def rows(self, after: int, columns: list[str]) -> pa.Table | None:
         """The rows the commits after..version added (None: more than `SMALL_INCREMENT`, or vacuumed)."""
         if self._after is None or after < self._after:

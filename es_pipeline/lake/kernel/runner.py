@@ -111,3 +111,29 @@ def _increment(projection: Projection, warehouse: Location, turn: Turn,
             break
         position = position.moved(txn)
     return done, False
+
+
+def retry(projection: Projection, warehouse: Location, *, store_dsn: str | None = None) -> Result | None:
+    """The table's held rows (streams or keys quarantined: docs/decisions/0051) folded again now with the code as
+    deployed, though no event is new: the kind's fold given none (it folds its held rows' waiting events, as every
+    increment does), committed at the position the table holds, in its turn. None: not one to do here (not built,
+    another `events`, behind `events`: an update folds the new events and retries them too)."""
+    events_path, path = projection.source.path(warehouse), projection.table.path(warehouse)
+    if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
+        return None
+    with one_at_a_time(store_dsn, projection.name) as turn:
+        projection.start()
+        events_feed = Feed(events_path, list(projection.columns))
+        found = projection.open(path)
+        now = events_feed.version
+        position = Position.of(found, projection.app_id(events_feed.table_id), slots=projection.slots,
+                               cursor=projection.keeps_cursor)
+        if position.read is None or not projection.takes_increment(position, now) or position.behind(now):
+            return None
+        target = projection.ready(path, found, events_feed.table_id)
+        if target is None:
+            return None
+        step = Increment(warehouse, path, target, position, events_feed, now)
+        folded = projection.fold(events_feed.none(list(projection.columns)), step)
+        turn.confirm(path, position.app_id, position.read)
+        return folded.commit(projection.txn(step))

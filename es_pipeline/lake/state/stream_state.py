@@ -40,7 +40,7 @@ from es_pipeline.lake.kernel.feed import Feed
 from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_version, txn_version
 from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.result import Result
-from es_pipeline.lake.kernel.turn import Turn, one_at_a_time
+from es_pipeline.lake.kernel.turn import Turn
 from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
@@ -105,27 +105,11 @@ def update_stream_state(
 
 def retry(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
           streams: Collection[str] = ()) -> Result | None:
-    """Refold the quarantined streams now (those of `streams` only, where named) with the code as deployed, in the
-    table's turn, committed at the position `stream_state` holds: a stream that folds leaves quarantine (and
-    `_dead_letters`) in this commit, its state the fold of its events. Every update does this for every quarantined
-    stream; this is for a table with no new events. None: the table is behind `events` (or not built): an update
-    does it, with the new events."""
-    kind = _StreamState(warehouse, domain, False, only=tuple(streams))
-    events_path, path = EVENTS.path(warehouse), STREAM_STATE.path(warehouse)
-    if not tables.is_delta_table(path) or not tables.is_delta_table(events_path):
-        return None
-    with one_at_a_time(store_dsn, STREAM_STATE.name) as turn:
-        feed = Feed(events_path, kind.columns)
-        found = DeltaTable(path)
-        at = Position.of(found, kind.app_id(feed.table_id), slots=kind.slots)
-        target = kind.ready(path, found, feed.table_id)
-        if at.read is None or at.behind(feed.version) or target is None:
-            return None
-        empty = current.plain_schema(pa.schema(feed.table.schema().to_arrow())).empty_table().select(kind.columns)
-        step = Increment(warehouse, path, target, at, feed, feed.version)
-        folded = kind.fold(empty, step)
-        turn.confirm(path, at.app_id, at.read)
-        return folded.commit(kind.txn(step))
+    """Refold the quarantined streams now (those of `streams` only, where named) with the code as deployed, by the
+    kernel's runner (`runner.retry`): a stream that folds leaves quarantine (and `_dead_letters`) in this commit, its
+    state the fold of its events. Every update does this for every quarantined stream; this is for a table with no
+    new events. None: the table is behind `events` (or not built): an update does it, with the new events."""
+    return runner.retry(_StreamState(warehouse, domain, False, only=tuple(streams)), warehouse, store_dsn=store_dsn)
 
 
 def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None) -> Result:
@@ -246,7 +230,8 @@ class _StateFold:
         kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(), skip=held)
         result = arrow_result(self.out, step.now, step.previous, history_rows=kept, held_types=held)
         if not typed_state.typed_tables(self.domain):
-            return result  # no table follows the commit: which streams are new is not needed
+            follow_dead_letters(step.warehouse)
+            return result  # no typed table follows the commit: which streams are new is not needed
         prior = pc.binary_join_element_wise(self.prior["tenant"], self.prior["stream_id"], "\x00")
         inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"),
                                       prior))
