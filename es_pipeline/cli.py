@@ -504,10 +504,10 @@ def _materialize(args: argparse.Namespace, settings: Settings) -> int:
         print(f"the lake is up to date but for {', '.join(f'{n} quarantined in {t}' for t, n in sorted(held.items()))}"
               ": a reducer failed on their events (`es-pipeline lake quarantined`; docs/domain.md, \"When a reducer "
               "fails\")")
-        return 0
     waiting = rebuilds_waiting(settings)
     if waiting:  # ES_PIPELINE_REBUILDS=hold, or a rebuild that could not finish: never "up to date" then
         print(f"the lake is up to date but for stream_state's {', '.join(waiting)}: {_REBUILD_WAITS}")
+    if held or waiting:
         return 0
     print("the lake is up to date: `es-pipeline sql \"SELECT * FROM stream_state LIMIT 5\"`")
     return 0

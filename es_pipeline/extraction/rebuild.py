@@ -30,6 +30,7 @@ from es_pipeline.extraction.slices import NUM_SLICES
 from es_pipeline.lake import inventory
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.tables import Location
+from es_pipeline.lake.kernel import dead_letters
 from es_pipeline.lake.kernel.turn import one_at_a_time
 from es_pipeline.source.mapping import Source
 
@@ -49,8 +50,10 @@ class Rebuilt:
 
 def rebuildable(warehouse: Location) -> list[str]:
     """The tables `lake rebuild` takes: `events` and every projection the lake holds now (a typed table goes with
-    its source: a typed state table with `stream_state`, a typed event table with the mapping)."""
-    return [name for name in inventory.lake_tables(warehouse) if inventory.turn_of(name) == name]
+    its source: a typed state table with `stream_state`, a typed event table with the mapping; `_dead_letters` is
+    no projection: its rows follow the tables it lists)."""
+    return [name for name in inventory.lake_tables(warehouse) if inventory.turn_of(name) == name
+            and name != dead_letters.NAME]
 
 
 def rebuild(

@@ -53,6 +53,7 @@ class Reading:
     snapshot_backlog: int | None = None  # streams whose latest snapshot in the lake the store lacks
     rebuilds: list[rebuild.Progress] = field(default_factory=list)  # rebuilds beside stream_state under way
     quarantined: dict[str, int] = field(default_factory=dict)  # table → streams or keys in `_dead_letters`
+    keyless: dict[str, int] = field(default_factory=dict)  # table → events whose key could not be read
     ok: dict[str, bool] = field(default_factory=dict)  # part → read without error
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # what the reading cost, wall clock
@@ -202,6 +203,7 @@ class Reader:
             self.latency.observe(self.lake, r.events_version, cursors, {b.name: b.folded for b in r.behind})
             r.rebuilds = rebuild.progress(self.settings.warehouse)
             r.quarantined = dead_letters.counts(self.settings.warehouse)
+            r.keyless = dead_letters.counts(self.settings.warehouse, keyless=True)
         self._part(r, "lake", lake)
         if self._dagster:
             def dagster() -> None:
@@ -342,6 +344,9 @@ def lake_metrics(r: Reading, consumer: str, latency: Latency,
                  "one of their events; their last good state is kept, their later events wait (`_dead_letters`, "
                  "`es-pipeline lake quarantined`)", ["consumer", "projection"],
                  [([consumer, name], float(n)) for name, n in sorted(held.items())])
+    yield _gauge("es_pipeline_events_key_unreadable", "Events a cross-stream projection's key function failed on: "
+                 "no key holds them (`_dead_letters`); a new revision of the projection folds them again",
+                 ["consumer", "projection"], [([consumer, name], float(n)) for name, n in sorted(r.keyless.items())])
     yield _gauge("es_pipeline_rebuild_events_folded", "Events a rebuild beside stream_state has folded of those `events` "
                  "held when it started (lake/state/rebuild.py)", ["consumer", "stream_type"],
                  [([consumer, p.stream_type], float(p.events_folded)) for p in r.rebuilds])

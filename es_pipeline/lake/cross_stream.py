@@ -238,8 +238,15 @@ def reconcile(warehouse: Location, domain: Domain, name: str) -> Reconciled:
             [("count_all", "sum")]).rename_columns(["tenant", "key", "count_all"])
     expected = pa.table({"tenant": counts["tenant"], projection.key_column: counts["key"].cast(pa.string()),
                          "events": counts["count_all"].cast(pa.int64())})
-    n, examples = rows_off(expected, current.files(path, target).to_table(columns=list(expected.column_names)),
-                           ["tenant", projection.key_column])
+    held = ["quarantined"] if tables.has_columns(target, ["quarantined"]) else []
+    rows = current.files(path, target).to_table(columns=[*expected.column_names, *held])
+    if held:  # a held key (docs/decisions/0051) has folded its events before the failing one only: left out, as
+        # stream_state's check leaves its held streams out (the quarantine has its own alert)
+        pairs = lambda t: pc.binary_join_element_wise(t["tenant"], t[projection.key_column], "\x00")  # noqa: E731
+        out = pairs(rows.filter(pc.is_valid(rows["quarantined"])))
+        rows = rows.filter(pc.is_null(rows["quarantined"])).drop_columns(held)
+        expected = expected.filter(pc.invert(pc.is_in(pairs(expected), out)))
+    n, examples = rows_off(expected, rows, ["tenant", projection.key_column])
     return Reconciled(int(seen), n, examples, engine="local")
 
 

@@ -78,9 +78,11 @@ def rows_of(warehouse: Location, table_name: str | None = None) -> pa.Table:
     return rows.sort_by([("table_name", "ascending"), ("tenant", "ascending"), ("key", "ascending")])
 
 
-def counts(warehouse: Location) -> dict[str, int]:
-    """Quarantined streams or keys per table."""
-    rows = rows_of(warehouse).select(["table_name"])
+def counts(warehouse: Location, *, keyless: bool = False) -> dict[str, int]:
+    """Quarantined streams or keys per table (`keyless`: instead, the events whose key function failed, which no
+    row holds: a new revision of the projection folds them again)."""
+    rows = rows_of(warehouse)
+    rows = rows.filter(pc.is_null(rows["key"]) if keyless else pc.is_valid(rows["key"])).select(["table_name"])
     if not rows.num_rows:
         return {}
     grouped = rows.group_by("table_name").aggregate([("table_name", "count")])
@@ -152,21 +154,33 @@ def add(warehouse: Location, table_name: str, keyless: pa.Table) -> None:
         _write(warehouse, table_name, pa.concat_tables([held.cast(COLUMNS), fresh]), None)
 
 
-def follow(warehouse: Location, table_name: str, key_column: str, *, keyless: pa.Table | None = None) -> None:
+# (warehouse, table, table id) → the version of the table whose rows this process found `_dead_letters` to hold: a
+# tailing run's follow that finds nothing new reads nothing then (a table's quarantined column is read at most once
+# per version and process).
+_FOLLOWED: dict[tuple[str, str, str], int] = {}
+
+
+def follow(warehouse: Location, table_name: str, key_column: str, *, keyless: pa.Table | None = None,
+           held: pa.Table | None = None) -> None:
     """`_dead_letters`' rows of `table_name` made its quarantined rows as it stands, and the rows without a key
-    (events a key function failed on): `keyless` (a whole build found these), else those listed already. Read only
-    where the table moved since they were written. Called after each update of the table, in its turn."""
+    (events a key function failed on): `keyless` (a whole build found these), else those listed already. `held`: the
+    table's quarantined rows (tenant, key column, [stream_type,] quarantined), where the caller knows them (an
+    increment that read the table whole), else read here: only where the table moved since they were written.
+    Called after each update of the table, in its turn."""
     path = tables.table_path(warehouse, table_name)
     if not tables.is_delta_table(path):
         return
     table = DeltaTable(path)
     version, source_id = int(table.version()), str(table.metadata().id)
-    if not tables.has_columns(table, ["quarantined"]) or (keyless is None and written_for(
-            warehouse, table_name, source_id) == version):
+    memo = (str(warehouse), table_name, source_id)
+    if not tables.has_columns(table, ["quarantined"]) or (keyless is None and held is None and (
+            _FOLLOWED.get(memo) == version or written_for(warehouse, table_name, source_id) == version)):
         return
     typed = tables.has_columns(table, ["stream_type"])
     columns = ["tenant", key_column, *(["stream_type"] if typed else []), "quarantined"]
-    if current.has_deletion_vectors(table):  # its files alone are not its rows: DataFusion honours the vectors
+    if held is not None:
+        pass
+    elif current.has_deletion_vectors(table):  # its files alone are not its rows: DataFusion honours the vectors
         from deltalake import QueryBuilder
 
         held = current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("t", table).execute(
@@ -194,3 +208,4 @@ def follow(warehouse: Location, table_name: str, key_column: str, *, keyless: pa
         keyless = listed.filter(pc.is_null(listed["key"])).drop_columns(["updated_at"])
     rows = pa.concat_tables([rows, keyless.cast(COLUMNS)])
     replace(warehouse, table_name, rows, source_id, version)
+    _FOLLOWED[memo] = version

@@ -52,7 +52,12 @@ def as_of_spark(query: str, columns_of: Any) -> str:
                               "history (Domain.reducer(..., history=True))", []) from None
         moment = f"CAST(({args[1]}) AS TIMESTAMP)"
         out.append(query[at:found.start()])
-        out.append(f"(SELECT {', '.join([*_AS_OF_COLUMNS, *(f'h.`{c}`' for c in fields)])} FROM {name} h {_HELD} "
+        try:
+            held = _HELD if "quarantined" in columns_of("stream_state") else ""
+        except KeyError:
+            held = ""
+        columns = _AS_OF_COLUMNS if held else (*_AS_OF_COLUMNS[:-1], "CAST(NULL AS STRING) AS quarantined")
+        out.append(f"(SELECT {', '.join([*columns, *(f'h.`{c}`' for c in fields)])} FROM {name} h {held} "
                    f"WHERE h.valid_from <= {moment} AND (h.valid_to IS NULL OR h.valid_to > {moment}))")
         at = end
     return "".join(out) + query[at:]

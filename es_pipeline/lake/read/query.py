@@ -69,8 +69,12 @@ def duckdb_connection(warehouse: Location, query: str | None = None) -> tuple[An
     named = [n for n in names if query is None or re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", query, re.IGNORECASE)
              or (histories and (n.endswith("_history") or n == "stream_state"))]
     for name in named or names:  # a view reads its table's log when made: a lake of 300 tables makes only those used
-        quoted = tables.table_path(warehouse, name).replace("'", "''")
-        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM delta_scan(\'{quoted}\')')
+        path = tables.table_path(warehouse, name)
+        quoted = path.replace("'", "''")
+        # `state_as_of` reads stream_state's `quarantined`: NULL in a lake not updated since quarantine came.
+        extra = ", CAST(NULL AS VARCHAR) AS quarantined" if name == "stream_state" and not tables.has_columns(
+            path, ["quarantined"]) else ""
+        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT *{extra} FROM delta_scan(\'{quoted}\')')
     con.execute(as_of.DUCKDB_MACRO)
     return con, names
 

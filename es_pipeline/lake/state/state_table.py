@@ -78,7 +78,7 @@ def without_prior(events: Any) -> Any:
         .withColumn("prior_quarantined", F.lit(None).cast("string"))
 
 
-def follow_dead_letters(warehouse: Location) -> None:
-    """`_dead_letters`' rows of `stream_state` made its quarantined rows as it stands (lake/kernel/dead_letters.py);
-    read only where `stream_state` moved since they were written."""
-    dead_letters.follow(warehouse, STREAM_STATE.name, "stream_id")
+def follow_dead_letters(warehouse: Location, held: pa.Table | None = None) -> None:
+    """`_dead_letters`' rows of `stream_state` made its quarantined rows as it stands (lake/kernel/dead_letters.py):
+    `held` where the caller knows them, else read where `stream_state` moved since they were written."""
+    dead_letters.follow(warehouse, STREAM_STATE.name, "stream_id", held=held)

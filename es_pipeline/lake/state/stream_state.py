@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_HELD = ("tenant", "stream_id", "stream_type", "quarantined")  # a quarantined row, as `_dead_letters` lists it
+
 _PARKED_SCHEMA = "ARRAY<STRUCT<version: INT, event_type: STRING, payload: STRING, recorded_at: TIMESTAMP>>"
 
 
@@ -112,13 +114,14 @@ def retry(warehouse: Location, domain: Domain, *, store_dsn: str | None = None,
     return runner.retry(_StreamState(warehouse, domain, False, only=tuple(streams)), warehouse, store_dsn=store_dsn)
 
 
-def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None) -> Result:
+def with_typed_state(warehouse: Location, domain: Domain, result: Result, written: Written | None = None,
+                     held: pa.Table | None = None) -> Result:
     """`result`, once the typed state tables of `domain` follow `stream_state` (lake/state/typed_state.py: from
     `written`, the commit this process just made, where it made one), and `_dead_letters` its quarantined rows
     (`follow_dead_letters`); in the table's turn. Also after an update that found nothing new: a table a crash left
     behind `stream_state` catches up."""
     rows = typed_state.update(warehouse, domain, written)
-    follow_dead_letters(warehouse)
+    follow_dead_letters(warehouse, held)
     return result.with_figures(**{f"typed_rows/{name}": n for name, n in sorted(rows.items())}) if rows else result
 
 
@@ -172,6 +175,8 @@ class _StreamState(Kind):
         new = with_schema_versions(payloads.for_reducers(tables.tenant_filled(rows)), self.domain)
         # Read once, whole, and filtered here: pyarrow's pushdown fails on the string_view statistics delta-rs writes.
         whole = current.files(increment.path, state).to_table()
+        quarantined = whole.filter(pc.is_valid(whole["quarantined"])).select(list(_HELD)) \
+            if "quarantined" in whole.column_names else pa.table({c: pa.array([], pa.string()) for c in _HELD})
         kinds = whole.select(["stream_type", "revision"]).group_by(["stream_type", "revision"]).aggregate([])
         # A stream type to rebuild (its reducer changed, its history table unbound) is left as it is, its events with
         # it, until its rebuild beside swaps it in (lake/state/rebuild.py); every other type is folded now.
@@ -184,7 +189,7 @@ class _StreamState(Kind):
             whole = whole.filter(pc.or_(pc.is_null(whole["parked"]), pc.is_in(whole["stream_id"],
                                                                                pa.array(self.only, pa.string()))))
         out, prior = fold_onto(whole, new, self.domain, self.skip_unknown)
-        return _StateFold(self.domain, increment, out, prior, held)
+        return _StateFold(self.domain, increment, out, prior, held, quarantined)
 
     def build_here(self, warehouse: Location, turn: Turn, engine: Engine) -> Result | None:
         done = _first_build(warehouse, self.domain, self.skip_unknown, turn)
@@ -212,6 +217,14 @@ class _StateFold:
     out: pa.Table
     prior: pa.Table
     held: list[str]
+    quarantined: pa.Table  # the table's quarantined rows before this commit (`_HELD`'s columns)
+
+    def held_after(self, updates: pa.Table) -> pa.Table:
+        """The table's quarantined rows once `updates` are merged: known without reading it again."""
+        keys = lambda t: pc.binary_join_element_wise(pc.fill_null(t["tenant"], ""), t["stream_id"], "\x00")  # noqa: E731
+        kept = self.quarantined.filter(pc.invert(pc.is_in(keys(self.quarantined), keys(updates))))
+        new = updates.filter(pc.is_valid(updates["quarantined"])).select(list(_HELD))
+        return pa.concat_tables([kept.cast(new.schema), new])
 
     def commit(self, txn: int) -> Result:
         state, step, held = self.increment.target, self.increment, self.held
@@ -221,22 +234,30 @@ class _StateFold:
         before = int(state.version())
         # With the position, the types held back from now on: they stay pending until swapped (lake/state/rebuild.py).
         props = position.marks([(step.position.app_id, txn), *rebuild.marks(state, step.feed.table_id, held, read)])
+        # A retry (`retry`: the position it holds, recorded again) writes the history tables first: they record the
+        # same txn before and after, so one left behind by a crash would look up to date; written first, a crash
+        # leaves rows the next retry writes again (the MERGE by key), never a missing part.
+        retrying = txn == read
+        kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(),
+                                   skip=held) if retrying else {}
         if updates.num_rows:
             state.merge(updates, predicate=" AND ".join(f"t.{k} = u.{k}" for k in KEY), source_alias="u",
                         target_alias="t", commit_properties=props) \
                 .when_matched_update_all().when_not_matched_insert_all().execute()
         else:  # only events of a type held back (delta-rs commits no MERGE without rows): the position recorded alone
             position.record(state, props)
-        kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(), skip=held)
+        if not retrying:
+            kept = history.write_arrow(step.warehouse, self.domain, self.out, step.feed.table_id, txn, whole=(),
+                                       skip=held)
         result = arrow_result(self.out, step.now, step.previous, history_rows=kept, held_types=held)
         if not typed_state.typed_tables(self.domain):
-            follow_dead_letters(step.warehouse)
+            follow_dead_letters(step.warehouse, self.held_after(updates))
             return result  # no typed table follows the commit: which streams are new is not needed
         prior = pc.binary_join_element_wise(self.prior["tenant"], self.prior["stream_id"], "\x00")
         inserted = pc.invert(pc.is_in(pc.binary_join_element_wise(updates["tenant"], updates["stream_id"], "\x00"),
                                       prior))
         return with_typed_state(step.warehouse, self.domain, result,
-                                Written(before, int(state.version()), updates, inserted))
+                                Written(before, int(state.version()), updates, inserted), self.held_after(updates))
 
 
 def _first_build(warehouse: Location, domain: Domain, skip_unknown: bool, turn: Turn) -> Result | None:
