@@ -303,6 +303,11 @@ def test_a_cross_stream_key_is_quarantined_alone_and_a_key_that_cannot_be_read_g
     assert json.loads(row["quarantined"])["retries"] == 1 and len(json.loads(row["parked"])) == 3
     assert dead_letters.counts(warehouse) == {"balances": 1}, "the held key"
     assert dead_letters.counts(warehouse, keyless=True) == {"balances": 1}, "the key-less event stays listed"
+    from es_pipeline.extraction.rebuild import rebuildable
+    from es_pipeline.lake import inventory
+
+    assert inventory.lake_tables(warehouse)[-1] == "_dead_letters", "erased, compacted and named like every table"
+    assert "_dead_letters" not in rebuildable(warehouse), "no projection: `lake rebuild` does not take it"
     check = cross_stream.reconcile(warehouse, _ledger(1), "balances")
     assert check.keys_off == 0, "the check leaves the held key out (its quarantine has its own alert)"
     retried = cross_stream.retry(warehouse, _ledger(1), "balances")  # no new event: the held key alone, again
