@@ -100,42 +100,32 @@ def _write(warehouse: Location, table_name: str, rows: pa.Table, at: tuple[str, 
             write_deltalake(path, stamped, mode="overwrite", predicate=f"table_name = '{table_name}'",
                             commit_properties=props)
             return
-        except CommitFailedError:  # another table's rows written meanwhile
+        except CommitFailedError:  # another table's rows written meanwhile (each table's only in its own turn)
+            log.info("%s: a concurrent commit; writing the rows of %s again (attempt %d)", NAME, table_name, attempt + 2)
             time.sleep(0.05 * (attempt + 1))
     raise RuntimeError(f"{NAME}: could not write the rows of {table_name} in {_ATTEMPTS} attempts")
 
 
 def replace(warehouse: Location, table_name: str, rows: pa.Table, source_id: str, source_version: int) -> int:
     """Make `_dead_letters`' rows of `table_name` be `rows` (of `COLUMNS`): what that table (of Delta id `source_id`)
-    says at its Delta version `source_version`. Written only where they differ, with `source_version` recorded (an older version than
-    the one recorded is not written: a later update wrote already). Returns how many rows the table has there."""
+    says at its Delta version `source_version`. Written only where they differ, with `source_version` recorded (an
+    older version than the one recorded is not written: a later update wrote already). How many rows it has there."""
     path = DEAD_LETTERS.path(warehouse)
     rows = rows.cast(COLUMNS).sort_by([("tenant", "ascending"), ("key", "ascending")])
-    for attempt in range(_ATTEMPTS):
-        if not tables.is_delta_table(path):
-            if not rows.num_rows:
-                return 0  # nothing quarantined, and never was: no table
-            DEAD_LETTERS.ensure_arrow(warehouse)
-        table = DeltaTable(path)
-        recorded = table.transaction_version(_app(table_name, source_id))
-        if recorded is not None and recorded >= source_version:
-            return rows.num_rows
-        held = current.files(path, table).to_table()
-        held = held.filter(pc.equal(held["table_name"], table_name)).drop_columns(["updated_at"]) \
-            .sort_by([("tenant", "ascending"), ("key", "ascending")])
-        if held.equals(rows):
-            return rows.num_rows
-        stamped = rows.append_column("updated_at", pa.array([datetime.now(UTC)] * rows.num_rows, UTC_MICROS))
-        try:
-            write_deltalake(path, stamped, mode="overwrite", predicate=f"table_name = '{table_name}'",
-                            commit_properties=position.commit_properties(_app(table_name, source_id), source_version))
-        except CommitFailedError:  # another table's rows written meanwhile: read again, write again
-            log.info("%s: a concurrent commit; writing the rows of %s again (attempt %d)", NAME, table_name,
-                     attempt + 2)
-            time.sleep(0.05 * (attempt + 1))
-            continue
+    if not tables.is_delta_table(path):
+        if rows.num_rows:
+            _write(warehouse, table_name, rows, (source_id, source_version))
+        return rows.num_rows  # none: nothing quarantined, and never was, so no table
+    table = DeltaTable(path)
+    recorded = table.transaction_version(_app(table_name, source_id))
+    if recorded is not None and recorded >= source_version:
         return rows.num_rows
-    raise RuntimeError(f"{NAME}: could not write the rows of {table_name} in {_ATTEMPTS} attempts")
+    held = current.files(path, table).to_table()
+    held = held.filter(pc.equal(held["table_name"], table_name)).drop_columns(["updated_at"]) \
+        .sort_by([("tenant", "ascending"), ("key", "ascending")])
+    if not held.equals(rows):
+        _write(warehouse, table_name, rows, (source_id, source_version))
+    return rows.num_rows
 
 
 def add(warehouse: Location, table_name: str, keyless: pa.Table) -> None:
@@ -152,6 +142,17 @@ def add(warehouse: Location, table_name: str, keyless: pa.Table) -> None:
         *(new[c].to_pylist() for c in ("tenant", "stream_id", "version")), strict=True)], pa.bool_()))
     if fresh.num_rows:
         _write(warehouse, table_name, pa.concat_tables([held.cast(COLUMNS), fresh]), None)
+
+
+def _quarantined_rows(path: str, table: DeltaTable, columns: list[str]) -> pa.Table:
+    """The table's rows with `quarantined` set, in `columns`."""
+    if current.has_deletion_vectors(table):  # its files alone are not its rows: DataFusion honours the vectors
+        from deltalake import QueryBuilder
+
+        return current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("t", table).execute(
+            f"SELECT {', '.join(columns)} FROM t WHERE quarantined IS NOT NULL")).read_all())
+    rows = current.files(path, table).to_table(columns=columns)
+    return rows.filter(pc.is_valid(rows["quarantined"]))
 
 
 # (warehouse, table, table id) → the version of the table whose rows this process found `_dead_letters` to hold: a
@@ -178,16 +179,8 @@ def follow(warehouse: Location, table_name: str, key_column: str, *, keyless: pa
         return
     typed = tables.has_columns(table, ["stream_type"])
     columns = ["tenant", key_column, *(["stream_type"] if typed else []), "quarantined"]
-    if held is not None:
-        pass
-    elif current.has_deletion_vectors(table):  # its files alone are not its rows: DataFusion honours the vectors
-        from deltalake import QueryBuilder
-
-        held = current.plain(pa.RecordBatchReader.from_stream(QueryBuilder().register("t", table).execute(
-            f"SELECT {', '.join(columns)} FROM t WHERE quarantined IS NOT NULL")).read_all())
-    else:
-        held = current.files(path, table).to_table(columns=columns)
-        held = held.filter(pc.is_valid(held["quarantined"]))
+    if held is None:
+        held = _quarantined_rows(path, table, columns)
     said = [json.loads(q) for q in held["quarantined"].to_pylist()]
     keys = held[key_column].to_pylist()
     rows = pa.table({
