@@ -122,6 +122,10 @@ def test_a_poisoned_event_quarantines_its_stream_alone_and_a_new_revision_refold
     writers.join()
     extract_all(dsn.extractor, spark, warehouse)
     said.append(update_stream_state(on, warehouse, domain=_domain(1)).figures["quarantined_streams"])
+    # One more update with a new event, whenever the poisoned one reached the lake: it retries the held stream.
+    store.append("cart-after", "cart", [NewEvent("ItemAdded", {"sku": "z", "qty": 1})], 0)
+    extract_all(dsn.extractor, spark, warehouse)
+    said.append(update_stream_state(on, warehouse, domain=_domain(1)).figures["quarantined_streams"])
     assert set(said) <= {0, 1} and 1 in said, said
 
     # Every other stream is the store's fold; the poisoned one its fold up to the event before (version 2).
