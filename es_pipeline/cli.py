@@ -426,6 +426,25 @@ def _sql(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _catalog(args: argparse.Namespace, settings: Settings) -> int:
+    from es_pipeline.lake.read import metastore
+
+    if args.action == "sync":
+        done = metastore.sync(settings, say=lambda line: print(line, flush=True))
+        how = "Spark registered the difference" if done.jvm else "nothing to change, no JVM started"
+        print(f"catalog: {done.tables} tables in `{done.schema}`, {len(done.registered)} registered, "
+              f"{len(done.dropped)} dropped ({how}; {done.seconds:.1f} s)")
+        return 0
+    ms = metastore.Metastore.required(settings)
+    catalog = metastore.registered(ms)
+    for name in sorted(catalog):
+        print(f"{ms.schema}.{name}\t{catalog[name]}")
+    diff = metastore.difference(ms, settings.warehouse)
+    print(f"catalog: {len(catalog)} tables in `{ms.schema}`; against the lake: {diff.describe()}"
+          + (" (`es-pipeline catalog sync` registers the difference)" if diff else ""))
+    return 1 if diff else 0
+
+
 def _spark(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
     from es_pipeline.lake.spark import connect_server_command, delta_jars, prepare_local_start
@@ -654,6 +673,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--limit", type=int, default=50, help="table: rows shown (default 50)")
     q.add_argument("--truncate", action="store_true", help=argparse.SUPPRESS)  # before 0.2: cells are always cut
     q.set_defaults(func=_sql)
+
+    ca = sub.add_parser("catalog", help="the lake's tables by name in the Hive metastore (docs/analysts.md)")
+    ca.add_argument("action", choices=["sync", "show"],
+                    help="sync: register the lake's tables the catalog lacks, drop those gone (Spark only if any); "
+                    "show: the catalog's tables and the difference with the lake (exit 1 if any)")
+    ca.set_defaults(func=_catalog)
 
     sp = sub.add_parser("spark", help="Spark set-up")
     sp.add_argument("action", choices=["jars", "serve"],

@@ -366,6 +366,10 @@ class SparkSetupError(EsPipelineError):
     """Spark or its Delta jars cannot be set up (no `java`, Maven Central unreachable, jars missing)."""
 
 
+class MetastoreError(EsPipelineError):
+    """The catalog (the Hive metastore in PostgreSQL, lake/read/metastore.py) cannot be reached, made or synced."""
+
+
 class ForeignDemoTarget(EsPipelineError):
     """A demo command was pointed at a database other than the project's local development server."""
 

@@ -338,6 +338,19 @@ DECLARED: tuple[Setting, ...] = (
             default_text="unset (`spark serve` and `make dev`: generated into `.secrets/spark-connect-token`)",
             what="Spark's own variable: the token the Connect server requires and its clients send"),
     Setting("ES_PIPELINE_SCHEMA", field="schema", default="es", what="schema of the event store"),
+    Setting("ES_PIPELINE_METASTORE_DSN", field="metastore_dsn", secret=True,
+            default=lambda read: local_pg_dsn(read["local_pg_port"], "metastore"),
+            default_text="the local server's `metastore` database",
+            what="the catalog: a PostgreSQL database holding the Hive metastore that names every lake table for Spark "
+            "sessions, `es-pipeline sql --engine spark` and the SQL endpoint (`docs/analysts.md`); its login owns that "
+            "database and nothing else; `off`: no catalog"),
+    Setting("ES_PIPELINE_CATALOG_SCHEMA", field="catalog_schema", default="es",
+            what="the catalog's schema (Hive database) holding the lake's tables: `es.stream_state`"),
+    Setting("ES_PIPELINE_SQL_ENDPOINT_AUTH", field="sql_endpoint_auth", kind=OneOf(("none", "password")),
+            default="none",
+            what="how the SQL endpoint (`es-pipeline sql-endpoint`) checks its clients: `none` (it then listens on "
+            "localhost only) or `password` (the users in `.secrets/sql-endpoint-users`, `es-pipeline sql-endpoint "
+            "--add-user`); `docs/security.md`"),
     Setting("ES_PIPELINE_SOURCE", field="source_mapping", kind=EventTable(), default_text="`es`", attribute="source",
             brief="The event table read: es (es_pipeline's own es.events), es-tenants, emmett, pekko-r2dbc, pekko-jdbc, "
             "marten (optionally `:schema`), or a TOML mapping file (docs/sources.md).",
@@ -489,6 +502,9 @@ class Settings:
     origins: tuple[tuple[str, str], ...] = ()
     latency_bound_seconds: int = _default("ES_PIPELINE_LATENCY_BOUND_SECONDS")
     follow_seconds: int = _default("ES_PIPELINE_FOLLOW_SECONDS")
+    metastore_dsn: str | None = None  # from_env: the local server's `metastore` database unless set
+    catalog_schema: str = _default("ES_PIPELINE_CATALOG_SCHEMA")
+    sql_endpoint_auth: str = _default("ES_PIPELINE_SQL_ENDPOINT_AUTH")
 
     @property
     def source(self) -> Source:
