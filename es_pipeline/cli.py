@@ -445,6 +445,20 @@ def _catalog(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if diff else 0
 
 
+def _sql_endpoint(args: argparse.Namespace, settings: Settings) -> int:
+    import getpass
+
+    from es_pipeline.lake.read import endpoint
+
+    if args.add_user:
+        password = os.environ.get("ES_PIPELINE_NEW_USER_PASSWORD") or getpass.getpass(f"password for {args.add_user}: ")
+        where = endpoint.add_user(args.add_user, password)
+        print(f"SQL endpoint: user {args.add_user} added to {where} (a salted hash; used with "
+              "ES_PIPELINE_SQL_ENDPOINT_AUTH=password)")
+        return 0
+    return endpoint.serve(settings, host=args.host, port=args.port, say=lambda line: print(line, flush=True))
+
+
 def _spark(args: argparse.Namespace, settings: Settings) -> int:
     from es_pipeline.dev.connect_token import TOKEN_ENV, TOKEN_FILE, local_remote, local_token
     from es_pipeline.lake.spark import connect_server_command, delta_jars, prepare_local_start
@@ -679,6 +693,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sync: register the lake's tables the catalog lacks, drop those gone (Spark only if any); "
                     "show: the catalog's tables and the difference with the lake (exit 1 if any)")
     ca.set_defaults(func=_catalog)
+
+    se = sub.add_parser("sql-endpoint", help="serve the catalog to JDBC/ODBC clients: Spark's Thrift server")
+    se.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1; another needs ES_PIPELINE_SQL_ENDPOINT_AUTH=password)")
+    se.add_argument("--port", type=int, default=10000, help="port (default 10000)")
+    se.add_argument("--add-user", metavar="NAME",
+                    help="add or replace a user of the password mode (the password is asked for, or read from "
+                    "ES_PIPELINE_NEW_USER_PASSWORD) and exit")
+    se.set_defaults(func=_sql_endpoint)
 
     sp = sub.add_parser("spark", help="Spark set-up")
     sp.add_argument("action", choices=["jars", "serve"],
