@@ -243,7 +243,10 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
         for check in chosen:
             print(f"{check.table:<20} {check.name:<40} {check.description}")
         return 0
-    given = checks.Given(_engine(args, settings), settings.warehouse, settings.pg_dsn, settings.source)
+    from es_pipeline.lake.read.metastore import Metastore
+
+    given = checks.Given(_engine(args, settings), settings.warehouse, settings.pg_dsn, settings.source,
+                         metastore=Metastore.of(settings))
     print(f"checking {len(chosen)} check(s) of {settings.warehouse} against {settings.source.label}", flush=True)
 
     def said(check: checks.Check, outcome: checks.Outcome | Exception, seconds: float) -> None:

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import dagster as dg
 
+from es_pipeline.defs.catalog import build_catalog_sensor, catalog, catalog_job
 from es_pipeline.defs.checks import build_asset_checks
 from es_pipeline.defs.events.asset import build_events_asset, build_events_job
 from es_pipeline.defs.events.partitions import slice_ranges_partitions
@@ -64,12 +65,13 @@ def build_definitions(settings: Settings | None = None, domain: Domain | None = 
     )
     rebuilds_job = build_rebuilds_job(domain)
     return dg.Definitions(
-        assets=with_freshness([events, *build_projection_assets(domain), snapshots], settings),
+        assets=[*with_freshness([events, *build_projection_assets(domain), snapshots], settings), catalog],
         asset_checks=build_asset_checks(domain),
-        jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job, rebuilds_job],
+        jobs=[events_job, lake_checks_job, delta_maintenance_job, snapshots_job, rebuilds_job, catalog_job],
         sensors=[new_events_sensor, build_projections_automation_sensor(running=settings.automation, domain=domain),
                  build_run_failure_alert(),
-                 build_rebuilds_sensor(rebuilds_job, domain, running=settings.rebuilds == "beside")],
+                 build_rebuilds_sensor(rebuilds_job, domain, running=settings.rebuilds == "beside"),
+                 build_catalog_sensor(running=settings.automation)],
         schedules=[delta_maintenance_schedule, snapshots_schedule, lake_checks_schedule],
         resources=build_resources(settings),
         # Every job's steps in the run's own process unless it says otherwise: a hand materialization of a

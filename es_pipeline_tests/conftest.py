@@ -212,6 +212,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST_FILES_FIRST = (
     "es_pipeline_tests/lake/test_spark_cluster.py",
     "es_pipeline_tests/extraction/test_crash_drill.py",
+    "es_pipeline_tests/lake/test_metastore.py",
     "es_pipeline_tests/extraction/test_extractor.py",
     "es_pipeline_tests/lake/test_interop.py",
     "es_pipeline_tests/lake/test_projections.py",

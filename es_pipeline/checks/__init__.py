@@ -4,6 +4,7 @@
 - `events`: `events` against the store (no duplicates, contiguous versions, counts below the watermarks).
 - `projections`: every projection against `events` at the version it folded.
 - `snapshots`: the store's snapshot table against the lake's.
+- `catalog`: the catalog's tables against the lake's.
 
 `every_check(domain)` lists them all, the team's cross-stream projections' too; `run` runs a selection, one at a
 time, with what to say as each ends. `es-pipeline lake check [TABLE...]` runs them without Dagster; the code location
@@ -16,13 +17,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from es_pipeline.checks import events, projections, snapshots
+from es_pipeline.checks import catalog, events, projections, snapshots
 from es_pipeline.checks.check import Check, Given, Outcome
 from es_pipeline.domain import Domain
 
 __all__ = ["BUILTIN", "Check", "Given", "Outcome", "every_check", "run", "select"]
 
-BUILTIN: list[Check] = [*events.CHECKS, *projections.CHECKS, *snapshots.CHECKS]
+BUILTIN: list[Check] = [*events.CHECKS, *projections.CHECKS, *snapshots.CHECKS, *catalog.CHECKS]
 
 
 def every_check(domain: Domain) -> list[Check]:

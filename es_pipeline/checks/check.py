@@ -14,6 +14,7 @@ from typing import Any
 from es_pipeline.extraction.slices import SliceRange
 from es_pipeline.lake.delta.tables import Location
 from es_pipeline.lake.kernel.engine import Engine
+from es_pipeline.lake.read.metastore import Metastore
 from es_pipeline.source.mapping import Source
 from es_pipeline.store.event_store import EventStore
 
@@ -21,7 +22,7 @@ from es_pipeline.store.event_store import EventStore
 @dataclass(frozen=True)
 class Given:
     """What a check reads: the lake (`warehouse`), where its work runs (`engine`, the engine rule), the store
-    (`store_dsn`, read as `source`), and `scope`: the slices of the one partition it runs beside (None: every
+    (`store_dsn`, read as `source`), the catalog (`metastore`), and `scope`: the slices of the one partition it runs beside (None: every
     slice; only the checks of `events` narrow to it)."""
 
     engine: Engine
@@ -29,6 +30,7 @@ class Given:
     store_dsn: str
     source: Source
     scope: SliceRange | None = None
+    metastore: Metastore | None = None  # the catalog (lake/read/metastore.py); None: ES_PIPELINE_METASTORE_DSN=off
 
     def store(self) -> EventStore:
         return EventStore.for_source(self.store_dsn, self.source)

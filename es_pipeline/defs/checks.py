@@ -12,7 +12,13 @@ from dagster._core.errors import DagsterInvalidPropertyError
 
 from es_pipeline import checks
 from es_pipeline.checks import Check, Given
-from es_pipeline.defs.resources import EventStoreResource, SparkResource, WarehouseResource, engine_of
+from es_pipeline.defs.resources import (
+    CatalogResource,
+    EventStoreResource,
+    SparkResource,
+    WarehouseResource,
+    engine_of,
+)
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.slices import SliceRange
 
@@ -33,9 +39,9 @@ def asset_check(check: Check) -> dg.AssetChecksDefinition:
 
     @dg.asset_check(asset=check.table, name=check.name, description=check.description, blocking=check.blocking)
     def _check(context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-               event_store: EventStoreResource) -> dg.AssetCheckResult:
+               event_store: EventStoreResource, metastore: CatalogResource) -> dg.AssetCheckResult:
         given = Given(engine_of(warehouse, spark), warehouse.root, event_store.dsn, event_store.events_source(),
-                      scope_of(context) if check.scoped else None)
+                      scope_of(context) if check.scoped else None, metastore.metastore())
         outcome = check.run(given)
         return dg.AssetCheckResult(passed=outcome.passed, metadata=outcome.metadata)
 

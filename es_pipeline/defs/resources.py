@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
 from es_pipeline.lake.kernel.engine import Engine
+from es_pipeline.lake.read.metastore import Metastore
 from es_pipeline.lake.spark import prepare_local_start, spark_conf
 from es_pipeline.settings import Settings, warehouse_location
 from es_pipeline.source import mapping
@@ -62,6 +64,22 @@ class SparkResource(LazyPySparkResource):
         return super().spark_session
 
 
+class CatalogResource(dg.ConfigurableResource):
+    """The catalog (lake/read/metastore.py): the metastore's PostgreSQL database (`ES_PIPELINE_METASTORE_DSN`, an
+    `EnvVar` when set: its password never in Dagster), its schema, and the local Spark configuration a sync starts a
+    session with when the catalog differs from the lake."""
+
+    dsn: str  # "off": no catalog
+    schema_name: str = "es"
+    local_admin: str | None = None  # the local server's, when `dsn` is its `metastore` database (no password)
+    spark_config: dict[str, str] = {}
+
+    def metastore(self) -> Metastore | None:
+        if not self.dsn or self.dsn.strip().lower() == "off":
+            return None
+        return Metastore(self.dsn, self.schema_name, self.local_admin)
+
+
 def engine_of(warehouse: WarehouseResource, spark: SparkResource) -> Engine:
     """Where a table's work runs: the warehouse's engine setting, with the Spark session made only where the rule
     says Spark (lake/kernel/engine.py)."""
@@ -74,7 +92,13 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     Only the local development server's DSN (no password) is given as a value."""
     dsn: Any = dg.EnvVar("ES_PIPELINE_PG_DSN") if settings.pg_dsn_from_env else settings.pg_dsn
     snapshot_dsn: Any = dg.EnvVar("ES_PIPELINE_SNAPSHOT_DSN") if settings.snapshot_dsn else None
+    local = Metastore.of(settings) if (settings.metastore_dsn or "off").lower() != "off" else None
+    metastore_dsn: Any = dg.EnvVar("ES_PIPELINE_METASTORE_DSN") if os.environ.get("ES_PIPELINE_METASTORE_DSN") \
+        else (settings.metastore_dsn or "off")
     return {
+        "metastore": CatalogResource(dsn=metastore_dsn, schema_name=settings.catalog_schema,
+                                     local_admin=local.local_admin if local else None,
+                                     spark_config={k: str(v) for k, v in spark_conf(settings).items()}),
         "event_store": EventStoreResource(dsn=dsn, schema_name=settings.schema, snapshot_dsn=snapshot_dsn,
                                           source=settings.source_spec),
         "warehouse": WarehouseResource(path=str(settings.warehouse), engine=settings.engine,

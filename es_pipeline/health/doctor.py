@@ -151,6 +151,28 @@ def check_spark(settings: Settings) -> list[Finding]:
     return found
 
 
+def check_catalog(settings: Settings) -> Finding:
+    """The catalog (lake/read/metastore.py): reachable, and naming exactly the lake's tables."""
+    from es_pipeline.lake.read import metastore
+
+    try:
+        ms = metastore.Metastore.of(settings)
+        if ms is None:
+            return Finding(OK, "catalog", "off (ES_PIPELINE_METASTORE_DSN=off): tables by path and `es-pipeline sql` "
+                           "only")
+        registered = metastore.registered(ms)
+        diff = metastore.difference(ms, settings.warehouse)
+    except Exception as exc:  # noqa: BLE001 - the catalog's database unreachable, refused: one line
+        return Finding(WARN, "catalog", f"{_failure(exc)} (tables by name need it: docs/analysts.md)")
+    if not registered and diff.missing:
+        return Finding(WARN, "catalog", f"no table in `{ms.schema}` yet: `es-pipeline catalog sync` registers the "
+                       f"lake's {len(diff.missing)}")
+    if diff:
+        return Finding(FAIL, "catalog", f"`{ms.schema}` differs from the lake: {diff.describe()}; "
+                       "`es-pipeline catalog sync` (the `catalog` asset does it on its sensor)")
+    return Finding(OK, "catalog", f"`{ms.schema}` names the lake's {len(registered)} table(s)")
+
+
 def check_instance(settings: Settings) -> Finding:
     home = os.environ.get("DAGSTER_HOME")
     if not home:
@@ -167,4 +189,4 @@ def check_instance(settings: Settings) -> Finding:
 def diagnose(settings: Settings) -> list[Finding]:
     """Every check, in the order a first run meets them."""
     return [check_domain(settings), *check_store(settings), check_lake(settings), *check_spark(settings),
-            check_instance(settings)]
+            check_catalog(settings), check_instance(settings)]

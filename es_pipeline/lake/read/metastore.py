@@ -74,11 +74,12 @@ class Metastore:
                                  "catalog may own (docs/analysts.md, \"The catalog\")")
         return metastore
 
-    def connect(self) -> psycopg.Connection[Any]:
+    def connect(self, *, create: bool = False) -> psycopg.Connection[Any]:
+        """A connection to the catalog's database; `create`: the local server's is made if it is not there."""
         try:
             return psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
         except psycopg.OperationalError as exc:
-            if self.local_admin and "does not exist" in str(exc):
+            if create and self.local_admin and "does not exist" in str(exc):
                 with psycopg.connect(self.local_admin, autocommit=True) as admin:
                     try:
                         admin.execute("CREATE DATABASE metastore")
@@ -150,7 +151,7 @@ def has_schema(conn: psycopg.Connection[Any]) -> bool:
 
 def ensure_schema(metastore: Metastore, say: Callable[[str], None] = lambda line: None) -> bool:
     """Make the metastore's tables if the database has none (DataNucleus's SchemaTool, about 3 s); True if made."""
-    with metastore.connect() as conn:
+    with metastore.connect(create=True) as conn:
         if has_schema(conn):
             return False
         conn.execute("SELECT pg_advisory_lock(%s)", [_SCHEMA_LOCK])
@@ -222,12 +223,24 @@ def wanted(warehouse: Location) -> dict[str, str]:
     return found
 
 
+def never_synced(metastore: Metastore) -> bool:
+    """No sync has made the catalog yet: the local server's database is not there, or has no metastore tables."""
+    try:
+        with metastore.connect() as conn:
+            return not has_schema(conn)
+    except MetastoreError:
+        if metastore.local_admin:
+            with psycopg.connect(metastore.local_admin, autocommit=True, connect_timeout=10) as admin:
+                return admin.execute("SELECT 1 FROM pg_database WHERE datname = 'metastore'").fetchone() is None
+        raise
+
+
 def registered(metastore: Metastore) -> dict[str, str]:
     """The catalog's tables in the schema, each at its recorded location (read from PostgreSQL; {} before the
     first sync)."""
+    if never_synced(metastore):
+        return {}
     with metastore.connect() as conn:
-        if not has_schema(conn):
-            return {}
         rows = conn.execute(
             'SELECT t."TBL_NAME", coalesce(p."PARAM_VALUE", s."LOCATION", \'\') FROM "TBLS" t '
             'JOIN "DBS" d ON d."DB_ID" = t."DB_ID" '
@@ -279,12 +292,26 @@ class Synced:
 
 
 def catalog_session(settings: Settings, metastore: Metastore) -> SparkSession:
-    """A local Spark session with the catalog (the metastore's tables made first). A process whose session was
-    started without it cannot gain it: Hive's catalog is fixed at a session's start."""
-    from es_pipeline.lake.spark import get_spark
+    """A local Spark session with the catalog, on the project's Spark configuration."""
+    from es_pipeline.lake.spark import spark_conf
+
+    return session_with(spark_conf(settings, master=settings.spark_master), metastore)
+
+
+def session_with(conf: dict[str, Any], metastore: Metastore) -> SparkSession:
+    """A classic Spark session of `conf` with the catalog (the metastore's tables made first). A process whose
+    session was started without it cannot gain it: Hive's catalog is fixed at a session's start."""
+    from pyspark.sql import SparkSession
+
+    from es_pipeline.lake.spark import prepare_local_start
 
     ensure_schema(metastore)
-    spark = get_spark(settings, master=settings.spark_master, extra=spark_catalog_conf(metastore))
+    prepare_local_start()
+    builder = SparkSession.builder
+    for key, value in {**conf, **spark_catalog_conf(metastore)}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
     if spark.conf.get("spark.sql.catalogImplementation", "in-memory") != "hive":
         raise MetastoreError("this process's Spark session was started without the catalog; run the sync in a "
                              "process of its own (`es-pipeline catalog sync`)")
@@ -293,21 +320,29 @@ def catalog_session(settings: Settings, metastore: Metastore) -> SparkSession:
 
 def sync(settings: Settings, *, spark: SparkSession | None = None,
          say: Callable[[str], None] = lambda line: None) -> Synced:
-    """Register the lake's tables the catalog lacks and drop those the lake no longer has; Spark only if needed."""
-    started = time.monotonic()
+    """The catalog of `settings` made equal to its lake (`sync_lake`)."""
     metastore = Metastore.required(settings)
+    return sync_lake(metastore, settings.warehouse, spark or (lambda: catalog_session(settings, metastore)), say)
+
+
+def sync_lake(metastore: Metastore, warehouse: Location, spark: SparkSession | Callable[[], SparkSession],
+              say: Callable[[str], None] = lambda line: None) -> Synced:
+    """Register the lake's tables the catalog lacks and drop those the lake no longer has. `spark`: a session with
+    the catalog, or what makes one, called only if the catalog differs from the lake."""
+    started = time.monotonic()
     ensure_schema(metastore, say)
-    diff = difference(metastore, settings.warehouse)
+    diff = difference(metastore, warehouse)
     added: list[str] = []
     dropped: list[str] = []
-    if diff or spark is not None:
-        spark = spark or catalog_session(settings, metastore)
-        added, dropped = apply(spark, metastore.schema, diff, say)
-        diff = difference(metastore, settings.warehouse)
+    given = not callable(spark)
+    if diff or given:
+        session = spark if given else spark()  # type: ignore[operator]
+        added, dropped = apply(session, metastore.schema, diff, say)  # type: ignore[arg-type]
+        diff = difference(metastore, warehouse)
         if diff:
             raise MetastoreError(f"the catalog still differs from the lake after the sync: {diff.describe()}")
     return Synced(metastore.schema, len(registered(metastore)), added, dropped, time.monotonic() - started,
-                  spark is not None)
+                  bool(added or dropped or given))
 
 
 def apply(spark: SparkSession, schema: str, diff: Difference,
@@ -331,3 +366,14 @@ def apply(spark: SparkSession, schema: str, diff: Difference,
 
 def _quoted(path: str) -> str:
     return path.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def spark_with_catalog(settings: Settings | None = None) -> SparkSession:
+    """A notebook's Spark session with Delta and the catalog, in its schema: every lake table by name
+    (`es.stream_state`, or `stream_state`). Reads the catalog as the `catalog` asset keeps it; syncs nothing."""
+    settings = settings or Settings.from_env()
+    metastore = Metastore.required(settings)
+    spark = catalog_session(settings, metastore)
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS `{metastore.schema}`")
+    spark.catalog.setCurrentDatabase(metastore.schema)
+    return spark

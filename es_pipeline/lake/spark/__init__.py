@@ -240,11 +240,9 @@ def prepare_local_start() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
-def get_spark(settings: Settings | None = None, *, master: str | None = None,
-              extra: dict[str, str] | None = None) -> Any:
+def get_spark(settings: Settings | None = None, *, master: str | None = None) -> Any:
     """One SparkSession per process: a Spark Connect session when ES_PIPELINE_SPARK_REMOTE is set,
-    else a classic one built with `spark_conf` and `extra` (the catalog's, lake/read/metastore.py: a session's
-    catalog is fixed at its start)."""
+    else a classic one built with `spark_conf`."""
     from pyspark.sql import SparkSession
 
     settings = settings or Settings.from_env()
@@ -252,7 +250,7 @@ def get_spark(settings: Settings | None = None, *, master: str | None = None,
         return SparkSession.builder.remote(settings.spark_remote).getOrCreate()
     prepare_local_start()
     builder = SparkSession.builder
-    for key, value in {**spark_conf(settings, master=master), **(extra or {})}.items():
+    for key, value in spark_conf(settings, master=master).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
