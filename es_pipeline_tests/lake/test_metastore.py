@@ -60,11 +60,14 @@ BIN = Path(sys.executable).parent
 BEELINE = Path(__import__("pyspark").__file__).parent / "bin" / "beeline"
 ANALYSTS = PROJECT_ROOT / "docs" / "analysts.md"
 HERE = Engine(spark=no_spark)
+PASSWORD = "Analyst-passphrase-7q"  # beeline's script splits its arguments on spaces
+SECRET = {"ES_PIPELINE_NEW_USER_PASSWORD": PASSWORD}
 DBAPI_CLIENT = """
 import json, sys
 from impala.dbapi import connect
+import os
 cursor = connect(host="127.0.0.1", port=int(sys.argv[1]), auth_mechanism="PLAIN", user="analyst",
-                 database="es").cursor()
+                 password=os.environ["ENDPOINT_PASSWORD"], database="es").cursor()
 cursor.execute(sys.argv[2])
 print(json.dumps([list(row) for row in cursor.fetchall()], default=str))
 """
@@ -177,7 +180,15 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
     assert "0 registered, 0 dropped (nothing to change, no JVM started" in again.stdout, again.stdout
 
     # 2. The SQL endpoint, up for the rest of the test; meanwhile a new Spark session that never saw the lake runs
-    # the notebook lines of docs/analysts.md.
+    # the notebook lines of docs/analysts.md. Bound to another address with no authentication, it refuses to start;
+    # here it asks for a password (the mode that may listen elsewhere), of a user added as an operator does.
+    refused = cli("sql-endpoint", "--host", "0.0.0.0", ok=False)
+    assert refused.returncode == 2 and "ES_PIPELINE_SQL_ENDPOINT_AUTH=password" in refused.stderr
+    env |= {"ES_PIPELINE_SQL_ENDPOINT_AUTH": "password", "ES_PIPELINE_SQL_ENDPOINT_USERS": str(tmp_path / "users")}
+    subprocess.run(
+        [str(BIN / "es-pipeline"), "sql-endpoint", "--add-user", "analyst"], env={**env, **SECRET}, check=True,
+        capture_output=True)
+    assert PASSWORD not in (tmp_path / "users").read_text() and (tmp_path / "users").stat().st_mode & 0o077 == 0
     port = free_port()
     said = tmp_path / "endpoint.out"
     with said.open("w") as out:
@@ -204,7 +215,8 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
             return [row for row in csv.reader(io.StringIO(out))][1:]
 
         def beeline(query: str) -> list[list[Any]]:
-            done = subprocess.run([str(BEELINE), "-u", url, "-n", "analyst", "--silent=true", "--outputformat=csv2",
+            done = subprocess.run([str(BEELINE), "-u", url, "-n", "analyst", "-p", PASSWORD, "--silent=true",
+                                   "--outputformat=csv2",
                                    "--showHeader=true", "-e", query], capture_output=True, text=True, timeout=300,
                                   env={**os.environ, "SPARK_SUBMIT_OPTS": "-XX:TieredStopAtLevel=1"})
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -212,13 +224,16 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
             lines = [re.sub(r"^\d+: jdbc:\S+> ", "", line) for line in done.stdout.splitlines() if line.strip()]
             return [row for row in csv.reader(lines)][1:]
 
-        def dbapi(query: str) -> list[list[Any]]:
+        def dbapi(query: str, password: str = PASSWORD) -> list[list[Any]]:
             """The query through impyla, a Python DB-API client of HiveServer2's protocol, in a process of its own
             (thrift's C decoder leaves the interpreter's recursion count raised behind it)."""
             done = subprocess.run([sys.executable, "-c", DBAPI_CLIENT, str(port), query], capture_output=True,
-                                  text=True, timeout=300)
+                                  text=True, timeout=300, env={**os.environ, "ENDPOINT_PASSWORD": password})
             assert done.returncode == 0, done.stderr[-3000:]
             return json.loads(done.stdout)
+
+        with pytest.raises(AssertionError, match="Error validating the login"):
+            dbapi("SELECT 1", password="not-" + PASSWORD)
 
         # 3. docs/analysts.md's questions: the same answers from beeline, from Python's DB-API and from DuckDB.
         questions = doc_questions()
