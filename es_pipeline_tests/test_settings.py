@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from es_pipeline.errors import ConfigError
-from es_pipeline.settings import Settings
+from es_pipeline.settings import Settings, local_pg_dsn
 
 
 def test_defaults_follow_the_design() -> None:
@@ -78,8 +78,10 @@ def test_batch_bytes_take_a_unit(text: str, size: int) -> None:
 def test_the_settings_defaults_are_what_an_empty_environment_gives() -> None:
     from_env = Settings.from_env({"ES_PIPELINE_PG_DSN": "postgresql://h/db", "ES_PIPELINE_WAREHOUSE": "/tmp/w"})
     made = Settings(pg_dsn="postgresql://h/db", warehouse=from_env.warehouse)
+    # The catalog's default follows the local server's port, as the store's does: not a field default.
+    assert from_env.metastore_dsn == local_pg_dsn(from_env.local_pg_port, "metastore")
     differ = {f: (getattr(made, f), getattr(from_env, f)) for f in made.__dataclass_fields__
-              if getattr(made, f) != getattr(from_env, f) and f != "pg_dsn_from_env"}
+              if getattr(made, f) != getattr(from_env, f) and f not in ("pg_dsn_from_env", "metastore_dsn")}
     assert not differ, differ
 
 

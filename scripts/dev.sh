@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make dev`: a Spark Connect server (one warm JVM shared by every run), the demo writers
-# (--forever), `dagster dev` (UI + daemon, sensor on), the health exporter (`es-pipeline metrics`) and, where
+# (--forever), `dagster dev` (UI + daemon, sensor on), the SQL endpoint (`es-pipeline sql-endpoint`), the health
+# exporter (`es-pipeline metrics`) and, where
 # Debian's `prometheus` is installed, a Prometheus server with es_pipeline's alert rules. Ctrl-C stops them all.
 set -euo pipefail
 # Job control on: without it bash starts background commands with SIGINT ignored, and Python
@@ -52,5 +53,10 @@ if command -v prometheus >/dev/null 2>&1; then
   helpers+=($!)
   echo "Prometheus alerts: http://127.0.0.1:${ES_PIPELINE_PROMETHEUS_PORT:-9090}/alerts (es_pipeline's rules)"
 fi
+# The SQL endpoint: Spark's Thrift server on the catalog, for any JDBC/ODBC client (docs/analysts.md); localhost only.
+sql_port="${ES_PIPELINE_SQL_PORT:-10000}"
+.venv/bin/es-pipeline sql-endpoint --port "$sql_port" > .dagster_home/logs/sql-endpoint.log 2>&1 &
+helpers+=($!)
+echo "SQL endpoint: jdbc:hive2://127.0.0.1:$sql_port/es (up in about 30 s; log: .dagster_home/logs/sql-endpoint.log)"
 echo "Dagster UI: http://127.0.0.1:${DAGSTER_PORT:-3000}  (Ctrl-C stops everything)"
 wait -n "${pids[@]}"

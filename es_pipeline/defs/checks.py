@@ -21,6 +21,7 @@ from es_pipeline.defs.resources import (
 )
 from es_pipeline.domain import Domain
 from es_pipeline.extraction.slices import SliceRange
+from es_pipeline.lake.kernel.engine import Engine
 
 PARTITION_TAG = "dagster/partition"
 
@@ -35,17 +36,31 @@ def scope_of(context: dg.AssetCheckExecutionContext | None) -> SliceRange | None
 
 
 def asset_check(check: Check) -> dg.AssetChecksDefinition:
-    """`check` as a Dagster asset check, run with the location's resources."""
+    """`check` as a Dagster asset check, run with the location's resources (the catalog's only where it reads it)."""
+    if check.table == "catalog":
+
+        @dg.asset_check(asset=check.table, name=check.name, description=check.description, blocking=check.blocking)
+        def _catalog_check(warehouse: WarehouseResource, event_store: EventStoreResource,
+                           metastore: CatalogResource) -> dg.AssetCheckResult:
+            given = Given(Engine("local"), warehouse.root, event_store.dsn, event_store.events_source(),
+                          metastore=metastore.metastore())
+            return _result(check, given)
+
+        return _catalog_check
 
     @dg.asset_check(asset=check.table, name=check.name, description=check.description, blocking=check.blocking)
     def _check(context: dg.AssetCheckExecutionContext, spark: SparkResource, warehouse: WarehouseResource,
-               event_store: EventStoreResource, metastore: CatalogResource) -> dg.AssetCheckResult:
+               event_store: EventStoreResource) -> dg.AssetCheckResult:
         given = Given(engine_of(warehouse, spark), warehouse.root, event_store.dsn, event_store.events_source(),
-                      scope_of(context) if check.scoped else None, metastore.metastore())
-        outcome = check.run(given)
-        return dg.AssetCheckResult(passed=outcome.passed, metadata=outcome.metadata)
+                      scope_of(context) if check.scoped else None)
+        return _result(check, given)
 
     return _check
+
+
+def _result(check: Check, given: Given) -> dg.AssetCheckResult:
+    outcome = check.run(given)
+    return dg.AssetCheckResult(passed=outcome.passed, metadata=outcome.metadata)
 
 
 BUILTIN = {check.name: asset_check(check) for check in checks.BUILTIN}  # by name: snapshots_job selects one

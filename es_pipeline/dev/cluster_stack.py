@@ -19,7 +19,7 @@ from es_pipeline.settings import LOCAL_PG_PASSFILE, PROJECT_ROOT, Settings, dags
 from es_pipeline.store.migrations import migrate
 
 S3_PORT = int(os.environ.get("ES_PIPELINE_S3_PORT", "9010"))
-CLUSTER_STORE, CLUSTER_DAGSTER = "es_pipeline_cluster", "dagster_cluster"
+CLUSTER_STORE, CLUSTER_DAGSTER, CLUSTER_CATALOG = "es_pipeline_cluster", "dagster_cluster", "metastore_cluster"
 
 
 def main() -> int:
@@ -33,7 +33,9 @@ def main() -> int:
         env = {**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": cluster.master_url,
                # A store and a Dagster storage of its own: the offsets of `make dev`'s local lake are bound to
                # that lake, and a run pointed at another one refuses (rightly) instead of extracting.
-               "ES_PIPELINE_PG_DSN": _own_database(CLUSTER_STORE), "DAGSTER_PG_URL": _dagster_url(CLUSTER_DAGSTER)}
+               "ES_PIPELINE_PG_DSN": _own_database(CLUSTER_STORE), "DAGSTER_PG_URL": _dagster_url(CLUSTER_DAGSTER),
+               # A catalog of its own too: one catalog names one lake (a sync drops the names of any other).
+               "ES_PIPELINE_METASTORE_DSN": _catalog_database(CLUSTER_CATALOG)}
         # `make dev`'s loop: a Spark Connect server (here a driver on the cluster), writers, Dagster. Ctrl-C
         # reaches dev.sh as well, which stops its children: wait for it, then stop the cluster and s3proxy.
         loop = subprocess.Popen(["bash", str(PROJECT_ROOT / "scripts" / "dev.sh")], env=env)
@@ -52,6 +54,13 @@ def _own_database(name: str) -> str:
     dsn = local_pg_dsn(settings.local_pg_port, name)
     migrate(dsn, settings.schema)
     return dsn
+
+
+def _catalog_database(name: str) -> str:
+    """The catalog's database on the local server, created if missing (its tables: the first sync); its DSN."""
+    port = Settings.from_env().local_pg_port
+    local_server.create_database(name, port)
+    return local_pg_dsn(port, name)
 
 
 def _dagster_url(name: str) -> str:

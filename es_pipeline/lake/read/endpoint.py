@@ -155,8 +155,10 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
     if why:
         raise MetastoreError(why)
     ms = metastore.Metastore.required(settings)
-    done = metastore.sync(settings, say=say)
-    say(f"catalog: {done.tables} tables in `{done.schema}`")
+    metastore.ensure_schema(ms, say)
+    if metastore.difference(ms, settings.warehouse):
+        _sync_apart(settings)
+    say(f"catalog: {len(metastore.registered(ms))} tables in `{ms.schema}`")
     prepare_local_start()
     conf = server_conf(settings, ms, host, port)
     env = dict(os.environ)
@@ -191,6 +193,22 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                     server.wait(30)
                 except subprocess.TimeoutExpired:
                     server.kill()
+
+
+def _sync_apart(settings: Settings) -> None:
+    """The catalog synced in a process of its own: its Spark session ends with it, instead of living beside the
+    server's for as long as the server runs."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_sync_child, args=(settings,))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise MetastoreError(f"the catalog's sync failed (exit {child.exitcode}): `es-pipeline catalog sync` says why")
+
+
+def _sync_child(settings: Settings) -> None:
+    metastore.sync(settings, say=lambda line: print(line, flush=True))
 
 
 def _escaped(value: str) -> str:
