@@ -51,6 +51,9 @@ def _worker_cluster() -> None:
 
 
 _worker_cluster()
+# No catalog (lake/read/metastore.py) unless a test names one: its sensor would sync every stack's lake into one
+# shared `metastore` database. lake/test_metastore.py proves the catalog; lake/test_s3_lake.py its sync on S3.
+os.environ.setdefault("ES_PIPELINE_METASTORE_DSN", "off")
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
 TEMPLATE_DB = f"es_test_template_{os.getpid()}"

@@ -28,8 +28,9 @@ from es_pipeline.lake.delta import tables
 from es_pipeline.lake.delta.arrow_append import append_batches
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.maintenance import maintain
+from es_pipeline.lake.read import metastore
 from es_pipeline.lake.state.stream_state import update_stream_state
-from es_pipeline.settings import Settings
+from es_pipeline.settings import Settings, local_pg_dsn
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.lakecheck import (
     assert_events_checks_pass,
@@ -106,14 +107,19 @@ def test_extraction_into_an_s3_warehouse_brings_every_event_once(dsn: StoreDsn, 
     assert tables.table_id(path) == DeltaTable(path).metadata().id
 
     # An analyst's query, `es-pipeline sql` in its own process: by DuckDB (the default), then by Spark (S3A on the
-    # same store and keys).
+    # same store and keys) through the catalog, which registers the S3 table by name (the local server's
+    # `metastore` database, made on first use).
+    catalog = local_pg_dsn(Settings.from_env().local_pg_port, "metastore")
     for engine, query in (("duckdb", "SELECT count(*) AS n, count(DISTINCT (stream_id, version)) AS k FROM events"),
                           ("spark", "SELECT count(*) AS n, count(DISTINCT stream_id, version) AS k FROM events")):
         done = subprocess.run([str(Path(sys.executable).parent / "es-pipeline"), "sql", query, "--engine", engine,
                                "--format", "csv"], capture_output=True, text=True, timeout=600, check=False,
-                              env={**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": "local[2]"})
+                              env={**os.environ, "ES_PIPELINE_WAREHOUSE": warehouse, "ES_PIPELINE_SPARK_MASTER": "local[2]",
+                                   "ES_PIPELINE_METASTORE_DSN": catalog})
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.splitlines() == ["n,k", f"{len(expected)},{len(expected)}"], (engine, done.stdout)
+    named = metastore.registered(metastore.Metastore(catalog))
+    assert metastore.location_key(named["events"]) == path
 
 
 @pytest.mark.parametrize("where", ["s3", "local"])
