@@ -39,12 +39,13 @@ import re
 import types
 import typing
 import zoneinfo
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pyarrow as pa
 
+from es_pipeline.declared import Agg, Declared, refuse_upcast
 from es_pipeline.errors import DomainError
 
 State = dict[str, Any]
@@ -79,6 +80,8 @@ class Reducer:
     domain: str = ""  # the name of the domain that registered it (for messages)
     state: pa.Schema | None = None  # its state's fields, declared: the stream type then has a typed table too
     history: str | None = None  # "each" or "daily:<zone>": the stream type keeps stream_state_<type>_history too
+    # A declared fold (es_pipeline/declared.py; `fold` is then the `Declared` itself): whole builds run it natively.
+    declared: Declared | None = None
 
 
 Upcast = Callable[[dict[str, Any]], dict[str, Any]]
@@ -234,6 +237,22 @@ class Domain:
 
         return register
 
+    def declare(
+        self, stream_type: str, *, revision: int, fields: Mapping[str, Agg], state: Any = None,
+        history: bool | str = False,
+    ) -> Declared:
+        """Declare the reducer of `stream_type` as aggregations over its events (es_pipeline/declared.py): whole
+        builds run natively, with no Python call per event; every other path folds it as a Python reducer. `state`
+        and `history` as for `reducer` (a type that keeps history is built by the Python fold: its trail is made
+        event by event). Refused in one line where a field cannot be declared so."""
+        what = f"the declared reducer of {stream_type!r} in domain {self.name!r}"
+        declared = Declared.of(fields, what)
+        self.reducer(stream_type, revision=revision, state=state, history=history)(declared)
+        held = self.reducers[stream_type]
+        self.reducers[stream_type] = dataclasses.replace(held, declared=declared)
+        self._folds = None
+        return declared
+
     def add(self, reducer: Reducer) -> None:
         held = self.reducers.get(reducer.stream_type)
         if held is not None and held.fold is not reducer.fold:
@@ -383,6 +402,10 @@ class Domain:
         """The reducers as the lake folds with them: each behind its stream type's upcasters (if any), at the
         revision `revisions` gives."""
         if self._folds is None:
+            for t, r in self.reducers.items():
+                if r.declared is not None:
+                    refuse_upcast(r.declared, t, sorted(self._chains_of(t)),
+                                  f"the declared reducer of {t!r} in domain {r.domain!r}")
             self._folds = {t: self._with_upcasters(r) for t, r in self.reducers.items()}
         return self._folds
 

@@ -24,6 +24,7 @@ returns None, and Spark does it.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 from itertools import islice
 
 import pyarrow as pa
@@ -33,7 +34,7 @@ from deltalake import DeltaTable
 from es_pipeline.domain import Domain, Reducer
 from es_pipeline.lake.delta import current, pieces, tables
 from es_pipeline.lake.delta.definition import Table
-from es_pipeline.lake.state import forked, history
+from es_pipeline.lake.state import declared_build, forked, history
 from es_pipeline.lake.state.fold import (
     FOLD_COLUMNS,
     FOLD_OUT,
@@ -65,13 +66,24 @@ def fold_table(events_path: str, domain: Domain, skip_unknown: bool) -> tuple[pa
     count = pieces.count_for(size)
     rows = pieces.batches(events_path, events, read)
     histories = history.history_tables(domain)
+    # Declared reducers' streams built by DuckDB's aggregations over this version (lake/state/declared_build.py);
+    # the Python fold takes the rest.
+    declared = declared_build.native_types(domain)
+    native = declared_build.build(events.to_pyarrow_dataset(), declared) if declared else None
     with pieces.spread(rows, pieces.schema(events, read), count, pieces.by_slice(count)) as parts:
         if parts.count == 1:
-            return _joined(_fold(_prepared(parts.read(0), domain), dict(domain.folds), _rules(domain, skip_unknown),
-                                 histories), now)
-        # A piece per call, one forked process per core: each holds one piece at a time.
-        folded = forked.run((parts, domain, skip_unknown, histories), _fold_piece, range(parts.count))
-    return _joined(folded, now)
+            folded = _fold(_prepared(_for_python(parts.read(0), native, declared), domain), dict(domain.folds),
+                           _rules(domain, skip_unknown), histories)
+        else:  # a piece per call, one forked process per core: each holds one piece at a time
+            folded = forked.run((parts, domain, skip_unknown, histories, native, tuple(declared)), _fold_piece,
+                                range(parts.count))
+    out, now, built = _joined(folded, now)
+    return (out if native is None else pa.concat_tables([native.out, out])), now, built
+
+
+def _for_python(rows: pa.Table, native: declared_build.Native | None, declared: Iterable[str]) -> pa.Table:
+    """`rows` without the events of streams built natively."""
+    return rows if native is None else native.keep_for_python(rows, declared)
 
 
 def fold_piece(rows: pa.Table, domain: Domain, skip_unknown: bool, histories: Histories) -> tuple[pa.Table, Built]:
@@ -113,9 +125,9 @@ def _fold(rows: pa.Table, registry: dict[str, Reducer], rules: Rules,
 
 def _fold_piece(i: int) -> tuple[pa.Table, Built]:
     """The fold of piece `i` (whole streams), read from disk by the worker that folds it."""
-    parts, domain, skip_unknown, histories = forked.shared()
-    return _fold_rows(_prepared(parts.read(i), domain), None, dict(domain.folds), _rules(domain, skip_unknown),
-                      histories)
+    parts, domain, skip_unknown, histories, native, declared = forked.shared()
+    return _fold_rows(_prepared(_for_python(parts.read(i), native, declared), domain), None, dict(domain.folds),
+                      _rules(domain, skip_unknown), histories)
 
 
 def _fold_share(share: int) -> tuple[pa.Table, Built]:

@@ -1,0 +1,158 @@
+"""Declared folds (es_pipeline/declared.py, lake/state/declared_build.py), without a store: a declaration's
+refusals, and random streams folded three ways that must agree: the equivalent Python reducer written here (exact
+decimals), the declaration's own fold one event at a time, and DuckDB's aggregation of a first build."""
+
+from __future__ import annotations
+
+import json
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from es_pipeline.declared import count, first, last, last_of, maximum, minimum, total
+from es_pipeline.domain import Domain, Event
+from es_pipeline.errors import DomainError
+from es_pipeline.lake.state import declared_build
+
+FIELDS = {
+    "owner": first("owner", of=["Opened"]),
+    "status": last_of({"Opened": "open", "Frozen": "frozen", "Closed": "closed"}),
+    "balance": total("amount", add=["Deposited"], subtract=["Withdrawn"], scale=2),
+    "deposits": count(of=["Deposited"]),
+    "events": count(),
+    "largest": maximum("amount", of=["Deposited"]),
+    "smallest": minimum("amount", of=["Withdrawn"]),
+    "note": last("text", of=["Noted", "Opened"]),
+}
+TYPES = ["Opened", "Deposited", "Withdrawn", "Frozen", "Noted", "Closed", "Audited"]
+
+
+def python_reducer(state: dict[str, Any], event: Event) -> dict[str, Any]:
+    """What a team would write by hand for FIELDS (and what the declaration must equal)."""
+    s = {"balance": "0.00", "deposits": 0, "events": 0, **state}
+    p, t = event.payload, event.event_type
+    s["events"] += 1
+    if t == "Opened" and p.get("owner") is not None and s.get("owner") is None:
+        s["owner"] = p["owner"]
+    if t in ("Opened", "Frozen", "Closed"):
+        s["status"] = {"Opened": "open", "Frozen": "frozen", "Closed": "closed"}[t]
+    if t in ("Deposited", "Withdrawn") and p.get("amount") is not None:
+        if isinstance(p["amount"], bool):
+            raise ValueError("not an amount")
+        amount = Decimal(str(p["amount"])).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
+        s["balance"] = str((Decimal(s["balance"]) + (amount if t == "Deposited" else -amount)).quantize(Decimal("0.01")))
+    if t in ("Deposited", "Withdrawn") and p.get("amount") is not None and not isinstance(p["amount"], (int, float)):
+        raise ValueError("a least or greatest amount is a number")
+    if t == "Deposited":
+        s["deposits"] += 1
+        if p.get("amount") is not None:
+            s["largest"] = p["amount"] if s.get("largest") is None else max(s["largest"], p["amount"])
+    if t == "Withdrawn" and p.get("amount") is not None:
+        s["smallest"] = p["amount"] if s.get("smallest") is None else min(s["smallest"], p["amount"])
+    if t in ("Noted", "Opened") and p.get("text") is not None:
+        s["note"] = p["text"]
+    return s
+
+
+amounts = st.one_of(st.integers(-10_000, 10_000), st.decimals("-10000", "10000", places=2).map(float),
+                    st.decimals("0", "999", places=3).map(str), st.none())
+payloads = st.fixed_dictionaries({}, optional={"owner": st.sampled_from(["ann", "bob", None]), "amount": amounts,
+                                               "text": st.text(max_size=5)})
+streams = st.lists(st.lists(st.tuples(st.sampled_from(TYPES), payloads), min_size=1, max_size=12),
+                   min_size=1, max_size=12)
+
+
+def _events(drawn: list[list[tuple[str, dict[str, Any]]]], gaps: list[int]) -> pa.Table:
+    rows = []
+    for i, events in enumerate(drawn):
+        for version, (event_type, payload) in enumerate(events, start=1):
+            if i < len(gaps) and version == gaps[i]:
+                continue  # a version on its way: the stream folds up to it only
+            rows.append({"tenant": "t" if i % 3 else None, "stream_id": f"s{i}", "stream_type": "account",
+                         "version": version, "event_type": event_type, "payload": json.dumps(payload),
+                         "payload_encoding": "json", "recorded_at": 1_700_000_000_000_000 + version})
+    return pa.Table.from_pylist(rows, schema=pa.schema([
+        ("tenant", pa.string()), ("stream_id", pa.string()), ("stream_type", pa.string()), ("version", pa.int64()),
+        ("event_type", pa.string()), ("payload", pa.string()), ("payload_encoding", pa.string()),
+        ("recorded_at", pa.timestamp("us", tz="UTC"))]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(drawn=streams, gaps=st.lists(st.integers(0, 12), max_size=12))
+def test_random_streams_fold_alike_by_hand_by_the_declaration_and_by_duckdb(
+    drawn: list[list[tuple[str, dict[str, Any]]]], gaps: list[int]
+) -> None:
+    domain = Domain("declared")
+    declared = domain.declare("account", revision=1, fields=FIELDS)
+    native = declared_build.build(_events(drawn, gaps), declared_build.native_types(domain))
+    built = {(r["tenant"], r["stream_id"]): r for r in native.out.to_pylist()}
+    left = set(zip(native.left["tenant"].to_pylist(), native.left["stream_id"].to_pylist(), strict=True))
+    for i, events in enumerate(drawn):
+        key = ("t" if i % 3 else "", f"s{i}")
+        missing = gaps[i] if i < len(gaps) and 1 <= gaps[i] <= len(events) else None
+        run = events[: missing - 1] if missing else events  # the contiguous run from version 1
+        gap = missing if missing and missing < len(events) else None  # the last version missing is no gap
+        by_hand: dict[str, Any] = {}
+        by_declaration: dict[str, Any] = {}
+        failed = False
+        for version, (event_type, payload) in enumerate(run, start=1):
+            event = Event(f"s{i}", version, event_type, payload)
+            try:
+                by_hand = python_reducer(by_hand, event)
+            except ValueError:
+                failed = True
+                break
+            by_declaration = declared.fold(by_declaration, event)
+        if failed:
+            with pytest.raises(ValueError):
+                for version, (event_type, payload) in enumerate(run, start=1):
+                    by_declaration = declared.fold(by_declaration, Event(f"s{i}", version, event_type, payload))
+        else:
+            assert by_declaration == by_hand
+        if not run and not gap:
+            assert key not in left and key not in built  # no event of it in the lake
+            continue
+        if gap or failed:
+            assert key in left and key not in built  # the Python fold parks, quarantines: exactly as for any reducer
+            continue
+        assert key in built and key not in left
+        row = built[key]
+        assert json.loads(row["state"]) == by_hand
+        assert list(json.loads(row["state"])) == sorted(by_hand)  # keys sorted, nulls left out, as the fold writes
+        assert (row["version"], row["folded"], row["revision"], row["skipped"]) == (len(run), len(run), 1, 0)
+
+
+def test_a_declaration_that_cannot_be_said_so_is_refused_in_one_line() -> None:
+    domain = Domain("d")
+    cases = [
+        (lambda: total("amount", scale=30), "scale"),
+        (lambda: total("amount", add=["A"], subtract=["A"]), "both adds and subtracts"),
+        (lambda: total("amount", subtract=["W"]), "adds every event type"),
+        (lambda: last("a.b"), "top-level payload field"),
+        (lambda: count(of=[]), "event types"),
+        (lambda: last_of({}), "mapping of event type"),
+        (lambda: last_of({"A": object()}), "JSON cannot hold"),
+        (lambda: domain.declare("x", revision=1, fields={}), "declares no field"),
+        (lambda: domain.declare("x", revision=1, fields={"n": lambda s, e: s}), "needs a Python reducer"),
+        (lambda: domain.declare("x", revision=1, fields={"bad name": count()}), "letters, digits"),
+    ]
+    for make, words in cases:
+        with pytest.raises(DomainError, match=words) as refused:
+            make()
+        assert "\n" not in str(refused.value)
+
+
+def test_an_upcaster_of_a_type_a_declaration_reads_is_refused_whichever_comes_first() -> None:
+    domain = Domain("d")
+    domain.declare("account", revision=1, fields={"balance": total("amount", add=["Deposited"])})
+    domain.upcaster("Deposited", version=1)(lambda p: p)
+    with pytest.raises(DomainError, match="an upcaster rewrites"):
+        domain.folds
+    other = Domain("e")
+    other.upcaster("Noted", version=1)(lambda p: p)  # a type the declaration does not read: no matter
+    other.declare("account", revision=1, fields={"balance": total("amount", add=["Deposited"])})
+    assert other.folds["account"].declared is not None
