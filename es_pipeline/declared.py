@@ -148,6 +148,9 @@ class Declared:
 
     fields: tuple[tuple[str, Agg], ...]
     read_types: tuple[str, ...] | None = field(default=None)  # every type any field reads (None: all)
+    # The totals a typed state declares as decimals: held as `Decimal` in the fold (its typed table's column), not as
+    # their digits.
+    decimals: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, fields: Mapping[str, Agg], what: str) -> Declared:
@@ -178,7 +181,8 @@ class Declared:
             if agg.kind == "count":
                 state[name] = 0
             elif agg.kind == "total":
-                state[name] = str(Decimal(0).quantize(_quantum(agg.scale)))
+                zero = Decimal(0).quantize(_quantum(agg.scale))
+                state[name] = zero if name in self.decimals else str(zero)
         return state
 
     def fold(self, state: dict[str, Any], event: Any) -> dict[str, Any]:
@@ -205,7 +209,8 @@ class Declared:
                     amount = decimal_of(value, agg.scale, name)
                     if event.event_type in agg.subtract:
                         amount = -amount
-                    out[name] = str((Decimal(out[name]) + amount).quantize(_quantum(agg.scale)))
+                    summed = (Decimal(out[name]) + amount).quantize(_quantum(agg.scale))
+                    out[name] = summed if name in self.decimals else str(summed)
                 elif agg.kind in ("minimum", "maximum"):
                     number = _number(value, name)
                     held = out.get(name)

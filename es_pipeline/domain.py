@@ -247,6 +247,10 @@ class Domain:
         event by event). Refused in one line where a field cannot be declared so."""
         what = f"the declared reducer of {stream_type!r} in domain {self.name!r}"
         declared = Declared.of(fields, what)
+        schema = None if state is None else state_schema(state, f"the state of {stream_type!r} in domain {self.name!r}")
+        decimals = tuple(name for name, agg in declared.fields if agg.kind == "total" and schema is not None
+                         and schema.get_field_index(name) >= 0 and pa.types.is_decimal(schema.field(name).type))
+        declared = dataclasses.replace(declared, decimals=decimals)
         self.reducer(stream_type, revision=revision, state=state, history=history)(declared)
         held = self.reducers[stream_type]
         self.reducers[stream_type] = dataclasses.replace(held, declared=declared)

@@ -162,7 +162,7 @@ def _fitted(states: pa.ChunkedArray, reducer: Reducer) -> tuple[pa.Array, pa.Arr
     fits, texts = [], []
     for text in states.to_pylist():
         try:
-            texts.append(codec.dumps(json.loads(text)))
+            texts.append(codec.dumps(codec.loads(text)))
             fits.append(True)
         except state_json.StateMisfit:
             texts.append(text)
