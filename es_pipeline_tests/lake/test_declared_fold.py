@@ -151,7 +151,7 @@ def test_an_upcaster_of_a_type_a_declaration_reads_is_refused_whichever_comes_fi
     domain.declare("account", revision=1, fields={"balance": total("amount", add=["Deposited"])})
     domain.upcaster("Deposited", version=1)(lambda p: p)
     with pytest.raises(DomainError, match="an upcaster rewrites"):
-        domain.folds
+        _ = domain.folds
     other = Domain("e")
     other.upcaster("Noted", version=1)(lambda p: p)  # a type the declaration does not read: no matter
     other.declare("account", revision=1, fields={"balance": total("amount", add=["Deposited"])})
