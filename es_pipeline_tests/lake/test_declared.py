@@ -1,7 +1,7 @@
 """Declared folds on a real store (es_pipeline/declared.py, lake/state/declared_build.py): the shop's accounts
 declared (examples/shop, `shop.summary`), written by concurrent writers with rollbacks and out-of-order commits, folded
 by every path: the first build in process (DuckDB's aggregation), increments, a revision rebuilt beside, the first
-build on Spark. Each time the lake's account states equal a fold of the store by the equivalent Python reducer
+build on Spark from nothing. Each time the lake's account states equal a fold of the store by the equivalent Python reducer
 written here, with exact decimals; the typed table holds the balance as a decimal column."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from shop.summary import summary as SUMMARY
 
 from es_pipeline.dev.workload import run_workload
 from es_pipeline.domain import Domain
+from es_pipeline.lake.delta import tables
+from es_pipeline.lake.follow import follow
 from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import declared_build, rebuild
 from es_pipeline.lake.state.stream_state import update_stream_state
@@ -101,8 +103,8 @@ def natively(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
-def test_declared_accounts_under_concurrent_writers_equal_the_stores_fold_on_every_path_in_process(
-    dsn: StoreDsn, warehouse: Path, natively: list[int]
+def test_declared_accounts_under_concurrent_writers_equal_the_stores_fold_on_every_path(
+    dsn: StoreDsn, spark: Any, warehouse: Path, natively: list[int]
 ) -> None:
     store = EventStore(dsn.writer)
     run_workload(store, streams=60, events=900, writers=4, rollback_rate=0.15, max_commit_delay=0.02, seed=65)
@@ -138,26 +140,16 @@ def test_declared_accounts_under_concurrent_writers_equal_the_stores_fold_on_eve
 
     # A new revision of the declaration: rebuilt beside (pieces by the Python fold) and swapped in, states the same.
     two = revised(SUMMARY, 2)
-    update_stream_state(HERE, warehouse, domain=two, store_dsn=dsn.extractor)
+    follow(warehouse, dsn.extractor, two)  # a tailing run's pass: the accounts wait for their rebuild
     assert rebuild.run_pending(HERE, warehouse, two, dsn.extractor) == ["account"]
     rows = DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()
     assert {r["revision"] for r in rows if r["stream_type"] == "account"} == {2}
     assert lake_accounts(warehouse) == expected
 
-    # The lake rebuilt from nothing: the first build aggregates every account again, to the same states.
+    # The lake's state rebuilt from nothing on Spark: the declaration folded by the Python workers, as any reducer's
+    # (a native Spark aggregation is not built yet), to the same states.
     for name in ("stream_state", "stream_state_account", "stream_state_cart", "stream_state_cart_history"):
-        rebuild.tables.remove_folder(str(warehouse / name))
-    update_stream_state(HERE, warehouse, domain=SUMMARY, store_dsn=dsn.extractor)
-    assert natively[-1] == len(expected) and lake_accounts(warehouse) == expected
-
-
-def test_declared_accounts_built_on_spark_equal_the_stores_fold(dsn: StoreDsn, spark: Any, warehouse: Path) -> None:
-    """On Spark the first build folds the declaration by the Python workers, as any reducer (a native Spark
-    aggregation is not built yet): the same states."""
-    run_workload(EventStore(dsn.writer), streams=40, events=500, writers=3, rollback_rate=0.1, max_commit_delay=0.01,
-                 seed=67)
-    extract_all(dsn.extractor, None, warehouse)
+        tables.remove_folder(str(warehouse / name))
     update_stream_state(Engine("spark", spark), warehouse, domain=SUMMARY, store_dsn=dsn.extractor)
-    expected = store_accounts(dsn)
     assert lake_accounts(warehouse) == expected
     assert typed_balances(warehouse) == {k: s["balance"] for k, (_, s) in expected.items()}

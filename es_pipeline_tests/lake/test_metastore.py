@@ -173,17 +173,8 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
     with psycopg.connect(catalog_dsn) as conn:
         assert conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone() == (False,)
 
-    # 1. The first sync makes the metastore's tables (DataNucleus's SchemaTool) and registers every table.
-    first = cli("catalog", "sync")
-    assert f"{len(lake)} tables in `es`, {len(lake)} registered" in first.stdout, first.stdout
-    assert names_in_postgres() == lake
-    assert catalog_dsn not in first.stdout + first.stderr
-    again = cli("catalog", "sync")  # nothing to do: no JVM
-    assert "0 registered, 0 dropped (nothing to change, no JVM started" in again.stdout, again.stdout
-
-    # 2. The SQL endpoint, up for the rest of the test; meanwhile a new Spark session that never saw the lake runs
-    # the notebook lines of docs/analysts.md. Bound to another address with no authentication, it refuses to start;
-    # here it asks for a password (the mode that may listen elsewhere), of a user added as an operator does.
+    # 1. The SQL endpoint, up for the rest of the test. Bound to another address with no authentication, it refuses
+    # to start; here it asks for a password (the mode that may listen elsewhere), of a user added as an operator does.
     refused = cli("sql-endpoint", "--host", "0.0.0.0", ok=False)
     assert refused.returncode == 2 and "ES_PIPELINE_SQL_ENDPOINT_AUTH=password" in refused.stderr
     env |= {"ES_PIPELINE_SQL_ENDPOINT_AUTH": "password", "ES_PIPELINE_SQL_ENDPOINT_USERS": str(tmp_path / "users")}
@@ -197,6 +188,18 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
         server = subprocess.Popen([str(BIN / "es-pipeline"), "sql-endpoint", "--port", str(port)], env=env,
                                   stdout=out, stderr=subprocess.DEVNULL)
     try:
+        # 2. Its first sync (the catalog's own, in a process of its own) makes the metastore's tables (DataNucleus's
+        # SchemaTool) and registers every table; a second sync has nothing to do and starts no JVM.
+        _until(lambda: _names(catalog_dsn, ms.schema) == lake, server, said)
+        assert names_in_postgres() == lake
+        assert said.read_text().count("catalog: registered es.") == len(lake)
+        assert catalog_dsn not in said.read_text()
+        again = cli("catalog", "sync")
+        assert f"{len(lake)} tables in `es`, 0 registered, 0 dropped (nothing to change, no JVM started" in \
+            again.stdout, again.stdout
+
+        # 3. Meanwhile the server starts: a new Spark session that never saw the lake runs docs/analysts.md's
+        # notebook lines.
         notebook = tmp_path / "notebook.py"
         notebook.write_text(doc_notebook_lines() + "\nprint('TABLES', sorted(t.name for t in spark.catalog.listTables()))"
                             "\nprint('EVENTS', spark.table('es.events').count())\n")
@@ -237,7 +240,7 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
         with pytest.raises(AssertionError, match="Error validating the login"):
             dbapi("SELECT 1", password="not-" + PASSWORD)
 
-        # 3. docs/analysts.md's questions: the same answers from beeline, from Python's DB-API and from DuckDB.
+        # 4. docs/analysts.md's questions: the same answers from beeline, from Python's DB-API and from DuckDB.
         questions = doc_questions()
         assert len(questions) == 3
         for query in questions:
@@ -246,7 +249,7 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
             assert comparable(query, dbapi(query)) == expected, query
         assert comparable(questions[0], beeline(questions[0])) == comparable(questions[0], duckdb(questions[0]))
 
-        # 4. A reducer revision, rebuilt beside and swapped in: the endpoint's next query sees the new states, with
+        # 5. A reducer revision, rebuilt beside and swapped in: the endpoint's next query sees the new states, with
         # nothing registered (the table's location is the same; its schema is in its Delta log).
         two = bumped(SHOP, 2)
         follow(warehouse, store.extractor, two)
@@ -258,7 +261,7 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
                      "get_json_object(state, '$.seen') IS NOT NULL")[0][0] == carts > 0
         assert metastore.difference(ms, warehouse).describe() == "none"
 
-        # 5. A tenant erased: gone from every table at once, as the endpoint reads them; the catalog unchanged.
+        # 6. A tenant erased: gone from every table at once, as the endpoint reads them; the catalog unchanged.
         erase_tenant(settings, "globex", progress=lambda _: None)
         assert dbapi("SELECT count(*) FROM events WHERE tenant = 'globex'") == [[0]]
         assert dbapi("SELECT count(*) FROM stream_state WHERE tenant = 'globex'") == [[0]]
@@ -267,7 +270,7 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
         assert dbapi("SELECT count(*) FROM events") == [[acme]]
         assert not metastore.difference(ms, warehouse)
 
-        # 6. A lake rebuild removes two tables: until a sync the catalog names tables the lake has not, and the
+        # 7. A lake rebuild removes two tables: until a sync the catalog names tables the lake has not, and the
         # check says so.
         lake_rebuild(str(store), SOURCE, warehouse, ["stream_catalog", "event_type_daily"], say=lambda _: None)
         diff = metastore.difference(ms, warehouse)
@@ -276,7 +279,7 @@ def test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpo
         assert not failed.passed and failed.metadata["tables_not_in_lake"] == 2
         assert cli("catalog", "show", ok=False).returncode == 1
 
-        # 7. A new event type makes a new typed event table, and `stream_catalog` is built again (at its location:
+        # 8. A new event type makes a new typed event table, and `stream_catalog` is built again (at its location:
         # its name holds); `event_type_daily` is not, yet. One sync registers the one and drops the other, and the
         # endpoint that was up all along answers from the new and the rebuilt tables.
         EventStore(store.writer).append("audit-1", "audit", [NewEvent("NoteTaken", {"words": 3}),
@@ -312,3 +315,24 @@ def _endpoint_url(server: subprocess.Popen[bytes], said: Path, timeout: float = 
             raise AssertionError(f"the SQL endpoint ended (exit {server.returncode}): {said.read_text()[-2000:]}")
         time.sleep(0.5)
     raise AssertionError("the SQL endpoint did not start")
+
+
+def _names(catalog_dsn: str, schema: str) -> set[str] | None:
+    """The catalog's table names in PostgreSQL, or None before its tables are made."""
+    try:
+        with psycopg.connect(catalog_dsn) as conn:
+            rows = conn.execute('SELECT t."TBL_NAME" FROM "TBLS" t JOIN "DBS" d USING ("DB_ID") WHERE d."NAME" = %s',
+                                [schema]).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return None
+    return {name for (name,) in rows}
+
+
+def _until(done: Any, server: subprocess.Popen[bytes], said: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if server.poll() is not None:
+            raise AssertionError(f"the SQL endpoint ended (exit {server.returncode}): {said.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not done in {timeout:.0f} s: {said.read_text()[-2000:]}")
+        time.sleep(0.5)
