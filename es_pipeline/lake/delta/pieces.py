@@ -23,6 +23,7 @@ from contextlib import ExitStack, contextmanager
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
 from es_pipeline.lake.delta import current
@@ -46,8 +47,10 @@ def schema(table: DeltaTable, columns: Sequence[str]) -> pa.Schema:
     return pa.schema([fields.field(c) for c in columns if c in fields.names])
 
 
-def batches(path: str, table: DeltaTable, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
-    """The table's rows at the version loaded, the `columns` it has (plain strings), a batch at a time."""
+def batches(path: str, table: DeltaTable, columns: Sequence[str],
+            where: ds.Expression | None = None) -> Iterator[pa.RecordBatch]:
+    """The table's rows at the version loaded, the `columns` it has (plain strings), a batch at a time; only those
+    `where` holds for, where given (a table with deletion vectors: every row)."""
     wanted = schema(table, columns).names
     if current.has_deletion_vectors(table):
         from deltalake import QueryBuilder
@@ -57,8 +60,8 @@ def batches(path: str, table: DeltaTable, columns: Sequence[str]) -> Iterator[pa
             yield batch.cast(current.plain_schema(batch.schema))
         return
     # One file and one batch ahead at most: the scan's own buffers stay a few batches, not a few files.
-    yield from current.files(path, table).to_batches(columns=wanted, batch_size=BATCH_ROWS, fragment_readahead=1,
-                                                   batch_readahead=1)
+    yield from current.files(path, table).to_batches(columns=wanted, filter=where, batch_size=BATCH_ROWS,
+                                                   fragment_readahead=1, batch_readahead=1)
 
 
 def chunks(source: Iterable[pa.RecordBatch], rows: int | None = None) -> Iterator[pa.Table]:

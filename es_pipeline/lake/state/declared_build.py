@@ -10,7 +10,8 @@ sorted, nulls left out, as the Python fold writes it. The rows are the fold's ou
 
 Exactly the Python fold, or the Python fold itself: a stream is built natively only where the aggregation is the
 fold's answer by construction. Its versions are 1..n with none missing (else the Python fold folds the run from 1
-and parks the rest); every payload is JSON; every value an aggregation reads is of its kind (an amount a decimal, a
+and parks the rest): the lake's key (tenant, stream_id, version) is unique (`events_no_duplicates`), so a stream
+whose least version is 1 and greatest its count of events has them all; every payload is JSON; every value an aggregation reads is of its kind (an amount a decimal, a
 minimum's value a number: else the Python fold fails on it and quarantines the stream); and, where the state is
 declared with types, the state fits them. Every other stream of the type is left to the Python fold
 (`Native.left`), which gives it exactly what a Python reducer's stream gets.
@@ -19,12 +20,14 @@ declared with types, the state fits them. Every other stream of the type is left
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 
 from es_pipeline.declared import Agg
 from es_pipeline.domain import Domain, Reducer
@@ -46,6 +49,20 @@ class Native:
 
     out: pa.Table
     left: pa.Table  # columns tenant, stream_id
+    others: int = 0  # events of the types not declared: the Python fold's too
+
+    @property
+    def whole(self) -> bool:
+        """Whether every event was built here: the Python fold has nothing to read."""
+        return self.others == 0 and self.left.num_rows == 0
+
+    def python_rows(self, types: Iterable[str]) -> ds.Expression:
+        """A filter of `events`' rows that keeps those of the Python fold: every type but `types`, and the streams
+        left to it (by id: `keep_for_python` then tells the tenants apart)."""
+        others = ~ds.field("stream_type").isin(sorted(types))
+        if self.left.num_rows == 0:
+            return others
+        return others | ds.field("stream_id").isin(pc.unique(self.left["stream_id"]))
 
     def keep_for_python(self, rows: pa.Table, types: Iterable[str]) -> pa.Table:
         """`rows` without the events of the streams built here."""
@@ -59,15 +76,19 @@ class Native:
         return rows.filter(pc.or_(pc.invert(of_declared), pc.is_in(keys, value_set=left)))
 
 
-def build(dataset: Any, declared: dict[str, Reducer]) -> Native:
-    """Every stream of the declared types in `dataset` (the `events` version the build reads, as an Arrow dataset)
-    built natively where it can be (module docstring)."""
+def build(events: Any, declared: dict[str, Reducer]) -> Native:
+    """Every stream of the declared types in `events` (the version the build reads: its local Parquet files, read by
+    DuckDB's own reader, or an Arrow dataset) built natively where it can be (module docstring)."""
     import duckdb
 
     con = duckdb.connect()
     try:
-        con.execute("SET threads TO 2")
-        con.register("events_now", dataset)
+        con.execute(f"SET threads TO {max(1, os.cpu_count() or 1)}")
+        if isinstance(events, list):
+            files = ", ".join(_sql_text(str(f)) for f in events) or "NULL"
+            con.execute(f"CREATE VIEW events_now AS SELECT * FROM read_parquet([{files}])")
+        else:
+            con.register("events_now", events)
         outs, lefts = [], []
         for stream_type, reducer in sorted(declared.items()):
             table = con.execute(_query(reducer), [stream_type]).fetch_arrow_table()
@@ -79,9 +100,13 @@ def build(dataset: Any, declared: dict[str, Reducer]) -> Native:
             built, left = table.filter(ok), table.filter(pc.invert(ok))
             outs.append(_fold_out(built, stream_type, reducer.revision))
             lefts.append(left.select(["tenant", "stream_id"]))
+        types = ", ".join(_sql_text(t) for t in sorted(declared))
+        (others,) = con.execute(f"SELECT count(*) FROM events_now WHERE stream_type IS NULL OR stream_type NOT IN "
+                                f"({types})").fetchone()  # type: ignore[misc]
         return Native(pa.concat_tables(outs) if outs else FOLD_OUT.empty_table(),
                       pa.concat_tables(lefts) if lefts else pa.table({"tenant": pa.array([], pa.string()),
-                                                                         "stream_id": pa.array([], pa.string())}))
+                                                                         "stream_id": pa.array([], pa.string())}),
+                      int(others))
     finally:
         con.close()
 
@@ -94,64 +119,124 @@ def _in(types: tuple[str, ...] | None) -> str:
     return "TRUE" if types is None else f"event_type IN ({', '.join(_sql_text(t) for t in types)})"
 
 
+def _column(source: str | None) -> str:
+    """The column holding a payload field's JSON value, extracted once per event (`_query`)."""
+    return '"v_' + str(source) + '"'
+
+
 def _value(agg: Agg) -> str:
-    return f"json_extract(payload, {_sql_text('$.' + str(agg.source))})"
+    return _column(agg.source)
+
+
+def _text(agg: Agg) -> str:
+    """The column holding a payload field's value as text (a total's amount), extracted once per event."""
+    return '"s_' + str(agg.source) + '"'
+
+
+def _kind(agg: Agg) -> str:
+    """The column holding the JSON type of a payload field's value (a minimum's or maximum's), once per event."""
+    return '"t_' + str(agg.source) + '"'
 
 
 def _present(agg: Agg) -> str:
-    return f"({_value(agg)} IS NOT NULL AND json_type({_value(agg)}) <> 'NULL')"
+    if agg.kind == "total":
+        return f"{_text(agg)} IS NOT NULL"  # a JSON null's text is NULL too
+    return f"({_value(agg)} IS NOT NULL AND CAST({_value(agg)} AS VARCHAR) <> 'null')"
 
 
 def _decimal(agg: Agg) -> str:
-    return f"TRY_CAST(json_extract_string(payload, {_sql_text('$.' + str(agg.source))}) AS DECIMAL(38, {agg.scale}))"
+    """The column holding an event's amount as a decimal of 18 digits (64 bits: a cast 20 times faster than to 38),
+    summed into 38; an amount past 18 digits is no value here, and its stream goes to the Python fold."""
+    return f'"d_{agg.source}_{agg.scale}"'
 
 
-def _field(name: str, agg: Agg) -> tuple[str, str]:
-    """The aggregation of one field, and the condition under which a stream's events break it (a value of
-    another kind: the Python fold fails there)."""
+def _field(name: str, agg: Agg) -> tuple[str, str, str]:
+    """One field: its aggregation over a stream's events (plain values), its JSON value made from that once per
+    stream, and the condition under which an event breaks it (a value of another kind: the Python fold fails
+    there)."""
     where = _in(agg.types())
+    alias = '"f_' + name + '"'
     if agg.kind == "count":
-        return f"count(*) FILTER (WHERE {where})", "FALSE"
-    if agg.kind == "last_of":
-        cases = " ".join(f"WHEN {_sql_text(t)} THEN json({_sql_text(json.dumps(v))})" for t, v in agg.values)
-        return f"arg_max(CASE event_type {cases} END, version) FILTER (WHERE {where})", "FALSE"
+        return f"count(*) FILTER (WHERE {where})", alias, "FALSE"
+    if agg.kind == "last_of":  # the last such event's position among the values, its JSON constant made after
+        cases = " ".join(f"WHEN {_sql_text(t)} THEN {i}" for i, (t, _) in enumerate(agg.values))
+        values = " ".join(f"WHEN {i} THEN json({_sql_text(json.dumps(v))})" for i, (_, v) in enumerate(agg.values))
+        return (f"arg_max(CASE event_type {cases} END, version) FILTER (WHERE {where})",
+                f"CASE {alias} {values} END", "FALSE")
     if agg.kind in ("last", "first"):
         pick = "arg_max" if agg.kind == "last" else "arg_min"
-        return f"{pick}({_value(agg)}, version) FILTER (WHERE {where} AND {_present(agg)})", "FALSE"
+        return f"{pick}({_value(agg)}, version) FILTER (WHERE {where} AND {_present(agg)})", alias, "FALSE"
     if agg.kind in ("minimum", "maximum"):
         pick = "arg_min" if agg.kind == "minimum" else "arg_max"
-        number = f"json_type({_value(agg)}) IN ('BIGINT', 'UBIGINT', 'DOUBLE')"
-        return (f"{pick}({_value(agg)}, CAST(json_extract_string(payload, {_sql_text('$.' + str(agg.source))}) "
-                f"AS DOUBLE)) FILTER (WHERE {where} AND {_present(agg)})",
+        number = f"{_kind(agg)} IN ('BIGINT', 'UBIGINT', 'DOUBLE')"
+        return (f"{pick}({_value(agg)}, CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)) "
+                f"FILTER (WHERE {where} AND {_present(agg)} AND {number})", alias,
                 f"{where} AND {_present(agg)} AND NOT ({number})")
     assert agg.kind == "total"
     sign = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -1 ELSE 1 END"
             if agg.subtract else "1")
-    total = f"coalesce(sum({sign} * {_decimal(agg)}) FILTER (WHERE {where} AND {_present(agg)}), 0)"
-    # A number or a numeric string is an amount to both folds; a bool, an object or text is not.
-    kind_ok = f"json_type({_value(agg)}) IN ('BIGINT', 'UBIGINT', 'DOUBLE', 'VARCHAR')"
-    return (f"CAST(CAST({total} AS DECIMAL(38, {agg.scale})) AS VARCHAR)",
-            f"{where} AND {_present(agg)} AND (NOT ({kind_ok}) OR {_decimal(agg)} IS NULL)")
+    # A number or a numeric string is an amount to both folds; a bool, an object or other text is not (no decimal).
+    return (f"coalesce(sum({sign} * {_decimal(agg)}) FILTER (WHERE {where} AND {_present(agg)}), 0)",
+            f"CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS VARCHAR)",
+            f"{where} AND {_present(agg)} AND {_decimal(agg)} IS NULL")
+
+
+def _reads(fields: list[tuple[str, Agg]], kinds: tuple[str, ...]) -> dict[str, tuple[str, ...] | None]:
+    """Per payload field read by aggregations of `kinds`, the event types they read it from (None: all)."""
+    found: dict[str, set[str] | None] = {}
+    for _, agg in fields:
+        if agg.source is None or agg.kind not in kinds:
+            continue
+        types = agg.types()
+        held = found.get(agg.source, set())
+        found[agg.source] = None if types is None or held is None else held | set(types)
+    return {k: None if v is None else tuple(sorted(v)) for k, v in sorted(found.items())}
 
 
 def _query(reducer: Reducer) -> str:
+    """One aggregation per stream of the type: each payload field a field reads extracted once per event (as JSON,
+    or as text for a total), and only from the event types that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
+    extracted = "".join(
+        f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
+        f"AS {_column(source)}" for source, types in _reads(fields, ("last", "first", "minimum", "maximum")).items())
+    extracted += "".join(
+        f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
+        f"AS {_text(Agg('total', source))}" for source, types in _reads(fields, ("total",)).items())
+    kinds = "".join(f", json_type({_column(source)}) AS {_kind(Agg('last', source))}"
+                    for source in _reads(fields, ("minimum", "maximum")))
+    amounts = "".join(
+        f", TRY_CAST({_text(Agg('total', source))} AS DECIMAL(18, {scale})) AS "
+        f"{_decimal(Agg('total', source, scale=scale))}"
+        for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
     made = [(name, *_field(name, agg)) for name, agg in fields]
-    state = ", ".join(f"{_sql_text(name)}, {aggregate}" for name, aggregate, _ in made)
-    broken = " OR ".join(f"({bad})" for _, _, bad in made if bad != "FALSE") or "FALSE"
+    aggregates = "".join(f", {aggregate} AS \"f_{name}\"" for name, aggregate, _, _ in made)
+    state = ", ".join(f"{_sql_text(name)}, {value}" for name, _, value, _ in made)
+    broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
     return f"""
-        SELECT coalesce(tenant, '') AS tenant, stream_id,
-               CAST(max(version) AS INTEGER) AS version,
-               arg_max(recorded_at, version) AS last_event_at,
-               CAST(count(*) AS INTEGER) AS folded,
-               CAST(json_merge_patch('{{}}', json_object({state})) AS VARCHAR) AS state,
-               min(version) = 1 AND max(version) = count(*) AND count(DISTINCT version) = count(*)
-                 AND bool_and(coalesce(payload_encoding, 'json') = 'json')
-                 AND NOT bool_or({broken}) AS native
-        FROM events_now
-        WHERE stream_type = $1
-        GROUP BY ALL
+        WITH extracted AS (
+            SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at,
+                   payload_encoding{extracted}
+            FROM events_now
+            WHERE stream_type = $1
+        ), typed AS (
+            SELECT *{kinds}{amounts} FROM extracted
+        )
+        , streams AS (
+            SELECT tenant, stream_id,
+                   CAST(max(version) AS INTEGER) AS version,
+                   arg_max(recorded_at, version) AS last_event_at,
+                   CAST(count(*) AS INTEGER) AS folded,
+                   min(version) = 1 AND max(version) = count(*)
+                     AND bool_and(coalesce(payload_encoding, 'json') = 'json')
+                     AND NOT bool_or({broken}) AS native{aggregates}
+            FROM typed
+            GROUP BY tenant, stream_id
+        )
+        SELECT tenant, stream_id, version, last_event_at, folded, native,
+               CAST(json_merge_patch('{{}}', json_object({state})) AS VARCHAR) AS state
+        FROM streams
     """
 
 
