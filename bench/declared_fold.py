@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
+from bench.common import WORK_ROOT
 from bench.results import Goal, machine_facts, n, ratio, secs, write_result
 from es_pipeline.declared import count, first, last, last_of, total
 from es_pipeline.domain import Domain, Event, State
@@ -37,7 +38,7 @@ from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state.stream_state import update_stream_state
 
 NAME = "declared_fold"
-WORK = Path(os.environ.get("BENCH_WORK", "bench/work")) / "declared_fold"
+WORK = WORK_ROOT / "declared_fold"
 EVENTS_N = int(os.environ.get("BENCH_EVENTS", "5000000"))
 PER_STREAM = 50
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
