@@ -179,7 +179,9 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
         stop = _forward_signals(server)
         try:
             if not _listening(host, port, server, timeout=240):
-                return server.wait() or 1
+                if server.poll() is None:
+                    server.terminate()
+                return server.wait(60) or 1
             props.unlink()  # read: the password is in no file from here on
             say(f"SQL endpoint on {jdbc_url(host, port, ms.schema)} (auth {settings.sql_endpoint_auth}); "
                 f"e.g. beeline -u {jdbc_url(host, port, ms.schema)}")
