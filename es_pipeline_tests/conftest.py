@@ -52,7 +52,7 @@ def _worker_cluster() -> None:
 
 _worker_cluster()
 # No catalog (lake/read/metastore.py) unless a test names one: its sensor would sync every stack's lake into one
-# shared `metastore` database. lake/test_metastore.py proves the catalog; lake/test_s3_lake.py its sync on S3.
+# shared `metastore` database. e2e/test_catalog_endpoint.py proves the catalog; lake/test_s3_lake.py its sync on S3.
 os.environ.setdefault("ES_PIPELINE_METASTORE_DSN", "off")
 LOCAL_PG_PORT = Settings.from_env().local_pg_port
 ADMIN_DSN = local_pg_dsn(LOCAL_PG_PORT, "postgres")
@@ -215,7 +215,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST_FILES_FIRST = (
     "es_pipeline_tests/lake/test_spark_cluster.py",
     "es_pipeline_tests/extraction/test_crash_drill.py",
-    "es_pipeline_tests/lake/test_metastore.py",
     "es_pipeline_tests/extraction/test_extractor.py",
     "es_pipeline_tests/lake/test_interop.py",
     "es_pipeline_tests/lake/test_projections.py",
