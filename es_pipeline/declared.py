@@ -182,7 +182,7 @@ class Declared:
                 state[name] = 0
             elif agg.kind == "total":
                 zero = Decimal(0).quantize(_quantum(agg.scale))
-                state[name] = zero if name in self.decimals else str(zero)
+                state[name] = zero if name in self.decimals else format(zero, "f")
         return state
 
     def fold(self, state: dict[str, Any], event: Any) -> dict[str, Any]:
@@ -210,7 +210,7 @@ class Declared:
                     if event.event_type in agg.subtract:
                         amount = -amount
                     summed = (Decimal(out[name]) + amount).quantize(_quantum(agg.scale))
-                    out[name] = summed if name in self.decimals else str(summed)
+                    out[name] = summed if name in self.decimals else format(summed, "f")  # "0.00000000", not "0E-8"
                 elif agg.kind in ("minimum", "maximum"):
                     number = _number(value, name)
                     held = out.get(name)

@@ -27,6 +27,9 @@ FIELDS = {
     "largest": maximum("amount", of=["Deposited"]),
     "smallest": minimum("amount", of=["Withdrawn"]),
     "note": last("text", of=["Noted", "Opened"]),
+    "meta": last("meta", of=["Noted"]),  # a nested value, nulls inside kept
+    "frozen_mark": last_of({"Frozen": None, "Audited": True}),  # a null the fold sets
+    "fees": total("fee", add=["Audited"], scale=8),  # many places: digits, never "0E-8"
 }
 TYPES = ["Opened", "Deposited", "Withdrawn", "Frozen", "Noted", "Closed", "Audited"]
 
@@ -55,13 +58,26 @@ def python_reducer(state: dict[str, Any], event: Event) -> dict[str, Any]:
         s["smallest"] = p["amount"] if s.get("smallest") is None else min(s["smallest"], p["amount"])
     if t in ("Noted", "Opened") and p.get("text") is not None:
         s["note"] = p["text"]
+    if t == "Noted" and p.get("meta") is not None:
+        s["meta"] = p["meta"]
+    if t in ("Frozen", "Audited"):
+        s["frozen_mark"] = None if t == "Frozen" else True
+    s.setdefault("fees", "0.00000000")
+    if t == "Audited" and p.get("fee") is not None:
+        if isinstance(p["fee"], bool):
+            raise ValueError("not an amount")
+        fee = Decimal(str(p["fee"])).quantize(Decimal("1e-8"), rounding=ROUND_HALF_UP)
+        s["fees"] = format((Decimal(s["fees"]) + fee).quantize(Decimal("1e-8")), "f")
     return s
 
 
 amounts = st.one_of(st.integers(-10_000, 10_000), st.decimals("-10000", "10000", places=2).map(float),
-                    st.decimals("0", "999", places=3).map(str), st.none())
-payloads = st.fixed_dictionaries({}, optional={"owner": st.sampled_from(["ann", "bob", None]), "amount": amounts,
-                                               "text": st.text(max_size=5)})
+                    st.decimals("0", "999", places=3).map(str), st.none(), st.just(1.0), st.just(1),
+                    st.just(2**64 + 1), st.just(1e20))
+payloads = st.fixed_dictionaries({}, optional={
+    "owner": st.sampled_from(["ann", "bob", None, 2**70]), "amount": amounts, "text": st.text(max_size=5),
+    "meta": st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(st.none(), st.integers(0, 3)), max_size=2),
+    "fee": st.one_of(st.decimals("0", "1", places=9).map(str), st.just(0))})
 streams = st.lists(st.lists(st.tuples(st.sampled_from(TYPES), payloads), min_size=1, max_size=12),
                    min_size=1, max_size=12)
 
@@ -119,11 +135,22 @@ def test_random_streams_fold_alike_by_hand_by_the_declaration_and_by_duckdb(
         if gap or failed:
             assert key in left and key not in built  # the Python fold parks, quarantines: exactly as for any reducer
             continue
-        assert key in built and key not in left
+        if any(_past_doubles(payload) for _, payload in events):
+            # A number a double does not hold exactly (an integer past 2**53): to DuckDB's JSON reader it is a
+            # double, so such a stream may be the Python fold's, and then it is exact as any reducer's.
+            assert (key in built) != (key in left)
+            if key in left:
+                continue
+        else:
+            assert key in built and key not in left
         row = built[key]
         assert json.loads(row["state"]) == by_hand
         assert list(json.loads(row["state"])) == sorted(by_hand)  # keys sorted, nulls left out, as the fold writes
         assert (row["version"], row["folded"], row["revision"], row["skipped"]) == (len(run), len(run), 1, 0)
+
+
+def _past_doubles(payload: dict[str, Any]) -> bool:
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 2**53 for v in payload.values())
 
 
 def test_a_declaration_that_cannot_be_said_so_is_refused_in_one_line() -> None:

@@ -23,6 +23,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -86,12 +87,18 @@ def build(events: Any, declared: dict[str, Reducer]) -> Native:
         con.execute(f"SET threads TO {max(1, os.cpu_count() or 1)}")
         if isinstance(events, list):
             files = ", ".join(_sql_text(str(f)) for f in events) or "NULL"
-            con.execute(f"CREATE VIEW events_now AS SELECT * FROM read_parquet([{files}])")
+            # by name: files of releases before `tenant` and `payload_encoding` lack them (NULL there)
+            con.execute(f"CREATE VIEW events_now AS SELECT * FROM read_parquet([{files}], union_by_name = true)")
         else:
             con.register("events_now", events)
         outs, lefts = [], []
         for stream_type, reducer in sorted(declared.items()):
-            table = con.execute(_query(reducer), [stream_type]).fetch_arrow_table()
+            try:
+                table = con.execute(_query(reducer), [stream_type]).fetch_arrow_table()
+            except duckdb.Error:  # a payload DuckDB's JSON reader refuses (Python's may not): the type is Python's
+                lefts.append(con.execute("SELECT DISTINCT coalesce(tenant, '') AS tenant, stream_id FROM events_now "
+                                         "WHERE stream_type = $1", [stream_type]).fetch_arrow_table())
+                continue
             ok = pc.fill_null(table["native"], False)
             if reducer.state is not None:
                 fits, texts = _fitted(table["state"], reducer)
@@ -104,11 +111,14 @@ def build(events: Any, declared: dict[str, Reducer]) -> Native:
         (others,) = con.execute(f"SELECT count(*) FROM events_now WHERE stream_type IS NULL OR stream_type NOT IN "
                                 f"({types})").fetchone()  # type: ignore[misc]
         return Native(pa.concat_tables(outs) if outs else FOLD_OUT.empty_table(),
-                      pa.concat_tables(lefts) if lefts else pa.table({"tenant": pa.array([], pa.string()),
+                      pa.concat_tables([t.cast(_KEYS) for t in lefts]) if lefts else pa.table({"tenant": pa.array([], pa.string()),
                                                                          "stream_id": pa.array([], pa.string())}),
                       int(others))
     finally:
         con.close()
+
+
+_KEYS = pa.schema([("tenant", pa.string()), ("stream_id", pa.string())])
 
 
 def _sql_text(text: str) -> str:
@@ -120,8 +130,13 @@ def _in(types: tuple[str, ...] | None) -> str:
 
 
 def _column(source: str | None) -> str:
-    """The column holding a payload field's JSON value, extracted once per event (`_query`)."""
-    return '"v_' + str(source) + '"'
+    """The column holding a payload field's JSON value, extracted once per event (`_query`). Named by the field's
+    position among the payload fields read (`_ids`): DuckDB's names ignore case, payload fields do not."""
+    return f'"v_{_ids[str(source)]}"'
+
+
+_ids: dict[str, int] = {}  # the payload fields of the query being made, by position (`_query` sets it)
+_fields: dict[str, int] = {}  # the state's fields of the query being made, by position
 
 
 def _value(agg: Agg) -> str:
@@ -130,12 +145,12 @@ def _value(agg: Agg) -> str:
 
 def _text(agg: Agg) -> str:
     """The column holding a payload field's value as text (a total's amount), extracted once per event."""
-    return '"s_' + str(agg.source) + '"'
+    return f'"s_{_ids[str(agg.source)]}"'
 
 
 def _kind(agg: Agg) -> str:
-    """The column holding the JSON type of a payload field's value (a minimum's or maximum's), once per event."""
-    return '"t_' + str(agg.source) + '"'
+    """The column holding the JSON type of a payload field's value, once per event."""
+    return f'"t_{_ids[str(agg.source)]}"'
 
 
 def _present(agg: Agg) -> str:
@@ -147,7 +162,7 @@ def _present(agg: Agg) -> str:
 def _decimal(agg: Agg) -> str:
     """The column holding an event's amount as a decimal of 18 digits (64 bits: a cast 20 times faster than to 38),
     summed into 38; an amount past 18 digits is no value here, and its stream goes to the Python fold."""
-    return f'"d_{agg.source}_{agg.scale}"'
+    return f'"d_{_ids[str(agg.source)]}_{agg.scale}"'
 
 
 def _field(name: str, agg: Agg) -> tuple[str, str, str]:
@@ -155,7 +170,7 @@ def _field(name: str, agg: Agg) -> tuple[str, str, str]:
     stream, and the condition under which an event breaks it (a value of another kind: the Python fold fails
     there)."""
     where = _in(agg.types())
-    alias = '"f_' + name + '"'
+    alias = f'"f_{_fields[name]}"'
     if agg.kind == "count":
         return f"count(*) FILTER (WHERE {where})", alias, "FALSE"
     if agg.kind == "last_of":  # the last such event's position among the values, its JSON constant made after
@@ -163,21 +178,29 @@ def _field(name: str, agg: Agg) -> tuple[str, str, str]:
         values = " ".join(f"WHEN {i} THEN json({_sql_text(json.dumps(v))})" for i, (_, v) in enumerate(agg.values))
         return (f"arg_max(CASE event_type {cases} END, version) FILTER (WHERE {where})",
                 f"CASE {alias} {values} END", "FALSE")
+    # An integer past 64 bits is a Python int but a double to DuckDB's JSON reader: such a stream is Python's.
+    huge = (f"({_kind(agg)} = 'DOUBLE' AND abs(TRY_CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)) "
+            f">= 9.2e18)")
     if agg.kind in ("last", "first"):
         pick = "arg_max" if agg.kind == "last" else "arg_min"
-        return f"{pick}({_value(agg)}, version) FILTER (WHERE {where} AND {_present(agg)})", alias, "FALSE"
+        return (f"{pick}({_value(agg)}, version) FILTER (WHERE {where} AND {_present(agg)})", alias,
+                f"{where} AND {_present(agg)} AND {huge}")
     if agg.kind in ("minimum", "maximum"):
+        # By value, then the earliest version among equal values (Python keeps the first it met: strict < and >);
+        # a value that is no finite number, or an integer a double does not hold exactly, is Python's.
+        number = f"TRY_CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)"
+        key = f"[{number}, {'' if agg.kind == 'minimum' else '-'}version]"
         pick = "arg_min" if agg.kind == "minimum" else "arg_max"
-        number = f"{_kind(agg)} IN ('BIGINT', 'UBIGINT', 'DOUBLE')"
-        return (f"{pick}({_value(agg)}, CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)) "
-                f"FILTER (WHERE {where} AND {_present(agg)} AND {number})", alias,
-                f"{where} AND {_present(agg)} AND NOT ({number})")
+        kind_ok = (f"{_kind(agg)} IN ('BIGINT', 'UBIGINT', 'DOUBLE') AND isfinite({number}) "
+                   f"AND abs({number}) < 9007199254740992")
+        return (f"{pick}({_value(agg)}, {key}) FILTER (WHERE {where} AND {_present(agg)} AND {kind_ok})", alias,
+                f"{where} AND {_present(agg)} AND NOT ({kind_ok})")
     assert agg.kind == "total"
     sign = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -1 ELSE 1 END"
             if agg.subtract else "1")
     # A number or a numeric string is an amount to both folds; a bool, an object or other text is not (no decimal).
     return (f"coalesce(sum({sign} * {_decimal(agg)}) FILTER (WHERE {where} AND {_present(agg)}), 0)",
-            f"CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS VARCHAR)",
+            f"'\"' || CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS VARCHAR) || '\"'",  # its digits, a string
             f"{where} AND {_present(agg)} AND {_decimal(agg)} IS NULL")
 
 
@@ -198,6 +221,10 @@ def _query(reducer: Reducer) -> str:
     or as text for a total), and only from the event types that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
+    _ids.clear()
+    _ids.update({source: i for i, source in enumerate(sorted({str(a.source) for _, a in fields if a.source}))})
+    _fields.clear()
+    _fields.update({name: i for i, (name, _) in enumerate(fields)})
     extracted = "".join(
         f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
         f"AS {_column(source)}" for source, types in _reads(fields, ("last", "first", "minimum", "maximum")).items())
@@ -205,14 +232,16 @@ def _query(reducer: Reducer) -> str:
         f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
         f"AS {_text(Agg('total', source))}" for source, types in _reads(fields, ("total",)).items())
     kinds = "".join(f", json_type({_column(source)}) AS {_kind(Agg('last', source))}"
-                    for source in _reads(fields, ("minimum", "maximum")))
+                    for source in _reads(fields, ("last", "first", "minimum", "maximum")))
     amounts = "".join(
         f", TRY_CAST({_text(Agg('total', source))} AS DECIMAL(18, {scale})) AS "
         f"{_decimal(Agg('total', source, scale=scale))}"
         for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
     made = [(name, *_field(name, agg)) for name, agg in fields]
-    aggregates = "".join(f", {aggregate} AS \"f_{name}\"" for name, aggregate, _, _ in made)
-    state = ", ".join(f"{_sql_text(name)}, {value}" for name, _, value, _ in made)
+    aggregates = "".join(f", {aggregate} AS \"f_{_fields[name]}\"" for name, aggregate, _, _ in made)
+    # The state's text: a key per field that has a value (as the fold leaves an unset field out), keys sorted.
+    state = ", ".join(f"CASE WHEN \"f_{_fields[name]}\" IS NOT NULL THEN {_sql_text(json.dumps(name) + ':')} || "
+                      f"CAST({value} AS VARCHAR) END" for name, _, value, _ in made)
     broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
     return f"""
         WITH extracted AS (
@@ -226,16 +255,17 @@ def _query(reducer: Reducer) -> str:
         , streams AS (
             SELECT tenant, stream_id,
                    CAST(max(version) AS INTEGER) AS version,
-                   arg_max(recorded_at, version) AS last_event_at,
+                   arg_max_null(recorded_at, version) AS last_event_at,
                    CAST(count(*) AS INTEGER) AS folded,
                    min(version) = 1 AND max(version) = count(*)
+                     AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) // 2
                      AND bool_and(coalesce(payload_encoding, 'json') = 'json')
                      AND NOT bool_or({broken}) AS native{aggregates}
             FROM typed
             GROUP BY tenant, stream_id
         )
         SELECT tenant, stream_id, version, last_event_at, folded, native,
-               CAST(json_merge_patch('{{}}', json_object({state})) AS VARCHAR) AS state
+               '{{' || concat_ws(',', {state}) || '}}' AS state
         FROM streams
     """
 
@@ -244,12 +274,17 @@ def _fitted(states: pa.ChunkedArray, reducer: Reducer) -> tuple[pa.Array, pa.Arr
     """Whether each state fits the reducer's declared fields, and its text as the Python fold writes it (the
     declared fields in their JSON form: `StreamFold` checks and writes the state so)."""
     codec = state_json.codec(reducer.state)
+    decimals = reducer.declared.decimals if reducer.declared is not None else ()
     fits, texts = [], []
     for text in states.to_pylist():
         try:
-            texts.append(codec.dumps(codec.loads(text)))
+            state = json.loads(text)
+            for name in decimals:  # the fold holds a total declared a decimal as a Decimal; every other value as read
+                if state.get(name) is not None:
+                    state[name] = Decimal(state[name])
+            texts.append(codec.dumps(state))
             fits.append(True)
-        except state_json.StateMisfit:
+        except Exception:  # noqa: BLE001 - a state the fold could not write either: the Python fold says why
             texts.append(text)
             fits.append(False)
     return pa.array(fits, pa.bool_()), pa.array(texts, pa.string())
