@@ -92,7 +92,7 @@ def build_resources(settings: Settings) -> dict[str, Any]:
     Only the local development server's DSN (no password) is given as a value."""
     dsn: Any = dg.EnvVar("ES_PIPELINE_PG_DSN") if settings.pg_dsn_from_env else settings.pg_dsn
     snapshot_dsn: Any = dg.EnvVar("ES_PIPELINE_SNAPSHOT_DSN") if settings.snapshot_dsn else None
-    local = Metastore.of(settings) if (settings.metastore_dsn or "off").lower() != "off" else None
+    local = Metastore.of(settings)  # None where the catalog is off
     metastore_dsn: Any = dg.EnvVar("ES_PIPELINE_METASTORE_DSN") if os.environ.get("ES_PIPELINE_METASTORE_DSN") \
         else (settings.metastore_dsn or "off")
     return {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,17 +102,11 @@ def _javac() -> str:
 
     java = java_binary()
     candidates = [Path(java).resolve().parent / "javac"] if java else []
-    found = next((str(c) for c in candidates if c.exists()), None) or _which("javac")
+    found = next((str(c) for c in candidates if c.exists()), None) or shutil.which("javac")
     if not found:
         raise MetastoreError("ES_PIPELINE_SQL_ENDPOINT_AUTH=password builds its check once with a JDK's javac, and "
                              "there is none: install a JDK 17 or 21 (`apt-get install openjdk-17-jdk-headless`)")
     return found
-
-
-def _which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)
 
 
 # -- the server ----------------------------------------------------------------------------------------------------
