@@ -28,10 +28,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
+from shop.summary import ACCOUNT_FIELDS
 
 from bench.common import WORK_ROOT
 from bench.results import Goal, machine_facts, n, ratio, secs, write_result
-from es_pipeline.declared import count, first, last, last_of, total
 from es_pipeline.domain import Domain, Event, State
 from es_pipeline.lake.events import EVENTS
 from es_pipeline.lake.kernel.engine import Engine
@@ -45,16 +45,8 @@ REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 INCREMENT = 1_000
 CENT = Decimal("0.01")
 
-FIELDS = {
-    "owner": first("owner", of=["Opened"]),
-    "currency": last("currency", of=["Opened"]),
-    "status": last_of({"Opened": "open", "Closed": "closed"}),
-    "balance": total("amount", add=["Deposited"], subtract=["Withdrawn"], scale=2),
-    "deposits": count(of=["Deposited"]),
-    "withdrawals": count(of=["Withdrawn"]),
-}
 DECLARED = Domain("bench, declared")
-DECLARED.declare("account", revision=1, fields=FIELDS)
+DECLARED.declare("account", revision=1, fields=ACCOUNT_FIELDS)  # shop.summary's, untyped
 PYTHON = Domain("bench, python")
 
 
