@@ -129,48 +129,53 @@ def _in(types: tuple[str, ...] | None) -> str:
     return "TRUE" if types is None else f"event_type IN ({', '.join(_sql_text(t) for t in types)})"
 
 
-def _column(source: str | None) -> str:
-    """The column holding a payload field's JSON value, extracted once per event (`_query`). Named by the field's
-    position among the payload fields read (`_ids`): DuckDB's names ignore case, payload fields do not."""
-    return f'"v_{_ids[str(source)]}"'
+@dataclass(frozen=True)
+class _Names:
+    """The query's column names, by position: a payload field's (`sources`) and a state field's (`fields`). DuckDB's
+    names ignore case, payload and state fields do not."""
+
+    sources: dict[str, int]
+    fields: dict[str, int]
+
+    @classmethod
+    def of(cls, fields: list[tuple[str, Agg]]) -> _Names:
+        sources = sorted({str(a.source) for _, a in fields if a.source})
+        return cls({s: i for i, s in enumerate(sources)}, {name: i for i, (name, _) in enumerate(fields)})
+
+    def value(self, source: str | None) -> str:
+        """A payload field's JSON value, extracted once per event."""
+        return f'"v_{self.sources[str(source)]}"'
+
+    def text(self, source: str | None) -> str:
+        """A payload field's value as text (a total's amount), extracted once per event."""
+        return f'"s_{self.sources[str(source)]}"'
+
+    def kind(self, source: str | None) -> str:
+        """The JSON type of a payload field's value, once per event."""
+        return f'"t_{self.sources[str(source)]}"'
+
+    def decimal(self, agg: Agg) -> str:
+        """An event's amount as a decimal of 18 digits (64 bits: a cast 20 times faster than to 38), summed into 38;
+        an amount past 18 digits is no value here, and its stream goes to the Python fold."""
+        return f'"d_{self.sources[str(agg.source)]}_{agg.scale}"'
+
+    def field(self, name: str) -> str:
+        """A state field's aggregate, once per stream."""
+        return f'"f_{self.fields[name]}"'
+
+    def present(self, agg: Agg) -> str:
+        if agg.kind == "total":
+            return f"{self.text(agg.source)} IS NOT NULL"  # a JSON null's text is NULL too
+        value = self.value(agg.source)
+        return f"({value} IS NOT NULL AND CAST({value} AS VARCHAR) <> 'null')"
 
 
-_ids: dict[str, int] = {}  # the payload fields of the query being made, by position (`_query` sets it)
-_fields: dict[str, int] = {}  # the state's fields of the query being made, by position
-
-
-def _value(agg: Agg) -> str:
-    return _column(agg.source)
-
-
-def _text(agg: Agg) -> str:
-    """The column holding a payload field's value as text (a total's amount), extracted once per event."""
-    return f'"s_{_ids[str(agg.source)]}"'
-
-
-def _kind(agg: Agg) -> str:
-    """The column holding the JSON type of a payload field's value, once per event."""
-    return f'"t_{_ids[str(agg.source)]}"'
-
-
-def _present(agg: Agg) -> str:
-    if agg.kind == "total":
-        return f"{_text(agg)} IS NOT NULL"  # a JSON null's text is NULL too
-    return f"({_value(agg)} IS NOT NULL AND CAST({_value(agg)} AS VARCHAR) <> 'null')"
-
-
-def _decimal(agg: Agg) -> str:
-    """The column holding an event's amount as a decimal of 18 digits (64 bits: a cast 20 times faster than to 38),
-    summed into 38; an amount past 18 digits is no value here, and its stream goes to the Python fold."""
-    return f'"d_{_ids[str(agg.source)]}_{agg.scale}"'
-
-
-def _field(name: str, agg: Agg) -> tuple[str, str, str]:
+def _field(name: str, agg: Agg, names: _Names) -> tuple[str, str, str]:
     """One field: its aggregation over a stream's events (plain values), its JSON value made from that once per
     stream, and the condition under which an event breaks it (a value of another kind: the Python fold fails
     there)."""
     where = _in(agg.types())
-    alias = f'"f_{_fields[name]}"'
+    alias = names.field(name)
     if agg.kind == "count":
         return f"count(*) FILTER (WHERE {where})", alias, "FALSE"
     if agg.kind == "last_of":  # the last such event's position among the values, its JSON constant made after
@@ -179,29 +184,29 @@ def _field(name: str, agg: Agg) -> tuple[str, str, str]:
         return (f"arg_max(CASE event_type {cases} END, version) FILTER (WHERE {where})",
                 f"CASE {alias} {values} END", "FALSE")
     # An integer past 64 bits is a Python int but a double to DuckDB's JSON reader: such a stream is Python's.
-    huge = (f"({_kind(agg)} = 'DOUBLE' AND abs(TRY_CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)) "
+    huge = (f"({names.kind(agg.source)} = 'DOUBLE' AND abs(TRY_CAST(json_extract_string({names.value(agg.source)}, '$') AS DOUBLE)) "
             f">= 9.2e18)")
     if agg.kind in ("last", "first"):
         pick = "arg_max" if agg.kind == "last" else "arg_min"
-        return (f"{pick}({_value(agg)}, version) FILTER (WHERE {where} AND {_present(agg)})", alias,
-                f"{where} AND {_present(agg)} AND {huge}")
+        return (f"{pick}({names.value(agg.source)}, version) FILTER (WHERE {where} AND {names.present(agg)})", alias,
+                f"{where} AND {names.present(agg)} AND {huge}")
     if agg.kind in ("minimum", "maximum"):
         # By value, then the earliest version among equal values (Python keeps the first it met: strict < and >);
         # a value that is no finite number, or an integer a double does not hold exactly, is Python's.
-        number = f"TRY_CAST(json_extract_string({_value(agg)}, '$') AS DOUBLE)"
+        number = f"TRY_CAST(json_extract_string({names.value(agg.source)}, '$') AS DOUBLE)"
         key = f"[{number}, {'' if agg.kind == 'minimum' else '-'}version]"
         pick = "arg_min" if agg.kind == "minimum" else "arg_max"
-        kind_ok = (f"{_kind(agg)} IN ('BIGINT', 'UBIGINT', 'DOUBLE') AND isfinite({number}) "
+        kind_ok = (f"{names.kind(agg.source)} IN ('BIGINT', 'UBIGINT', 'DOUBLE') AND isfinite({number}) "
                    f"AND abs({number}) < 9007199254740992")
-        return (f"{pick}({_value(agg)}, {key}) FILTER (WHERE {where} AND {_present(agg)} AND {kind_ok})", alias,
-                f"{where} AND {_present(agg)} AND NOT ({kind_ok})")
+        return (f"{pick}({names.value(agg.source)}, {key}) FILTER (WHERE {where} AND {names.present(agg)} AND {kind_ok})", alias,
+                f"{where} AND {names.present(agg)} AND NOT ({kind_ok})")
     assert agg.kind == "total"
     sign = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -1 ELSE 1 END"
             if agg.subtract else "1")
     # A number or a numeric string is an amount to both folds; a bool, an object or other text is not (no decimal).
-    return (f"coalesce(sum({sign} * {_decimal(agg)}) FILTER (WHERE {where} AND {_present(agg)}), 0)",
+    return (f"coalesce(sum({sign} * {names.decimal(agg)}) FILTER (WHERE {where} AND {names.present(agg)}), 0)",
             f"'\"' || CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS VARCHAR) || '\"'",  # its digits, a string
-            f"{where} AND {_present(agg)} AND {_decimal(agg)} IS NULL")
+            f"{where} AND {names.present(agg)} AND {names.decimal(agg)} IS NULL")
 
 
 def _reads(fields: list[tuple[str, Agg]], kinds: tuple[str, ...]) -> dict[str, tuple[str, ...] | None]:
@@ -221,26 +226,22 @@ def _query(reducer: Reducer) -> str:
     or as text for a total), and only from the event types that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
-    _ids.clear()
-    _ids.update({source: i for i, source in enumerate(sorted({str(a.source) for _, a in fields if a.source}))})
-    _fields.clear()
-    _fields.update({name: i for i, (name, _) in enumerate(fields)})
+    names = _Names.of(fields)
     extracted = "".join(
         f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
-        f"AS {_column(source)}" for source, types in _reads(fields, ("last", "first", "minimum", "maximum")).items())
+        f"AS {names.value(source)}" for source, types in _reads(fields, ("last", "first", "minimum", "maximum")).items())
     extracted += "".join(
         f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
-        f"AS {_text(Agg('total', source))}" for source, types in _reads(fields, ("total",)).items())
-    kinds = "".join(f", json_type({_column(source)}) AS {_kind(Agg('last', source))}"
+        f"AS {names.text(source)}" for source, types in _reads(fields, ("total",)).items())
+    kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}"
                     for source in _reads(fields, ("last", "first", "minimum", "maximum")))
     amounts = "".join(
-        f", TRY_CAST({_text(Agg('total', source))} AS DECIMAL(18, {scale})) AS "
-        f"{_decimal(Agg('total', source, scale=scale))}"
+        f", TRY_CAST({names.text(source)} AS DECIMAL(18, {scale})) AS {names.decimal(Agg('total', source, scale=scale))}"
         for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
-    made = [(name, *_field(name, agg)) for name, agg in fields]
-    aggregates = "".join(f", {aggregate} AS \"f_{_fields[name]}\"" for name, aggregate, _, _ in made)
+    made = [(name, *_field(name, agg, names)) for name, agg in fields]
+    aggregates = "".join(f", {aggregate} AS {names.field(name)}" for name, aggregate, _, _ in made)
     # The state's text: a key per field that has a value (as the fold leaves an unset field out), keys sorted.
-    state = ", ".join(f"CASE WHEN \"f_{_fields[name]}\" IS NOT NULL THEN {_sql_text(json.dumps(name) + ':')} || "
+    state = ", ".join(f"CASE WHEN {names.field(name)} IS NOT NULL THEN {_sql_text(json.dumps(name) + ':')} || "
                       f"CAST({value} AS VARCHAR) END" for name, _, value, _ in made)
     broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
     return f"""
