@@ -1,7 +1,7 @@
 """Declared folds on a real store (es_pipeline/declared.py, lake/state/declared_build.py): the shop's accounts
 declared (examples/shop, `shop.summary`), written by concurrent writers with rollbacks and out-of-order commits, folded
 by every path: the first build in process (DuckDB's aggregation), increments, a revision rebuilt beside, the first
-build on Spark from nothing. Each time the lake's account states equal a fold of the store by the equivalent Python reducer
+build on Spark from nothing (Spark's aggregation). Each time the lake's account states equal a fold of the store by the equivalent Python reducer
 written here, with exact decimals; the typed table holds the balance as a decimal column."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from es_pipeline.domain import Domain
 from es_pipeline.lake.delta import tables
 from es_pipeline.lake.follow import follow
 from es_pipeline.lake.kernel.engine import Engine
-from es_pipeline.lake.state import declared_build, rebuild
+from es_pipeline.lake.state import declared_build, declared_spark, rebuild
 from es_pipeline.lake.state.stream_state import update_stream_state
 from es_pipeline.store.event_store import EventStore
 from es_pipeline_tests.support.hooks import no_spark
@@ -104,7 +104,7 @@ def natively(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_declared_accounts_under_concurrent_writers_equal_the_stores_fold_on_every_path(
-    dsn: StoreDsn, spark: Any, warehouse: Path, natively: list[int]
+    dsn: StoreDsn, spark: Any, warehouse: Path, natively: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = EventStore(dsn.writer)
     run_workload(store, streams=60, events=900, writers=4, rollback_rate=0.15, max_commit_delay=0.02, seed=65)
@@ -146,10 +146,15 @@ def test_declared_accounts_under_concurrent_writers_equal_the_stores_fold_on_eve
     assert {r["revision"] for r in rows if r["stream_type"] == "account"} == {2}
     assert lake_accounts(warehouse) == expected
 
-    # The lake's state rebuilt from nothing on Spark: the declaration folded by the Python workers, as any reducer's
-    # (a native Spark aggregation is not built yet), to the same states.
+    # The lake's state rebuilt from nothing on Spark: every account by Spark's aggregation (lake/state/declared_spark.py),
+    # the carts by the Python workers, to the same states.
     for name in ("stream_state", "stream_state_account", "stream_state_cart", "stream_state_cart_history"):
         tables.remove_folder(str(warehouse / name))
+    on_spark: list[declared_spark.Native] = []
+    real = declared_spark.build
+    monkeypatch.setattr(declared_spark, "build", lambda events, declared: on_spark.append(real(events, declared))
+                        or on_spark[-1])
     update_stream_state(Engine("spark", spark), warehouse, domain=SUMMARY, store_dsn=dsn.extractor)
+    assert len(on_spark) == 1 and on_spark[0].out.count() == len(expected) and on_spark[0].left.count() == 0
     assert lake_accounts(warehouse) == expected
     assert typed_balances(warehouse) == {k: s["balance"] for k, (_, s) in expected.items()}

@@ -12,7 +12,8 @@ Three paths, one fold, the same txn ids, so each goes on from what another commi
 - a first build of an `events` table that fits (lake/state/whole_fold.py): forked processes, written by delta-rs;
 - Spark: the rows partitioned by stream and sorted, folded by `fold_partitions` on the Python workers
   (`mapInArrow`: plain Python per event, Arrow in and out), merged by Spark; a larger increment, a reducer
-  added, bumped or removed (that stream type rebuilt alone), a change feed vacuumed away.
+  added, bumped or removed (that stream type rebuilt alone), a change feed vacuumed away. Onto nothing (a first
+  build), a declared reducer's streams are Spark's own aggregations instead (lake/state/declared_spark.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from es_pipeline.lake.kernel.position import REVISION_SLOTS, Position, next_txn_
 from es_pipeline.lake.kernel.projection import Increment, Kind
 from es_pipeline.lake.kernel.result import Result
 from es_pipeline.lake.kernel.turn import Turn
-from es_pipeline.lake.state import history, rebuild, typed_state, whole_fold
+from es_pipeline.lake.state import declared_build, declared_spark, history, rebuild, typed_state, whole_fold
 from es_pipeline.lake.state.fold import (
     HISTORY_COLUMNS,
     LATER_COLUMNS,
@@ -316,8 +317,14 @@ def _update_with_spark(
     held = [] if read is None else rebuild.pending(
         warehouse, domain, state.select("stream_type", "revision").distinct().collect(), events_id, read, live)
     cols = spark_columns(domain)
+    native = None
     if prev < 0 or (whole and prev < now):
-        new = tables.read(spark, events_path, version=now).select(*cols)
+        events = tables.read(spark, events_path, version=now)
+        new = events.select(*cols)
+        declared = declared_build.native_types(domain)
+        if read is None and declared:  # onto nothing: the declared types aggregated by Spark (lake/state/declared_spark.py)
+            native = declared_spark.build(events, declared)
+            new = native.python_events(new, sorted(declared))
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
@@ -341,7 +348,10 @@ def _update_with_spark(
         F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
         F.col("quarantined").alias("prior_quarantined"),
     )
-    folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown).cache()
+    folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown)
+    if native is not None:
+        folded = native.out.unionByName(folded)
+    folded = folded.cache()
     started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
@@ -379,6 +389,8 @@ def _update_with_spark(
                  "a new table" if read is None else "MERGE")
     finally:
         folded.unpersist()
+        if native is not None:
+            native.unpersist()
     return state_result(now, prev, int(n_events), int(stats["streams"] or 0), int(stats["parked"] or 0),
                         int(stats["skipped"] or 0), int(stats["without_reducer"] or 0), engine="spark",
                         history_rows=kept, held_types=held, quarantined=int(stats["quarantined"] or 0))

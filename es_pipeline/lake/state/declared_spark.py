@@ -1,0 +1,202 @@
+"""`stream_state`'s first build of declared reducers (es_pipeline/declared.py) on Spark, as Spark's own aggregations:
+no Python call per event.
+
+Past the engine rule's bound a first build runs on Spark (lake/state/stream_state.py). For a stream type whose reducer
+is declared, it is one `GROUP BY` stream over the type's events of the `events` version the build reads: each payload
+parsed once (`try_parse_json`, a VARIANT) and the fields read from it; per state field the aggregation it declares in
+version order (`max_by`/`min_by` by version, an exact decimal `sum`, a `count`), each with its event types as a
+`FILTER`; the state made as JSON in the query. The rows are the fold's output (`FOLD_OUT`), as `StreamFold.row` makes
+them, so they join the Python fold's rows of every other stream and are written with them.
+
+The same rule as the build in process (lake/state/declared_build.py): a stream is taken from the aggregation only where
+the aggregation is the Python fold's answer by construction, and every other stream of the type goes to the Python
+fold on Spark's workers (`Native.left`). Taken: versions 1..n with none missing; every payload JSON that Spark's parser
+reads as Python's does (no duplicate key, which Spark refuses and Python reads as the last; no NaN; no lone surrogate,
+which Spark's parser would make a `?`); every amount plain digits a double holds exactly (at most 15 of them where it
+has a fraction: Python reads a JSON number as a double); every minimum's value a finite number; a value kept whole
+(`last`, `first`) with no double in it (an integer past 38 digits is one to Spark, exact to Python); and, where the state
+is declared with types, a state that fits them (checked once per stream by the codec that writes it, on the workers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from es_pipeline.declared import Agg
+from es_pipeline.domain import Reducer
+from es_pipeline.lake.state.declared_build import _fitted, _reads, _sql_text
+from es_pipeline.lake.state.state_table import FOLD_OUT_DDL, KEY
+
+# An amount both folds read alike: plain digits, at most 16 characters (so at most 15 digits where there is a point:
+# a double holds those exactly, and Python reads a JSON number as a double).
+_PLAIN_AMOUNT = r"^-?[0-9]+(\\.[0-9]+)?$"
+_AGGREGATED = ("tenant STRING, stream_id STRING, version INT, last_event_at TIMESTAMP, folded INT, native BOOLEAN, "
+               "state STRING")
+
+
+@dataclass(frozen=True)
+class Native:
+    """The native build on Spark: `out`, the fold's output rows (`FOLD_OUT`) of the streams built here; `left`, the
+    (tenant, stream_id) of the declared types' streams left to the Python fold; `cached`, what to unpersist."""
+
+    out: Any
+    left: Any
+    cached: Any
+
+    def python_events(self, events: Any, types: list[str]) -> Any:
+        """`events` (as `spark_columns` reads them) without those of the streams built here."""
+        from pyspark.sql import functions as F
+
+        declared = F.col("stream_type").isin(types)
+        return events.where(~declared).unionByName(
+            events.where(declared).join(self.left, list(KEY), "left_semi"))
+
+    def unpersist(self) -> None:
+        self.cached.unpersist()
+
+
+def build(events: Any, declared: dict[str, Reducer]) -> Native:
+    """Every stream of the declared types in `events` (a DataFrame of the `events` version the build reads, its own
+    columns) built natively where it can be (module docstring)."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    spark = events.sparkSession
+    events.createOrReplaceTempView("_declared_events")
+    parts = []
+    for stream_type, reducer in sorted(declared.items()):
+        part = spark.sql(_query(reducer, stream_type))
+        if reducer.state is not None:  # the codec checks and writes a typed state: once per stream, on the workers
+            part = part.mapInArrow(_fit(reducer), _AGGREGATED)
+        parts.append(part.withColumn("stream_type", F.lit(stream_type))
+                     .withColumn("revision", F.lit(reducer.revision).cast("int")))
+    aggregated = reduce(lambda a, b: a.unionByName(b), parts).cache()
+    built = aggregated.where(F.coalesce(F.col("native"), F.lit(False)))
+    nulls = {"parked": "string", "skipped": "int", "error": "string", "history_from": "int",
+             "history_at": "timestamp", "history": "string", "quarantined": "string"}
+    out = built.select(*[F.lit(0).cast("int").alias(name) if name == "skipped" else
+                         F.lit(None).cast(nulls[name]).alias(name) if name in nulls else F.col(name)
+                         for name in _fold_out_names()])
+    left = aggregated.where(~F.coalesce(F.col("native"), F.lit(False))).select(*KEY)
+    return Native(out, left, aggregated)
+
+
+def _fold_out_names() -> list[str]:
+    return [part.split(" ")[0] for part in FOLD_OUT_DDL.split(", ")]
+
+
+def _fit(reducer: Reducer) -> Any:
+    def fit(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            fits, texts = _fitted(pa.chunked_array([batch.column("state")]), reducer)
+            names = batch.schema.names
+            columns = list(batch.columns)
+            columns[names.index("state")] = texts
+            columns[names.index("native")] = pc.and_(pc.fill_null(batch.column("native"), False), fits)
+            yield pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+    return fit
+
+
+def _in(types: tuple[str, ...] | None) -> str:
+    return "TRUE" if types is None else f"event_type IN ({', '.join(_sql_text(t) for t in types)})"
+
+
+def _field(name: str, agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, str, str]:
+    """One field: its aggregation over a stream's events, its JSON text made from that once per stream, and the
+    condition under which an event leaves the stream to the Python fold."""
+    where = _in(agg.types())
+    alias = f"f_{i}"
+    if agg.kind == "count":
+        return f"count(*) FILTER (WHERE {where})", f"CAST({alias} AS STRING)", "FALSE"
+    if agg.kind == "last_of":
+        cases = " ".join(f"WHEN {_sql_text(t)} THEN {k}" for k, (t, _) in enumerate(agg.values))
+        values = " ".join(f"WHEN {k} THEN {_sql_text(json.dumps(v))}" for k, (_, v) in enumerate(agg.values))
+        return (f"max_by(CASE event_type {cases} END, version) FILTER (WHERE {where})", f"CASE {alias} {values} END",
+                "FALSE")
+    value = f"v_{sources[str(agg.source)]}"
+    present = f"({value} IS NOT NULL AND NOT is_variant_null({value}))"
+    if agg.kind in ("last", "first"):
+        pick = "max_by" if agg.kind == "last" else "min_by"
+        # a lone surrogate escape, which Spark's parser turns into '?' and Python keeps: Python's
+        surrogate = r"(contains(payload, '\\u') AND payload RLIKE '\\\\u[dD][89abAB]')"
+        return (f"{pick}({value}, version) FILTER (WHERE {where} AND {present})", f"to_json({alias})",
+                f"{where} AND {present} AND {surrogate}")
+    if agg.kind in ("minimum", "maximum"):
+        number = f"try_variant_get({value}, '$', 'double')"
+        kind_ok = (f"(schema_of_variant({value}) IN ('BIGINT', 'DOUBLE') OR schema_of_variant({value}) LIKE 'DECIMAL%') "
+                   f"AND NOT isnan({number}) AND abs({number}) < 9007199254740992")
+        pick = "min_by" if agg.kind == "minimum" else "max_by"
+        key = f"named_struct('n', {number}, 'v', {'' if agg.kind == 'minimum' else '-'}version)"
+        return (f"{pick}({value}, {key}) FILTER (WHERE {where} AND {present} AND {kind_ok})", f"to_json({alias})",
+                f"{where} AND {present} AND NOT ({kind_ok})")
+    assert agg.kind == "total"
+    text = f"a_{sources[str(agg.source)]}"
+    amount = f"try_cast({text} AS DECIMAL(18, {agg.scale}))"
+    plain = f"({text} RLIKE '{_PLAIN_AMOUNT}' AND (length({text}) <= 16 OR NOT contains({text}, '.')) AND {amount} IS NOT NULL)"
+    sign = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -1 ELSE 1 END"
+            if agg.subtract else "1")
+    return (f"coalesce(sum({sign} * {amount}) FILTER (WHERE {where} AND {present} AND {plain}), 0)",
+            f"concat('\"', CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS STRING), '\"')",
+            f"{where} AND {present} AND NOT {plain}")
+
+
+def _query(reducer: Reducer, stream_type: str) -> str:
+    """One aggregation per stream of the type over `_declared_events`: each payload parsed once, each field it reads
+    taken once per event from the event types that read it."""
+    assert reducer.declared is not None
+    fields = sorted(reducer.declared.fields)
+    read = _reads(fields, ("last", "first", "minimum", "maximum", "total"))
+    sources = {source: i for i, source in enumerate(read)}
+    values = "".join(f", CASE WHEN {_in(types)} THEN variant_get(_v, {_sql_text('$.' + source)}) END AS v_{sources[source]}"
+                     for source, types in read.items())
+    amounts = "".join(f", variant_get(v_{sources[source]}, '$', 'string') AS a_{sources[source]}"
+                      for source in _reads(fields, ("total",)))
+    made = [(name, *_field(name, agg, i, sources)) for i, (name, agg) in enumerate(fields)]
+    aggregates = "".join(f", {aggregate} AS f_{i}" for i, (_, aggregate, _, _) in enumerate(made))
+    state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
+                      for i, (name, _, value, _) in enumerate(made))
+    broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
+    json_ok = "coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL"
+    return f"""
+        WITH parsed AS (
+            SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
+                   payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
+                                          THEN try_parse_json(payload) END AS _v
+            FROM _declared_events
+            WHERE stream_type = {_sql_text(stream_type)}
+        ), extracted AS (
+            SELECT *{values} FROM parsed
+        ), typed AS (
+            SELECT *{amounts} FROM extracted
+        ), streams AS (
+            SELECT tenant, stream_id,
+                   CAST(max(version) AS INT) AS version,
+                   max_by(recorded_at, version) AS last_event_at,
+                   CAST(count(*) AS INT) AS folded,
+                   min(version) = 1 AND max(version) = count(*)
+                     AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) DIV 2
+                     AND bool_and({json_ok})
+                     AND NOT bool_or({broken}) AS native{aggregates}
+            FROM typed
+            GROUP BY tenant, stream_id
+        )
+        SELECT tenant, stream_id, version, last_event_at, folded,
+               native AND {' AND '.join(_kept_whole(i, agg) for i, (_, agg) in enumerate(fields))} AS native,
+               concat('{{', concat_ws(',', {state}), '}}') AS state
+        FROM streams
+    """
+
+
+def _kept_whole(i: int, agg: Agg) -> str:
+    """A value kept whole (`last`, `first`) with no double in it: Spark reads an integer past 38 digits as one, Python
+    exactly. (A minimum's or maximum's value is a number a double holds exactly, checked per event.)"""
+    if agg.kind in ("last", "first"):
+        return f"(f_{i} IS NULL OR NOT contains(schema_of_variant(f_{i}), 'DOUBLE'))"
+    return "TRUE"
