@@ -141,7 +141,7 @@ bench-smoke: setup
 
 bench-smoke-run:
 	@tmp=$$(mktemp -d); export BENCH_RESULTS=$$tmp/results BENCH_WORK=$$tmp/work BENCH_DB=bench_smoke \
-	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_REPEATS=2 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5 BENCH_TYPES=20 BENCH_SQL_SPARK=0; \
+	  BENCH_EVENTS=5000 BENCH_SMALL=2000 BENCH_LARGE=6000 BENCH_REPEATS=2 BENCH_TENANT_EVENTS=2000 BENCH_TENANTS=5 BENCH_TYPES=20 BENCH_SQL_SPARK=0 BENCH_DECLARED_SPARK=0; \
 	  $(PY) -m bench.run --quick >$$tmp/log 2>&1 && $(PY) -m bench.tenant_tick >>$$tmp/log 2>&1 \
 	  && $(PY) -m bench.s3_lake --quick >>$$tmp/log 2>&1 && $(PY) -m bench.declared_fold >>$$tmp/log 2>&1; rc=$$?; \
 	  if [ $$rc -ne 0 ]; then tail -40 $$tmp/log; else echo "bench smoke: $$(ls $$tmp/results/*.json | wc -l) results written"; fi; \

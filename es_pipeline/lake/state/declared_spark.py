@@ -147,9 +147,16 @@ def _field(name: str, agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, s
             f"{where} AND {present} AND NOT {plain}")
 
 
-def _query(reducer: Reducer, stream_type: str) -> str:
-    """One aggregation per stream of the type over `_declared_events`: each payload parsed once, each field it reads
-    taken once per event from the event types that read it."""
+def parsed(events: Any, reducer: Reducer, stream_type: str) -> Any:
+    """The type's events of `events` with their payload fields as the build reads them (`v_<i>`, VARIANTs; `a_<i>`, a
+    total's amount as text): what the build aggregates, and what bench/declared_fold.py's plain `groupBy` reads."""
+    events.createOrReplaceTempView("_declared_events")
+    return events.sparkSession.sql(_parsed(reducer, stream_type))
+
+
+def _parsed(reducer: Reducer, stream_type: str) -> str:
+    """Over `_declared_events`: each payload parsed once, each field the declaration reads taken once per event, from
+    the event types that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
     read = _reads(fields, ("last", "first", "minimum", "maximum", "total"))
@@ -158,6 +165,22 @@ def _query(reducer: Reducer, stream_type: str) -> str:
                      for source, types in read.items())
     amounts = "".join(f", variant_get(v_{sources[source]}, '$', 'string') AS a_{sources[source]}"
                       for source in _reads(fields, ("total",)))
+    return f"""
+        SELECT *{amounts} FROM (
+            SELECT *{values} FROM (
+                SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
+                       payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
+                                              THEN try_parse_json(payload) END AS _v
+                FROM _declared_events
+                WHERE stream_type = {_sql_text(stream_type)}))
+    """
+
+
+def _query(reducer: Reducer, stream_type: str) -> str:
+    """One aggregation per stream of the type over `_parsed`'s rows."""
+    assert reducer.declared is not None
+    fields = sorted(reducer.declared.fields)
+    sources = {source: i for i, source in enumerate(_reads(fields, ("last", "first", "minimum", "maximum", "total")))}
     made = [(name, *_field(name, agg, i, sources)) for i, (name, agg) in enumerate(fields)]
     aggregates = "".join(f", {aggregate} AS f_{i}" for i, (_, aggregate, _, _) in enumerate(made))
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
@@ -165,16 +188,7 @@ def _query(reducer: Reducer, stream_type: str) -> str:
     broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
     json_ok = "coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL"
     return f"""
-        WITH parsed AS (
-            SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
-                   payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
-                                          THEN try_parse_json(payload) END AS _v
-            FROM _declared_events
-            WHERE stream_type = {_sql_text(stream_type)}
-        ), extracted AS (
-            SELECT *{values} FROM parsed
-        ), typed AS (
-            SELECT *{amounts} FROM extracted
+        WITH typed AS ({_parsed(reducer, stream_type)}
         ), streams AS (
             SELECT tenant, stream_id,
                    CAST(max(version) AS INT) AS version,
