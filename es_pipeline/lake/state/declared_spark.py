@@ -49,13 +49,16 @@ class Native:
     left: Any
     cached: Any
 
-    def python_events(self, events: Any, types: list[str]) -> Any:
-        """`events` (as `spark_columns` reads them) without those of the streams built here."""
+    def python_events(self, events: Any, types: list[str]) -> Any | None:
+        """`events` (as `spark_columns` reads them) without those of the streams built here; None where that leaves
+        none (no stream left, no other type: the Python fold has nothing to do)."""
         from pyspark.sql import functions as F
 
         declared = F.col("stream_type").isin(types)
-        return events.where(~declared).unionByName(
-            events.where(declared).join(self.left, list(KEY), "left_semi"))
+        others = events.where(~declared | F.col("stream_type").isNull())
+        if self.left.isEmpty():
+            return None if others.isEmpty() else others
+        return others.unionByName(events.where(declared).join(self.left, list(KEY), "left_semi"))
 
     def unpersist(self) -> None:
         self.cached.unpersist()
@@ -137,19 +140,18 @@ def _field(name: str, agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, s
         return (f"{pick}({value}, {key}) FILTER (WHERE {where} AND {present} AND {kind_ok})", f"to_json({alias})",
                 f"{where} AND {present} AND NOT ({kind_ok})")
     assert agg.kind == "total"
-    text = f"a_{sources[str(agg.source)]}"
-    amount = f"try_cast({text} AS DECIMAL(18, {agg.scale}))"
-    plain = f"({text} RLIKE '{_PLAIN_AMOUNT}' AND (length({text}) <= 16 OR NOT contains({text}, '.')) AND {amount} IS NOT NULL)"
-    sign = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -1 ELSE 1 END"
-            if agg.subtract else "1")
-    return (f"coalesce(sum({sign} * {amount}) FILTER (WHERE {where} AND {present} AND {plain}), 0)",
+    # The amount, once per event (`_parsed`): a decimal where its text is plain digits (`_PLAIN_AMOUNT`), else null.
+    text, amount = f"a_{sources[str(agg.source)]}", f"d_{sources[str(agg.source)]}_{agg.scale}"
+    signed = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -{amount} ELSE {amount} END"
+              if agg.subtract else amount)
+    return (f"coalesce(sum({signed}) FILTER (WHERE {where}), 0)",
             f"concat('\"', CAST(CAST({alias} AS DECIMAL(38, {agg.scale})) AS STRING), '\"')",
-            f"{where} AND {present} AND NOT {plain}")
+            f"{where} AND {text} IS NOT NULL AND {amount} IS NULL")
 
 
 def parsed(events: Any, reducer: Reducer, stream_type: str) -> Any:
     """The type's events of `events` with their payload fields as the build reads them (`v_<i>`, VARIANTs; `a_<i>`, a
-    total's amount as text): what the build aggregates, and what bench/declared_fold.py's plain `groupBy` reads."""
+    total's amount as text; `d_<i>_<scale>`, the amount where it is plain): what the build aggregates, and what bench/declared_fold.py's plain `groupBy` reads."""
     events.createOrReplaceTempView("_declared_events")
     return events.sparkSession.sql(_parsed(reducer, stream_type))
 
@@ -165,14 +167,19 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
                      for source, types in read.items())
     amounts = "".join(f", variant_get(v_{sources[source]}, '$', 'string') AS a_{sources[source]}"
                       for source in _reads(fields, ("total",)))
+    decimals = "".join(
+        f", CASE WHEN a_{sources[source]} RLIKE '{_PLAIN_AMOUNT}' AND (length(a_{sources[source]}) <= 16 "
+        f"OR NOT contains(a_{sources[source]}, '.')) THEN try_cast(a_{sources[source]} AS DECIMAL(18, {scale})) END "
+        f"AS d_{sources[source]}_{scale}"
+        for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
     return f"""
-        SELECT *{amounts} FROM (
+        SELECT *{decimals} FROM (SELECT *{amounts} FROM (
             SELECT *{values} FROM (
                 SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
                        payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
                                               THEN try_parse_json(payload) END AS _v
                 FROM _declared_events
-                WHERE stream_type = {_sql_text(stream_type)}))
+                WHERE stream_type = {_sql_text(stream_type)})))
     """
 
 

@@ -329,29 +329,33 @@ def _update_with_spark(
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
         return state_result(now, prev, 0, 0, 0, 0, engine="spark")
-    prior = state
-    if held:
-        new, prior = new.where(~F.col("stream_type").isin(held)), state.where(~F.col("stream_type").isin(held))
-    parked = (
-        prior.where("parked IS NOT NULL")
-        .select("tenant", "stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
-        .select("stream_id", "stream_type", "p.version", "p.event_type", "p.payload", "p.recorded_at", "tenant")
-    )
-    todo = new.unionByName(parked)
-    touched = todo.select(*KEY).distinct()
-    # The prior row of each touched stream travels with its events, marked and sorted first: its
-    # state in `payload`, its version and last event time in theirs.
-    prior_rows = prior.join(touched, list(KEY), "left_semi").select(
-        "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
-        F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"), "tenant",
-        F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
-        F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
-        F.col("quarantined").alias("prior_quarantined"),
-    )
-    folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown)
-    if native is not None:
-        folded = native.out.unionByName(folded)
-    folded = folded.cache()
+    if new is None:  # every event built by Spark's aggregation: nothing for the Python workers to fold
+        assert native is not None
+        folded = native.out.cache()
+    else:
+        prior = state
+        if held:
+            new, prior = new.where(~F.col("stream_type").isin(held)), state.where(~F.col("stream_type").isin(held))
+        parked = (
+            prior.where("parked IS NOT NULL")
+            .select("tenant", "stream_id", "stream_type", F.explode(F.from_json("parked", _PARKED_SCHEMA)).alias("p"))
+            .select("stream_id", "stream_type", "p.version", "p.event_type", "p.payload", "p.recorded_at", "tenant")
+        )
+        todo = new.unionByName(parked)
+        touched = todo.select(*KEY).distinct()
+        # The prior row of each touched stream travels with its events, marked and sorted first: its
+        # state in `payload`, its version and last event time in theirs.
+        prior_rows = prior.join(touched, list(KEY), "left_semi").select(
+            "stream_id", "stream_type", "version", F.lit(None).cast("string").alias("event_type"),
+            F.col("state").alias("payload"), F.col("last_event_at").alias("recorded_at"), "tenant",
+            F.col("skipped").alias("prior_skipped"), F.lit(True).alias("is_prior"),
+            F.col("history_from").alias("prior_history_from"), F.col("history_at").alias("prior_history_at"),
+            F.col("quarantined").alias("prior_quarantined"),
+        )
+        folded = spark_fold(without_prior(todo).unionByName(prior_rows), domain, skip_unknown)
+        if native is not None:
+            folded = native.out.unionByName(folded)
+        folded = folded.cache()
     started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
