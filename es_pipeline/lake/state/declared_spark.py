@@ -183,20 +183,35 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
     """
 
 
+_VALUED = ("last", "first", "minimum", "maximum")  # aggregations that keep a value whole (a VARIANT)
+
+
 def _query(reducer: Reducer, stream_type: str) -> str:
-    """One aggregation per stream of the type over `_parsed`'s rows."""
+    """One aggregation per stream of the type over `_parsed`'s rows, in two: the counts, totals, constants and checks
+    over every event (fixed-width buffers: Spark's hash aggregation), and the values kept whole (`max_by` of a
+    VARIANT: a sort aggregation) over only the events of the types they read, joined by stream."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
     sources = {source: i for i, source in enumerate(_reads(fields, ("last", "first", "minimum", "maximum", "total")))}
-    made = [(name, *_field(name, agg, i, sources)) for i, (name, agg) in enumerate(fields)]
-    aggregates = "".join(f", {aggregate} AS f_{i}" for i, (_, aggregate, _, _) in enumerate(made))
+    made = [(name, agg, *_field(name, agg, i, sources)) for i, (name, agg) in enumerate(fields)]
+    numbers = "".join(f", {aggregate} AS f_{i}" for i, (_, agg, aggregate, _, _) in enumerate(made)
+                      if agg.kind not in _VALUED)
+    values = "".join(f", {aggregate} AS f_{i}" for i, (_, agg, aggregate, _, _) in enumerate(made)
+                     if agg.kind in _VALUED)
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
-                      for i, (name, _, value, _) in enumerate(made))
-    broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
+                      for i, (name, _, _, value, _) in enumerate(made))
+    broken = " OR ".join(f"({bad})" for _, _, _, _, bad in made if bad != "FALSE") or "FALSE"
     json_ok = "coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL"
+    valued_types = [agg.types() for _, agg in fields if agg.kind in _VALUED]
+    valued = "" if not values else f""", valued AS (
+            SELECT tenant, stream_id{values}
+            FROM typed
+            WHERE {"TRUE" if None in valued_types else _in(tuple(sorted({t for ts in valued_types for t in ts or ()})))}
+            GROUP BY tenant, stream_id
+        )"""
     return f"""
         WITH typed AS ({_parsed(reducer, stream_type)}
-        ), streams AS (
+        ), numbers AS (
             SELECT tenant, stream_id,
                    CAST(max(version) AS INT) AS version,
                    max_by(recorded_at, version) AS last_event_at,
@@ -204,14 +219,14 @@ def _query(reducer: Reducer, stream_type: str) -> str:
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) DIV 2
                      AND bool_and({json_ok})
-                     AND NOT bool_or({broken}) AS native{aggregates}
+                     AND NOT bool_or({broken}) AS native{numbers}
             FROM typed
             GROUP BY tenant, stream_id
-        )
+        ){valued}
         SELECT tenant, stream_id, version, last_event_at, folded,
                native AND {' AND '.join(_kept_whole(i, agg) for i, (_, agg) in enumerate(fields))} AS native,
                concat('{{', concat_ws(',', {state}), '}}') AS state
-        FROM streams
+        FROM numbers{" LEFT JOIN valued USING (tenant, stream_id)" if values else ""}
     """
 
 
