@@ -68,6 +68,13 @@ class Agg:
         types = self.types()
         return types is None or event_type in types
 
+    def constant(self, event_type: str) -> Any:
+        """`last_of`: the value `event_type` sets."""
+        for t, value in self.values:
+            if t == event_type:
+                return value
+        raise KeyError(event_type)
+
 
 def _types(of: Iterable[str] | str | None, what: str) -> tuple[str, ...] | None:
     if of is None:
@@ -185,18 +192,33 @@ class Declared:
                 state[name] = zero if name in self.decimals else format(zero, "f")
         return state
 
+    def reading(self, event_type: str) -> tuple[tuple[str, Agg], ...]:
+        """The fields that read events of `event_type`, in the order declared (worked out once per type)."""
+        found = self._reading.get(event_type)
+        if found is None:
+            found = self._reading[event_type] = tuple((n, a) for n, a in self.fields if a.reads(event_type))
+        return found
+
+    @property
+    def _reading(self) -> dict[str, tuple[tuple[str, Agg], ...]]:
+        held = self.__dict__.get("_by_type")
+        if held is None:  # a frozen dataclass: its caches set once, past __setattr__
+            held = {}
+            object.__setattr__(self, "_by_type", held)
+            object.__setattr__(self, "_start", self.initial())
+        return held
+
     def fold(self, state: dict[str, Any], event: Any) -> dict[str, Any]:
         """One event onto `state` (a Python fold, as a reducer is): what the aggregation over the events up to this
         one gives. `event` is an `es_pipeline.domain.Event`."""
-        out = {**self.initial(), **state}
+        reading = self.reading(event.event_type)
+        out = {**self.__dict__["_start"], **state}
         payload = event.payload if isinstance(event.payload, dict) else {}
-        for name, agg in self.fields:
-            if not agg.reads(event.event_type):
-                continue
+        for name, agg in reading:
             if agg.kind == "count":
                 out[name] = int(out[name]) + 1
             elif agg.kind == "last_of":
-                out[name] = dict(agg.values)[event.event_type]
+                out[name] = agg.constant(event.event_type)
             else:
                 value = payload.get(agg.source) if agg.source else None
                 if value is None:

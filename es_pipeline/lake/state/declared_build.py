@@ -237,9 +237,11 @@ def _query(reducer: Reducer) -> str:
         f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
         f"AS {names.text(source)}" for source, types in _reads(fields, ("total",)).items())
     # A key twice in a payload: DuckDB's reader takes the first, Python's the last. Such an event leaves its stream to
-    # the Python fold: the key's text twice (or an escape, which may spell it otherwise: then its keys are counted).
+    # the Python fold: the key's text twice (or an escape, which may spell it otherwise: then its keys are counted). A
+    # payload too short to hold the key twice ({"k":v,"k":v}) is not looked into.
     twice = " OR ".join(
-        f"(CASE WHEN NOT ({_in(types)}) THEN FALSE WHEN contains(payload, '\\') "
+        f"(CASE WHEN NOT ({_in(types)}) THEN FALSE WHEN strlen(payload) < {2 * (len(json.dumps(source)) + 2) + 3} "
+        f"THEN FALSE WHEN contains(payload, '\\') "
         f"THEN len(list_filter(json_keys(payload), k -> k = {_sql_text(source)})) > 1 "
         f"ELSE payload LIKE {_sql_text(f'%{json.dumps(source)}%{json.dumps(source)}%')} END)"
         for source, types in _reads(fields, _SOURCED).items()) or "FALSE"

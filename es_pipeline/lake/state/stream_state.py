@@ -331,7 +331,7 @@ def _update_with_spark(
         return state_result(now, prev, 0, 0, 0, 0, engine="spark")
     if new is None:  # every event built by Spark's aggregation: nothing for the Python workers to fold
         assert native is not None
-        folded = native.out.cache()
+        folded = native.out  # over the aggregation, cached
     else:
         prior = state
         if held:
