@@ -274,7 +274,8 @@ def _query(reducer: Reducer) -> str:
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) // 2
                      AND bool_and(coalesce(payload_encoding, 'json') = 'json')
-                     AND NOT bool_or({broken}) AND NOT bool_or(twice) AS native{aggregates}
+                     AND NOT bool_or(coalesce({broken}, TRUE)) AND NOT bool_or(coalesce(twice, TRUE))
+                     AS native{aggregates}
             FROM typed
             GROUP BY tenant, stream_id
         )

@@ -11,8 +11,8 @@ them, so they join the Python fold's rows of every other stream and are written 
 The same rule as the build in process (lake/state/declared_build.py): a stream is taken from the aggregation only where
 the aggregation is the Python fold's answer by construction, and every other stream of the type goes to the Python
 fold on Spark's workers (`Native.left`). Taken: versions 1..n with none missing; every payload JSON that Spark's parser
-reads as Python's does (no duplicate key, which Spark refuses and Python reads as the last; no NaN; no lone surrogate,
-which Spark's parser would make a `?`); every amount plain digits a double holds exactly (at most 15 of them where it
+reads as Python's does (one value and nothing after it, which Spark's parser would ignore; no duplicate key, which
+Spark refuses and Python reads as the last; no NaN; no lone surrogate, which Spark's parser would make a `?`); every amount plain digits a double holds exactly (at most 15 of them where it
 has a fraction: Python reads a JSON number as a double); every minimum's value a finite number; a value kept whole
 (`last`, `first`) with no double in it (an integer past 38 digits is one to Spark, exact to Python); and, where the state
 is declared with types, a state that fits them (checked once per stream by the codec that writes it, on the workers).
@@ -36,6 +36,11 @@ from es_pipeline.lake.state.state_table import FOLD_OUT_DDL, KEY
 # An amount both folds read alike: plain digits, at most 16 characters (so at most 15 digits where there is a point:
 # a double holds those exactly, and Python reads a JSON number as a double).
 _PLAIN_AMOUNT = r"^-?[0-9]+(\\.[0-9]+)?$"
+# Spark's parser reads a text's first JSON value and ignores what follows (`{"a":1} x`), Python's refuses the text. So
+# a payload is parsed as the array `[payload,"<end>"]`: exactly one value, then nothing, when the array's second
+# element is the end mark and there is no third (and the payload does not itself hold the mark).
+_END_VALUE = "es_pipeline:payload-end"
+_END = f',"{_END_VALUE}"]'
 _AGGREGATED = ("tenant STRING, stream_id STRING, version INT, last_event_at TIMESTAMP, folded INT, native BOOLEAN, "
                "state STRING")
 
@@ -163,7 +168,7 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
     fields = sorted(reducer.declared.fields)
     read = _reads(fields, ("last", "first", "minimum", "maximum", "total"))
     sources = {source: i for i, source in enumerate(read)}
-    values = "".join(f", CASE WHEN {_in(types)} THEN variant_get(_v, {_sql_text('$.' + source)}) END AS v_{sources[source]}"
+    values = "".join(f", CASE WHEN {_in(types)} THEN variant_get(_v, {_sql_text('$[0].' + source)}) END AS v_{sources[source]}"
                      for source, types in read.items())
     amounts = "".join(f", variant_get(v_{sources[source]}, '$', 'string') AS a_{sources[source]}"
                       for source in _reads(fields, ("total",)))
@@ -177,7 +182,7 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
             SELECT *{values} FROM (
                 SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
                        payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
-                                              THEN try_parse_json(payload) END AS _v
+                                              THEN try_parse_json(concat('[', payload, {_sql_text(_END)})) END AS _v
                 FROM _declared_events
                 WHERE stream_type = {_sql_text(stream_type)})))
     """
@@ -201,7 +206,8 @@ def _query(reducer: Reducer, stream_type: str) -> str:
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
                       for i, (name, _, _, value, _) in enumerate(made))
     broken = " OR ".join(f"({bad})" for _, _, _, _, bad in made if bad != "FALSE") or "FALSE"
-    json_ok = "coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL"
+    json_ok = (f"coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL AND variant_get(_v, '$[1]', 'string') = "
+               f"{_sql_text(_END_VALUE)} AND variant_get(_v, '$[2]') IS NULL AND NOT contains(payload, {_sql_text(_END_VALUE)})")
     valued_types = [agg.types() for _, agg in fields if agg.kind in _VALUED]
     valued = "" if not values else f""", valued AS (
             SELECT tenant, stream_id{values}
@@ -218,8 +224,8 @@ def _query(reducer: Reducer, stream_type: str) -> str:
                    CAST(count(*) AS INT) AS folded,
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) DIV 2
-                     AND bool_and({json_ok})
-                     AND NOT bool_or({broken}) AS native{numbers}
+                     AND bool_and(coalesce({json_ok}, FALSE))
+                     AND NOT bool_or(coalesce({broken}, TRUE)) AS native{numbers}
             FROM typed
             GROUP BY tenant, stream_id
         ){valued}
