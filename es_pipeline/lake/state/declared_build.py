@@ -246,6 +246,15 @@ def _query(reducer: Reducer) -> str:
         f"ELSE payload LIKE {_sql_text(f'%{json.dumps(source)}%{json.dumps(source)}%')} END)"
         for source, types in _reads(fields, _SOURCED).items()) or "FALSE"
     extracted += f", {twice} AS twice"
+    # The Python fold reads every payload, and fails on one that is not JSON. Those a field reads DuckDB reads (and
+    # refuses: the type is then Python's); the others are checked.
+    sourced = list(_reads(fields, _SOURCED).values())
+    if None in sourced:  # every event's payload read
+        extracted += ", TRUE AS valid"
+    else:
+        parsed = tuple(sorted({t for types in sourced for t in types or ()}))
+        extracted += (f", CASE WHEN {_in(parsed) if parsed else 'FALSE'} THEN TRUE ELSE json_valid(payload) END "
+                      "AS valid")
     kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}"
                     for source in _reads(fields, ("last", "first", "minimum", "maximum")))
     amounts = "".join(
@@ -273,7 +282,7 @@ def _query(reducer: Reducer) -> str:
                    CAST(count(*) AS INTEGER) AS folded,
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) // 2
-                     AND bool_and(coalesce(payload_encoding, 'json') = 'json')
+                     AND bool_and(coalesce(payload_encoding, 'json') = 'json' AND coalesce(valid, FALSE))
                      AND NOT bool_or(coalesce({broken}, TRUE)) AND NOT bool_or(coalesce(twice, TRUE))
                      AS native{aggregates}
             FROM typed
