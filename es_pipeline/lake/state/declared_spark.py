@@ -37,10 +37,15 @@ from es_pipeline.lake.state.state_table import FOLD_OUT_DDL, KEY
 # a double holds those exactly, and Python reads a JSON number as a double).
 _PLAIN_AMOUNT = r"^-?[0-9]+(\\.[0-9]+)?$"
 # Spark's parser reads a text's first JSON value and ignores what follows (`{"a":1} x`), Python's refuses the text. So
-# a payload is parsed as the array `[payload,"<end>"]`: exactly one value, then nothing, when the array's second
-# element is the end mark and there is no third (and the payload does not itself hold the mark).
+# a payload is parsed as the array `[payload,"<end>"]`, and is one value and nothing after it when the array's second
+# element is the end mark and there is no third. Without a `]` of its own the payload cannot close the array early,
+# so the array is its values and the mark; with one, it must not hold the mark itself, in its letters or spelled
+# with `\u` escapes (`1,"<end>"]x` would read as one value and the mark).
 _END_VALUE = "es_pipeline:payload-end"
 _END = f',"{_END_VALUE}"]'
+_ONE_VALUE = (f"variant_get(_v, '$[1]', 'string') = {_sql_text(_END_VALUE)} AND variant_get(_v, '$[2]') IS NULL "
+              f"AND NOT (contains(payload, ']') AND (contains(payload, {_sql_text(_END_VALUE)}) "
+              f"OR contains(payload, '\\\\u')))")
 _AGGREGATED = ("tenant STRING, stream_id STRING, version INT, last_event_at TIMESTAMP, folded INT, native BOOLEAN, "
                "state STRING")
 
@@ -206,8 +211,7 @@ def _query(reducer: Reducer, stream_type: str) -> str:
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
                       for i, (name, _, _, value, _) in enumerate(made))
     broken = " OR ".join(f"({bad})" for _, _, _, _, bad in made if bad != "FALSE") or "FALSE"
-    json_ok = (f"coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL AND variant_get(_v, '$[1]', 'string') = "
-               f"{_sql_text(_END_VALUE)} AND variant_get(_v, '$[2]') IS NULL AND NOT contains(payload, {_sql_text(_END_VALUE)})")
+    json_ok = f"coalesce(payload_encoding, 'json') = 'json' AND _v IS NOT NULL AND {_ONE_VALUE}"
     valued_types = [agg.types() for _, agg in fields if agg.kind in _VALUED]
     valued = "" if not values else f""", valued AS (
             SELECT tenant, stream_id{values}
