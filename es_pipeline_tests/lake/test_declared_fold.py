@@ -98,7 +98,7 @@ def _text(payload: dict[str, Any], twist: str) -> str:
     if twist == "trailing":
         return text + "]"
     if twist == "crafted":  # text after the value that ends Spark's build's parse where its end mark would
-        return text + ',"es_pipeline:payload\\u002dend"]x'
+        return text + ',"\\u0001"]x'
     return text
 
 
