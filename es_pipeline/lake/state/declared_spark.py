@@ -30,8 +30,10 @@ import pyarrow.compute as pc
 
 from es_pipeline.declared import Agg
 from es_pipeline.domain import Reducer
-from es_pipeline.lake.state.declared_build import _fitted, _reads, _sql_text
-from es_pipeline.lake.state.state_table import FOLD_OUT_DDL, KEY
+from es_pipeline.lake.delta.definition import spark_type
+from es_pipeline.lake.state.declared_build import _SOURCED, _fitted, _in, _reads, _sql_text
+from es_pipeline.lake.state.fold import FOLD_OUT
+from es_pipeline.lake.state.state_table import KEY
 
 # An amount both folds read alike: plain digits, at most 16 characters (so at most 15 digits where there is a point:
 # a double holds those exactly, and Python reads a JSON number as a double).
@@ -82,28 +84,28 @@ def build(events: Any, declared: dict[str, Reducer]) -> Native:
 
     from pyspark.sql import functions as F
 
-    spark = events.sparkSession
-    events.createOrReplaceTempView("_declared_events")
     parts = []
     for stream_type, reducer in sorted(declared.items()):
-        part = spark.sql(_query(reducer, stream_type))
+        part = _sql(events, _query(reducer, stream_type))
         if reducer.state is not None:  # the codec checks and writes a typed state: once per stream, on the workers
             part = part.mapInArrow(_fit(reducer), _AGGREGATED)
         parts.append(part.withColumn("stream_type", F.lit(stream_type))
                      .withColumn("revision", F.lit(reducer.revision).cast("int")))
     aggregated = reduce(lambda a, b: a.unionByName(b), parts).cache()
-    built = aggregated.where(F.coalesce(F.col("native"), F.lit(False)))
-    nulls = {"parked": "string", "skipped": "int", "error": "string", "history_from": "int",
-             "history_at": "timestamp", "history": "string", "quarantined": "string"}
-    out = built.select(*[F.lit(0).cast("int").alias(name) if name == "skipped" else
-                         F.lit(None).cast(nulls[name]).alias(name) if name in nulls else F.col(name)
-                         for name in _fold_out_names()])
-    left = aggregated.where(~F.coalesce(F.col("native"), F.lit(False))).select(*KEY)
-    return Native(out, left, aggregated)
+    native = F.coalesce(F.col("native"), F.lit(False))
+    # The fold's output columns the aggregation has not: none skipped, the rest null (no park, error or history).
+    out = aggregated.where(native).select(*[
+        F.col(f.name) if f.name in aggregated.columns
+        else F.lit(0).cast("int").alias(f.name) if f.name == "skipped"
+        else F.lit(None).cast(spark_type(f.type)).alias(f.name) for f in FOLD_OUT])
+    return Native(out, aggregated.where(~native).select(*KEY), aggregated)
 
 
-def _fold_out_names() -> list[str]:
-    return [part.split(" ")[0] for part in FOLD_OUT_DDL.split(", ")]
+def _sql(events: Any, query: str) -> Any:
+    """`query` over `events` (named `{events}` in it), as a DataFrame argument, not a view of the session's: two
+    builds at once in one session (or over Spark Connect) each read their own."""
+    escaped = query.replace("{", "{{").replace("}", "}}").replace("{{events}}", "{events}")
+    return events.sparkSession.sql(escaped, events=events)
 
 
 def _fit(reducer: Reducer) -> Any:
@@ -118,11 +120,7 @@ def _fit(reducer: Reducer) -> Any:
     return fit
 
 
-def _in(types: tuple[str, ...] | None) -> str:
-    return "TRUE" if types is None else f"event_type IN ({', '.join(_sql_text(t) for t in types)})"
-
-
-def _field(name: str, agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, str, str]:
+def _field(agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, str, str]:
     """One field: its aggregation over a stream's events, its JSON text made from that once per stream, and the
     condition under which an event leaves the stream to the Python fold."""
     where = _in(agg.types())
@@ -162,17 +160,17 @@ def _field(name: str, agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, s
 
 def parsed(events: Any, reducer: Reducer, stream_type: str) -> Any:
     """The type's events of `events` with their payload fields as the build reads them (`v_<i>`, VARIANTs; `a_<i>`, a
-    total's amount as text; `d_<i>_<scale>`, the amount where it is plain): what the build aggregates, and what bench/declared_fold.py's plain `groupBy` reads."""
-    events.createOrReplaceTempView("_declared_events")
-    return events.sparkSession.sql(_parsed(reducer, stream_type))
+    total's amount as text; `d_<i>_<scale>`, the amount where it is plain): what the build aggregates, and what
+    bench/declared_fold.py's plain `groupBy` reads."""
+    return _sql(events, _parsed(reducer, stream_type))
 
 
 def _parsed(reducer: Reducer, stream_type: str) -> str:
-    """Over `_declared_events`: each payload parsed once, each field the declaration reads taken once per event, from
+    """Over `{events}`: each payload parsed once, each field the declaration reads taken once per event, from
     the event types that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
-    read = _reads(fields, ("last", "first", "minimum", "maximum", "total"))
+    read = _reads(fields, _SOURCED)
     sources = {source: i for i, source in enumerate(read)}
     values = "".join(f", CASE WHEN {_in(types)} THEN variant_get(_v, {_sql_text('$[0].' + source)}) END AS v_{sources[source]}"
                      for source, types in read.items())
@@ -191,7 +189,7 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
                 SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at, payload,
                        payload_encoding, CASE WHEN coalesce(payload_encoding, 'json') = 'json'
                                               THEN try_parse_json(concat('[', payload, '{_END}')) END AS _v
-                FROM _declared_events
+                FROM {{events}}
                 WHERE stream_type = {_sql_text(stream_type)})))
     """
 
@@ -200,13 +198,13 @@ _VALUED = ("last", "first", "minimum", "maximum")  # aggregations that keep a va
 
 
 def _query(reducer: Reducer, stream_type: str) -> str:
-    """One aggregation per stream of the type over `_parsed`'s rows, in two: the counts, totals, constants and checks
+    """One aggregation per stream of the type over `_parsed`'s rows (of `{events}`), in two: the counts, totals, constants and checks
     over every event (fixed-width buffers: Spark's hash aggregation), and the values kept whole (`max_by` of a
     VARIANT: a sort aggregation) over only the events of the types they read, joined by stream."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
-    sources = {source: i for i, source in enumerate(_reads(fields, ("last", "first", "minimum", "maximum", "total")))}
-    made = [(name, agg, *_field(name, agg, i, sources)) for i, (name, agg) in enumerate(fields)]
+    sources = {source: i for i, source in enumerate(_reads(fields, _SOURCED))}
+    made = [(name, agg, *_field(agg, i, sources)) for i, (name, agg) in enumerate(fields)]
     numbers = "".join(f", {aggregate} AS f_{i}" for i, (_, agg, aggregate, _, _) in enumerate(made)
                       if agg.kind not in _VALUED)
     values = "".join(f", {aggregate} AS f_{i}" for i, (_, agg, aggregate, _, _) in enumerate(made)
@@ -214,7 +212,6 @@ def _query(reducer: Reducer, stream_type: str) -> str:
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
                       for i, (name, _, _, value, _) in enumerate(made))
     broken = " OR ".join(f"({bad})" for _, _, _, _, bad in made if bad != "FALSE") or "FALSE"
-    json_ok = "_json"
     valued_types = [agg.types() for _, agg in fields if agg.kind in _VALUED]
     valued = "" if not values else f""", valued AS (
             SELECT tenant, stream_id{values}
@@ -231,7 +228,7 @@ def _query(reducer: Reducer, stream_type: str) -> str:
                    CAST(count(*) AS INT) AS folded,
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) DIV 2
-                     AND bool_and(coalesce({json_ok}, FALSE))
+                     AND bool_and(_json)
                      AND NOT bool_or(coalesce({broken}, TRUE)) AS native{numbers}
             FROM typed
             GROUP BY tenant, stream_id
