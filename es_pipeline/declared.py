@@ -192,21 +192,18 @@ class Declared:
                 state[name] = zero if name in self.decimals else format(zero, "f")
         return state
 
+    def __post_init__(self) -> None:
+        # What the fold works out once, not per event: the initial state, and per event type the fields that read it.
+        object.__setattr__(self, "_start", self.initial())  # a frozen dataclass: set past __setattr__
+        object.__setattr__(self, "_by_type", {})
+
     def reading(self, event_type: str) -> tuple[tuple[str, Agg], ...]:
         """The fields that read events of `event_type`, in the order declared (worked out once per type)."""
-        found = self._reading.get(event_type)
+        by_type: dict[str, tuple[tuple[str, Agg], ...]] = self.__dict__["_by_type"]
+        found = by_type.get(event_type)
         if found is None:
-            found = self._reading[event_type] = tuple((n, a) for n, a in self.fields if a.reads(event_type))
+            found = by_type[event_type] = tuple((n, a) for n, a in self.fields if a.reads(event_type))
         return found
-
-    @property
-    def _reading(self) -> dict[str, tuple[tuple[str, Agg], ...]]:
-        held = self.__dict__.get("_by_type")
-        if held is None:  # a frozen dataclass: its caches set once, past __setattr__
-            held = {}
-            object.__setattr__(self, "_by_type", held)
-            object.__setattr__(self, "_start", self.initial())
-        return held
 
     def fold(self, state: dict[str, Any], event: Any) -> dict[str, Any]:
         """One event onto `state` (a Python fold, as a reducer is): what the aggregation over the events up to this
