@@ -3,12 +3,16 @@ the next drill is added with its cost in view (README, "Two commands").
 
 Each tier's make target runs as `python -m es_pipeline_tests.support.budget run <tier> -- <command…>`: the command's
 wall time is recorded in `.cache/test-times/<tier>.json`, beside the JUnit XML its pytest writes there
-(`--junitxml`, per test case its seconds). `make test` ends with `... budget report`: per tier, its time against its
-budget and its five slowest tests; a tier over its budget is named (the run still passes or fails on its tests)."""
+(`--junitxml`, per test case its seconds), and the CPU seconds its processes used (those it waited for: servers it
+started detached, such as a local PostgreSQL, are not counted). `make test` ends with `... budget report`: per tier,
+its time against its budget, its CPU time, and its five slowest tests; a tier over its budget is named (the run still
+passes or fails on its tests). On 2 cores the tiers that run side by side share the machine: the CPU times say which
+one to make cheaper."""
 
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -27,11 +31,18 @@ SLOWEST = 5
 def run(tier: str, command: list[str]) -> int:
     """Run `command`, recording its wall time for `tier`; its exit status."""
     TIMES.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    started, before = time.monotonic(), _children_cpu()
     code = subprocess.call(command, close_fds=False)  # a make under it keeps the jobserver (make's `+` recipes)
     (TIMES / f"{tier}.json").write_text(json.dumps({"seconds": round(time.monotonic() - started, 1), "exit": code,
+                                                    "cpu": round(_children_cpu() - before, 1),
                                                     "finished": time.time()}))
     return code
+
+
+def _children_cpu() -> float:
+    """User and system seconds of this process's children that have ended (and theirs, waited for)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def slowest(tier: str, n: int = SLOWEST) -> list[tuple[float, str]]:
@@ -44,16 +55,18 @@ def slowest(tier: str, n: int = SLOWEST) -> list[tuple[float, str]]:
 
 
 def report() -> int:
-    lines, over = ["test tiers (wall time, budget, slowest tests):"], []
+    lines, over = ["test tiers (wall time, budget, CPU time, slowest tests):"], []
     for tier, budget in BUDGETS.items():
         recorded = TIMES / f"{tier}.json"
         if not recorded.exists():
             continue
-        seconds = json.loads(recorded.read_text())["seconds"]
+        record = json.loads(recorded.read_text())
+        seconds = record["seconds"]
         mark = "" if seconds <= budget else "  OVER BUDGET"
         if mark:
             over.append(tier)
-        lines.append(f"  {tier:<12} {seconds / 60:5.1f} min of {budget / 60:.0f}{mark}")
+        cpu = f", CPU {record['cpu'] / 60:5.1f} min" if "cpu" in record else ""
+        lines.append(f"  {tier:<12} {seconds / 60:5.1f} min of {budget / 60:.0f}{cpu}{mark}")
         lines += [f"      {s:7.1f} s  {name}" for s, name in slowest(tier)]
     if over:
         lines.append(f"over budget: {', '.join(over)} (README, \"Two commands\"): make the new test cheaper, or "
