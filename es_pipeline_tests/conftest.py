@@ -207,7 +207,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest files first, each test in its file's order: two xdist workers handed files in this order end
     # together, instead of one running the Spark cluster drill alone at the end (longest processing time first).
     rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(item.config.rootpath).as_posix(), len(rank)))
+    e2e = {name: i for i, name in enumerate(E2E_ORDER)}
+    items.sort(key=lambda item: (rank.get(item.path.relative_to(item.config.rootpath).as_posix(), len(rank)),
+                                 e2e.get(item.originalname if isinstance(item, pytest.Function) else item.name,
+                                         len(e2e))))
 
 
 # Each file's share of `make pytest`, longest first (`make test`'s report lists the slowest tests: a new drill that
@@ -223,11 +226,20 @@ LONGEST_FILES_FIRST = (
     "es_pipeline_tests/lake/test_s3_lake.py",
     "es_pipeline_tests/lake/test_matrix.py",
     "es_pipeline_tests/test_materialize_cli.py",
-    # The e2e tier's (`make test-e2e`, two workers too): the health drills alone take about as long as the rest of a
-    # worker's share.
-    "es_pipeline_tests/e2e/test_health_drills.py",
-    "es_pipeline_tests/e2e/test_quickstart.py",
-    "es_pipeline_tests/e2e/test_end_to_end.py",
+)
+
+# The e2e tier's tests (`make test-e2e`: three workers, `--dist load`, which hands each worker two consecutive tests
+# first, then one more to whichever has one left). They wait on daemons and alerts more than they compute, and the two
+# longest take 5 minutes each: each of them is paired with a short one, on a worker of its own, and the third worker
+# takes the rest as the others run. Handed two long ones, one worker ran 10 minutes while the machine idled.
+E2E_ORDER = (
+    "test_the_drills_fire_their_alerts_on_a_real_prometheus_and_lose_nothing",  # about 320 s
+    "test_daemon_sensor_brings_every_committed_event_exactly_once_despite_a_killed_run",  # 55 s
+    "test_a_new_project_follows_the_quickstart_to_typed_tables_and_a_cross_stream_projection",  # 280 s
+    "test_the_daemon_keeps_the_shops_tables_equal_to_an_emmett_store_its_client_writes",  # 80 s
+    "test_a_hung_run_is_stopped_at_the_maximum_runtime_and_its_range_goes_on",  # 60-115 s
+    "test_every_table_by_name_through_the_catalog_a_new_session_and_the_sql_endpoint_kept_equal_to_the_lake",  # 100 s
+    "test_tailing_runs_report_their_passes_and_a_run_killed_mid_batch_loses_and_repeats_nothing",  # 85 s
 )
 
 
