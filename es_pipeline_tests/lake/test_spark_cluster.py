@@ -80,10 +80,10 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     the backfill over JDBC and write its Parquet files to S3 (delta-rs commits them), then the projections
     and the checks run on the cluster too, and the maintenance job (delta-rs) compacts the lake on S3. The
     lake equals the store, event by event."""
-    bulk_load(dsn, events=6000, streams=60, events_per_tx=500)
+    bulk_load(dsn, events=BULK, streams=60, events_per_tx=500)
     run_workload(EventStore(dsn.writer), streams=30, events=600, writers=2, rollback_rate=0.1, max_commit_delay=0)
     store = EventStore(dsn.writer)
-    for i in range(TYPES):  # the 240-type drill: a typed table per type, all built in two Spark jobs
+    for i in range(TYPES):  # a typed table per type, all built in two Spark jobs
         store.append(f"kinds-{i}", "kinds", [NewEvent(f"Kind{i}Noted", {"n": i, "at": {"k": f"v{i}"}}),
                                              NewEvent(f"Kind{i}Noted", {"n": i / 2, "extra": [i]})], 0)
     warehouse = f"{s3.bucket('lake')}/dagster-cluster-{os.getpid()}"
@@ -117,13 +117,13 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     lake = table.to_pyarrow_table(columns=["stream_id", "version", "payload"])
     keys = list(zip(lake["stream_id"].to_pylist(), lake["version"].to_pylist(), strict=True))
     expected = source_events(dsn)
-    assert len(keys) == len(set(keys)) == len(expected) == 6600 + 2 * TYPES
+    assert len(keys) == len(set(keys)) == len(expected) == EVENTS
     assert dict(zip(keys, lake["payload"].to_pylist(), strict=True)) == expected
 
     state = DeltaTable(tables.table_path(warehouse, "stream_state")).to_pyarrow_table(columns=["stream_id"])
     assert state.num_rows == len({s for s, _ in expected})
     daily = DeltaTable(tables.table_path(warehouse, "event_type_daily")).to_pyarrow_table(columns=["events"])
-    assert sum(daily["events"].to_pylist()) == 6600 + 2 * TYPES
+    assert sum(daily["events"].to_pylist()) == EVENTS
 
     # The shop's cross-stream projection, built whole on the cluster (ES_PIPELINE_ENGINE=spark): its rows are the
     # files the executors wrote, committed by delta-rs; a rebuild in this process gives the same rows.
@@ -136,7 +136,7 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
                   for r in DeltaTable(sku_sales).to_pyarrow_table().to_pylist()}
     assert by_spark and in_process == by_spark
 
-    # The typed event tables (the shop's and the 240 kinds), built whole on the cluster: each table's files are the
+    # The typed event tables (the shop's and the kinds), built whole on the cluster: each table's files are the
     # executors', and a rebuild in this process gives the same columns and rows.
     names = event_tables.table_names(warehouse)[1:]
     assert len(names) >= TYPES + 7
@@ -144,11 +144,16 @@ def test_dagster_runs_on_the_cluster_extract_project_check_and_maintain_the_s3_l
     DeltaTable(tables.table_path(warehouse, event_tables.NAME)).alter.set_table_properties(
         {event_tables.BUILT_FOR: event_tables.BUILDING}, raise_if_not_exists=False)
     again = event_tables.update(warehouse, SHOP, engine=Engine("local"))
-    assert again.full_rebuild and again.engine == "local" and again.events_folded == 6600 + 2 * TYPES
+    assert again.full_rebuild and again.engine == "local" and again.events_folded == EVENTS
     assert {name: _rows(DeltaTable(tables.table_path(warehouse, name))) for name in names} == by_spark
 
 
-TYPES = 240
+# Enough types that the typed tables are built in two Spark jobs whatever their number, not one per table (hundreds of
+# types are lake/test_event_tables.py's and defs/test_event_tables_asset.py's: in process, on a worker's session);
+# enough events, with the batch cap of 2,000, for the executors to write three large batches or more.
+TYPES = 40
+BULK = 6500
+EVENTS = BULK + 600 + 2 * TYPES
 
 
 def _as_built(path: str) -> DeltaTable:
