@@ -97,7 +97,7 @@ pytest: setup
 	  -m "not e2e" es_pipeline_tests examples/shop/tests
 
 test-e2e: setup
-	@$(BUDGET) run e2e -- $(VENV)/bin/pytest -q -n 3 --dist load --durations=10 --junitxml=$(TIMES)/e2e.xml -m e2e es_pipeline_tests
+	@$(BUDGET) run e2e -- $(VENV)/bin/pytest -q -n 2 --dist load --durations=10 --junitxml=$(TIMES)/e2e.xml -m e2e es_pipeline_tests
 
 # The fast tier: pure tests and those against the local Postgres; no Spark JVM, no S3 server, no Dagster daemon,
 # and not the slow drills (clusters of their own: restores, moves, failovers). Two workers, a file to each (each on
