@@ -488,6 +488,7 @@ def _extract_in_child(dsn: str, warehouse: Path) -> tuple[int, str]:
     return rss_kib // 1024, done.stdout
 
 
+@pytest.mark.one_major  # the client streams: no server major changes that; 400 MiB written costs a minute per major
 def test_one_transaction_larger_than_the_batch_cap_streams_through_in_bounded_memory(
     dsn: StoreDsn, warehouse: Path
 ) -> None:
