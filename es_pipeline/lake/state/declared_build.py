@@ -2,9 +2,10 @@
 Python call per event.
 
 Within the engine rule's bound a first build folds every event here (lake/state/whole_fold.py). For a stream type
-whose reducer is declared, that fold is one `GROUP BY` per stream type over the same version of `events` (its Arrow
-dataset, read by DuckDB): per field the aggregation it declares, in version order (`arg_max`/`arg_min` by version,
-a decimal `sum`, a `count`), each with its event types as a `FILTER`; the state made as JSON in the query, keys
+whose reducer is declared, that fold is one aggregation per stream type over the same version of `events` (its
+Parquet files or Arrow dataset, read by DuckDB): per field the aggregation it declares, in version order
+(`arg_max`/`arg_min` by version, a decimal `sum`, a `count`), each with its event types as a `FILTER`; the values kept
+whole aggregated apart, over only the events that hold them, and joined by stream (`_query`); the state made as JSON in the query, keys
 sorted, nulls left out, as the Python fold writes it. The rows are the fold's output (`FOLD_OUT`), as
 `StreamFold.row` makes them.
 
@@ -210,6 +211,7 @@ def _field(name: str, agg: Agg, names: _Names) -> tuple[str, str, str]:
 
 
 _SOURCED = ("last", "first", "minimum", "maximum", "total")  # the aggregations that read a payload field
+_VALUED = ("last", "first", "minimum", "maximum")  # those that keep a payload value whole (a JSON value, a VARIANT)
 
 
 def _reads(fields: list[tuple[str, Agg]], kinds: tuple[str, ...]) -> dict[str, tuple[str, ...] | None]:
@@ -224,73 +226,112 @@ def _reads(fields: list[tuple[str, Agg]], kinds: tuple[str, ...]) -> dict[str, t
     return {k: None if v is None else tuple(sorted(v)) for k, v in sorted(found.items())}
 
 
+def _types_of(fields: list[tuple[str, Agg]], kinds: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The event types that aggregations of `kinds` read (None: every type)."""
+    read = [agg.types() for _, agg in fields if agg.kind in kinds]
+    return None if None in read else tuple(sorted({t for types in read for t in types or ()}))
+
+
+def _twice(source: str) -> str:
+    """Whether a payload holds key `source` twice. JSON allows it; DuckDB's reader then takes the first value, Python's
+    the last. The key's text twice (or, with an escape, which may spell the key otherwise, its keys counted); a payload
+    too short to hold it twice ({"k":v,"k":v}) is not looked into."""
+    return (f"CASE WHEN strlen(payload) < {2 * (len(json.dumps(source)) + 2) + 3} THEN FALSE "
+            f"WHEN contains(payload, '\\') THEN len(list_filter(json_keys(payload), k -> k = {_sql_text(source)})) > 1 "
+            f"ELSE payload LIKE {_sql_text(f'%{json.dumps(source)}%{json.dumps(source)}%')} END")
+
+
+def _read_alike(read: dict[str, tuple[str, ...] | None]) -> str:
+    """Per event, whether DuckDB reads its payload as the Python fold does: no field it reads held twice (`_twice`),
+    and, for the event types no field reads, a payload that is JSON (the Python fold parses every payload and fails on
+    one that is not; those a field reads DuckDB parses, and refuses: the whole type is then Python's). One `CASE` on
+    the event type, so that each event is looked at for its own type's fields alone."""
+    if not read:
+        return "json_valid(payload)"
+    if None in read.values():  # a field read from every type: every payload parsed, each looked at for every field
+        return "NOT (" + " OR ".join(
+            f"({_in(types)} AND {_twice(source)})" if types else _twice(source) for source, types in read.items()) + ")"
+    by_type: dict[str, list[str]] = {}
+    for source, types in read.items():
+        for event_type in types or ():
+            by_type.setdefault(event_type, []).append(source)
+    grouped: dict[tuple[str, ...], list[str]] = {}  # the event types that read the same fields, together
+    for event_type, sources in sorted(by_type.items()):
+        grouped.setdefault(tuple(sources), []).append(event_type)
+    cases = " ".join(f"WHEN {_in(tuple(types))} THEN NOT ({' OR '.join(f'({_twice(s)})' for s in sources)})"
+                     for sources, types in grouped.items())
+    return f"CASE {cases} ELSE json_valid(payload) END"
+
+
 def _query(reducer: Reducer) -> str:
-    """One aggregation per stream of the type: each payload field a field reads extracted once per event (as JSON,
-    or as text for a total), and only from the event types that read it."""
+    """One aggregation per stream of the type, in two, joined by stream (the numbers' rows are every stream's):
+    - `numbers`, over every event: the version checks, counts, totals and constants (fixed-width states: DuckDB's
+      hash aggregation, no JSON value per event but a total's amount);
+    - `valued`, over only the events of the types that a value kept whole (`last`, `first`, a minimum or maximum)
+      reads: those values, as JSON, with their checks. Most events are of other types (deposits, not openings), so
+      most events' payloads are read once, for an amount, or only checked.
+    Each payload field is extracted once per event (as JSON, or as text for a total), and only from the event types
+    that read it."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
     names = _Names.of(fields)
-    extracted = "".join(
-        f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
-        f"AS {names.value(source)}" for source, types in _reads(fields, ("last", "first", "minimum", "maximum")).items())
-    extracted += "".join(
+    texts = "".join(
         f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
         f"AS {names.text(source)}" for source, types in _reads(fields, ("total",)).items())
-    # A key twice in a payload: DuckDB's reader takes the first, Python's the last. Such an event leaves its stream to
-    # the Python fold: the key's text twice (or an escape, which may spell it otherwise: then its keys are counted). A
-    # payload too short to hold the key twice ({"k":v,"k":v}) is not looked into.
-    twice = " OR ".join(
-        f"(CASE WHEN NOT ({_in(types)}) THEN FALSE WHEN strlen(payload) < {2 * (len(json.dumps(source)) + 2) + 3} "
-        f"THEN FALSE WHEN contains(payload, '\\') "
-        f"THEN len(list_filter(json_keys(payload), k -> k = {_sql_text(source)})) > 1 "
-        f"ELSE payload LIKE {_sql_text(f'%{json.dumps(source)}%{json.dumps(source)}%')} END)"
-        for source, types in _reads(fields, _SOURCED).items()) or "FALSE"
-    extracted += f", {twice} AS twice"
-    # The Python fold reads every payload, and fails on one that is not JSON. Those a field reads DuckDB reads (and
-    # refuses: the type is then Python's); the others are checked.
-    sourced = list(_reads(fields, _SOURCED).values())
-    if None in sourced:  # every event's payload read
-        extracted += ", TRUE AS valid"
-    else:
-        parsed = tuple(sorted({t for types in sourced for t in types or ()}))
-        extracted += (f", CASE WHEN {_in(parsed) if parsed else 'FALSE'} THEN TRUE ELSE json_valid(payload) END "
-                      "AS valid")
-    kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}"
-                    for source in _reads(fields, ("last", "first", "minimum", "maximum")))
+    read = _reads(fields, _SOURCED)
     amounts = "".join(
         f", TRY_CAST({names.text(source)} AS DECIMAL(18, {scale})) AS {names.decimal(Agg('total', source, scale=scale))}"
         for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
-    made = [(name, *_field(name, agg, names)) for name, agg in fields]
-    aggregates = "".join(f", {aggregate} AS {names.field(name)}" for name, aggregate, _, _ in made)
+    made = [(name, agg, *_field(name, agg, names)) for name, agg in fields]
+
+    def aggregates(valued: bool) -> str:
+        return "".join(f", {aggregate} AS {names.field(name)}" for name, agg, aggregate, _, _ in made
+                       if (agg.kind in _VALUED) == valued)
+
+    def broken(valued: bool) -> str:
+        return " OR ".join(f"({bad})" for _, agg, _, _, bad in made
+                           if bad != "FALSE" and (agg.kind in _VALUED) == valued) or "FALSE"
+
     # The state's text: a key per field that has a value (as the fold leaves an unset field out), keys sorted.
     state = ", ".join(f"CASE WHEN {names.field(name)} IS NOT NULL THEN {_sql_text(json.dumps(name) + ':')} || "
-                      f"CAST({value} AS VARCHAR) END" for name, _, value, _ in made)
-    broken = " OR ".join(f"({bad})" for _, _, _, bad in made if bad != "FALSE") or "FALSE"
+                      f"CAST({value} AS VARCHAR) END" for name, _, _, value, _ in made)
+    key = "coalesce(tenant, '') AS tenant, stream_id, version, event_type"
+    valued = ""
+    if any(agg.kind in _VALUED for _, agg in fields):
+        values = "".join(
+            f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
+            f"AS {names.value(source)}" for source, types in _reads(fields, _VALUED).items())
+        kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}"
+                        for source in _reads(fields, _VALUED))
+        types = _types_of(fields, _VALUED)
+        valued = f""", valued AS (
+            SELECT tenant, stream_id, NOT bool_or(coalesce({broken(True)}, TRUE)) AS valued_ok{aggregates(True)}
+            FROM (SELECT *{kinds} FROM (
+                SELECT {key}{values} FROM events_now
+                WHERE stream_type = $1 AND {_in(types)}))
+            GROUP BY tenant, stream_id
+        )"""
     return f"""
-        WITH extracted AS (
-            SELECT coalesce(tenant, '') AS tenant, stream_id, version, event_type, recorded_at,
-                   payload_encoding{extracted}
-            FROM events_now
-            WHERE stream_type = $1
-        ), typed AS (
-            SELECT *{kinds}{amounts} FROM extracted
-        )
-        , streams AS (
+        WITH numbers AS (
             SELECT tenant, stream_id,
                    CAST(max(version) AS INTEGER) AS version,
                    arg_max_null(recorded_at, version) AS last_event_at,
                    CAST(count(*) AS INTEGER) AS folded,
                    min(version) = 1 AND max(version) = count(*)
                      AND sum(CAST(version AS BIGINT)) = count(*) * (count(*) + 1) // 2
-                     AND bool_and(coalesce(payload_encoding, 'json') = 'json' AND coalesce(valid, FALSE))
-                     AND NOT bool_or(coalesce({broken}, TRUE)) AND NOT bool_or(coalesce(twice, TRUE))
-                     AS native{aggregates}
-            FROM typed
+                     AND bool_and(coalesce(payload_encoding, 'json') = 'json' AND coalesce(read_alike, FALSE))
+                     AND NOT bool_or(coalesce({broken(False)}, TRUE))
+                     AS native{aggregates(False)}
+            FROM (SELECT *{amounts} FROM (
+                SELECT {key}, recorded_at, payload_encoding{texts}, {_read_alike(read)} AS read_alike
+                FROM events_now
+                WHERE stream_type = $1))
             GROUP BY tenant, stream_id
-        )
-        SELECT tenant, stream_id, version, last_event_at, folded, native,
+        ){valued}
+        SELECT tenant, stream_id, version, last_event_at, folded,
+               native{" AND coalesce(valued_ok, TRUE)" if valued else ""} AS native,
                '{{' || concat_ws(',', {state}) || '}}' AS state
-        FROM streams
+        FROM numbers{" LEFT JOIN valued USING (tenant, stream_id)" if valued else ""}
     """
 
 

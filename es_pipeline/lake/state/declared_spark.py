@@ -31,7 +31,15 @@ import pyarrow.compute as pc
 from es_pipeline.declared import Agg
 from es_pipeline.domain import Reducer
 from es_pipeline.lake.delta.definition import spark_type
-from es_pipeline.lake.state.declared_build import _SOURCED, _fitted, _in, _reads, _sql_text
+from es_pipeline.lake.state.declared_build import (
+    _SOURCED,
+    _VALUED,
+    _fitted,
+    _in,
+    _reads,
+    _sql_text,
+    _types_of,
+)
 from es_pipeline.lake.state.fold import FOLD_OUT
 from es_pipeline.lake.state.state_table import KEY
 
@@ -194,9 +202,6 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
     """
 
 
-_VALUED = ("last", "first", "minimum", "maximum")  # aggregations that keep a value whole (a VARIANT)
-
-
 def _query(reducer: Reducer, stream_type: str) -> str:
     """One aggregation per stream of the type over `_parsed`'s rows (of `{events}`), in two: the counts, totals, constants and checks
     over every event (fixed-width buffers: Spark's hash aggregation), and the values kept whole (`max_by` of a
@@ -212,11 +217,10 @@ def _query(reducer: Reducer, stream_type: str) -> str:
     state = ", ".join(f"CASE WHEN f_{i} IS NOT NULL THEN concat({_sql_text(json.dumps(name) + ':')}, {value}) END"
                       for i, (name, _, _, value, _) in enumerate(made))
     broken = " OR ".join(f"({bad})" for _, _, _, _, bad in made if bad != "FALSE") or "FALSE"
-    valued_types = [agg.types() for _, agg in fields if agg.kind in _VALUED]
     valued = "" if not values else f""", valued AS (
             SELECT tenant, stream_id{values}
             FROM typed
-            WHERE {"TRUE" if None in valued_types else _in(tuple(sorted({t for ts in valued_types for t in ts or ()})))}
+            WHERE {_in(_types_of(fields, _VALUED))}
             GROUP BY tenant, stream_id
         )"""
     return f"""
