@@ -43,9 +43,17 @@ from es_pipeline.lake.state.declared_build import (
 from es_pipeline.lake.state.fold import FOLD_OUT
 from es_pipeline.lake.state.state_table import KEY
 
-# An amount both folds read alike: plain digits, at most 16 characters (so at most 15 digits where there is a point:
-# a double holds those exactly, and Python reads a JSON number as a double).
-_PLAIN_AMOUNT = r"^-?[0-9]+(\\.[0-9]+)?$"
+
+# An amount both folds read alike, told without a regular expression (one per event cost 0.7 s at 5M events):
+# - it begins with a digit or a minus and ends with a digit: Spark's cast trims control characters that Python's
+#   `Decimal` refuses (and Python strips Unicode spaces that Spark's cast refuses: those are Python's either way);
+# - it has at most 16 characters where it has a point (so at most 15 digits: a double holds those exactly, and Python
+#   reads a JSON number as a double; an integer Python reads exactly, as Spark's decimal does).
+# Within these, the text is one both parse alike (Java's BigDecimal and Python's Decimal: digits, a point, an
+# exponent), or one Spark's `try_cast` refuses (then the stream is Python's).
+def _plain_amount(text: str) -> str:
+    return (f"(ascii({text}) BETWEEN 48 AND 57 OR ascii({text}) = 45) AND ascii(substr({text}, -1)) BETWEEN 48 AND 57 "
+            f"AND (length({text}) <= 16 OR NOT contains({text}, '.'))")
 # Spark's parser reads a text's first JSON value and ignores what follows (`{"a":1} x`), Python's refuses the text. So
 # a payload is parsed as the array `[payload,"\u0001"]`, and is one value and nothing after it when the array's second
 # element is that mark and there is no third. Without a `]` of its own the payload cannot close the array early, so
@@ -157,7 +165,7 @@ def _field(agg: Agg, i: int, sources: dict[str, int]) -> tuple[str, str, str]:
         return (f"{pick}({value}, {key}) FILTER (WHERE {where} AND {present} AND {kind_ok})", f"to_json({alias})",
                 f"{where} AND {present} AND NOT ({kind_ok})")
     assert agg.kind == "total"
-    # The amount, once per event (`_parsed`): a decimal where its text is plain digits (`_PLAIN_AMOUNT`), else null.
+    # The amount, once per event (`_parsed`): a decimal where its text is plain (`_plain_amount`), else null.
     text, amount = f"a_{sources[str(agg.source)]}", f"d_{sources[str(agg.source)]}_{agg.scale}"
     signed = (f"CASE WHEN event_type IN ({', '.join(_sql_text(t) for t in agg.subtract)}) THEN -{amount} ELSE {amount} END"
               if agg.subtract else amount)
@@ -187,8 +195,7 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
     amounts = "".join(f", variant_get(v_{sources[source]}, '$', 'string') AS a_{sources[source]}"
                       for source in _reads(fields, ("total",)))
     decimals = "".join(
-        f", CASE WHEN a_{sources[source]} RLIKE '{_PLAIN_AMOUNT}' AND (length(a_{sources[source]}) <= 16 "
-        f"OR NOT contains(a_{sources[source]}, '.')) THEN try_cast(a_{sources[source]} AS DECIMAL(18, {scale})) END "
+        f", CASE WHEN {_plain_amount(f'a_{sources[source]}')} THEN try_cast(a_{sources[source]} AS DECIMAL(18, {scale})) END "
         f"AS d_{sources[source]}_{scale}"
         for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
     return f"""
