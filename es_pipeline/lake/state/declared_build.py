@@ -5,8 +5,8 @@ Within the engine rule's bound a first build folds every event here (lake/state/
 whose reducer is declared, that fold is one aggregation per stream type over the same version of `events` (its
 Parquet files or Arrow dataset, read by DuckDB): per field the aggregation it declares, in version order
 (`arg_max`/`arg_min` by version, a decimal `sum`, a `count`), each with its event types as a `FILTER`; the values kept
-whole aggregated apart, over only the events that hold them, and joined by stream (`_query`); the state made as JSON in the query, keys
-sorted, nulls left out, as the Python fold writes it. The rows are the fold's output (`FOLD_OUT`), as
+whole aggregated apart, over only the events that hold them, and joined by stream (`_query`); the state made as JSON
+in the query, keys sorted, nulls left out, as the Python fold writes it. The rows are the fold's output (`FOLD_OUT`), as
 `StreamFold.row` makes them.
 
 Exactly the Python fold, or the Python fold itself: a stream is built natively only where the aggregation is the
@@ -298,11 +298,11 @@ def _query(reducer: Reducer) -> str:
     key = "coalesce(tenant, '') AS tenant, stream_id, version, event_type"
     valued = ""
     if any(agg.kind in _VALUED for _, agg in fields):
+        kept = _reads(fields, _VALUED)
         values = "".join(
             f", CASE WHEN {_in(types)} THEN json_extract(payload, {_sql_text('$.' + source)}) END "
-            f"AS {names.value(source)}" for source, types in _reads(fields, _VALUED).items())
-        kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}"
-                        for source in _reads(fields, _VALUED))
+            f"AS {names.value(source)}" for source, types in kept.items())
+        kinds = "".join(f", json_type({names.value(source)}) AS {names.kind(source)}" for source in kept)
         types = _types_of(fields, _VALUED)
         valued = f""", valued AS (
             SELECT tenant, stream_id, NOT bool_or(coalesce({broken(True)}, TRUE)) AS valued_ok{aggregates(True)}

@@ -210,9 +210,9 @@ def _parsed(reducer: Reducer, stream_type: str) -> str:
 
 
 def _query(reducer: Reducer, stream_type: str) -> str:
-    """One aggregation per stream of the type over `_parsed`'s rows (of `{events}`), in two: the counts, totals, constants and checks
-    over every event (fixed-width buffers: Spark's hash aggregation), and the values kept whole (`max_by` of a
-    VARIANT: a sort aggregation) over only the events of the types they read, joined by stream."""
+    """One aggregation per stream of the type over `_parsed`'s rows (of `{events}`), in two: the counts, totals,
+    constants and checks over every event (fixed-width buffers: Spark's hash aggregation), and the values kept whole
+    (`max_by` of a VARIANT: a sort aggregation) over only the events of the types they read, joined by stream."""
     assert reducer.declared is not None
     fields = sorted(reducer.declared.fields)
     sources = {source: i for i, source in enumerate(_reads(fields, _SOURCED))}
