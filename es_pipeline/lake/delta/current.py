@@ -39,6 +39,19 @@ def row_count(table: DeltaTable) -> int:
     return int(pc.sum(adds["num_records"]).as_py() or 0) if adds.num_rows else 0
 
 
+def exact_row_count(table: DeltaTable) -> int | None:
+    """The table's rows as its log says them, where that is exact: every file with its count of records, and no row
+    marked deleted (a file's count is of all its rows); else None (then count them)."""
+    if has_deletion_vectors(table):
+        return None
+    adds = pa.table(table.get_add_actions(flatten=True))
+    if not adds.num_rows:
+        return 0
+    if "num_records" not in adds.column_names or adds["num_records"].null_count:
+        return None
+    return int(pc.sum(adds["num_records"]).as_py() or 0)
+
+
 def has_deletion_vectors(table: DeltaTable) -> bool:
     """Whether the table may mark rows deleted without rewriting their files: then its files alone are not its rows."""
     return "deletionVectors" in (table.protocol().writer_features or [])

@@ -70,6 +70,17 @@ _AGGREGATED = ("tenant STRING, stream_id STRING, version INT, last_event_at TIME
 
 
 @dataclass(frozen=True)
+class Counted:
+    """The native build's figures, from the one action that computes (and caches) its aggregation: the streams built
+    here and their events, the streams left to the Python fold, and every event of the declared types."""
+
+    streams: int
+    folded: int
+    left: int
+    events: int
+
+
+@dataclass
 class Native:
     """The native build on Spark: `out`, the fold's output rows (`FOLD_OUT`) of the streams built here; `left`, the
     (tenant, stream_id) of the declared types' streams left to the Python fold; `cached`, what to unpersist."""
@@ -77,17 +88,44 @@ class Native:
     out: Any
     left: Any
     cached: Any
+    _counted: Counted | None = None
 
-    def python_events(self, events: Any, types: list[str]) -> Any | None:
+    def counted(self) -> Counted:
+        """The figures (`Counted`), computed once: the action that runs the aggregation into its cache."""
+        if self._counted is None:
+            from pyspark.sql import functions as F
+
+            native = F.coalesce(F.col("native"), F.lit(False))
+            row = self.cached.agg(
+                F.count_if(native).alias("streams"), F.sum(F.when(native, F.col("folded"))).alias("folded"),
+                F.count_if(~native).alias("left"), F.sum("folded").alias("events")).first()
+            self._counted = Counted(int(row["streams"]), int(row["folded"] or 0), int(row["left"]),
+                                    int(row["events"] or 0))
+        return self._counted
+
+    def python_events(self, events: Any, types: list[str], rows: int | None = None) -> Any | None:
         """`events` (as `spark_columns` reads them) without those of the streams built here; None where that leaves
-        none (no stream left, no other type: the Python fold has nothing to do)."""
+        none (no stream left, no other type: the Python fold has nothing to do). `rows`: the count of `events`'
+        rows where its log says it exactly (lake/delta/current.py's `exact_row_count`): then, with no stream left,
+        whether there are other types is told without a scan (every row is of a declared type where the aggregation
+        counted them all)."""
         from pyspark.sql import functions as F
 
         declared = F.col("stream_type").isin(types)
         others = events.where(~declared | F.col("stream_type").isNull())
-        if self.left.isEmpty():
+        counted = self.counted()
+        if counted.left == 0:
+            if rows is not None and rows == counted.events:
+                return None
             return None if others.isEmpty() else others
         return others.unionByName(events.where(declared).join(self.left, list(KEY), "left_semi"))
+
+    def figures(self) -> dict[str, Any]:
+        """The build's figures where every event was built here, as `update_stream_state` reads them from a fold's
+        rows: nothing parked, skipped, failed, quarantined or without a reducer."""
+        counted = self.counted()
+        return {"streams": counted.streams, "parked": 0, "skipped": 0, "folded": counted.folded, "error": None,
+                "without_reducer": 0, "quarantined": 0}
 
     def unpersist(self) -> None:
         self.cached.unpersist()

@@ -324,7 +324,8 @@ def _update_with_spark(
         declared = declared_build.native_types(domain)
         if read is None and declared:  # onto nothing: the declared types aggregated by Spark (lake/state/declared_spark.py)
             native = declared_spark.build(events, declared)
-            new = native.python_events(new, sorted(declared))
+            new = native.python_events(new, sorted(declared),
+                                       current.exact_row_count(DeltaTable(events_path, version=now)))
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
@@ -359,7 +360,7 @@ def _update_with_spark(
     started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
-        stats = folded.agg(
+        stats = native.figures() if new is None and native is not None else folded.agg(
             F.count("*").alias("streams"), F.sum(F.when(F.col("parked").isNotNull(), 1).otherwise(0)).alias("parked"),
             F.sum("skipped").alias("skipped"), F.sum("folded").alias("folded"), F.min("error").alias("error"),
             F.sum(F.when(F.col("revision") == 0, 1).otherwise(0)).alias("without_reducer"),
