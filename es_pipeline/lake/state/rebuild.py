@@ -124,7 +124,7 @@ def held_back(live: DeltaTable, events_id: str, types: Iterable[str]) -> list[st
     whatever the domain says (a revision rolled back before its rebuild): the live table's position moved past its
     events, which only a rebuild folds."""
     out = []
-    for stream_type in sorted(set(types)):
+    for stream_type in sorted({t for t in types if t is not None}):  # events of no type (NULL) have no reducer
         held = live.transaction_version(held_app(events_id, stream_type))
         swapped = live.transaction_version(swapped_app(events_id, stream_type))
         if held is not None and held > (swapped if swapped is not None else -1):
