@@ -21,8 +21,8 @@ is declared with types, a state that fits them (checked once per stream by the c
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -88,7 +88,7 @@ class Native:
     out: Any
     left: Any
     cached: Any
-    _counted: Counted | None = None
+    _counted: Counted | None = field(default=None, init=False, repr=False, compare=False)
 
     def counted(self) -> Counted:
         """The figures (`Counted`), computed once: the action that runs the aggregation into its cache."""
@@ -103,19 +103,20 @@ class Native:
                                     int(row["events"] or 0))
         return self._counted
 
-    def python_events(self, events: Any, types: list[str], rows: int | None = None) -> Any | None:
+    def python_events(self, events: Any, types: list[str],
+                      rows: Callable[[], int | None] = lambda: None) -> Any | None:
         """`events` (as `spark_columns` reads them) without those of the streams built here; None where that leaves
         none (no stream left, no other type: the Python fold has nothing to do). `rows`: the count of `events`'
-        rows where its log says it exactly (lake/delta/current.py's `exact_row_count`): then, with no stream left,
-        whether there are other types is told without a scan (every row is of a declared type where the aggregation
-        counted them all)."""
+        rows where its log says it exactly (lake/delta/current.py's `exact_row_count`), asked only where no stream is
+        left: then whether there are other types is told without a scan (every row is of a declared type where the
+        aggregation counted them all)."""
         from pyspark.sql import functions as F
 
         declared = F.col("stream_type").isin(types)
         others = events.where(~declared | F.col("stream_type").isNull())
         counted = self.counted()
         if counted.left == 0:
-            if rows is not None and rows == counted.events:
+            if rows() == counted.events:
                 return None
             return None if others.isEmpty() else others
         return others.unionByName(events.where(declared).join(self.left, list(KEY), "left_semi"))

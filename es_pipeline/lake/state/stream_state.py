@@ -318,14 +318,19 @@ def _update_with_spark(
         warehouse, domain, state.select("stream_type", "revision").distinct().collect(), events_id, read, live)
     cols = spark_columns(domain)
     native = None
+    started = time.monotonic()  # the fold's time: a native build computes its aggregation from here
     if prev < 0 or (whole and prev < now):
         events = tables.read(spark, events_path, version=now)
         new = events.select(*cols)
         declared = declared_build.native_types(domain)
         if read is None and declared:  # onto nothing: the declared types aggregated by Spark (lake/state/declared_spark.py)
             native = declared_spark.build(events, declared)
-            new = native.python_events(new, sorted(declared),
-                                       current.exact_row_count(DeltaTable(events_path, version=now)))
+            try:
+                new = native.python_events(
+                    new, sorted(declared), lambda: current.exact_row_count(DeltaTable(events_path, version=now)))
+            except BaseException:
+                native.unpersist()
+                raise
     elif prev < now:
         new = tables.rows_added(spark, events_path, prev, now).select(*cols)
     else:
@@ -357,7 +362,6 @@ def _update_with_spark(
         if native is not None:
             folded = native.out.unionByName(folded)
         folded = folded.cache()
-    started = time.monotonic()
     try:
         # One action computes the fold (cached) and its figures; the first error, if any, is in it.
         stats = native.figures() if new is None and native is not None else folded.agg(
