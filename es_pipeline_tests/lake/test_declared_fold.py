@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import date
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, write_deltalake
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from es_pipeline.declared import count, first, last, last_of, maximum, minimum, total
 from es_pipeline.domain import Domain, Event
 from es_pipeline.errors import DomainError
+from es_pipeline.lake.events import EVENTS
+from es_pipeline.lake.kernel.engine import Engine
 from es_pipeline.lake.state import declared_build, declared_spark
+from es_pipeline.lake.state.stream_state import update_stream_state
 
 FIELDS = {
     "owner": first("owner", of=["Opened"]),
@@ -243,6 +249,63 @@ def test_random_streams_fold_alike_by_hand_by_the_declaration_and_by_spark(spark
         native.unpersist()
     assert built  # not all left to Python
     _agree(everything, gaps, built, left, _spark_odd)
+
+
+def _lake(warehouse: Path, rows: list[tuple[str, str | None, int, str, dict[str, Any]]]) -> None:
+    """An `events` table of (stream id, stream type, version, event type, payload) rows, in the lake's schema."""
+    n = len(rows)
+    sid, stream_type, version, event_type, payload = (list(c) for c in zip(*rows, strict=True))
+    columns: dict[str, Any] = {
+        "global_position": range(1, n + 1), "tx_id": range(1, n + 1), "stream_id": sid, "stream_type": stream_type,
+        "version": version, "slice": [0] * n, "event_type": event_type, "payload": [json.dumps(p) for p in payload],
+        "metadata": ["{}"] * n, "recorded_at": [1_700_000_000_000_000 + i for i in range(n)], "event_date": [date(2023, 11, 14)] * n,
+        "batch_id": [1] * n, "payload_encoding": ["json"] * n, "tenant": [""] * n}
+    write_deltalake(EVENTS.ensure_arrow(warehouse), pa.table(
+        {f.name: pa.array(list(columns[f.name])).cast(f.type) for f in EVENTS.schema}, schema=EVENTS.schema),
+        mode="append")
+
+
+def test_a_spark_build_of_declared_types_alone_starts_no_python_fold_and_other_types_are_still_folded(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stream_state` built from nothing on Spark: where `events` holds declared types alone (told by its log's count
+    of rows against the aggregation's), no Python fold runs and the figures are the aggregation's; one event of another
+    type (or of none) and the Python workers fold it beside, each row as the fold gives it."""
+    accounts = [("a1", "account", 1, "Opened", {"owner": "ann"}), ("a1", "account", 2, "Deposited", {"amount": 12.5}),
+                ("a1", "account", 3, "Withdrawn", {"amount": 2.25}), ("a2", "account", 1, "Opened", {"owner": "bob"}),
+                ("a2", "account", 2, "Frozen", {})]
+    expected = {}
+    for sid in ("a1", "a2"):
+        state: dict[str, Any] = {}
+        for row in accounts:
+            if row[0] == sid:
+                state = python_reducer(state, Event(sid, row[2], row[3], row[4]))
+        expected[sid] = state
+    answers: list[Any] = []
+    real = declared_spark.Native.python_events
+    monkeypatch.setattr(declared_spark.Native, "python_events",
+                        lambda self, *a: answers.append(real(self, *a)) or answers[-1])
+    others: list[tuple[str, str | None, int, str, dict[str, Any]]] = [("c1", "cart", 1, "ItemAdded", {"sku": "x"}),
+                                                                      ("n1", None, 1, "Lost", {})]
+    for extra in ([], others):
+        warehouse = tmp_path / f"lake{len(extra)}"
+        _lake(warehouse, accounts + extra)
+        result = update_stream_state(Engine("spark", spark), warehouse, domain=_DOMAIN)
+        assert (answers[-1] is None) == (not extra), "the Python workers start only for what is not declared"
+        assert result.engine == "spark" and result.events_folded == len(accounts) + len(extra)
+        assert result.figures["streams_updated"] == 2 + len(extra)
+        assert result.figures["streams_without_reducer"] == len(extra)
+        rows = {r["stream_id"]: r for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()}
+        assert {k: json.loads(rows[k]["state"]) for k in expected} == expected
+        assert {k: (r["revision"], r["version"]) for k, r in rows.items()} == {
+            "a1": (1, 3), "a2": (1, 2), **{sid: (0, 1) for sid, *_ in extra}}
+    # In process too, and an increment after: a stream of no type (NULL) holds no later update back.
+    warehouse = tmp_path / "in_process"
+    _lake(warehouse, accounts + others)
+    assert update_stream_state(Engine("local"), warehouse, domain=_DOMAIN).figures["streams_without_reducer"] == 2
+    _lake(warehouse, [("a2", "account", 3, "Closed", {})])
+    assert update_stream_state(Engine("local"), warehouse, domain=_DOMAIN).events_folded == 1
+    rows = {r["stream_id"]: r for r in DeltaTable(str(warehouse / "stream_state")).to_pyarrow_table().to_pylist()}
+    assert json.loads(rows["a2"]["state"]) == python_reducer(expected["a2"], Event("a2", 3, "Closed", {}))
 
 
 def _past_doubles(payload: dict[str, Any]) -> bool:
