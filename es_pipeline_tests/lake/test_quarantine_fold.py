@@ -131,10 +131,12 @@ def test_a_retry_that_fails_again_counts_it_and_keeps_since_when() -> None:
     assert fixed[14] is None and fixed[6] is None and fixed[2] == 6, "it folds now: no longer quarantined"
 
 
+@pytest.mark.parametrize("payload", ['{"amount": 1', None], ids=["cut-short", "null"])
 @pytest.mark.parametrize("as_a_run", [True, False])
-def test_a_payload_that_is_not_json_quarantines_its_stream_and_stops_it_without_quarantine(as_a_run: bool) -> None:
+def test_a_payload_that_is_not_json_quarantines_its_stream_and_stops_it_without_quarantine(
+        as_a_run: bool, payload: str | None) -> None:
     events = _events(random.Random(4), 5)
-    broken = [e if e[0] != 3 else (3, "Deposited", '{"amount": 1', e[3]) for e in events]
+    broken = [e if e[0] != 3 else (3, "Deposited", payload, e[3]) for e in events]
     fold, row = _fold(_reducer(ACCOUNT.fold), broken, quarantine=True, as_a_run=as_a_run)
     _, expected = _fold(_reducer(ACCOUNT.fold), events[:2], quarantine=False)
     assert fold.quarantined is not None and (fold.quarantined["version"], fold.quarantined["kind"]) == (

@@ -117,7 +117,9 @@ class PayloadNotJson(ValueError):
     """An event's payload that is not JSON (a writer's bug): the fold fails on it like a reducer that raises."""
 
 
-def _payload(text: str) -> Any:
+def _payload(text: str | None) -> Any:
+    if text is None:  # a source column that may be NULL: no JSON, as a text that is none
+        raise PayloadNotJson("the payload is not JSON (it is null)")
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
