@@ -117,7 +117,9 @@ class PayloadNotJson(ValueError):
     """An event's payload that is not JSON (a writer's bug): the fold fails on it like a reducer that raises."""
 
 
-def _payload(text: str | None) -> Any:
+def read_payload(text: str | None) -> Any:
+    """An event's payload as reducers get it: orjson's reading (an integer past 64 bits is a double to it), or
+    json's for what orjson refuses (NaN, Infinity); `PayloadNotJson` for a text neither reads, or none."""
     if text is None:  # a source column that may be NULL: no JSON, as a text that is none
         raise PayloadNotJson("the payload is not JSON (it is null)")
     try:
@@ -125,7 +127,7 @@ def _payload(text: str | None) -> Any:
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(text)  # what orjson refuses: integers past 64 bits, NaN
+        return json.loads(text)  # what orjson refuses: NaN, Infinity
     except ValueError as exc:
         raise PayloadNotJson(f"the payload is not JSON ({exc})") from None
 
@@ -190,7 +192,7 @@ class StreamFold:
             self.folded += 1
             return
         try:
-            data = _payload(payload)
+            data = read_payload(payload)
         except PayloadNotJson as exc:
             self._failed(exc, v, event_type)
             return
@@ -223,7 +225,7 @@ class StreamFold:
                     seen.append((v, event_type, payload, recorded_at))
                 if fold is not None:  # else no reducer: the versions and times alone
                     try:
-                        data = _payload(payload)
+                        data = read_payload(payload)
                     except PayloadNotJson as exc:
                         self._failed(exc, v, event_type)
                         break
