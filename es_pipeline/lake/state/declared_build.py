@@ -241,6 +241,12 @@ def _twice(source: str) -> str:
             f"ELSE payload LIKE {_sql_text(f'%{json.dumps(source)}%{json.dumps(source)}%')} END")
 
 
+# What DuckDB's JSON reader takes and Python's refuses: a comma before a closing bracket, `nan` and `inf` (any case;
+# Python takes only NaN and Infinity). A payload that may hold one (also such text in a string, after a colon, a comma
+# or a bracket) is Python's.
+_LENIENT = r",\s*[\]}]|[:\[,]\s*-?(?i:nan|inf)"
+
+
 def _read_alike(read: dict[str, tuple[str, ...] | None]) -> str:
     """Per event, whether DuckDB reads its payload as the Python fold does: no field it reads held twice (`_twice`),
     and, for the event types no field reads, a payload that is JSON (the Python fold parses every payload and fails on
@@ -279,8 +285,11 @@ def _query(reducer: Reducer) -> str:
         f", CASE WHEN {_in(types)} THEN json_extract_string(payload, {_sql_text('$.' + source)}) END "
         f"AS {names.text(source)}" for source, types in _reads(fields, ("total",)).items())
     read = _reads(fields, _SOURCED)
+    # DuckDB's cast rounds a text with an exponent otherwise than Python's Decimal ('5e-7' to 0.01 at two places): such
+    # an amount is none here, and its stream Python's.
     amounts = "".join(
-        f", TRY_CAST({names.text(source)} AS DECIMAL(18, {scale})) AS {names.decimal(Agg('total', source, scale=scale))}"
+        f", CASE WHEN NOT (contains({names.text(source)}, 'e') OR contains({names.text(source)}, 'E')) "
+        f"THEN TRY_CAST({names.text(source)} AS DECIMAL(18, {scale})) END AS {names.decimal(Agg('total', source, scale=scale))}"
         for source, scale in sorted({(str(agg.source), agg.scale) for _, agg in fields if agg.kind == "total"}))
     made = [(name, agg, *_field(name, agg, names)) for name, agg in fields]
 
@@ -296,6 +305,10 @@ def _query(reducer: Reducer) -> str:
     state = ", ".join(f"CASE WHEN {names.field(name)} IS NOT NULL THEN {_sql_text(json.dumps(name) + ':')} || "
                       f"CAST({value} AS VARCHAR) END" for name, _, _, value, _ in made)
     key = "coalesce(tenant, '') AS tenant, stream_id, version, event_type"
+    # A value kept whole holding an integer of 19 digits or more (within it, at any depth): DuckDB keeps its digits,
+    # the Python fold's reader (orjson) makes a double of one past 64 bits. Such a stream is Python's.
+    long_digits = "".join(f" AND ({names.field(name)} IS NULL OR NOT regexp_matches(CAST({names.field(name)} AS VARCHAR), "
+                          f"'[0-9]{{19}}'))" for name, agg in fields if agg.kind in ("last", "first"))
     valued = ""
     if any(agg.kind in _VALUED for _, agg in fields):
         kept = _reads(fields, _VALUED)
@@ -323,13 +336,14 @@ def _query(reducer: Reducer) -> str:
                      AND NOT bool_or(coalesce({broken(False)}, TRUE))
                      AS native{aggregates(False)}
             FROM (SELECT *{amounts} FROM (
-                SELECT {key}, recorded_at, payload_encoding{texts}, {_read_alike(read)} AS read_alike
+                SELECT {key}, recorded_at, payload_encoding{texts},
+                       ({_read_alike(read)}) AND NOT regexp_matches(payload, {_sql_text(_LENIENT)}) AS read_alike
                 FROM events_now
                 WHERE stream_type = $1))
             GROUP BY tenant, stream_id
         ){valued}
         SELECT tenant, stream_id, version, last_event_at, folded,
-               native{" AND coalesce(valued_ok, TRUE)" if valued else ""} AS native,
+               native{" AND coalesce(valued_ok, TRUE)" if valued else ""}{long_digits} AS native,
                '{{' || concat_ws(',', {state}) || '}}' AS state
         FROM numbers{" LEFT JOIN valued USING (tenant, stream_id)" if valued else ""}
     """

@@ -291,8 +291,10 @@ def _query(reducer: Reducer, stream_type: str) -> str:
 
 
 def _kept_whole(i: int, agg: Agg) -> str:
-    """A value kept whole (`last`, `first`) with no double in it: Spark reads an integer past 38 digits as one, Python
-    exactly. (A minimum's or maximum's value is a number a double holds exactly, checked per event.)"""
+    """A value kept whole (`last`, `first`) with no double in it (Spark reads an integer past 38 digits as one) and no
+    integer of 19 digits or more (Spark keeps its digits up to 38, the Python fold's reader, orjson, makes a double of
+    one past 64 bits). (A minimum's or maximum's value is a number a double holds exactly, checked per event.)"""
     if agg.kind in ("last", "first"):
-        return f"(f_{i} IS NULL OR NOT contains(schema_of_variant(f_{i}), 'DOUBLE'))"
+        return (f"(f_{i} IS NULL OR NOT contains(schema_of_variant(f_{i}), 'DOUBLE') "
+                f"AND NOT to_json(f_{i}) RLIKE '[0-9]{{19}}')")
     return "TRUE"
