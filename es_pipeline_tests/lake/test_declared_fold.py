@@ -245,6 +245,60 @@ def _spark_odd(payload: dict[str, Any], twist: str) -> bool:
             or re.search(r"\\u[dD][89abAB]", json.dumps(payload)) is not None)
 
 
+# Payloads each engine's reader reads otherwise than the fold's (found by review, 2026-11-29): each stream after an
+# Opened, by itself, so that nothing else leaves it to Python. Drawn by the property tests too, but rarely clean.
+READ_OTHERWISE = [
+    ("Deposited", '{"amount": 5e-07}'),  # DuckDB's cast rounds an exponent up: 0.01, Python's Decimal 0.00
+    ("Withdrawn", '{"amount": -5e-07}'),
+    ("Audited", '{"fee": "5e-9"}'),
+    ("Deposited", '{"amount": 5,}'),  # a comma before the brace: DuckDB's reader takes it, Python's refuses it
+    ("Closed", '{"a": [1, 2, ], "b": 1}'),  # in a type no field reads
+    ("Noted", '{"text": "x", "y": nan}'),  # a lowercase nan
+    ("Noted", '{"meta": {"b": inf}}'),
+    ("Noted", '{"meta": {"b": 1180591620717411303424}}'),  # past 64 bits: a double to orjson, digits to the engines
+    ("Noted", '{"meta": [-9223372036854775809]}'),
+]
+
+
+def _read_otherwise_agree(built: Built, left: set[tuple[str, str]]) -> None:
+    for i, (event_type, text) in enumerate(READ_OTHERWISE):
+        key = ("", f"odd{i}")
+        try:
+            expected = DECLARED.fold(DECLARED.fold({}, Event(key[1], 1, "Opened", {"owner": "ann"})),
+                                     Event(key[1], 2, event_type, read_payload(text)))
+        except ValueError:  # the fold fails (not JSON, not an amount): the stream is the Python fold's
+            assert key in left and key not in built, text
+            continue
+        assert (key in left) != (key in built), text
+        if key in built:
+            assert json.loads(built[key]["state"]) == expected, text
+
+
+def _read_otherwise() -> pa.Table:
+    rows = [{"tenant": None, "stream_id": f"odd{i}", "stream_type": "account", "version": v, "event_type": t,
+             "payload": p, "payload_encoding": "json", "recorded_at": 1_700_000_000_000_000 + v}
+            for i, (event_type, text) in enumerate(READ_OTHERWISE)
+            for v, t, p in ((1, "Opened", '{"owner": "ann"}'), (2, event_type, text))]
+    return pa.Table.from_pylist(rows, schema=_events([], []).schema)
+
+
+def test_payloads_duckdb_reads_otherwise_leave_their_stream_to_python() -> None:
+    native = declared_build.build(_read_otherwise(), declared_build.native_types(_DOMAIN))
+    built = {(r["tenant"], r["stream_id"]): r for r in native.out.to_pylist()}
+    _read_otherwise_agree(built, set(zip(native.left["tenant"].to_pylist(), native.left["stream_id"].to_pylist(),
+                                         strict=True)))
+
+
+def test_payloads_spark_reads_otherwise_leave_their_stream_to_python(spark: Any) -> None:
+    native = declared_spark.build(spark.createDataFrame(_read_otherwise()), declared_build.native_types(_DOMAIN))
+    try:
+        built = {(r["tenant"], r["stream_id"]): r.asDict() for r in native.out.collect()}
+        left = {(r["tenant"], r["stream_id"]) for r in native.left.collect()}
+    finally:
+        native.unpersist()
+    _read_otherwise_agree(built, left)
+
+
 @settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # a shrink is minutes
 @given(drawn=st.lists(streams, min_size=8, max_size=8), gaps=st.lists(st.integers(0, 12), max_size=96))
 def test_random_streams_fold_alike_by_hand_by_the_declaration_and_by_spark(spark: Any, drawn: list[Drawn],
